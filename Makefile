@@ -1,0 +1,14 @@
+# The two commands of the README. Each sets up .venv by itself (scripts/setup_env.sh).
+PY := .venv/bin/python
+CONFIG ?= configs/quickstart.yaml
+PYTEST_ARGS ?=
+
+.PHONY: train test setup
+setup:
+	@bash scripts/setup_env.sh
+
+train: setup
+	$(PY) -m recpipe train --config $(CONFIG)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -1,0 +1,5 @@
+import sys
+
+from recpipe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,69 @@
+"""``recpipe`` command line: train, plan, schedule.
+
+Each subcommand lives with its component (``recpipe.train.cli``,
+``recpipe.planner.cli``, ``recpipe.pipelines.schedule``); this file only parses.
+Exit codes: 0 ok, 2 bad config or arguments, 3 the plan does not fit in memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from recpipe.config import ConfigError
+
+EXIT_BAD_CONFIG = 2
+EXIT_DOES_NOT_FIT = 3
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any YAML key, e.g. --set train.steps=50 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recpipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train the configured model (starts distributed.nproc processes)")
+    _add_config_args(train)
+
+    plan = sub.add_parser("plan", help="estimate per-shard and per-rank memory (no GPU needed)")
+    _add_config_args(plan)
+    plan.add_argument("--format", choices=("table", "json"), default="table")
+
+    schedule = sub.add_parser("schedule", help="print a pipeline's schedule table")
+    schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            from recpipe.train.cli import main_train
+
+            return main_train(args)
+        if args.command == "plan":
+            from recpipe.planner.cli import main_plan
+
+            return main_plan(args)
+        if args.command == "schedule":
+            from recpipe.pipelines.schedule import main_schedule
+
+            return main_schedule(args)
+    except ConfigError as err:
+        print(f"recpipe {args.command}: {err}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,477 @@
+"""Typed, validated, frozen configuration for every recpipe component.
+
+One YAML file maps onto :class:`RecpipeConfig`. Every section is a pydantic model
+with ``extra="forbid"``, so a misspelt key is an error, and defaults live here and
+nowhere else. Cross-field rules (prefetch needs a cached table, multi-pass needs
+prefetch, ...) are checked once, in :meth:`RecpipeConfig._cross_checks`, before any
+process group starts. ``load_config`` applies ``--set key.path=value`` overrides to
+the raw YAML before validation, so an override is checked like the file itself.
+
+``ConfigError`` carries every problem with its key path, value and what is allowed;
+the CLI prints it and exits with code 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "ConfigError",
+    "RecpipeConfig",
+    "load_config",
+    "parse_overrides",
+    "SHARDING_TYPES",
+    "COMPUTE_KERNELS",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. ``str(err)`` lists every problem, one per line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --------------------------------------------------------------------- model
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+
+
+class ModelConfig(_Section):
+    arch: Literal["dlrm", "dcnv2"] = "dlrm"
+    embedding_dim: int = Field(16, gt=0)
+    num_dense_features: int = Field(CRITEO_NUM_DENSE, gt=0)
+    # One table per sparse feature (Criteo layout: 26). Feature i is ``cat_i``,
+    # its table ``t_cat_i``.
+    num_embeddings_per_feature: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [1000] * CRITEO_NUM_SPARSE, min_length=1
+    )
+    dense_arch_layer_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [64, 16], min_length=1
+    )
+    # The final 1 (the logit) is part of the list, as in torchrec's DLRM.
+    over_arch_layer_sizes: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=lambda: [64, 32, 1], min_length=2
+    )
+    dcn_num_layers: int = Field(2, gt=0)
+    dcn_low_rank_dim: int = Field(16, gt=0)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelConfig":
+        if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
+            raise ValueError(
+                f"model.dense_arch_layer_sizes[-1]={self.dense_arch_layer_sizes[-1]} must equal "
+                f"model.embedding_dim={self.embedding_dim} (the dense arch projects into the "
+                "embedding space)"
+            )
+        if self.over_arch_layer_sizes[-1] != 1:
+            raise ValueError(
+                f"model.over_arch_layer_sizes[-1]={self.over_arch_layer_sizes[-1]} must be 1 "
+                "(one click logit per sample)"
+            )
+        return self
+
+    @property
+    def num_sparse_features(self) -> int:
+        return len(self.num_embeddings_per_feature)
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f"cat_{i}" for i in range(self.num_sparse_features)]
+
+    @property
+    def table_names(self) -> list[str]:
+        return [f"t_cat_{i}" for i in range(self.num_sparse_features)]
+
+
+# ---------------------------------------------------------------------- data
+class SyntheticConfig(_Section):
+    # Mean number of ids per sample and feature (a scalar applies to every feature).
+    # Lengths are 1 + Poisson(mean - 1), so every sample has at least one id.
+    mean_pooling_factors: Union[Annotated[float, Field(ge=1.0)], list[Annotated[float, Field(ge=1.0)]]] = 1.0
+    # Zipf exponent of the ids (0 = uniform). Ids are permuted per table so hot ids
+    # are spread over the table.
+    zipf_alpha: float = Field(1.05, ge=0.0)
+    # Batches per rank and epoch; different per-rank counts are allowed (tests of
+    # uneven data use it): ``num_batches_per_rank`` overrides ``num_batches``.
+    num_batches: int = Field(1000, gt=0)
+    num_batches_per_rank: list[Annotated[int, Field(gt=0)]] | None = None
+    num_eval_batches: int = Field(8, gt=0)
+    # Strength of the planted ground-truth model; larger = easier to learn.
+    signal_scale: float = Field(3.0, gt=0)
+
+
+class CriteoConfig(_Section):
+    train_files: list[str] = Field(default_factory=list)
+    eval_files: list[str] = Field(default_factory=list)
+
+
+class DataConfig(_Section):
+    source: Literal["synthetic", "criteo_tsv"] = "synthetic"
+    batch_size: int = Field(512, gt=0, description="samples per rank and step")
+    num_workers: int = Field(1, ge=0)
+    pin_memory: bool = True
+    synthetic: SyntheticConfig = SyntheticConfig()
+    criteo: CriteoConfig = CriteoConfig()
+
+    @model_validator(mode="after")
+    def _files(self) -> "DataConfig":
+        if self.source == "criteo_tsv" and not self.criteo.train_files:
+            raise ValueError("data.criteo.train_files is empty but data.source='criteo_tsv'")
+        return self
+
+
+# ------------------------------------------------------------------ sharding
+SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+COMPUTE_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
+
+
+class TableSharding(_Section):
+    type: Literal["table_wise", "row_wise", "column_wise", "data_parallel"] = "table_wise"
+    # fused = FBGEMM TBE with weights in HBM; fused_uvm = weights in UVM (host);
+    # fused_uvm_caching = UVM weights with an HBM cache; dense = data-parallel only.
+    kernel: Literal["fused", "fused_uvm", "fused_uvm_caching", "dense"] = "fused"
+    # Only for fused_uvm_caching: fraction of rows the HBM cache holds.
+    cache_load_factor: float | None = Field(None, gt=0.0, le=1.0)
+    # table_wise only: which rank holds the table (default: round-robin).
+    rank: int | None = Field(None, ge=0)
+
+
+class ShardingConfig(_Section):
+    default: TableSharding = TableSharding()
+    # Per-table overrides keyed by table name (t_cat_0 ...); each replaces the default.
+    tables: dict[str, TableSharding] = Field(default_factory=dict)
+    # FBGEMM UVM-cache prefetch pipeline (cache-line locking). Needs a
+    # fused_uvm_caching table; the `prefetch` pipeline needs it on.
+    prefetch_pipeline: bool = False
+    # FBGEMM multi-pass prefetch: number of passes (1 = no splitting) and
+    # min_splitable_pass_size (indices; below it a batch is not split).
+    prefetch_passes: int = Field(1, ge=1)
+    prefetch_min_pass_size: int = Field(6 * 1024 * 1024, gt=0)
+    # UVM placements pin host memory instead of managed memory.
+    uvm_host_mapped: bool = False
+    # GPU memory per rank the plan must fit (GiB); None = the GPU's own, or 80.
+    hbm_gb: float | None = Field(None, gt=0)
+
+    def for_table(self, name: str) -> TableSharding:
+        return self.tables.get(name, self.default)
+
+
+# ----------------------------------------------------------------- optimizer
+class EmbeddingOptimizerConfig(_Section):
+    name: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
+    lr: float = Field(0.05, gt=0)
+    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class DenseOptimizerConfig(_Section):
+    name: Literal["sgd", "adagrad", "adam"] = "adagrad"
+    lr: float = Field(0.05, gt=0)
+    eps: float = Field(1e-8, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.999, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class OptimizerConfig(_Section):
+    embedding: EmbeddingOptimizerConfig = EmbeddingOptimizerConfig()
+    dense: DenseOptimizerConfig = DenseOptimizerConfig()
+
+
+# ------------------------------------------------------------------ pipeline
+class _PipelineCommon(_Section):
+    # How far side streams may run ahead in batches (memory rate limiter); None =
+    # as far as the schedule allows.
+    max_batches_ahead: int | None = Field(None, ge=1)
+    # Every rank trains every batch it has: ranks that run out early feed padding
+    # batches with zero loss weight until the last rank is done ("pad"), or the
+    # run stops with an error naming the ranks and their counts ("error").
+    uneven_data: Literal["pad", "error"] = "pad"
+
+
+class BasePipelineConfig(_PipelineCommon):
+    name: Literal["base"] = "base"
+
+
+class SparseDistPipelineConfig(_PipelineCommon):
+    name: Literal["sparse_dist"]
+
+
+class FusedSparseDistPipelineConfig(_PipelineCommon):
+    name: Literal["fused_sparse_dist"]
+    # Stream for the early embedding lookup + output dist of batch i+1.
+    emb_lookup_stream: Literal["data_dist", "new", "current"] = "data_dist"
+    # Issue the early lookup before or after the dense optimizer step of batch i.
+    emb_lookup: Literal["before_optimizer", "after_optimizer"] = "before_optimizer"
+
+
+class SemiSyncPipelineConfig(_PipelineCommon):
+    name: Literal["semi_sync"]
+    # Synchronous (sparse_dist-equivalent) warm-up steps before going semi-sync.
+    start_batch: int = Field(0, ge=0)
+    # Apply the dense gradient one step late too, so dense and sparse are equally stale.
+    stash_gradients: bool = False
+
+
+class PrefetchPipelineConfig(_PipelineCommon):
+    name: Literal["prefetch"]
+
+
+PipelineConfig = Annotated[
+    Union[
+        BasePipelineConfig,
+        SparseDistPipelineConfig,
+        FusedSparseDistPipelineConfig,
+        SemiSyncPipelineConfig,
+        PrefetchPipelineConfig,
+    ],
+    Field(discriminator="name"),
+]
+
+
+# ------------------------------------------------------------- train & co.
+class TrainConfig(_Section):
+    steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
+    epochs: int = Field(1, gt=0)
+    seed: int = 0
+    eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
+    log_every: int = Field(10, gt=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    progress: bool = True
+
+
+class DistributedConfig(_Section):
+    # Processes to start on this machine when not already under torchrun.
+    nproc: int = Field(1, gt=0)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+
+class CheckpointConfig(_Section):
+    dir: str | None = None
+    every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
+    resume: bool = True
+    keep: int = Field(2, gt=0)
+
+
+class LoggingConfig(_Section):
+    run_dir: str = "runs/default"
+    tensorboard: bool = True
+
+
+class RecpipeConfig(_Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    sharding: ShardingConfig = ShardingConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    pipeline: PipelineConfig = BasePipelineConfig()
+    train: TrainConfig = TrainConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RecpipeConfig":
+        problems = _cross_field_problems(self)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def table_sharding(self) -> dict[str, TableSharding]:
+        """Resolved sharding of every table, by table name."""
+        return {name: self.sharding.for_table(name) for name in self.model.table_names}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
+    problems: list[str] = []
+    sh = cfg.sharding
+    known = set(cfg.model.table_names)
+    for name in sh.tables:
+        if name not in known:
+            problems.append(
+                f"sharding.tables.{name}: no such table; tables are t_cat_0 .. "
+                f"t_cat_{cfg.model.num_sparse_features - 1}"
+            )
+    resolved = {"default": sh.default, **{f"tables.{k}": v for k, v in sh.tables.items()}}
+    for where, t in resolved.items():
+        key = f"sharding.{where}"
+        if t.type == "data_parallel" and t.kernel != "dense":
+            problems.append(f"{key}.kernel={t.kernel!r}: data_parallel tables need kernel 'dense'")
+        if t.type != "data_parallel" and t.kernel == "dense":
+            problems.append(
+                f"{key}.kernel='dense' is only for type 'data_parallel' (got type={t.type!r}); "
+                "use 'fused', 'fused_uvm' or 'fused_uvm_caching'"
+            )
+        if t.cache_load_factor is not None and t.kernel != "fused_uvm_caching":
+            problems.append(
+                f"{key}.cache_load_factor={t.cache_load_factor} needs kernel 'fused_uvm_caching' "
+                f"(got kernel={t.kernel!r})"
+            )
+        if t.rank is not None and t.type != "table_wise":
+            problems.append(f"{key}.rank={t.rank} is only for type 'table_wise' (got type={t.type!r})")
+        if t.rank is not None and t.rank >= cfg.distributed.nproc:
+            problems.append(
+                f"{key}.rank={t.rank} but distributed.nproc={cfg.distributed.nproc} "
+                f"(ranks are 0..{cfg.distributed.nproc - 1})"
+            )
+        if t.type == "column_wise" and cfg.model.embedding_dim % cfg.distributed.nproc:
+            problems.append(
+                f"{key}.type='column_wise' splits model.embedding_dim={cfg.model.embedding_dim} "
+                f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"
+            )
+    cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
+    if sh.prefetch_pipeline and not cached:
+        problems.append(
+            "sharding.prefetch_pipeline=true needs at least one table with kernel "
+            "'fused_uvm_caching' (none is configured)"
+        )
+    if sh.prefetch_passes > 1 and not sh.prefetch_pipeline:
+        problems.append(
+            f"sharding.prefetch_passes={sh.prefetch_passes} (multi-pass prefetch) needs "
+            "sharding.prefetch_pipeline=true"
+        )
+    if cfg.pipeline.name == "prefetch" and not sh.prefetch_pipeline:
+        problems.append(
+            "pipeline.name='prefetch' needs sharding.prefetch_pipeline=true and a "
+            "'fused_uvm_caching' table"
+        )
+    if sh.prefetch_pipeline and cfg.pipeline.name != "prefetch":
+        problems.append(
+            f"sharding.prefetch_pipeline=true needs pipeline.name='prefetch' (got "
+            f"{cfg.pipeline.name!r}): FBGEMM locks prefetched cache lines until the "
+            "backward of the same batch, which only the prefetch pipeline schedules"
+        )
+    if cfg.train.device == "cpu" and any(
+        t.kernel in ("fused_uvm", "fused_uvm_caching") for t in cfg.table_sharding().values()
+    ):
+        problems.append(
+            "train.device='cpu' but some tables use a UVM kernel (fused_uvm / "
+            "fused_uvm_caching), which needs a CUDA GPU"
+        )
+    syn = cfg.data.synthetic
+    if isinstance(syn.mean_pooling_factors, list) and len(syn.mean_pooling_factors) != cfg.model.num_sparse_features:
+        problems.append(
+            f"data.synthetic.mean_pooling_factors has {len(syn.mean_pooling_factors)} entries but "
+            f"model.num_embeddings_per_feature has {cfg.model.num_sparse_features} features"
+        )
+    if syn.num_batches_per_rank is not None and len(syn.num_batches_per_rank) != cfg.distributed.nproc:
+        problems.append(
+            f"data.synthetic.num_batches_per_rank has {len(syn.num_batches_per_rank)} entries but "
+            f"distributed.nproc={cfg.distributed.nproc}"
+        )
+    return problems
+
+
+# -------------------------------------------------------------- loading
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["train.steps=50", ...]`` -> ``{"train.steps": 50}``; values are YAML scalars/lists."""
+    out: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.steps=50")
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+    return out
+
+
+def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"--set {dotted}: {part!r} is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
+def _allowed_keys(loc: tuple) -> list[str]:
+    """Field names of the section at ``loc`` (a pydantic error location), for messages."""
+    model: Any = RecpipeConfig
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        if part in _PIPELINE_VARIANTS:
+            model = _PIPELINE_VARIANTS[part]
+            continue
+        if isinstance(part, int) or model is None or part not in model.model_fields:
+            return []
+        if part == "tables":  # dict of table name -> TableSharding
+            model = TableSharding
+            parts = parts[1:]
+            continue
+        ann = model.model_fields[part].annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return sorted(model.model_fields) if model is not None else []
+
+
+_PIPELINE_VARIANTS: dict[str, type[BaseModel]] = {
+    "base": BasePipelineConfig,
+    "sparse_dist": SparseDistPipelineConfig,
+    "fused_sparse_dist": FusedSparseDistPipelineConfig,
+    "semi_sync": SemiSyncPipelineConfig,
+    "prefetch": PrefetchPipelineConfig,
+}
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        # Discriminated unions put the variant name in the path: drop it.
+        loc = loc.replace("pipeline.base.", "pipeline.").replace("pipeline.sparse_dist.", "pipeline.")
+        for name in ("fused_sparse_dist", "semi_sync", "prefetch"):
+            loc = loc.replace(f"pipeline.{name}.", "pipeline.")
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            allowed = _allowed_keys(e["loc"][:-1])
+            msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+        value = e.get("input")
+        shown = "" if e["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
+        if loc:
+            lines.append(f"  {loc}: {msg}{shown}")
+        else:
+            lines.extend(f"  {m}" for m in msg.split("\n"))
+    return "\n".join(lines)
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RecpipeConfig:
+    try:
+        return RecpipeConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> RecpipeConfig:
+    """Read YAML at ``path`` (None = all defaults), apply ``--set`` overrides, validate."""
+    raw: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as err:
+            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {err}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}")
+        raw = loaded or {}
+        source = str(p)
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    for key, value in (overrides or {}).items():
+        _apply_override(raw, key, value)
+    return config_from_dict(raw, source)

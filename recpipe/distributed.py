@@ -1,0 +1,85 @@
+"""Process groups, devices and local multi-process launch.
+
+``recpipe train`` runs under torchrun as is (it reads RANK/WORLD_SIZE/LOCAL_RANK);
+otherwise ``launch_local`` starts ``distributed.nproc`` processes on this machine
+with torch.multiprocessing (spawn), which tests use as well.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from recpipe.config import RecpipeConfig
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def resolve_device(cfg: RecpipeConfig, local_rank: int) -> torch.device:
+    want = cfg.train.device
+    if want == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device='cuda' but no CUDA GPU is visible (torch.cuda.is_available() is False)")
+    if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
+        n = torch.cuda.device_count()
+        if local_rank >= n:
+            raise RuntimeError(f"local rank {local_rank} has no GPU: only {n} visible")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def backend_for(cfg: RecpipeConfig, device: torch.device) -> str:
+    if cfg.distributed.backend != "auto":
+        return cfg.distributed.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(cfg: RecpipeConfig) -> torch.device:
+    """Join the job's process group (env:// rendezvous) and return this rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(cfg, local_rank)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend_for(cfg, device), "timeout": timedelta(minutes=10)}
+        if device.type == "cuda":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    return device
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # Two ranks on a 2-core machine: one intra-op thread each, or they fight.
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    try:
+        fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
+    """Run ``fn(*args)`` in ``nproc`` fresh processes that form one process group
+    (the caller's ``fn`` calls ``init_process_group``). Raises if any rank fails."""
+    mp.start_processes(_child, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")

@@ -1,0 +1,11 @@
+from recpipe.sharding.build import (
+    EBC_PATH,
+    ShardedModel,
+    dense_optimizer,
+    make_sharder,
+    plan_table,
+    shard_model,
+    sharding_plan,
+)
+
+__all__ = ["EBC_PATH", "ShardedModel", "dense_optimizer", "make_sharder", "plan_table", "shard_model", "sharding_plan"]

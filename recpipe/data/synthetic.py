@@ -1,0 +1,201 @@
+"""Synthetic click log with the Criteo layout and a planted, learnable label model.
+
+Contract: :meth:`SyntheticClickLog.batch` is a pure function of
+``(train.seed, rank, split, epoch, index)`` and the config. Each batch draws from its
+own ``torch.Generator`` seeded by a hash of those five values, so batch ``k`` is made
+without making batches ``0..k-1`` (exact checkpoint resume, DataLoader workers that
+each make every n-th batch). The eval split ignores ``epoch``: it is one fixed set,
+so evaluations at different epochs are comparable.
+
+Per sample and feature ``f`` (table of ``rows_f`` rows):
+
+* length = 1 + Poisson(mean_pooling_factor_f - 1), so every bag has an id;
+* ids: Zipf(alpha) over ranks ``0..rows_f-1`` (alpha 0 = uniform), sampled by the
+  inverse CDF of the continuous density ``x^-alpha`` on ``[0.5, rows_f + 0.5]``
+  rounded to the nearest integer (midpoint rule: close to the discrete Zipf law,
+  O(1) memory whatever the table size), then mapped through the bijection
+  ``rank -> (rank * A_f + C_f) mod rows_f`` (``gcd(A_f, rows_f) = 1``) so hot ids
+  are spread over the table (and over row-wise shards);
+* dense: ``log1p(floor(exp(N(mu_j, sigma_j))))``, like Criteo's counts after log1p.
+
+Labels come from a planted model fixed by ``train.seed`` alone (identical on every
+rank and split): ``logit = signal_scale * (w . standardized(dense) + sum over
+features and ids of h_f(id)) / sqrt(D + sum_f mean_f) - bias`` where ``h_f(id)`` in
+``[-sqrt 3, sqrt 3)`` is a splitmix64 hash of the id (no weight tables), and
+``bias`` is calibrated once so that about 30% of labels are positive. ``label ~
+Bernoulli(sigmoid(logit))``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.config import RecpipeConfig
+from recpipe.data.batch import Batch
+
+__all__ = ["SyntheticClickLog", "num_synthetic_batches"]
+
+_TARGET_POSITIVE_RATE = 0.30
+_CALIBRATION_SAMPLES = 16384
+
+
+def num_synthetic_batches(cfg: RecpipeConfig, *, rank: int, split: str) -> int:
+    """Batches of ``split`` that ``rank`` has per epoch."""
+    syn = cfg.data.synthetic
+    if split == "eval":
+        return syn.num_eval_batches
+    if syn.num_batches_per_rank is None:
+        return syn.num_batches
+    if not 0 <= rank < len(syn.num_batches_per_rank):
+        raise ValueError(
+            f"rank {rank} has no entry in data.synthetic.num_batches_per_rank "
+            f"({len(syn.num_batches_per_rank)} entries)"
+        )
+    return syn.num_batches_per_rank[rank]
+
+
+def _seed(*parts: object) -> int:
+    """A stable 63-bit seed from ``parts`` (Python's ``hash`` is salted per process)."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _signed(c: int) -> int:
+    """A 64-bit constant as the int64 with the same bits (torch wraps int64 products)."""
+    return c - 2**64 if c >= 2**63 else c
+
+
+_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (``>>`` is arithmetic on signed tensors)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
+
+
+def _hash_unit(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """splitmix64(key + id * golden) mapped to float64 in [0, 1)."""
+    z = keys + ids * _GOLDEN
+    z = (z ^ _srl(z, 30)) * _MIX1
+    z = (z ^ _srl(z, 27)) * _MIX2
+    z = z ^ _srl(z, 31)
+    return _srl(z, 11).double() * 2.0**-53
+
+
+def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Inverse CDF of density ∝ x^-alpha on [0.5, rows + 0.5] at ``u``, rounded: ranks 0..rows-1."""
+    if alpha == 0.0:
+        return torch.floor(u * rows).long().clamp_(max=rows.long() - 1)
+    b = 1.0 - alpha
+    if abs(b) < 1e-6:  # alpha == 1: the power form degenerates into the log form
+        x = 0.5 * torch.exp(u * torch.log((rows + 0.5) / 0.5))
+    else:
+        lo, hi = 0.5**b, (rows + 0.5) ** b
+        x = (lo + u * (hi - lo)) ** (1.0 / b)
+    ranks = torch.floor(x + 0.5).long() - 1
+    return torch.minimum(ranks.clamp_(min=0), rows.long() - 1)
+
+
+class SyntheticClickLog:
+    """Deterministic batch factory for one config; cheap to pickle into workers."""
+
+    def __init__(self, cfg: RecpipeConfig) -> None:
+        model, syn = cfg.model, cfg.data.synthetic
+        seed = cfg.train.seed
+        self.seed = seed
+        self.batch_size = cfg.data.batch_size
+        self.keys = model.feature_names
+        self.alpha = syn.zipf_alpha
+        rows = model.num_embeddings_per_feature
+        if max(rows) ** 2 >= 2**63:
+            raise ValueError(f"tables of {max(rows)} rows overflow the int64 id permutation")
+        num_features = len(rows)
+        pooling = syn.mean_pooling_factors
+        self.mean_pooling = torch.tensor(
+            pooling if isinstance(pooling, list) else [pooling] * num_features, dtype=torch.float64
+        )
+        self.rows = torch.tensor(rows, dtype=torch.int64)
+        # Per-table bijection rank -> (rank * A + C) mod rows; A near rows * golden
+        # ratio spreads consecutive ranks far apart.
+        mult, offset = [], []
+        for f, n in enumerate(rows):
+            s = _seed("permutation", seed, f)
+            a = max(1, int(n * (0.5 + 0.2 * (s % 1000) / 1000)))
+            while math.gcd(a, n) != 1:
+                a += 1
+            mult.append(a % n if n > 1 else 0)
+            offset.append(s % n)
+        self.mult = torch.tensor(mult, dtype=torch.int64)
+        self.offset = torch.tensor(offset, dtype=torch.int64)
+        self.hash_keys = torch.tensor([_signed(_seed("planted", seed, f)) for f in range(num_features)])
+
+        g = torch.Generator().manual_seed(_seed("dense", seed))
+        num_dense = model.num_dense_features
+        self.dense_mu = torch.rand(num_dense, generator=g) * 3.0
+        self.dense_sigma = 0.5 + torch.rand(num_dense, generator=g) * 1.5
+        self.dense_w = torch.randn(num_dense, generator=g, dtype=torch.float64)
+        self.scale = syn.signal_scale / math.sqrt(num_dense + float(self.mean_pooling.sum()))
+        self.bias = 0.0  # planted_logits subtracts it; calibrated on the raw logits
+        self.bias = self._calibrate_bias(_seed("calibration", seed))
+
+    def _features(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, KeyedJaggedTensor]:
+        """Dense [size, D] and the KJT; draws dense, lengths, ids from ``g`` in that order."""
+        z = torch.randn(size, self.dense_mu.numel(), generator=g)
+        dense = torch.floor(torch.exp(self.dense_mu + self.dense_sigma * z)).log1p_()
+        rates = (self.mean_pooling - 1.0).unsqueeze(1).expand(-1, size).contiguous()
+        lengths = (torch.poisson(rates, generator=g) + 1).to(torch.int32)  # [F, size]
+        per_feature = lengths.sum(dim=1)
+        total = int(per_feature.sum())
+        rows = self.rows.repeat_interleave(per_feature, output_size=total)
+        u = torch.rand(total, generator=g, dtype=torch.float64)
+        ranks = _zipf_ranks(u, rows.double(), self.alpha)
+        mult = self.mult.repeat_interleave(per_feature, output_size=total)
+        offset = self.offset.repeat_interleave(per_feature, output_size=total)
+        ids = (ranks * mult + offset) % rows
+        kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten())
+        return dense, kjt
+
+    def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """The ground-truth click logit of each sample (float64 [B])."""
+        size = dense.shape[0]
+        std = (dense.double() - self.dense_mu.double()) / self.dense_sigma.double()
+        logit = std @ self.dense_w
+        lengths = sparse.lengths().long()
+        per_feature = lengths.view(-1, size).sum(dim=1)
+        values = sparse.values()
+        keys = self.hash_keys.repeat_interleave(per_feature, output_size=values.numel())
+        h = (2.0 * _hash_unit(values, keys) - 1.0) * math.sqrt(3.0)  # unit variance
+        sample = torch.arange(lengths.numel()).repeat_interleave(lengths, output_size=values.numel()) % size
+        logit.index_add_(0, sample, h)
+        return self.scale * logit - self.bias
+
+    def _calibrate_bias(self, seed: int) -> float:
+        """Bias giving a ~30% positive rate, by bisection on a fixed calibration sample."""
+        dense, kjt = self._features(torch.Generator().manual_seed(seed), _CALIBRATION_SAMPLES)
+        raw = self.planted_logits(dense, kjt)
+        lo, hi = -50.0, 50.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            if torch.sigmoid(raw - mid).mean() > _TARGET_POSITIVE_RATE:
+                lo = mid
+            else:
+                hi = mid
+        return 0.5 * (lo + hi)
+
+    def batch(self, *, rank: int, split: str, epoch: int, index: int) -> Batch:
+        """Batch ``index`` of ``rank``'s ``split`` stream; eval ignores ``epoch``."""
+        stream_epoch = 0 if split == "eval" else epoch
+        g = torch.Generator().manual_seed(_seed("batch", self.seed, rank, split, stream_epoch, index))
+        dense, kjt = self._features(g, self.batch_size)
+        p = torch.sigmoid(self.planted_logits(dense, kjt))
+        labels = (torch.rand(self.batch_size, generator=g, dtype=torch.float64) < p).float()
+        return Batch(
+            dense_features=dense,
+            sparse_features=kjt,
+            labels=labels,
+            weights=torch.ones(self.batch_size),
+        )

@@ -1,0 +1,74 @@
+"""``prefetch``: UVM-cache prefetch of batch i+1 between forward(i) and backward(i).
+
+For ``fused_uvm_caching`` tables built with FBGEMM's ``prefetch_pipeline`` (LRU,
+cache-line locking), FBGEMM's contract is: prefetch(i) -> fwd(i) -> prefetch(i+1)
+-> bwd(i) -> prefetch(i+2), exactly one prefetch per forward, each prefetched
+batch followed by its backward (which unlocks its cache lines). This schedule is
+that order: the tensors all-to-all of i+1 is launched before forward(i) so it
+overlaps it, the prefetch of i+1 runs on the prefetch stream after forward(i) is
+queued, and FBGEMM's backward hooks serialize the TBE backward against it.
+
+Fixes of TorchRec's PrefetchTrainPipelineSparseDist by construction:
+* the input all-to-all of i+2 (dist stream) is fenced on the prefetch of i+1, and
+  the prefetched inputs are recorded on the prefetch and compute streams (the race
+  of TorchRec PR #4191);
+* ``forward_stream`` given to FBGEMM is the real compute stream;
+* one fill path, so no duplicate prefetch on refill (PR #4503);
+* after an evaluation outside the pipeline (``detached()``), the cache-line locks
+  the eval forwards took are released (FBGEMM locks on every prefetch, and an eval
+  forward has no backward to unlock).
+Without cached tables (CPU CI) the prefetch step is a no-op and the schedule is
+numerically ``sparse_dist``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from recpipe.pipelines.engine import Pipeline
+from recpipe.pipelines.schedule import Schedule, Step
+
+SCHEDULE = Schedule(
+    "prefetch",
+    (
+        Step("zero_grad", "compute", 0),
+        Step("h2d", "memcpy", 2),
+        Step("input_dist_wait", "dist", 1),
+        Step("forward", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
+        Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
+        Step("backward", "compute", 0),
+        Step("optimizer", "compute", 0),
+        Step("input_dist", "dist", 2, waits=(("h2d", 0), ("prefetch", -1))),
+    ),
+    doc="Prefetch of batch i+1 after forward(i), before backward(i); input dist of i+2 fenced on it.",
+).validate()
+
+
+def _cached_tbes(model) -> list:
+    """FBGEMM TBEs with a UVM cache and cache-line locking."""
+    return [m for m in model.modules() if getattr(m, "lxu_cache_locking_counter", None) is not None and m.lxu_cache_locking_counter.numel() > 0]
+
+
+class PrefetchPipeline(Pipeline):
+    name = "prefetch"
+    schedule = SCHEDULE
+
+    def __init__(self, model, optimizer, device, **options) -> None:
+        super().__init__(model, optimizer, device, **options)
+        if not _cached_tbes(model):
+            warnings.warn(
+                "prefetch pipeline: the model has no UVM-cached table with prefetch_pipeline, so the prefetch "
+                "step does nothing (the schedule still runs, as in CPU tests)",
+                stacklevel=2,
+            )
+
+    def after_detached_run(self) -> None:
+        """Release cache locks taken by forwards outside the pipeline.
+
+        With no batch in flight every legitimate lock has been released by its
+        backward, so any count left comes from eval/no-grad forwards: zero it."""
+        assert not self.in_flight()
+        for tbe in _cached_tbes(self.model):
+            tbe.lxu_cache_locking_counter.zero_()
+            tbe.lxu_cache_locations_list.clear()
+            tbe.timesteps_prefetched.clear()

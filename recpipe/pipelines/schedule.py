@@ -1,0 +1,151 @@
+"""Schedules are data: which step runs on which stream, for which batch, after what.
+
+One ``progress()`` call of a pipeline runs its schedule's steps in list order. Each
+``Step`` acts on the batch ``offset`` places ahead of the one being trained (0 = the
+batch trained in this call, 1 = the next one, ...), on the stream of its ``stream``
+role, after the GPU events of the steps named in ``waits`` (``(step, delta)``: the
+step of the same batch when delta is 0, of the batch one ahead in the pipeline when
+delta is -1). A batch enters at the largest offset through ``h2d`` (the only step
+that fetches) and moves one offset down per call, so it meets every step exactly
+once. ``recpipe schedule NAME`` prints these tables.
+
+Validation at import time checks what modded-nanogpt checks of its order lists:
+every step appears once, ``h2d`` is the entry step, and every wait names a step
+that runs earlier for that batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+STREAM_ROLES = ("compute", "memcpy", "dist", "lookup", "prefetch")
+
+# What each step does (the functions are in recpipe.pipelines.steps).
+STEP_DOC = {
+    "h2d": "fetch the next host batch (all ranks agree on end of data) and copy it to the device",
+    "input_dist": "start the input all-to-all: launch the splits all-to-all of each sharded module",
+    "input_dist_wait": "host sync: .tolist() on the splits, then launch the values/lengths all-to-all",
+    "lookup": "embedding lookup + launch of the output all-to-all (compute_and_output_dist)",
+    "prefetch": "UVM cache prefetch (FBGEMM locks the cache lines until this batch's backward)",
+    "zero_grad": "zero the dense gradients",
+    "forward": "model(batch): sharded modules take their prepared inputs/outputs",
+    "backward": "loss.backward(): dense grads + fused TBE update of the embedding rows",
+    "backward_dense": "loss.backward() down to the (detached) pooled embeddings",
+    "backward_emb": "pooled-embedding backward: output all-to-all backward + fused TBE update",
+    "optimizer": "dense optimizer step (the embedding optimizer ran inside the TBE backward)",
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    stream: str
+    offset: int
+    waits: tuple[tuple[str, int], ...] = ()
+
+    def describe(self) -> str:
+        return STEP_DOC[self.name]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    steps: tuple[Step, ...]
+    doc: str
+
+    @property
+    def depth(self) -> int:
+        """Batches in flight: the trained one plus those the side streams work ahead on."""
+        return max(s.offset for s in self.steps) + 1
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return frozenset(s.stream for s in self.steps)
+
+    def steps_at(self, offset: int) -> list[Step]:
+        return [s for s in self.steps if s.offset == offset]
+
+    def catch_up(self, slot: int) -> list[Step]:
+        """Steps a batch entering at ``slot`` (during fill) must already have done:
+        every step with a larger offset, largest offset first, in list order."""
+        return [s for off in range(self.depth - 1, slot, -1) for s in self.steps_at(off)]
+
+    def validate(self) -> "Schedule":
+        names = [s.name for s in self.steps]
+        dupes = {n for n in names if names.count(n) > 1}
+        if dupes:
+            raise ValueError(f"schedule {self.name}: steps {sorted(dupes)} appear more than once")
+        unknown = [n for n in names if n not in STEP_DOC]
+        if unknown:
+            raise ValueError(f"schedule {self.name}: unknown steps {unknown}")
+        bad_streams = [s.name for s in self.steps if s.stream not in STREAM_ROLES]
+        if bad_streams:
+            raise ValueError(f"schedule {self.name}: steps {bad_streams} name no stream role of {STREAM_ROLES}")
+        entry = [s for s in self.steps if s.offset == self.depth - 1]
+        if "h2d" not in names or [s.name for s in entry][:1] != ["h2d"]:
+            raise ValueError(f"schedule {self.name}: 'h2d' must be the first step at the largest offset")
+        for s in self.steps:
+            if s.offset < 0:
+                raise ValueError(f"schedule {self.name}: step {s.name} has negative offset {s.offset}")
+            for dep, delta in s.waits:
+                if dep not in names:
+                    raise ValueError(f"schedule {self.name}: {s.name} waits on missing step {dep}")
+                if delta not in (0, -1):
+                    raise ValueError(f"schedule {self.name}: {s.name} waits with delta {delta}; use 0 or -1")
+                if delta == 0 and not self._runs_before(dep, s):
+                    raise ValueError(f"schedule {self.name}: {s.name} waits on {dep}, which runs later for that batch")
+        return self
+
+    def _runs_before(self, first: str, then: Step) -> bool:
+        """Does step ``first`` run earlier than ``then`` in a batch's life?"""
+        a = next(s for s in self.steps if s.name == first)
+        if a.offset != then.offset:
+            return a.offset > then.offset
+        return self.steps.index(a) < self.steps.index(then)
+
+    def same_stages(self, other: "Schedule") -> bool:
+        """Two schedules a pipeline switches between must move batches identically."""
+        return sorted((s.name, s.offset) for s in self.steps) == sorted((s.name, s.offset) for s in other.steps)
+
+    def table(self) -> str:
+        header = ("#", "step", "stream", "batch", "waits on", "what")
+        rows = [
+            (
+                str(i),
+                s.name,
+                s.stream,
+                "i" if s.offset == 0 else f"i+{s.offset}",
+                ", ".join(f"{d}({'same' if k == 0 else 'prev'})" for d, k in s.waits) or "-",
+                s.describe(),
+            )
+            for i, s in enumerate(self.steps)
+        ]
+        widths = [max(len(h), *(len(r[c]) for r in rows)) for c, h in enumerate(header)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        lines = [f"schedule {self.name}: {self.depth} batches in flight", self.doc, ""]
+        lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
+        lines += [fmt.format(*r).rstrip() for r in rows]
+        return "\n".join(lines)
+
+
+def all_schedules() -> dict[str, list[Schedule]]:
+    """Every pipeline name -> its schedules (the first is its default)."""
+    from recpipe.pipelines import base, fused_sparse_dist, prefetch, semi_sync, sparse_dist
+
+    return {
+        "base": [base.SCHEDULE],
+        "sparse_dist": [sparse_dist.SCHEDULE],
+        "fused_sparse_dist": [fused_sparse_dist.SCHEDULE, fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER],
+        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP],
+        "prefetch": [prefetch.SCHEDULE],
+    }
+
+
+def main_schedule(args: argparse.Namespace) -> int:
+    schedules = all_schedules()
+    if args.name not in schedules:
+        print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)}")
+        return 2
+    print("\n\n".join(s.table() for s in schedules[args.name]))
+    return 0

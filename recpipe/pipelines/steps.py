@@ -1,0 +1,177 @@
+"""The steps a schedule is made of, as free functions ``step(pipeline, batch)``.
+
+The engine runs each under its stream (``use_stream``) after the fences its
+``Step.waits`` name, and records an event right after it. Inside, a step only has
+to hand the objects it reads from another stream to its own
+(``streams.hand_off``: ``record_stream`` so the allocator keeps them alive).
+The sharded modules' part of forward is ``sharded_forward``, called by the
+interceptors in ``recpipe.pipelines.sharded``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+from recpipe.pipelines.streams import hand_off, record_event, use_stream
+
+if TYPE_CHECKING:
+    from recpipe.pipelines.engine import InFlight, Pipeline
+
+
+def h2d(pipe: "Pipeline", b: "InFlight") -> None:
+    """Copy the host batch on the memcpy stream (pinned host memory makes it async).
+
+    With ``max_batches_ahead=k`` the copy of batch j first waits for the end of
+    batch j-k's step, so at most k batches' device buffers are allocated ahead.
+    """
+    if pipe.max_batches_ahead is not None:
+        older = pipe._recent.get(b.index - pipe.max_batches_ahead)
+        if older is not None and older is not b:
+            hand_off(None, pipe.streams.memcpy, after=older.events.get("optimizer"))
+    b.device = b.host.to(pipe.device, non_blocking=True)
+
+
+def input_dist(pipe: "Pipeline", b: "InFlight") -> None:
+    """Launch the splits all-to-all of every sharded module (dist stream)."""
+    hand_off(b.device, pipe.streams.dist)
+    features = b.device.sparse_features
+    for fqn, module in pipe._modules.items():
+        ctx = module.create_context()
+        b.ctxs[fqn] = ctx
+        b.splits[fqn] = module.input_dist(ctx, features)
+
+
+def input_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
+    """Host sync: the splits awaitable's wait() does .tolist() on the received splits,
+    then launches the values/lengths all-to-all. Scheduled after a forward has
+    been queued so the GPU has work while the host waits."""
+    for fqn in list(b.splits):
+        b.dist_in[fqn] = b.splits.pop(fqn).wait()
+
+
+def _dist_input(pipe: "Pipeline", b: "InFlight", fqn: str) -> Any:
+    """The module's KJTList on the dist stream (waiting its all-to-all if pending)."""
+    data = b.dist_in[fqn]
+    if hasattr(data, "wait"):
+        with use_stream(pipe.streams.dist):
+            data = data.wait()
+        b.dist_in[fqn] = data
+    return data
+
+
+def lookup(pipe: "Pipeline", b: "InFlight") -> None:
+    """TBE lookup + output all-to-all launch for every module, ahead of forward."""
+    stream = pipe.streams.by_role(_step_stream(pipe, b, "lookup"))
+    for fqn, module in pipe._modules.items():
+        data = _dist_input(pipe, b, fqn)
+        ready = record_event(pipe.streams.dist)
+        hand_off([data, b.ctxs[fqn]], stream, after=ready)
+        b.emb[fqn] = module.compute_and_output_dist(b.ctxs[fqn], data)
+        del b.dist_in[fqn]
+
+
+def prefetch(pipe: "Pipeline", b: "InFlight") -> None:
+    """FBGEMM UVM-cache prefetch of batch b on the prefetch stream.
+
+    ``forward_stream`` is the real compute stream: FBGEMM records its prefetched
+    tensors there, and its backward hooks fence the prefetch stream against the
+    TBE backward (FBGEMM PR #1893's dirty-cache and inconsistency cases)."""
+    for fqn, module in pipe._modules.items():
+        data = _dist_input(pipe, b, fqn)
+        ready = record_event(pipe.streams.dist)
+        hand_off([data, b.ctxs[fqn]], pipe.streams.prefetch, after=ready)
+        module.prefetch(data, forward_stream=pipe.streams.compute, ctx=b.ctxs[fqn])
+
+
+def zero_grad(pipe: "Pipeline", b: "InFlight") -> None:
+    pipe.optimizer.zero_grad()
+
+
+def forward(pipe: "Pipeline", b: "InFlight") -> None:
+    hand_off(b.device, pipe.streams.compute)
+    pipe.before_forward(b.device)
+    pipe._current = b
+    try:
+        loss, (_, logits, labels) = pipe.model(b.device)[:2]
+    finally:
+        pipe._current = None
+    missing = set(pipe._modules) - b.consumed
+    if missing:
+        from recpipe.pipelines.sharded import PipelineError
+
+        raise PipelineError(
+            f"{pipe.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
+            "input all-to-all for this batch, so every sharded module must be called once per forward"
+        )
+    b.loss = loss
+    b.output = (loss.detach(), logits, labels, b.device.weights)
+
+
+def backward(pipe: "Pipeline", b: "InFlight") -> None:
+    """Dense grads and, inside FBGEMM's TBE backward, the embedding update."""
+    assert b.loss is not None
+    torch.sum(b.loss).backward()
+    pipe.after_backward(b.device, b.loss)
+    b.loss = None  # frees the autograd graph
+
+
+def optimizer(pipe: "Pipeline", b: "InFlight") -> None:
+    pipe.optimizer.step()
+    pipe.after_optimizer_step(b.device)
+
+
+def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> Any:
+    """What a sharded module's forward returns inside the pipeline.
+
+    If the lookup ran ahead (``b.emb``), wait for its output all-to-all on the
+    stream it ran on and hand the pooled embeddings to compute; otherwise take the
+    distributed input and run ``compute_and_output_dist`` on the compute stream.
+    """
+    compute = pipe.streams.compute
+    if fqn in b.emb:
+        src = pipe.streams.by_role(_step_stream(pipe, b, "lookup"))
+        with use_stream(src):
+            pooled = b.emb.pop(fqn).wait()
+        hand_off(pooled, compute, after=record_event(src))
+        return pooled
+    data = _dist_input(pipe, b, fqn)
+    hand_off([data, b.ctxs[fqn]], compute, after=record_event(pipe.streams.dist))
+    del b.dist_in[fqn]
+    return module.compute_and_output_dist(b.ctxs[fqn], data)
+
+
+def dense_params(optimizer: Any) -> list[torch.Tensor]:
+    """The parameters whose gradient the dense optimizer applies (not the fused
+    embedding optimizer's sharded tables, which TBE backward updates in place)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return [p for g in optimizer.param_groups for p in g["params"] if not isinstance(p, ShardedTensor)]
+
+
+def detach_pooled(b: "InFlight", pooled: KeyedTensor) -> KeyedTensor:
+    """Cut autograd at the pooled embeddings (semi_sync's split backward): dense
+    backward stops at a leaf; ``backward_emb`` continues from the original."""
+    values = pooled.values()
+    leaf = values.detach().requires_grad_()
+    b.detached.append((values, leaf))
+    return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=leaf, key_dim=pooled.key_dim())
+
+
+def _step_stream(pipe: "Pipeline", b: "InFlight", name: str) -> str:
+    return next(s.stream for s in pipe.schedule_for(b).steps if s.name == name)
+
+
+STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {
+    "h2d": h2d,
+    "input_dist": input_dist,
+    "input_dist_wait": input_dist_wait,
+    "lookup": lookup,
+    "prefetch": prefetch,
+    "zero_grad": zero_grad,
+    "forward": forward,
+    "backward": backward,
+    "optimizer": optimizer,
+}

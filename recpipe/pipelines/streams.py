@@ -1,0 +1,115 @@
+"""Every cross-stream hand-off in recpipe lives here; nothing else calls ``wait_stream``.
+
+A pipeline runs work for different batches on different CUDA streams. A tensor made
+on stream A and used on stream B needs two things:
+
+1. a GPU-side fence: B waits on an event recorded on A right after the producing
+   work (``hand_off``/``fence``), never the host;
+2. allocator bookkeeping: the caching allocator frees a block back to the pool of
+   the stream that allocated it as soon as Python drops the last reference, while B
+   may still read it. ``record_stream(B)`` (inside ``hand_off``) makes the allocator
+   wait for B's queued work before reusing the block. The cost: the block stays
+   reserved until B reaches that point, which is why pipelines hand off as late as
+   possible and keep few batches in flight.
+
+On CPU every stream is ``None`` and every function here is a no-op, so the same
+schedules run unchanged under Gloo in CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+Stream = Optional[torch.cuda.Stream]
+Event = Optional[torch.cuda.Event]
+
+
+@dataclass(frozen=True)
+class Streams:
+    """The streams of one pipeline, by role. Created once, in ``Streams.create``."""
+
+    compute: Stream  # the stream current when progress() is called: forward/backward/optimizer
+    memcpy: Stream  # host-to-device copies of the next batches
+    dist: Stream  # input all-to-all (splits and tensors)
+    lookup: Stream  # early embedding lookup + output dist (fused_sparse_dist)
+    prefetch: Stream  # UVM cache prefetch (prefetch)
+
+    @staticmethod
+    def create(device: torch.device, roles: frozenset[str], lookup_on: str = "dist") -> "Streams":
+        """Streams for ``roles`` on ``device``; roles not asked for are ``None``.
+
+        Side streams get high priority (-1) like TorchRec's, so the small copies and
+        all-to-alls they carry are not starved by long compute kernels.
+        ``lookup_on``: 'dist' reuses the dist stream (one allocator pool fewer),
+        'new' creates one, 'compute' runs the lookup on the compute stream.
+        """
+        if device.type != "cuda":
+            return Streams(None, None, None, None, None)
+
+        def make(role: str) -> Stream:
+            return torch.cuda.Stream(device=device, priority=-1) if role in roles else None
+
+        compute = torch.cuda.current_stream(device)
+        dist = make("dist")
+        lookup: Stream = None
+        if "lookup" in roles:
+            lookup = {"dist": dist, "new": torch.cuda.Stream(device=device, priority=-1), "compute": compute}[lookup_on]
+        return Streams(compute, make("memcpy"), dist, lookup, make("prefetch"))
+
+    def by_role(self, role: str) -> Stream:
+        return getattr(self, role)
+
+
+def use_stream(stream: Stream) -> contextlib.AbstractContextManager:
+    """Issue the enclosed work on ``stream`` (no-op on CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def record_event(stream: Stream) -> Event:
+    """Mark everything queued on ``stream`` so far; later ``fence``s wait for exactly that."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def fence(stream: Stream, event: Event) -> None:
+    """GPU-side: work queued on ``stream`` from now on starts after ``event``. The host does not wait."""
+    if stream is not None and event is not None:
+        stream.wait_event(event)
+
+
+def hand_off(obj: object, to_stream: Stream, after: Event = None) -> None:
+    """Hand ``obj`` (a tensor, KJT, Batch, KeyedTensor, module context or a list
+    of them) to ``to_stream``: fence on ``after`` and record the stream on every
+    tensor so the allocator keeps the memory until ``to_stream`` is done with it."""
+    if to_stream is None:
+        return
+    fence(to_stream, after)
+    for item in _multistreamables(obj):
+        item.record_stream(to_stream)
+
+
+def _multistreamables(obj: object) -> Iterator:
+    if obj is None:
+        return
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _multistreamables(item)
+    elif isinstance(obj, torch.Tensor):
+        yield obj
+    elif hasattr(obj, "record_stream"):
+        yield obj
+    elif hasattr(obj, "values") and callable(obj.values):  # KeyedTensor has no record_stream
+        yield obj.values()
+
+
+def host_wait(event: Event) -> None:
+    """Host sync: block the CPU until ``event`` has happened (used only for timing)."""
+    if event is not None:
+        event.synchronize()

@@ -1,0 +1,162 @@
+"""Shared by the pipeline tests: train a small sharded DLRM with any pipeline from
+one seed on fixed batches, and return what a numerics comparison needs."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.config import RecpipeConfig, load_config
+from recpipe.data.batch import Batch
+from recpipe.models import build_model
+from recpipe.pipelines import PIPELINES
+from recpipe.sharding import shard_model
+
+SMALL_TABLES = [40, 60, 80, 100]
+
+
+def small_config(nproc: int = 2, overrides: list[str] | None = None) -> RecpipeConfig:
+    base = [
+        f"distributed.nproc={nproc}",
+        f"model.num_embeddings_per_feature={SMALL_TABLES}",
+        "model.embedding_dim=8",
+        "model.dense_arch_layer_sizes=[16,8]",
+        "model.over_arch_layer_sizes=[16,1]",
+        "data.batch_size=16",
+        # one table of each sharding type, so every all-to-all path is exercised
+        "sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}, "
+        "t_cat_3: {type: data_parallel, kernel: dense}}",
+        "optimizer.embedding.lr=0.1",
+        "optimizer.dense.lr=0.1",
+    ]
+    return load_config(None, base + list(overrides or []))
+
+
+def make_batches(cfg: RecpipeConfig, n: int, rank: int, seed: int = 0) -> list[Batch]:
+    """Deterministic host batches; few distinct ids so consecutive batches share rows
+    (otherwise one-step staleness would be invisible)."""
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    B = cfg.data.batch_size
+    out = []
+    for _ in range(n):
+        lengths = torch.randint(1, 4, (len(SMALL_TABLES) * B,), generator=g, dtype=torch.int32)
+        chunks, start = [], 0
+        for f, rows in enumerate(cfg.model.num_embeddings_per_feature):
+            count = int(lengths[f * B : (f + 1) * B].sum())
+            chunks.append(torch.randint(0, min(rows, 12), (count,), generator=g))
+            start += count
+        kjt = KeyedJaggedTensor(keys=cfg.model.feature_names, values=torch.cat(chunks), lengths=lengths)
+        dense = torch.randn(B, cfg.model.num_dense_features, generator=g)
+        labels = torch.randint(0, 2, (B,), generator=g).float()
+        out.append(Batch(dense, kjt, labels, torch.ones(B)))
+    return out
+
+
+@dataclass
+class RunResult:
+    losses: list[torch.Tensor]
+    weights: list[torch.Tensor]  # per-step loss weights (padding batches are 0)
+    state: dict[str, torch.Tensor]  # every local tensor of the model state (shards included)
+
+
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, value in model.state_dict().items():
+        if hasattr(value, "local_shards"):
+            for i, shard in enumerate(value.local_shards()):
+                out[f"{key}#{i}"] = shard.tensor.detach().clone()
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def train(cfg: RecpipeConfig, name: str, batches: list[Batch], segments: list[int] | None = None, **options) -> RunResult:
+    """Train ``batches`` with pipeline ``name``; ``segments`` splits them into
+    passes (each ends in a drain), like the trainer's eval/checkpoint segments."""
+    torch.manual_seed(cfg.train.seed)
+    device = torch.device("cpu")
+    sm = shard_model(build_model(cfg.model), cfg, device)
+    pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
+    losses, weights = [], []
+    it = iter(batches)
+    for size in segments or [len(batches)]:
+        seg = itertools.islice(it, size)
+        while True:
+            try:
+                loss, _, _, w = pipe.progress(seg)
+            except StopIteration:
+                break
+            losses.append(loss)
+            weights.append(w)
+    assert pipe.in_flight() == 0
+    dist.barrier()
+    return RunResult(losses, weights, local_state(sm.model))
+
+
+def assert_same(a: RunResult, b: RunResult, what: str) -> None:
+    assert len(a.losses) == len(b.losses), f"{what}: {len(a.losses)} vs {len(b.losses)} steps"
+    for i, (x, y) in enumerate(zip(a.losses, b.losses)):
+        assert torch.equal(x, y), f"{what}: loss of step {i} differs: {x.item()!r} vs {y.item()!r}"
+    assert a.state.keys() == b.state.keys()
+    for key in a.state:
+        assert torch.equal(a.state[key], b.state[key]), f"{what}: {key} differs (max abs diff {(a.state[key] - b.state[key]).abs().max().item()})"
+
+
+def assert_differs(a: RunResult, b: RunResult, what: str) -> None:
+    same = all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert not same, f"{what}: expected different weights, got identical ones"
+
+
+def pairwise(items):
+    return itertools.pairwise(items)
+
+
+def semi_sync_reference(cfg: RecpipeConfig, batches: list[Batch], start_batch: int, stash_gradients: bool) -> RunResult:
+    """semi_sync's documented semantics as a plain loop on the same sharded model:
+    batch t+1's pooled embeddings are computed before batch t's backward (stale)
+    once t >= start_batch, after batch t's optimizer step otherwise; with
+    ``stash_gradients`` the dense optimizer applies batch t-1's gradient at step t,
+    nothing at the first semi-sync step, and the last gradient at the end."""
+    from recpipe.pipelines.sharded import find_sharded_modules
+    from recpipe.pipelines.steps import dense_params
+
+    torch.manual_seed(cfg.train.seed)
+    sm = shard_model(build_model(cfg.model), cfg, torch.device("cpu"))
+    (fqn, ebc), = find_sharded_modules(sm.model).items()
+    dense = dense_params(sm.optimizer)
+    lookup = lambda b: ebc(b.sparse_features).wait()  # noqa: E731  (the module's own forward)
+    losses, weights, stash = [], [], None
+    pooled = lookup(batches[0])
+    for t, batch in enumerate(batches):
+        sm.optimizer.zero_grad()
+        current = pooled
+        ebc.forward = lambda *_: current  # the model reads the precomputed embeddings
+        loss, _ = sm.model(batch)
+        del ebc.forward
+        stale = t >= start_batch
+        if stale and t + 1 < len(batches):
+            pooled = lookup(batches[t + 1])
+        loss.backward()
+        if stash_gradients and stale:
+            fresh = [None if p.grad is None else p.grad.clone() for p in dense]
+            if stash is not None:
+                for p, g in zip(dense, stash):
+                    p.grad = g
+                sm.optimizer.step()
+            stash = fresh
+        else:
+            sm.optimizer.step()
+        if not stale and t + 1 < len(batches):
+            pooled = lookup(batches[t + 1])
+        losses.append(loss.detach())
+        weights.append(batch.weights)
+    if stash is not None:
+        for p, g in zip(dense, stash):
+            p.grad = g
+        sm.optimizer.step()
+    dist.barrier()
+    return RunResult(losses, weights, local_state(sm.model))

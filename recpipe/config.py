@@ -340,10 +340,11 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             f"sharding.prefetch_passes={sh.prefetch_passes} (multi-pass prefetch) needs "
             "sharding.prefetch_pipeline=true"
         )
-    if cfg.pipeline.name == "prefetch" and not sh.prefetch_pipeline:
+    if cfg.pipeline.name == "prefetch" and cached and not sh.prefetch_pipeline:
         problems.append(
-            "pipeline.name='prefetch' needs sharding.prefetch_pipeline=true and a "
-            "'fused_uvm_caching' table"
+            f"pipeline.name='prefetch' with cached tables {cached} needs sharding.prefetch_pipeline=true: "
+            "without FBGEMM's cache-line locking, the prefetch of batch i+1 can evict rows batch i's "
+            "backward still needs"
         )
     if sh.prefetch_pipeline and cfg.pipeline.name != "prefetch":
         problems.append(

@@ -8,13 +8,13 @@ with torch.multiprocessing (spawn), which tests use as well.
 from __future__ import annotations
 
 import os
-import socket
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed import TCPStore
 
 from recpipe.config import RecpipeConfig
 
@@ -54,12 +54,6 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     return device
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(
         RANK=str(local_rank),
@@ -68,6 +62,8 @@ def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], 
         LOCAL_WORLD_SIZE=str(world_size),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # Connect to the parent's store as clients (env:// then never binds a port).
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     # Two ranks on a 2-core machine: one intra-op thread each, or they fight.
     if not torch.cuda.is_available():
@@ -81,5 +77,12 @@ def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh processes that form one process group
-    (the caller's ``fn`` calls ``init_process_group``). Raises if any rank fails."""
-    mp.start_processes(_child, args=(nproc, free_port(), fn, args), nprocs=nproc, join=True, start_method="spawn")
+    (the caller's ``fn`` calls ``init_process_group``). Raises if any rank fails.
+
+    The rendezvous store lives in this process on a port the OS picks, so
+    concurrent launches on one machine never race for a port."""
+    store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
+    try:
+        mp.start_processes(_child, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method="spawn")
+    finally:
+        del store

@@ -83,11 +83,11 @@ class FusedSparseDistPipeline(Pipeline):
                 f"fused_sparse_dist cannot pipeline {refused}: they have feature processors, whose dense "
                 "parameters would be read before the optimizer steps them. Use pipeline.name=sparse_dist."
             )
-        super().__init__(model, optimizer, device, **options)
-        stepped = sharded.dense_optimized_tables(self._modules, optimizer)
+        stepped = sharded.dense_optimized_tables(sharded.find_sharded_modules(model), optimizer)
         if stepped and emb_lookup == "before_optimizer":
             raise sharded.PipelineError(
                 f"fused_sparse_dist looks up batch i+1 before the dense optimizer step of batch i, but {stepped} "
                 "are updated by the dense optimizer (data_parallel tables); set pipeline.emb_lookup=after_optimizer "
                 "or shard those tables with a fused kernel"
             )
+        super().__init__(model, optimizer, device, **options)

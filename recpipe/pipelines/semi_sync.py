@@ -95,14 +95,14 @@ class SemiSyncPipeline(Pipeline):
         self.start_batch = start_batch
         self.stash_gradients = stash_gradients
         self._stash: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
-        super().__init__(model, optimizer, device, **options)
-        stepped = sharded.dense_optimized_tables(self._modules, optimizer)
+        stepped = sharded.dense_optimized_tables(sharded.find_sharded_modules(model), optimizer)
         if stepped:
             raise sharded.PipelineError(
                 f"semi_sync needs every embedding table updated inside the TBE backward, but {stepped} are updated "
                 "by the dense optimizer (data_parallel tables), whose step would race the early lookup; shard "
                 "them table_wise/row_wise/column_wise or use pipeline.name=sparse_dist"
             )
+        super().__init__(model, optimizer, device, **options)
         self._dense_params = steps.dense_params(optimizer)
 
     def schedule_for(self, batch: InFlight) -> Schedule:

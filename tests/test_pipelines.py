@@ -1,0 +1,257 @@
+"""Every pipeline trains exactly like the plain loop (semi_sync: exactly like its
+documented staleness), drains, pads uneven data, and refuses what it cannot run.
+Two Gloo processes on CPU; the schedules are the same ones that run on CUDA."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline_harness import (
+    assert_differs,
+    assert_same,
+    make_batches,
+    semi_sync_reference,
+    small_config,
+    train,
+)
+from recpipe.distributed import init_process_group, launch_local
+from recpipe.pipelines import PIPELINES, PipelineError
+from recpipe.pipelines.schedule import Schedule, Step, all_schedules
+
+FUSED_TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
+SYNCHRONOUS = [
+    ("sparse_dist", {}),
+    ("fused_sparse_dist", {}),
+    ("fused_sparse_dist", {"emb_lookup": "after_optimizer", "emb_lookup_stream": "new"}),
+    ("fused_sparse_dist", {"emb_lookup_stream": "current"}),
+    ("prefetch", {}),
+    ("sparse_dist", {"max_batches_ahead": 1}),
+]
+
+
+def _numerics_worker(cfg) -> None:
+    init_process_group(cfg)
+    batches = make_batches(cfg, 7, dist.get_rank())
+    reference = train(cfg, "base", batches)
+    for name, options in SYNCHRONOUS:
+        assert_same(reference, train(cfg, name, batches, **options), f"{name} {options}")
+    # Drains in the middle (eval/checkpoint segments) change nothing either.
+    segmented = train(cfg, "base", batches, segments=[3, 1, 3])
+    assert_same(reference, segmented, "base in segments")
+    for name, options in SYNCHRONOUS[:2] + SYNCHRONOUS[4:5]:
+        assert_same(reference, train(cfg, name, batches, segments=[3, 1, 3], **options), f"{name} in segments")
+
+
+@pytest.mark.slow
+def test_synchronous_pipelines_train_bit_identically_to_base():
+    launch_local(_numerics_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
+def _semi_sync_worker(cfg) -> None:
+    init_process_group(cfg)
+    batches = make_batches(cfg, 7, dist.get_rank())
+    base = train(cfg, "base", batches)
+    for start_batch, stash in [(0, False), (3, False), (0, True), (2, True)]:
+        got = train(cfg, "semi_sync", batches, start_batch=start_batch, stash_gradients=stash)
+        assert_same(semi_sync_reference(cfg, batches, start_batch, stash), got, f"semi_sync {start_batch} {stash}")
+        assert_differs(base, got, "semi_sync vs base (staleness must be visible on these batches)")
+    # All warm-up: synchronous numerics, identical to base.
+    assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
+
+
+@pytest.mark.slow
+def test_semi_sync_matches_its_documented_staleness():
+    launch_local(_semi_sync_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
+def _data_worker(cfg) -> None:
+    init_process_group(cfg)
+    rank = dist.get_rank()
+    # Uneven: rank 0 has 6 batches, rank 1 has 4. Both train 6 steps; rank 1's last
+    # two are zero-weight padding, exactly as if it had been handed them.
+    full = make_batches(cfg, 6, rank)
+    mine = full if rank == 0 else full[:4]
+    explicit = full if rank == 0 else full[:4] + [full[3].as_padding()] * 2
+    reference = train(cfg, "base", explicit)
+    for name in ("base", "sparse_dist", "fused_sparse_dist", "prefetch"):
+        got = train(cfg, name, mine)
+        assert len(got.losses) == 6, f"{name}: rank {rank} trained {len(got.losses)} steps, expected 6"
+        assert_same(reference, got, f"{name} with uneven data")
+        pad = [bool(w.eq(0).all()) for w in got.weights]
+        assert pad == ([False] * 6 if rank == 0 else [False] * 4 + [True] * 2), pad
+    try:
+        train(cfg, "sparse_dist", mine, uneven_data="error")
+    except PipelineError as err:
+        assert "ran out of data" in str(err), err
+    else:
+        raise AssertionError("uneven_data='error' did not raise")
+    dist.barrier()
+    # Epochs: a new iterator each time, and one iterator object reused after it ended.
+    batches = make_batches(cfg, 5, rank)
+    torch.manual_seed(0)
+    two_epochs = train(cfg, "sparse_dist", batches + batches)
+    assert len(two_epochs.losses) == 10
+    assert_same(two_epochs, train(cfg, "sparse_dist", batches + batches, segments=[5, 5]), "new iterator per epoch")
+    reused = _Reusable(batches, epochs=2)
+    from recpipe.models import build_model
+    from recpipe.sharding import shard_model
+
+    torch.manual_seed(cfg.train.seed)
+    sm = shard_model(build_model(cfg.model), cfg, torch.device("cpu"))
+    pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
+    per_pass, losses = [], []
+    for _ in range(2):
+        count = 0
+        while True:
+            try:
+                losses.append(pipe.progress(reused)[0])
+                count += 1
+            except StopIteration:
+                break
+        per_pass.append(count)
+    assert per_pass == [5, 5] and pipe.in_flight() == 0, (per_pass, pipe.in_flight())
+    assert all(torch.equal(a, b) for a, b in zip(losses, two_epochs.losses)), "reused iterator trains differently"
+    # 5 batches + the one StopIteration per epoch: no next() after an epoch ended
+    # (which would pull the next epoch's first batch into this pass).
+    assert reused.calls == 12, reused.calls
+
+
+class _Reusable:
+    """An iterator that ends each epoch with StopIteration and then hands out the
+    next epoch (like DataLoader iterators with persistent workers)."""
+
+    def __init__(self, batches, epochs):
+        self.batches, self.epochs, self.pos, self.calls = batches, epochs, 0, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        self.calls += 1
+        if self.pos == len(self.batches):
+            self.pos, self.epochs = 0, self.epochs - 1
+            raise StopIteration
+        self.pos += 1
+        return self.batches[self.pos - 1]
+
+
+@pytest.mark.slow
+def test_drain_uneven_data_and_epochs():
+    launch_local(_data_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
+def _errors_worker(cfg) -> None:
+    from recpipe.models import RecModel, build_model
+    from recpipe.sharding import shard_model
+
+    init_process_group(cfg)
+    cpu = torch.device("cpu")
+    batches = make_batches(cfg, 3, dist.get_rank())
+
+    def sharded(model_cls=RecModel, c=cfg):
+        torch.manual_seed(0)
+        model = model_cls(build_model(c.model).model)
+        return shard_model(model, c, cpu)
+
+    def expect(fn, *needles):
+        try:
+            fn()
+        except PipelineError as err:
+            for needle in needles:
+                assert needle in str(err), f"{needle!r} not in: {err}"
+        else:
+            raise AssertionError(f"no PipelineError (wanted {needles})")
+        dist.barrier()
+
+    sm = sharded(_PermutingModel)
+    pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, cpu)
+    expect(lambda: pipe.progress(iter(batches)), "embedding_bag_collection", "not batch.sparse_features", "data loader")
+
+    sm = sharded(_TwiceModel)
+    pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, cpu)
+    expect(lambda: pipe.progress(iter(batches)), "called twice")
+
+    sm = sharded()
+    pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, cpu)
+    expect(lambda: sm.model(batches[0]), "outside pipeline.progress()", "detached()")
+    with pipe.detached():  # evaluation outside the pipeline works
+        sm.model(batches[0])
+    assert "PipelinedForward" in repr(pipe)
+
+    dp_cfg = small_config(overrides=["sharding.tables={t_cat_3: {type: data_parallel, kernel: dense}}"])
+    sm = sharded(c=dp_cfg)
+    expect(lambda: PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, cpu), "t_cat_3", "after_optimizer")
+    expect(lambda: PIPELINES["semi_sync"](sm.model, sm.optimizer, cpu), "t_cat_3", "data_parallel")
+
+    plain = RecModel(build_model(cfg.model, device=cpu).model)
+    expect(lambda: PIPELINES["sparse_dist"](plain, torch.optim.SGD(plain.parameters(), lr=0.1), cpu), "no torchrec sharded module")
+
+
+class _PermutingModel(torch.nn.Module):
+    """Changes the KJT before the embedding module: cannot be input-dist'ed ahead."""
+
+    def __init__(self, dlrm):
+        super().__init__()
+        self.model = dlrm
+
+    def forward(self, batch):
+        kjt = batch.sparse_features
+        kjt = kjt.permute(list(reversed(range(len(kjt.keys())))))
+        kjt = kjt.permute(list(reversed(range(len(kjt.keys())))))
+        logits = self.model(batch.dense_features, kjt).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+class _TwiceModel(_PermutingModel):
+    def forward(self, batch):
+        self.model.sparse_arch(batch.sparse_features)
+        logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels)
+
+
+@pytest.mark.slow
+def test_unpipelinable_models_get_errors_that_say_what_to_change():
+    launch_local(_errors_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
+def test_every_schedule_is_valid_and_printable(capsys):
+    from recpipe.cli import main
+
+    for name, schedules in all_schedules().items():
+        assert name in PIPELINES
+        for schedule in schedules:
+            schedule.validate()
+            assert schedules[0].same_stages(schedule), f"{schedule.name} moves batches unlike {schedules[0].name}"
+        assert main(["schedule", name]) == 0
+        printed = capsys.readouterr().out
+        assert all(s.name in printed for s in schedules[0].steps)
+    assert main(["schedule", "nope"]) == 2
+
+
+@pytest.mark.parametrize(
+    "steps, message",
+    [
+        ((Step("h2d", "memcpy", 1), Step("h2d", "memcpy", 1), Step("forward", "compute", 0)), "more than once"),
+        ((Step("forward", "compute", 0), Step("input_dist", "dist", 1), Step("h2d", "memcpy", 1)), "first step"),
+        ((Step("h2d", "memcpy", 1), Step("forward", "compute", 0, waits=(("backward", 0),)), Step("backward", "compute", 0)), "runs later"),
+        ((Step("h2d", "gpu", 1), Step("forward", "compute", 0)), "stream role"),
+    ],
+)
+def test_schedule_validation_rejects_broken_tables(steps, message):
+    with pytest.raises(ValueError, match=message):
+        Schedule("broken", steps, doc="").validate()
+
+
+def test_catch_up_runs_every_earlier_stage_once():
+    for schedules in all_schedules().values():
+        s = schedules[0]
+        for slot in range(s.depth):
+            names = [step.name for step in s.catch_up(slot)]
+            assert names == [step.name for off in range(s.depth - 1, slot, -1) for step in s.steps_at(off)]
+            assert len(names) == len(set(names))

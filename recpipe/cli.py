@@ -1,4 +1,4 @@
-"""``recpipe`` command line: train, plan, schedule.
+"""``recpipe`` command line: train, plan, schedule, bench.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.schedule``); this file only parses.
@@ -41,6 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     schedule = sub.add_parser("schedule", help="print a pipeline's schedule table")
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
+
+    bench = sub.add_parser("bench", help="time every pipeline on the same batches (recpipe's and TorchRec's)")
+    _add_config_args(bench)
+    bench.add_argument("--pipelines", default=None, help="comma-separated pipeline names (default: all five)")
+    bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
+    bench.add_argument("--steps", type=int, default=100, help="timed steps per pipeline")
+    bench.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
+    bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
     return parser
 
 
@@ -59,6 +67,10 @@ def main(argv: list[str] | None = None) -> int:
             from recpipe.pipelines.schedule import main_schedule
 
             return main_schedule(args)
+        if args.command == "bench":
+            from recpipe.bench.runner import main_bench
+
+            return main_bench(args)
     except ConfigError as err:
         print(f"recpipe {args.command}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG

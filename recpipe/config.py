@@ -346,6 +346,13 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             "without FBGEMM's cache-line locking, the prefetch of batch i+1 can evict rows batch i's "
             "backward still needs"
         )
+    if cfg.pipeline.name == "semi_sync" and cached:
+        problems.append(
+            f"pipeline.name='semi_sync' with UVM-cached tables {cached}: it looks up batch i+1 before the "
+            "backward of batch i, and the cache populate of i+1 can evict rows that backward still updates "
+            "(cache-line locking only exists with the prefetch pipeline); use kernel 'fused' or 'fused_uvm' "
+            "for those tables, or pipeline.name='prefetch'"
+        )
     if sh.prefetch_pipeline and cfg.pipeline.name != "prefetch":
         problems.append(
             f"sharding.prefetch_pipeline=true needs pipeline.name='prefetch' (got "

@@ -74,12 +74,28 @@ def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def train(cfg: RecpipeConfig, name: str, batches: list[Batch], segments: list[int] | None = None, **options) -> RunResult:
-    """Train ``batches`` with pipeline ``name``; ``segments`` splits them into
-    passes (each ends in a drain), like the trainer's eval/checkpoint segments."""
+def build(cfg: RecpipeConfig, device: torch.device):
     torch.manual_seed(cfg.train.seed)
-    device = torch.device("cpu")
-    sm = shard_model(build_model(cfg.model), cfg, device)
+    return shard_model(build_model(cfg.model), cfg, device)
+
+
+def train(
+    cfg: RecpipeConfig,
+    name: str,
+    batches: list[Batch],
+    segments: list[int] | None = None,
+    device: torch.device = torch.device("cpu"),
+    init_from: dict | None = None,
+    **options,
+) -> RunResult:
+    """Train ``batches`` with pipeline ``name``; ``segments`` splits them into
+    passes (each ends in a drain), like the trainer's eval/checkpoint segments.
+    ``init_from``: a model state_dict to start from (to compare kernels)."""
+    sm = build(cfg, device)
+    if init_from is not None:  # a copy: DMP strips key prefixes in place while loading
+        sm.model.load_state_dict(dict(init_from))
+    if device.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
     pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
     losses, weights = [], []
     it = iter(batches)
@@ -93,8 +109,10 @@ def train(cfg: RecpipeConfig, name: str, batches: list[Batch], segments: list[in
             losses.append(loss)
             weights.append(w)
     assert pipe.in_flight() == 0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
-    return RunResult(losses, weights, local_state(sm.model))
+    return RunResult([x.cpu() for x in losses], [w.cpu() for w in weights], {k: v.cpu() for k, v in local_state(sm.model).items()})
 
 
 def assert_same(a: RunResult, b: RunResult, what: str) -> None:
@@ -115,7 +133,9 @@ def pairwise(items):
     return itertools.pairwise(items)
 
 
-def semi_sync_reference(cfg: RecpipeConfig, batches: list[Batch], start_batch: int, stash_gradients: bool) -> RunResult:
+def semi_sync_reference(
+    cfg: RecpipeConfig, batches: list[Batch], start_batch: int, stash_gradients: bool, device: torch.device = torch.device("cpu")
+) -> RunResult:
     """semi_sync's documented semantics as a plain loop on the same sharded model:
     batch t+1's pooled embeddings are computed before batch t's backward (stale)
     once t >= start_batch, after batch t's optimizer step otherwise; with
@@ -124,8 +144,8 @@ def semi_sync_reference(cfg: RecpipeConfig, batches: list[Batch], start_batch: i
     from recpipe.pipelines.sharded import find_sharded_modules
     from recpipe.pipelines.steps import dense_params
 
-    torch.manual_seed(cfg.train.seed)
-    sm = shard_model(build_model(cfg.model), cfg, torch.device("cpu"))
+    sm = build(cfg, device)
+    batches = [b.to(device) for b in batches]
     (fqn, ebc), = find_sharded_modules(sm.model).items()
     dense = dense_params(sm.optimizer)
     lookup = lambda b: ebc(b.sparse_features).wait()  # noqa: E731  (the module's own forward)
@@ -159,4 +179,4 @@ def semi_sync_reference(cfg: RecpipeConfig, batches: list[Batch], start_batch: i
             p.grad = g
         sm.optimizer.step()
     dist.barrier()
-    return RunResult(losses, weights, local_state(sm.model))
+    return RunResult([x.cpu() for x in losses], [w.cpu() for w in weights], {k: v.cpu() for k, v in local_state(sm.model).items()})

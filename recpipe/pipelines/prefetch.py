@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 
@@ -45,8 +47,16 @@ SCHEDULE = Schedule(
 
 
 def _cached_tbes(model) -> list:
-    """FBGEMM TBEs with a UVM cache and cache-line locking."""
-    return [m for m in model.modules() if getattr(m, "lxu_cache_locking_counter", None) is not None and m.lxu_cache_locking_counter.numel() > 0]
+    """FBGEMM TBEs with a UVM cache and cache-line locking. Walks ``_modules``
+    directly: torchrec's sharded modules hide their lookups from ``named_modules``."""
+    found, todo = [], [model]
+    while todo:
+        module = todo.pop()
+        counter = getattr(module, "lxu_cache_locking_counter", None)
+        if isinstance(counter, torch.Tensor) and counter.numel() > 0:
+            found.append(module)
+        todo.extend(m for m in module._modules.values() if m is not None)
+    return found
 
 
 class PrefetchPipeline(Pipeline):

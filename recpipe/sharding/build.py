@@ -79,12 +79,11 @@ def table_wise_ranks(cfg: RecpipeConfig, world_size: int) -> dict[str, int]:
 def _cache_params(t: TableSharding, cfg: RecpipeConfig) -> CacheParams | None:
     if t.kernel != "fused_uvm_caching":
         return None
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm
+    # Both live here in fbgemm-gpu 1.6 and 1.8 (1.8 also has fbgemm_gpu.tbe.cache).
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, MultiPassPrefetchConfig
 
     multipass = None
     if cfg.sharding.prefetch_passes > 1:
-        from fbgemm_gpu.tbe.cache.cache_config import MultiPassPrefetchConfig
-
         multipass = MultiPassPrefetchConfig(
             num_passes=cfg.sharding.prefetch_passes,
             min_splitable_pass_size=cfg.sharding.prefetch_min_pass_size,

@@ -1,0 +1,11 @@
+"""``recpipe bench``: step time, throughput and memory of every pipeline, recpipe's
+and (``--with-torchrec``) TorchRec's, on identical models and batches.
+
+``runner`` orchestrates (CLI entry ``main_bench``, one ``run_worker`` per rank),
+``measure`` owns the clocks and allocator snapshots, ``torchrec_impl`` maps each
+recpipe pipeline to TorchRec's, ``report`` writes ``bench.json`` / ``bench.md``.
+"""
+
+from recpipe.bench.runner import BenchOptions, main_bench, run_worker
+
+__all__ = ["BenchOptions", "main_bench", "run_worker"]

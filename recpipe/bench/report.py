@@ -1,0 +1,208 @@
+"""What a benchmark record says and how it is written: header, rows, table, files.
+
+Every record starts with the resolved config, the versions (torch, fbgemm-gpu,
+torchrec, CUDA) and the GPU (docs STYLE.md). ``bench.json`` holds every number;
+``bench.md`` the same header and the table. Rows are plain dicts (``Row.to_dict``)
+so later additions (a hardware bound per row, plots) only add keys.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from recpipe.config import RecpipeConfig
+
+__all__ = ["Row", "environment", "format_table", "write_outputs"]
+
+
+@dataclass
+class Row:
+    """One (pipeline, implementation) run; numbers are over ranks (see runner)."""
+
+    pipeline: str
+    impl: str  # "recpipe" or "torchrec"
+    status: str = "ok"  # ok | skipped | failed
+    reason: str = ""
+    pipeline_class: str = ""
+    options: dict[str, Any] = field(default_factory=dict)  # constructor keyword arguments
+    config_overrides: dict[str, Any] = field(default_factory=dict)  # versus the given config
+    notes: list[str] = field(default_factory=list)
+    steps: int = 0
+    step_ms: dict[str, float] = field(default_factory=dict)  # p50/p90/mean/min/max of per-step max over ranks
+    step_ms_per_step: list[float] = field(default_factory=list)
+    step_ms_p50_per_rank: list[float] = field(default_factory=list)
+    samples_per_s: float | None = None  # global batch / P50 step time
+    samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
+    wall_s: float | None = None
+    build_s: float | None = None
+    memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
+    torchrec_pipelined_modules: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _version(module: str, dist_names: tuple[str, ...]) -> str:
+    try:
+        mod = __import__(module)
+        version = getattr(mod, "__version__", None)
+        if version:
+            return str(version)
+    except ImportError:
+        pass
+    for name in dist_names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _nccl_version() -> str | None:
+    try:
+        v = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    except (AttributeError, RuntimeError):
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> dict[str, Any]:
+    """Versions and hardware; ``gpu_names`` is every rank's device name."""
+    cuda = device.type == "cuda"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": {
+            "torch": torch.__version__,
+            "fbgemm_gpu": _version("fbgemm_gpu", ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly")),
+            "torchrec": _version("torchrec", ("torchrec", "torchrec-nightly")),
+            "cuda": torch.version.cuda,
+            "nccl": _nccl_version() if cuda else None,
+            "python": platform.python_version(),
+        },
+        "gpu": {
+            "name": ", ".join(sorted(set(gpu_names))) if cuda else "none (CPU run)",
+            "count_visible": torch.cuda.device_count() if cuda else 0,
+            "per_rank": gpu_names if cuda else [],
+        },
+        "world_size": world_size,
+        "device_type": device.type,
+        "host": {"node": platform.node(), "cpus": os.cpu_count(), "processor": platform.processor()},
+        "command": " ".join(sys.argv),
+    }
+
+
+# ------------------------------------------------------------------ table
+_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "samples/s", "peak alloc GiB", "peak reserved GiB",
+            "reserved/alloc", "step +GiB", "note")
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def _cells(row: Row) -> list[str]:
+    if row.status != "ok":
+        return [row.pipeline, row.impl, "-", "-", "-", "-", "-", "-", "-", f"{row.status}: {row.reason}"]
+    mem = row.memory
+    note = "; ".join(row.notes)
+    return [
+        row.pipeline,
+        row.impl,
+        _num(row.step_ms.get("p50"), ".2f"),
+        _num(row.step_ms.get("p90"), ".2f"),
+        _num(row.samples_per_s, ",.0f"),
+        _num(mem.get("peak_alloc_gib"), ".2f"),
+        _num(mem.get("peak_reserved_gib"), ".2f"),
+        _num(mem.get("reserved_over_alloc"), ".3f"),
+        _num(mem.get("step_peak_alloc_above_build_gib"), ".2f"),
+        note,
+    ]
+
+
+def format_table(rows: list[Row], markdown: bool = False) -> str:
+    body = [_cells(r) for r in rows]
+    if markdown:
+        esc = lambda s: s.replace("|", "\\|")  # noqa: E731
+        lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" for _ in _COLUMNS) + "|"]
+        lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(_COLUMNS)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    out = [fmt.format(*_COLUMNS).rstrip(), fmt.format(*("-" * w for w in widths))]
+    out += [fmt.format(*c).rstrip() for c in body]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------ files
+def write_outputs(out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row]) -> Path:
+    """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"config": cfg.model_dump(mode="json"), **header, "rows": [r.to_dict() for r in rows]}
+    path = out / "bench.json"
+    path.write_text(json.dumps(_clean(record), indent=2, allow_nan=False) + "\n")
+    (out / "bench.md").write_text(_markdown(cfg, header, rows))
+    return path
+
+
+def _clean(obj: Any) -> Any:
+    """NaN -> None recursively (JSON has no NaN)."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row]) -> str:
+    v, gpu, bench = header["versions"], header["gpu"], header["bench"]
+    lines = [
+        "# recpipe bench",
+        "",
+        f"- date: {header['date']}",
+        f"- versions: torch {v['torch']}, fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, "
+        f"CUDA {v['cuda']}, NCCL {v['nccl']}",
+        f"- GPU: {gpu['name']} ({gpu['count_visible']} visible); world size {header['world_size']}",
+        f"- command: `{header['command']}`",
+        f"- steps: {bench['steps']} timed after {bench['warmup']} warm-up (+{bench['drain']} untimed to drain); "
+        f"global batch {bench['global_batch']}; timing: {bench['timing']}",
+        f"- host batches: {bench['batches_per_rank']} per rank, generated in {bench['batch_generation_s']:.2f} s "
+        f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
+        "",
+        "P50/P90: percentiles over timed steps of the slowest rank's step time; samples/s = global batch / P50;",
+        "peak alloc/reserved: whole run incl. model (max over ranks); step +GiB: step-only peak above the",
+        "post-build allocation.",
+        "",
+        format_table(rows, markdown=True),
+        "",
+    ]
+    details = [r for r in rows if r.config_overrides or r.notes or r.options]
+    if details:
+        lines += ["## Per-run options", ""]
+        for r in details:
+            parts = []
+            if r.pipeline_class:
+                parts.append(r.pipeline_class)
+            if r.options:
+                parts.append("options " + json.dumps(r.options))
+            if r.config_overrides:
+                parts.append("config overrides " + json.dumps(r.config_overrides))
+            if r.notes:
+                parts.append("notes: " + "; ".join(r.notes))
+            lines.append(f"- {r.pipeline} / {r.impl}: " + ", ".join(parts))
+        lines.append("")
+    lines += ["## Resolved config", "", "```yaml", cfg.to_yaml().rstrip(), "```", ""]
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""TorchRec's own train pipelines, configured like the recpipe pipeline of the same name.
+
+Mapping (TorchRec 1.6.1 and 1.8.0 have the same constructor arguments used here):
+
+=================  ===================================  ==========================================
+recpipe            TorchRec class                       options passed
+=================  ===================================  ==========================================
+base               TrainPipelineBase                    -
+sparse_dist        TrainPipelineSparseDist              execute_all_batches=True
+fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream (config; default data_dist)
+semi_sync          TrainPipelineSemiSync                start_batch, stash_gradients (config; recpipe's
+                                                        default start_batch is 0, TorchRec's 900)
+prefetch           PrefetchTrainPipelineSparseDist      -
+=================  ===================================  ==========================================
+
+``TrainPipelineSemiSync`` is not exported from ``torchrec.distributed.train_pipeline``
+in some versions, so everything is imported from ``...train_pipeline.train_pipelines``.
+
+Options without a TorchRec counterpart (``pipeline.max_batches_ahead``,
+``pipeline.uneven_data``, fused ``emb_lookup=after_optimizer``) are reported as notes
+on the row, never silently dropped.
+
+Tracing. TorchRec FX-traces the model on the first batch to find the sharded
+modules' inputs. ``_rewrite_model`` passes ``batch.to_proxy()`` as concrete args
+only when the batch has that method; recpipe's ``Batch`` has none, so the tracer
+makes a plain placeholder for ``RecModel.forward``'s ``batch`` argument and
+``batch.sparse_features`` becomes a ``GetAttrArgInfoStep`` that TorchRec replays on
+the real batch. No subclass of ``Batch`` is needed. TorchRec only *logs* a module it
+cannot pipeline, so :func:`pipelined_module_count` reads how many it did pipeline
+and the runner puts it on the row (0 for a SparseDist-family pipeline = no overlap).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from recpipe.config import RecpipeConfig
+
+__all__ = ["build_torchrec_pipeline", "pipelined_module_count", "TORCHREC_CLASSES"]
+
+TORCHREC_CLASSES = {
+    "base": "TrainPipelineBase",
+    "sparse_dist": "TrainPipelineSparseDist",
+    "fused_sparse_dist": "TrainPipelineFusedSparseDist",
+    "semi_sync": "TrainPipelineSemiSync",
+    "prefetch": "PrefetchTrainPipelineSparseDist",
+}
+
+
+def _options(cfg: RecpipeConfig) -> tuple[dict[str, Any], list[str]]:
+    """TorchRec keyword arguments for ``cfg.pipeline`` and notes on what does not map."""
+    p = cfg.pipeline
+    notes: list[str] = []
+    if p.max_batches_ahead is not None:
+        notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
+    if p.name == "base":
+        return {}, notes
+    kwargs: dict[str, Any] = {"execute_all_batches": True}
+    if p.name == "fused_sparse_dist":
+        kwargs["emb_lookup_stream"] = p.emb_lookup_stream
+        if p.emb_lookup != "before_optimizer":
+            notes.append(f"pipeline.emb_lookup={p.emb_lookup!r} has no TorchRec counterpart (it looks up before)")
+    elif p.name == "semi_sync":
+        kwargs.update(start_batch=p.start_batch, stash_gradients=p.stash_gradients)
+    return kwargs, notes
+
+
+def build_torchrec_pipeline(
+    cfg: RecpipeConfig, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+) -> tuple[Any, dict[str, Any], list[str]]:
+    """(pipeline, the options it was given, notes) for ``cfg.pipeline.name``."""
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    cls = getattr(train_pipelines, TORCHREC_CLASSES[cfg.pipeline.name])
+    kwargs, notes = _options(cfg)
+    return cls(model, optimizer, device, **kwargs), kwargs, notes
+
+
+def pipelined_module_count(pipe: Any) -> int | None:
+    """Sharded modules TorchRec rewrote for pipelining (None for TrainPipelineBase,
+    which does not rewrite). Reads a private attribute present in 1.6.1 and 1.8.0."""
+    modules = getattr(pipe, "_pipelined_modules", None)
+    return None if modules is None else len(modules)

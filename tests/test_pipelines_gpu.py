@@ -1,0 +1,126 @@
+"""The pipeline numerics on CUDA streams (NCCL), with one and with two GPUs, and
+the prefetch pipeline with a UVM cache far smaller than the working set."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
+from recpipe.distributed import init_process_group, launch_local
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+FUSED = "sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"
+SYNCHRONOUS = [
+    ("sparse_dist", {}),
+    ("fused_sparse_dist", {}),
+    ("fused_sparse_dist", {"emb_lookup_stream": "new"}),
+    ("fused_sparse_dist", {"emb_lookup_stream": "current", "emb_lookup": "after_optimizer"}),
+    ("prefetch", {}),
+    ("sparse_dist", {"max_batches_ahead": 1}),
+]
+
+
+def _numerics(cfg) -> None:
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 8, dist.get_rank())
+    ref = train(cfg, "base", batches, device=device)
+    for name, options in SYNCHRONOUS:
+        assert_same(ref, train(cfg, name, batches, device=device, **options), f"cuda {name} {options}")
+    assert_same(ref, train(cfg, "sparse_dist", batches, segments=[3, 5], device=device), "cuda segments")
+    for start_batch, stash in [(0, False), (2, True)]:
+        got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash)
+        want = semi_sync_reference(cfg, batches, start_batch, stash, device=device)
+        assert_same(want, got, f"cuda semi_sync {start_batch} {stash}")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_pipelines_match_base_on_cuda(nproc):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    launch_local(_numerics, nproc, small_config(nproc, ["train.device=cuda", FUSED]))
+
+
+CACHED_ROWS = [2000, 3000, 4000, 5000]
+
+
+def _zipf_batches(cfg, n, rank):
+    """Zipf-distributed ids over tables far larger than the cache (forces evictions)."""
+    from recpipe.data.synthetic import SyntheticClickLog
+
+    log = SyntheticClickLog(cfg)
+    return [log.batch(rank=rank, split="train", epoch=0, index=i) for i in range(n)]
+
+
+def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
+    device = init_process_group(cached_cfg)
+    rank = dist.get_rank()
+    batches = _zipf_batches(cached_cfg, 10, rank)
+    from pipeline_harness import build
+
+    start = {k: v for k, v in build(hbm_cfg, device).model.state_dict().items()}
+    hbm = train(hbm_cfg, "base", batches, device=device, init_from=start)
+    for segments in ([10], [4, 6]):  # [4, 6]: a drain (and an eval, below) in the middle
+        cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments)
+        assert_same(hbm, cached, f"prefetch with a small UVM cache, segments {segments}")
+    _eval_releases_locks(cached_cfg, batches, device, start)
+
+
+def _eval_releases_locks(cfg, batches, device, start) -> None:
+    from pipeline_harness import build
+    from recpipe.pipelines import PrefetchPipeline
+    from recpipe.pipelines.prefetch import _cached_tbes
+
+    sm = build(cfg, device)
+    sm.model.load_state_dict(dict(start))
+    pipe = PrefetchPipeline(sm.model, sm.optimizer, device)
+    it = iter([b.pin_memory() for b in batches[:4]])
+    while True:
+        try:
+            pipe.progress(it)
+        except StopIteration:
+            break
+    tbes = _cached_tbes(sm.model)
+    assert tbes, "no cached TBE found"
+    assert all(int(t.lxu_cache_locking_counter.sum()) == 0 for t in tbes), "locks left after a drained pass"
+    with pipe.detached(), torch.no_grad():
+        sm.model.eval()
+        sm.model(batches[5].to(device))
+        sm.model.train()
+        locked = sum(int(t.lxu_cache_locking_counter.sum()) for t in tbes)
+    assert all(int(t.lxu_cache_locking_counter.sum()) == 0 for t in tbes), "eval forward left cache lines locked"
+    print(f"rank {dist.get_rank()}: eval forward held {locked} cache-line locks until detached() released them")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("passes", [1, 3])
+def test_prefetch_with_small_uvm_cache_trains_like_hbm(nproc, passes):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    common = [
+        "train.device=cuda",
+        f"model.num_embeddings_per_feature={CACHED_ROWS}",
+        "data.batch_size=256",
+        "data.synthetic.zipf_alpha=1.1",
+        "data.synthetic.mean_pooling_factors=3.0",
+    ]
+    hbm_cfg = small_config(nproc, common + ["sharding.tables={t_cat_1: {type: row_wise}}"])
+    cached_cfg = small_config(
+        nproc,
+        common
+        + [
+            "sharding.default={type: table_wise, kernel: fused_uvm_caching, cache_load_factor: 0.02}",
+            "sharding.tables={t_cat_1: {type: row_wise, kernel: fused_uvm_caching, cache_load_factor: 0.02}}",
+            "sharding.prefetch_pipeline=true",
+            "sharding.uvm_host_mapped=true",
+            f"sharding.prefetch_passes={passes}",
+            "sharding.prefetch_min_pass_size=1",
+            "pipeline.name=prefetch",
+        ],
+    )
+    launch_local(_prefetch_vs_hbm, nproc, hbm_cfg, cached_cfg)

@@ -81,7 +81,10 @@ def test_prefetch_runs_only_with_a_locked_cache_and_others_drop_the_lock():
     cfg = load_config(CONFIGS / "uvm_caching.yaml")
     cfg_p, overrides, skip = config_for_pipeline(cfg, "prefetch")
     assert not skip and overrides == {} and cfg_p.sharding.prefetch_pipeline
-    for name in ("base", "sparse_dist", "fused_sparse_dist", "semi_sync"):
+    # semi_sync looks up batch i+1 before backward(i): refused on unlocked UVM caches.
+    _, _, skip = config_for_pipeline(cfg, "semi_sync")
+    assert "semi_sync" in skip and "evict" in skip, skip
+    for name in ("base", "sparse_dist", "fused_sparse_dist"):
         cfg_p, overrides, skip = config_for_pipeline(cfg, name)
         assert not skip and cfg_p.pipeline.name == name
         assert not cfg_p.sharding.prefetch_pipeline

@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
     bench.add_argument("--steps", type=int, default=100, help="timed steps per pipeline")
     bench.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
+    bench.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last 5 warm-up steps -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
     return parser
 

@@ -61,6 +61,8 @@ class StepClock:
         self.cuda = device.type == "cuda"
         self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._host: list[float] = []
+        self._host_call: list[float] = []
+        self._h0 = 0.0
         self._t0 = 0.0
         self._event0: torch.cuda.Event | None = None
 
@@ -69,6 +71,7 @@ class StepClock:
         return "cuda_events_per_progress_call" if self.cuda else "host_wall_per_progress_call"
 
     def start(self) -> None:
+        self._h0 = time.perf_counter()
         if self.cuda:
             self._event0 = torch.cuda.Event(enable_timing=True)
             self._event0.record()
@@ -84,6 +87,11 @@ class StepClock:
             self._event0 = None
         else:
             self._host.append((time.perf_counter() - self._t0) * 1e3)
+        self._host_call.append((time.perf_counter() - self._h0) * 1e3)
+
+    def host_ms(self) -> list[float]:
+        """Host milliseconds spent inside each call (CUDA: launch + host syncs only)."""
+        return list(self._host_call)
 
     def times_ms(self) -> list[float]:
         """Per-step milliseconds. Host sync on CUDA: waits for every recorded event."""

@@ -45,6 +45,8 @@ class Row:
     samples_per_s: float | None = None  # global batch / P50 step time
     samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
     wall_s: float | None = None
+    # Host time inside each progress() call (no sync): near the step time = launch-bound.
+    host_ms: dict[str, float] = field(default_factory=dict)
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None

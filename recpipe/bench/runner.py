@@ -77,6 +77,7 @@ class BenchOptions:
     warmup: int
     out: str
     command: str = ""  # the bench invocation, for the record
+    profile: str | None = None  # file for torch.profiler op tables of the last warm-up steps
 
     @property
     def batches_per_run(self) -> int:
@@ -100,7 +101,8 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
          f"--pipelines {','.join(names)}", *(["--with-torchrec"] if args.with_torchrec else []),
          f"--steps {args.steps} --warmup {args.warmup} --out {out}"]
     )
-    opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command)
+    profile = str(Path(out) / "profile.txt") if getattr(args, "profile", False) else None
+    opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command, profile)
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
     short = [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]
@@ -287,6 +289,29 @@ def run_one(
     return row
 
 
+PROFILED_STEPS = 5
+
+
+def _profile_steps(pipe: Any, it: Iterator[Batch], n: int, device: torch.device, path: str, title: str) -> int:
+    """Run ``n`` steps under torch.profiler; rank 0 appends the op table (by self
+    CPU time: host overhead is what separates pipelines at equal GPU work) to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            pipe.progress(it)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    if dist.get_rank() == 0:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        gpu = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15) if device.type == "cuda" else ""
+        with open(path, "a") as f:
+            f.write(f"\n===== {title}: {n} steps =====\n{table}\n{gpu}\n")
+    return n
+
+
 def _run_local(
     cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOptions, device: torch.device, bar: tqdm
 ) -> dict[str, Any]:
@@ -313,10 +338,14 @@ def _run_local(
         memory.built()
         out["build_s"] = time.perf_counter() - built
         it = _fresh(batches)
-        for _ in range(opts.warmup):
+        profiled = PROFILED_STEPS if opts.profile and opts.warmup > PROFILED_STEPS else 0
+        for _ in range(opts.warmup - profiled):
             pipe.progress(it)
             calls += 1
             bar.update(1)
+        if profiled:
+            calls += _profile_steps(pipe, it, profiled, device, opts.profile, f"{cfg.pipeline.name}/{impl}")
+            bar.update(profiled)
         memory.phase_done("warmup")
         if impl == "torchrec":
             out["pipelined"] = pipelined_module_count(pipe)
@@ -329,6 +358,7 @@ def _run_local(
             calls += 1
             bar.update(1)
         out["times_ms"] = clock.times_ms()  # synchronizes
+        out["host_ms"] = clock.host_ms()
         out["wall_s"] = time.perf_counter() - wall
         memory.phase_done("timed")
         while True:
@@ -370,6 +400,7 @@ def _combine(row: Row, per_rank: list[dict[str, Any]], global_batch: int, steps:
     row.step_ms_p50_per_rank = [summarize_ms(r["times_ms"])["p50"] for r in per_rank]
     row.samples_per_s = global_batch / (row.step_ms["p50"] / 1e3)
     row.wall_s = max(r["wall_s"] for r in per_rank)
+    row.host_ms = summarize_ms([max(ts) for ts in zip(*(r["host_ms"] for r in per_rank))])
     row.samples_per_s_wall = global_batch * steps / row.wall_s
     row.build_s = max(r["build_s"] for r in per_rank)
     mems = [r["memory"] for r in per_rank]

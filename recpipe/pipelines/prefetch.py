@@ -46,16 +46,23 @@ SCHEDULE = Schedule(
 ).validate()
 
 
-def _cached_tbes(model) -> list:
-    """FBGEMM TBEs with a UVM cache and cache-line locking. Walks ``_modules``
-    directly: torchrec's sharded modules hide their lookups from ``named_modules``."""
-    found, todo = [], [model]
+def _cached_tbes(model: torch.nn.Module) -> list:
+    """FBGEMM TBEs with a UVM cache and cache-line locking. torchrec hides them from
+    ``named_modules`` (its sharded modules keep their lookups in a plain list), so
+    walk registered children and lists of modules."""
+    found, seen, todo = [], set(), [model]
     while todo:
         module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
         counter = getattr(module, "lxu_cache_locking_counter", None)
         if isinstance(counter, torch.Tensor) and counter.numel() > 0:
             found.append(module)
         todo.extend(m for m in module._modules.values() if m is not None)
+        for value in vars(module).values():
+            if isinstance(value, (list, tuple)):
+                todo.extend(v for v in value if isinstance(v, torch.nn.Module))
     return found
 
 

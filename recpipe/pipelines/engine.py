@@ -98,7 +98,11 @@ class Pipeline:
         self._local_done = False  # this rank's iterator has ended
         self._fetched = 0
         self._last_host: Batch | None = None
-        self._control_pg = _control_group()
+        self._end_of_data = _EndOfData(_control_group(), always_wait=uneven_data == "error")
+        # Events only for steps something waits on (each costs a few microseconds of host time).
+        self._waited = {dep for sched in self.schedules() for step in sched.steps for dep, _ in step.waits}
+        if max_batches_ahead is not None:
+            self._waited.add("optimizer")
         self.attached = False
         self.attach()
 
@@ -114,6 +118,10 @@ class Pipeline:
     # ------------------------------------------------------ for subclasses
     def all_roles(self) -> frozenset[str]:
         return self.schedule.roles
+
+    def schedules(self) -> list[Schedule]:
+        """Every schedule this pipeline may run (pipelines with phases override)."""
+        return [self.schedule]
 
     def schedule_for(self, batch: InFlight) -> Schedule:
         """The schedule of the call that trains ``batch`` (pipelines with phases override)."""
@@ -206,7 +214,8 @@ class Pipeline:
                 fence(stream, source.events.get(dep))
         with use_stream(stream):
             self.step_function(step.name)(self, batch)
-            batch.events[step.name] = record_event(stream)
+            if step.name in self._waited:
+                batch.events[step.name] = record_event(stream)
 
     def _fetch(self, it: Iterator[Batch]) -> InFlight | None:
         host: Batch | None = None
@@ -215,7 +224,7 @@ class Pipeline:
                 host = next(it)
             except StopIteration:
                 self._local_done = True
-        have, total = _agree(host is not None, self._control_pg)
+        have, total = self._end_of_data(host is not None), self._end_of_data.world
         if have == 0:
             self._exhausted = True
             return None
@@ -228,7 +237,7 @@ class Pipeline:
                     "pipeline.uneven_data=pad (ranks that run out then train zero-weight padding batches)"
                 )
             host = self._last_host.as_padding()
-        elif have < total and self.uneven_data == "error":
+        elif have is not None and have < total and self.uneven_data == "error":
             raise sharded.PipelineError(
                 f"{self.name}: {total - have} of {total} ranks ran out of data at batch {self._fetched} while this "
                 "rank still has data; give every rank the same number of batches or set pipeline.uneven_data=pad"
@@ -253,10 +262,33 @@ def _control_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def _agree(has_batch: bool, pg: dist.ProcessGroup | None) -> tuple[int, int]:
-    """(ranks that have a batch, ranks) — one host all-reduce of one int."""
-    if pg is None:
-        return int(has_batch), 1
-    flag = torch.tensor([int(has_batch)], dtype=torch.int64)
-    dist.all_reduce(flag, group=pg)
-    return int(flag.item()), dist.get_world_size(pg)
+class _EndOfData:
+    """Does any rank still have data? One all-reduce of one int per fetch, on Gloo.
+
+    A rank that has a batch already knows the answer (some rank has data), so in
+    ``pad`` mode it launches its all-reduce asynchronously and collects it at the
+    next fetch: no host round trip on the critical path of a step. Only a rank that
+    has run out waits for the sum. In ``error`` mode every rank waits, so all ranks
+    raise at the same fetch instead of some entering a collective the others left.
+    """
+
+    def __init__(self, pg: dist.ProcessGroup | None, always_wait: bool) -> None:
+        self.pg = pg
+        self.always_wait = always_wait
+        self.world = 1 if pg is None else dist.get_world_size(pg)
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def __call__(self, has_batch: bool) -> int | None:
+        """Ranks that have a batch, or None when unknown (this rank has one, so >= 1)."""
+        if self.pg is None:
+            return int(has_batch)
+        if self._pending is not None:  # the previous fetch's all-reduce; done by now
+            self._pending[0].wait()
+            self._pending = None
+        flag = torch.tensor([int(has_batch)], dtype=torch.int64)
+        work = dist.all_reduce(flag, group=self.pg, async_op=True)
+        if has_batch and not self.always_wait:
+            self._pending = (work, flag)  # keep the tensor alive until the reduce is done
+            return None
+        work.wait()  # host sync: a Gloo round trip
+        return int(flag.item())

@@ -105,6 +105,9 @@ class SemiSyncPipeline(Pipeline):
         super().__init__(model, optimizer, device, **options)
         self._dense_params = steps.dense_params(optimizer)
 
+    def schedules(self) -> list[Schedule]:
+        return [SCHEDULE, SCHEDULE_WARMUP]
+
     def schedule_for(self, batch: InFlight) -> Schedule:
         return SCHEDULE if batch.index >= self.start_batch else SCHEDULE_WARMUP
 

@@ -46,7 +46,7 @@ class InFlight:
     is_padding: bool = False
     device: Batch | None = None
     ctxs: dict[str, Any] = field(default_factory=dict)  # module contexts (create_context)
-    splits: dict[str, Any] = field(default_factory=dict)  # splits all-to-all awaitables
+    splits: list[tuple[list[str], Any]] = field(default_factory=list)  # fused splits all-to-alls
     dist_in: dict[str, Any] = field(default_factory=dict)  # tensors all-to-all awaitables, then KJTLists
     emb: dict[str, Any] = field(default_factory=dict)  # early lookups: output-dist awaitables
     detached: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # semi_sync
@@ -91,6 +91,7 @@ class Pipeline:
         self.uneven_data = uneven_data
         self.streams = Streams.create(device, self.all_roles(), self.lookup_stream)
         self._modules = sharded.find_sharded_modules(model) if self.intercepts else {}
+        self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
         self._recent: OrderedDict[int, InFlight] = OrderedDict()  # for delta=-1 waits and the rate limiter
         self._current: InFlight | None = None  # the batch inside forward
@@ -171,6 +172,8 @@ class Pipeline:
                 "call progress() until StopIteration first"
             )
         sharded.remove(self._modules)
+        sharded.remove_splits_only(self._modules)
+        self._splits_fused = False
         self.attached = False
 
     @contextlib.contextmanager
@@ -189,6 +192,7 @@ class Pipeline:
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__}(schedule={self.schedule.name}, depth={self.schedule.depth})"]
         lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in self._modules.items()]
+        lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(self._modules)]
         return "\n".join(lines)
 
     # ------------------------------------------------------------ internals

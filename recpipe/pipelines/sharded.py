@@ -11,10 +11,16 @@ the overlap (TorchRec's "will NOT be pipelined" mode).
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
+from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 from torchrec.distributed.types import ShardedModule
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 if TYPE_CHECKING:
     from recpipe.pipelines.engine import Pipeline
@@ -112,3 +118,87 @@ def remove(modules: dict[str, ShardedModule]) -> None:
     for module in modules.values():
         if isinstance(vars(module).get("forward"), PipelinedForward):
             del module.forward
+
+
+class SplitsOnlyForward:
+    """Stands in for ``KJTAllToAll.forward`` while a pipeline is attached.
+
+    It computes what the all-to-all of one KeyedJaggedTensor needs (splits, the
+    tensors to send) without launching anything, so the pipeline can exchange the
+    splits of every input dist of every sharded module in ONE collective per process
+    group (``FusedKJTListSplitsAwaitable``) instead of one per sharding type, each
+    with its own host sync. Same contract as TorchRec's pipeline uses; built from
+    the KeyedJaggedTensor's public ``dist_*`` methods.
+    """
+
+    def __init__(self, kjt_dist: KJTAllToAll) -> None:
+        self.pg = kjt_dist._pg
+        self.splits = kjt_dist._splits
+        self.stagger = kjt_dist._stagger
+        self._cumsum = [0, *itertools.accumulate(self.splits)]
+
+    def __repr__(self) -> str:
+        return f"SplitsOnlyForward(splits={self.splits}; the pipeline launches one fused splits all-to-all)"
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
+        with torch.no_grad():
+            rank = dist.get_rank(self.pg)
+            device = kjt.values().device
+            input_splits = kjt.dist_splits(self.splits)
+            # torch.tensor(list, device=cuda): small synchronous H2D copies, as in TorchRec.
+            splits_tensors = [torch.tensor(split, device=device) for split in input_splits]
+            if not kjt.variable_stride_per_key():
+                splits_tensors.append(torch.tensor([kjt.stride()] * self.pg.size(), device=device))
+            return KJTSplitsAllToAllMeta(
+                pg=self.pg,
+                _input=kjt,
+                splits=self.splits,
+                splits_tensors=splits_tensors,
+                input_splits=input_splits,
+                input_tensors=kjt.dist_tensors(),
+                labels=kjt.dist_labels(),
+                keys=kjt.keys()[self._cumsum[rank] : self._cumsum[rank + 1]],
+                device=device,
+                stagger=self.stagger,
+            )
+
+
+def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
+    """The KJT all-to-alls inside the sharded modules' input dists (initialized ones only:
+    torchrec creates them on the first input_dist call)."""
+    found = []
+    for module in modules.values():
+        if getattr(module, "_has_uninitialized_input_dist", False):
+            return []
+        for input_dist in getattr(module, "_input_dists", []):
+            kjt_dist = getattr(input_dist, "_dist", None)
+            if isinstance(kjt_dist, KJTAllToAll):
+                found.append(kjt_dist)
+    return found
+
+
+def install_splits_only(modules: dict[str, ShardedModule]) -> bool:
+    """Install ``SplitsOnlyForward`` on every KJT all-to-all; False if not initialized yet."""
+    targets = kjt_all_to_alls(modules)
+    for kjt_dist in targets:
+        kjt_dist.forward = SplitsOnlyForward(kjt_dist)  # type: ignore[method-assign]
+    return bool(targets)
+
+
+def remove_splits_only(modules: dict[str, ShardedModule]) -> None:
+    for kjt_dist in kjt_all_to_alls(modules):
+        if isinstance(vars(kjt_dist).get("forward"), SplitsOnlyForward):
+            del kjt_dist.forward
+
+
+def fuse_splits(requests: dict[str, Any], contexts: dict[str, Any]) -> list[tuple[list[str], Any]]:
+    """One ``FusedKJTListSplitsAwaitable`` per process group over the modules' splits
+    requests; constructing it launches the single splits all-to-all."""
+    by_pg: dict[Any, list[str]] = {}
+    for fqn, request in requests.items():
+        pg = next((a.pg for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)), None)
+        by_pg.setdefault(pg, []).append(fqn)
+    return [
+        (fqns, FusedKJTListSplitsAwaitable(requests=[requests[f] for f in fqns], contexts=[contexts[f] for f in fqns], pg=pg))
+        for pg, fqns in by_pg.items()
+    ]

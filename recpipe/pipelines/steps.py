@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from recpipe.pipelines.sharded import fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, record_event, use_stream
 
 if TYPE_CHECKING:
@@ -35,21 +36,28 @@ def h2d(pipe: "Pipeline", b: "InFlight") -> None:
 
 
 def input_dist(pipe: "Pipeline", b: "InFlight") -> None:
-    """Launch the splits all-to-all of every sharded module (dist stream)."""
+    """Launch the splits all-to-all of every sharded module's input dists: one fused
+    collective per process group once the input dists exist (the first batch
+    creates them and goes unfused)."""
     hand_off(b.device, pipe.streams.dist)
     features = b.device.sparse_features
+    requests = {}
     for fqn, module in pipe._modules.items():
-        ctx = module.create_context()
-        b.ctxs[fqn] = ctx
-        b.splits[fqn] = module.input_dist(ctx, features)
+        b.ctxs[fqn] = module.create_context()
+        requests[fqn] = module.input_dist(b.ctxs[fqn], features)
+    b.splits = fuse_splits(requests, b.ctxs)
+    if not pipe._splits_fused:
+        pipe._splits_fused = install_splits_only(pipe._modules)
 
 
 def input_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
-    """Host sync: the splits awaitable's wait() does .tolist() on the received splits,
-    then launches the values/lengths all-to-all. Scheduled after a forward has
-    been queued so the GPU has work while the host waits."""
-    for fqn in list(b.splits):
-        b.dist_in[fqn] = b.splits.pop(fqn).wait()
+    """Host sync: the splits wait() does .tolist() on the received splits, then
+    launches the values/lengths all-to-alls. Scheduled after a forward has been
+    queued so the GPU has work while the host waits."""
+    for fqns, fused in b.splits:
+        for fqn, tensors_awaitable in zip(fqns, fused.wait()):
+            b.dist_in[fqn] = tensors_awaitable
+    b.splits = []
 
 
 def _dist_input(pipe: "Pipeline", b: "InFlight", fqn: str) -> Any:

@@ -1,0 +1,64 @@
+"""Memory planner: per-shard and per-rank HBM / host DDR of a training configuration,
+as named terms, without a GPU or a process group (docs/planner.md).
+
+Entry points::
+
+    plan = plan_from_config(cfg)             # RecpipeConfig -> MemoryPlan
+    plan = estimate_memory(inputs)           # PlannerInputs -> MemoryPlan (pure)
+    msg = check_fits(plan)                   # None, or why it does not fit
+    code = preflight(cfg)                    # for `recpipe train`: print summary, 0 or 3
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from recpipe.planner.memory import estimate_memory
+from recpipe.planner.plan import MemoryPlan, RankMemory, ShardMemory, Term, check_fits, render_table, summary
+from recpipe.planner.spec import PlannerInputs, inputs_from_config
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
+
+__all__ = [
+    "MemoryPlan",
+    "PlannerInputs",
+    "RankMemory",
+    "ShardMemory",
+    "Term",
+    "check_fits",
+    "estimate_memory",
+    "inputs_from_config",
+    "plan_from_config",
+    "preflight",
+    "render_table",
+    "summary",
+]
+
+
+def plan_from_config(
+    cfg: "RecpipeConfig",
+    *,
+    world_size: int | None = None,
+    hbm_capacity_bytes: int | None = None,
+    fbgemm_version: tuple[int, int] | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``cfg`` (world size: ``distributed.nproc`` unless given;
+    capacity: ``sharding.hbm_gb``, else the GPU's own, else 80 GiB)."""
+    return estimate_memory(
+        inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
+    )
+
+
+def preflight(cfg: "RecpipeConfig", *, world_size: int | None = None, log=print) -> int:
+    """For ``recpipe train`` before it allocates anything: log the per-rank summary;
+    return 0, or ``EXIT_DOES_NOT_FIT`` (3) after logging why the plan does not fit."""
+    from recpipe.cli import EXIT_DOES_NOT_FIT
+
+    plan = plan_from_config(cfg, world_size=world_size)
+    log(summary(plan))
+    problem = check_fits(plan)
+    if problem is None:
+        return 0
+    log(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}")
+    return EXIT_DOES_NOT_FIT

@@ -1,0 +1,247 @@
+"""recpipe's estimates inside torchrec's planner, and torchrec's own for comparison.
+
+* :class:`RecpipeStorageEstimator` is a torchrec ``ShardEstimator``: it sets every
+  shard's ``storage`` from recpipe's formulas (the shard's static buffers plus its
+  share of the per-step terms), so torchrec's partitioner places shards by our
+  numbers. Its ``estimate`` accepts both torchrec 1.6 (``sharder_map``) and 1.8
+  (``sharder_data_map``) call forms; it needs neither.
+* :class:`RecpipeStorageReservation` reserves, on every rank, what is not a shard:
+  dense model, batches in flight, phase transients, allocator pools, CUDA context
+  and NCCL (the largest rank of recpipe's plan for the config's own placement).
+* :func:`torchrec_planner` wires both into ``EmbeddingShardingPlanner``;
+  :func:`plan_with_torchrec` returns the placed ``ShardingPlan``.
+* :func:`torchrec_estimate` runs torchrec's ``EmbeddingStorageEstimator`` and
+  ``HeuristicalStorageReservation`` on the same config and placement (the
+  comparison column of the GPU validation).
+
+A per-shard estimate cannot know its TBE: it assumes the shard is alone in its TBE
+(cache width = its own dim) and counts its own prefetch scratch (an upper bound:
+TBEs prefetch one after the other, so the rank needs only the largest).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any, Iterator
+
+from recpipe.planner.memory import LOCATION_BYTES, OUTPUT_BYTES, estimate_memory, received_kjt_bytes
+from recpipe.planner.spec import PlannerInputs, ShardSpec, TableSpec, inputs_from_config
+from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, tbe_static
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
+
+from torchrec.distributed.planner.types import ShardEstimator, Storage, StorageReservation, Topology
+
+
+def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel: str, size: list[int],
+                  cache_load_factor: float | None = None, batch_size: int | None = None,
+                  pooling_factor: float | None = None) -> tuple[int, int]:
+    """(hbm, ddr) bytes of one shard of ``size`` [rows, cols] as recpipe estimates it."""
+    base = inputs.table(table)
+    clf = cache_load_factor if cache_load_factor is not None else (base.cache_load_factor or 0.2)
+    t = TableSpec(table, base.rows, base.dim, pooling_factor if pooling_factor is not None else base.pooling_factor,
+                  sharding_type, kernel, clf if kernel == "fused_uvm_caching" else None)
+    s = ShardSpec(table, 0, int(size[0]), int(size[1]))
+    one = dataclasses.replace(inputs, tables=(t,), shards=(s,), batch_size=batch_size or inputs.batch_size)
+    tbe = Tbe(0, sharding_type, "dense" if kernel == "dense" else "fused", t.cached,
+              s.cols if t.cached and inputs.prefetch_pipeline else None, (s,), (t,))
+    hbm = ddr = 0
+    for name, side, b, _ in tbe_static(one, tbe):
+        if name == "tbe_metadata":
+            continue
+        hbm, ddr = (hbm + b, ddr) if side == "hbm" else (hbm, ddr + b)
+    pipe = inputs.pipeline
+    n, bags = shard_indices(one, s), shard_bags(one, s)
+    lookup = OUTPUT_BYTES * bags * s.cols
+    copies = 1 + int(pipe.early_pooled) + int(pipe.keeps_emb_graph)
+    hbm += copies * lookup
+    if sharding_type != "data_parallel":
+        hbm += pipe.dist_kjts_in_flight * received_kjt_bytes(n, bags, inputs.world_size)
+    if t.cached:
+        hbm += int((2 if pipe.prefetch else 1) * LOCATION_BYTES * n)
+        passes = inputs.prefetch_passes if inputs.prefetch_pipeline else 1
+        hbm += prefetch_scratch_bytes(n, passes, inputs.prefetch_min_pass_size, inputs.fbgemm_version)
+    return hbm, ddr
+
+
+class RecpipeStorageEstimator(ShardEstimator):
+    """torchrec ``ShardEstimator`` with recpipe's per-shard HBM/DDR."""
+
+    def __init__(self, inputs: PlannerInputs) -> None:
+        self._inputs = inputs
+
+    def estimate(self, sharding_options: list, *args: Any, **kwargs: Any) -> None:
+        for so in sharding_options:
+            clf = so.cache_params.load_factor if so.cache_params is not None else None
+            pf = float(sum(so.input_lengths)) if so.input_lengths else None
+            for shard in so.shards:
+                hbm, ddr = shard_storage(self._inputs, so.name, so.sharding_type, so.compute_kernel, shard.size,
+                                         cache_load_factor=clf, batch_size=so.batch_size, pooling_factor=pf)
+                shard.storage = Storage(hbm=hbm, ddr=ddr)
+
+
+def non_shard_bytes(inputs: PlannerInputs) -> tuple[int, int]:
+    """(hbm, ddr) a rank needs besides its shards: the largest over ranks of the
+    rank's total minus its shards' estimates (config's own placement)."""
+    plan = estimate_memory(inputs)
+    hbm = ddr = 0
+    for r in plan.ranks:
+        sh_hbm = sh_ddr = 0
+        for s in plan.shards:
+            if s.rank == r.rank:
+                h, d = shard_storage(inputs, s.table, s.sharding_type, s.kernel, [s.rows, s.cols])
+                sh_hbm, sh_ddr = sh_hbm + h, sh_ddr + d
+        hbm, ddr = max(hbm, r.hbm_bytes - sh_hbm), max(ddr, r.ddr_bytes - sh_ddr)
+    return max(hbm, 0), max(ddr, 0)
+
+
+class RecpipeStorageReservation(StorageReservation):
+    """Reserves recpipe's non-shard terms on every device of the topology."""
+
+    def __init__(self, inputs: PlannerInputs) -> None:
+        self._inputs = inputs
+        self._last: "Topology | None" = None
+
+    def reserve(self, topology: "Topology", batch_size: int, module: Any, sharders: list,
+                constraints: dict | None = None, **kwargs: Any) -> "Topology":
+        import copy
+
+        hbm, ddr = non_shard_bytes(self._inputs)
+        reserved = copy.deepcopy(topology)
+        for device in reserved.devices:
+            device.storage.hbm = max(device.storage.hbm - hbm, 0)
+            device.storage.ddr = max(device.storage.ddr - ddr, 0)
+        self._last = reserved
+        return reserved
+
+    @property
+    def last_reserved_topology(self) -> "Topology | None":
+        return self._last
+
+
+def constraints_from_config(cfg: "RecpipeConfig", world_size: int | None = None) -> dict:
+    """torchrec ``ParameterConstraints`` fixing each table's sharding type, kernel,
+    pooling factor and cache params as the config says (placement left to torchrec)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+
+    from recpipe.sharding.build import _cache_params
+
+    W = world_size or cfg.distributed.nproc
+    inputs_pf = cfg.data.synthetic.mean_pooling_factors
+    pfs = inputs_pf if isinstance(inputs_pf, list) else [inputs_pf] * cfg.model.num_sparse_features
+    out = {}
+    for (name, t), pf in zip(cfg.table_sharding().items(), pfs):
+        out[name] = ParameterConstraints(
+            sharding_types=[t.type], compute_kernels=[t.kernel], pooling_factors=[float(pf)],
+            min_partition=cfg.model.embedding_dim // W if t.type == "column_wise" else None,
+            cache_params=_cache_params(t, cfg),
+        )
+    return out
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torchrec's planner warns about a directly built Topology (1.8) and the
+    heuristical reservation; both are deliberate here."""
+    names = ("torchrec.distributed.planner.types", "torchrec.distributed.planner.storage_reservations", "root")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _topology(inputs: PlannerInputs) -> "Topology":
+    return Topology(world_size=inputs.world_size, compute_device="cuda", hbm_cap=inputs.hbm_capacity_bytes,
+                    local_world_size=inputs.world_size)
+
+
+def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
+    """torchrec ``EmbeddingShardingPlanner`` that sizes shards with recpipe's numbers."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
+
+    inputs = inputs or inputs_from_config(cfg)
+    topology = _topology(inputs)
+    constraints = constraints_from_config(cfg, inputs.world_size)
+    enumerator = EmbeddingEnumerator(
+        topology=topology, batch_size=inputs.batch_size, constraints=constraints,
+        estimator=[EmbeddingPerfEstimator(topology=topology, constraints=constraints), RecpipeStorageEstimator(inputs)],
+    )
+    return EmbeddingShardingPlanner(
+        topology=topology, batch_size=inputs.batch_size, enumerator=enumerator,
+        storage_reservation=RecpipeStorageReservation(inputs), constraints=constraints,
+    )
+
+
+def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
+    """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates."""
+    from recpipe.models.dlrm import build_model
+    from recpipe.sharding.build import make_sharder
+
+    with _quiet():
+        planner = torchrec_planner(cfg, inputs)
+        return planner.plan(build_model(cfg.model), [make_sharder(cfg)])
+
+
+_PIPELINE_TYPE = {"base": "TRAIN_BASE", "sparse_dist": "TRAIN_SPARSE_DIST", "fused_sparse_dist": "TRAIN_SPARSE_DIST",
+                  "semi_sync": "TRAIN_SPARSE_DIST", "prefetch": "TRAIN_PREFETCH_SPARSE_DIST"}
+
+
+def torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None, *,
+                      pipeline_aware: bool = False) -> list[dict[str, int]]:
+    """TorchRec's own per-rank numbers for ``cfg`` at recpipe's placement.
+
+    ``EmbeddingStorageEstimator`` as torchrec's planner builds it (pipeline type
+    NONE, unless ``pipeline_aware``) summed over the shards each rank holds, plus
+    ``HeuristicalStorageReservation(0.15)``'s dense and KJT reservations."""
+    inputs = inputs or inputs_from_config(cfg)
+    with _quiet():
+        return _torchrec_estimate(cfg, inputs, pipeline_aware)
+
+
+def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_aware: bool) -> list[dict[str, int]]:
+    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+    from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
+    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+    from torchrec.distributed.types import PipelineType
+
+    from recpipe.models.dlrm import build_model
+    from recpipe.sharding.build import make_sharder
+
+    topology = _topology(inputs)
+    constraints = constraints_from_config(cfg, inputs.world_size)
+    ptype = getattr(PipelineType, _PIPELINE_TYPE[inputs.pipeline.name]) if pipeline_aware else PipelineType.NONE
+    estimator = EmbeddingStorageEstimator(topology=topology, constraints=constraints, pipeline_type=ptype)
+    enumerator = EmbeddingEnumerator(topology=topology, batch_size=inputs.batch_size, constraints=constraints,
+                                     estimator=[estimator])
+    model, sharders = build_model(cfg.model), [make_sharder(cfg)]
+    options = {so.name: so for so in enumerator.enumerate(model, sharders)}
+    reservation = HeuristicalStorageReservation(percentage=0.15)
+    reservation.reserve(topology, inputs.batch_size, model, sharders, constraints)
+    dense = reservation._dense_storage.hbm if reservation._dense_storage else 0
+    kjt = reservation._kjt_storage.hbm if reservation._kjt_storage else 0
+    tw = dict(inputs.tw_ranks)
+    out = [{"rank": r, "shards_hbm": 0, "shards_ddr": 0, "dense_reservation": dense, "kjt_reservation": kjt}
+           for r in range(inputs.world_size)]
+    for name, so in options.items():
+        for i, shard in enumerate(so.shards):
+            ranks = [tw[name]] if so.sharding_type == "table_wise" else (
+                list(range(inputs.world_size)) if so.sharding_type == "data_parallel" and len(so.shards) == 1 else [i])
+            for r in ranks:
+                out[r]["shards_hbm"] += shard.storage.hbm
+                out[r]["shards_ddr"] += shard.storage.ddr
+    for o in out:
+        o["hbm"] = o["shards_hbm"] + dense + kjt
+    return out

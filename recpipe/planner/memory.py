@@ -1,0 +1,329 @@
+"""The memory estimate: :func:`estimate_memory` (pure: ``PlannerInputs`` in,
+``MemoryPlan`` out; no process group, no GPU).
+
+Per rank r the HBM total is
+
+    static(r) + per_step(r) + allocator(r) + runtime(r)
+
+* static: the TBE buffers of every TBE torchrec builds on r (:mod:`recpipe.planner.tbe`),
+  the dense model with its gradients and optimizer state, the cuBLAS workspace.
+* per_step: what is alive at the peak of a training step: the pipeline's batches in
+  flight (always alive) plus the transients of the step's largest *phase*:
+
+  - ``forward_lookup``: TBE outputs and the pooled embeddings after the output dist;
+  - ``forward_end``: all saved activations (the interaction copied the pooled
+    embeddings and dropped them), + prefetch of batch i+1 on the prefetch stream,
+    which the prefetch pipeline issues right here;
+  - ``backward_emb``: gradient of the TBE output + TBE backward scratch + the dense
+    arch's activations (its backward runs after the embeddings');
+  - ``inline_prefetch``: cached tables without the prefetch pipeline prefetch inside
+    their forward, on the default stream, in one pass.
+
+* allocator: the caching allocator keeps one pool per stream; blocks freed by one
+  stream are not reused by another, so every stream's pool holds its own peak,
+  whichever phase it occurs in (:func:`per_step_and_allocator`).
+* runtime: CUDA context, NCCL communicators.
+
+Constants marked "calibrate" are fitted from ``tests/test_planner_gpu.py`` runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from recpipe.planner.plan import MemoryPlan, PrefetchSavings, RankMemory, ShardMemory, TbeGroupInfo, Term, fmt_bytes
+from recpipe.planner.spec import PlannerInputs
+from recpipe.planner.tbe import (
+    INDEX_BYTES,
+    LOCATION_BYTES,
+    STATE_BYTES,
+    Tbe,
+    backward_scratch_bytes,
+    group_tbes,
+    prefetch_pass_sizes,
+    prefetch_scratch_bytes,
+    shard_bags,
+    shard_indices,
+    shard_static,
+    tbe_static,
+)
+
+MiB = 1 << 20
+ALLOCATOR_FRAGMENTATION = 0.45  # fitted on H100/H200 runs of tests/test_planner_gpu.py (W=1); calibrate per site
+CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
+NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
+CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each on sm90 (measured)
+LENGTH_BYTES = 4  # KJT lengths/offsets are int32 (recpipe.data.synthetic)
+TBE_OFFSET_BYTES = 8  # the TBE casts offsets to int64
+OUTPUT_BYTES = 4  # pooled outputs fp32
+_DENSE_OPT = {"sgd": 0, "adagrad": 1, "adam": 2}
+
+
+# ------------------------------------------------------------------ batch sizes
+def local_ids(inputs: PlannerInputs) -> float:
+    return inputs.batch_size * sum(t.pooling_factor for t in inputs.tables)
+
+
+def batch_bytes(inputs: PlannerInputs) -> int:
+    """One input batch on the device: dense fp32 [B, nd], labels and weights fp32
+    [B], KJT int64 values, int32 lengths and offsets."""
+    B, F = inputs.batch_size, len(inputs.tables)
+    dense = 4 * B * (inputs.num_dense_features + 2)
+    return int(dense + INDEX_BYTES * local_ids(inputs) + LENGTH_BYTES * (2 * B * F + 1))
+
+
+def local_sparse_bytes(inputs: PlannerInputs) -> int:
+    """The rank's own KJT (values + lengths): what input dist permutes/bucketizes."""
+    return int(INDEX_BYTES * local_ids(inputs) + LENGTH_BYTES * inputs.batch_size * len(inputs.tables))
+
+
+def received_kjt_bytes(n: float, bags: int, world_size: int = 2) -> int:
+    """A KJT after the input all-to-all (int64 values, int32 lengths) plus the int64
+    offsets the TBE builds from it. With one rank torchrec's all-to-all returns its
+    input (``KJTAllToAllTensorsAwaitable``: ``if self._workers == 1``): offsets only."""
+    received = INDEX_BYTES * n + LENGTH_BYTES * bags if world_size > 1 else 0
+    return int(received + TBE_OFFSET_BYTES * (bags + 1))
+
+
+@dataclass(frozen=True)
+class RankIO:
+    """Per-batch sizes on one rank, from its TBEs."""
+
+    tbes: tuple[Tbe, ...]
+    indices: tuple[float, ...]  # per TBE
+    bags: tuple[int, ...]  # per TBE
+    lookup: int  # TBE outputs (pooled, before output dist)
+    pooled: int  # pooled embeddings after output dist (0 extra when W == 1: same tensor)
+    received: int  # input-dist KJTs of one batch (+ TBE offsets)
+    cached_indices: float
+    prefetch_scratch: int  # largest TBE's, at the configured passes
+    prefetch_scratch_one_pass: int
+    inline_scratch: int  # no prefetch pipeline: forward prefetches in one pass
+    backward_scratch: int
+    passes_effective: tuple[tuple[str, int], ...]
+
+
+def rank_io(inputs: PlannerInputs, rank: int) -> RankIO:
+    W, B = inputs.world_size, inputs.batch_size
+    tbes = tuple(group_tbes(inputs, rank))
+    ns = tuple(sum(shard_indices(inputs, s) for s in g.shards) for g in tbes)
+    bags = tuple(sum(shard_bags(inputs, s) for s in g.shards) for g in tbes)
+    lookup = sum(OUTPUT_BYTES * shard_bags(inputs, s) * s.cols for g in tbes for s in g.shards)
+    sharded_dims = sum(t.dim for t in inputs.tables if t.sharding_type != "data_parallel")
+    pooled = OUTPUT_BYTES * B * sharded_dims if W > 1 else 0
+    received = sum(received_kjt_bytes(n, b, W) for g, n, b in zip(tbes, ns, bags) if g.sharding_type != "data_parallel")
+    version, min_pass = inputs.fbgemm_version, inputs.prefetch_min_pass_size
+    cached = [(g, n) for g, n in zip(tbes, ns) if g.cached]
+    pf = inputs.prefetch_pipeline
+    return RankIO(
+        tbes=tbes, indices=ns, bags=bags, lookup=lookup, pooled=pooled, received=received,
+        cached_indices=sum(n for _, n in cached),
+        prefetch_scratch=max((prefetch_scratch_bytes(n, inputs.prefetch_passes, min_pass, version) for _, n in cached), default=0) if pf else 0,
+        prefetch_scratch_one_pass=max((prefetch_scratch_bytes(n, 1, min_pass, version) for _, n in cached), default=0) if pf else 0,
+        inline_scratch=0 if pf else max((prefetch_scratch_bytes(n, 1, 1, version) for _, n in cached), default=0),
+        backward_scratch=max((backward_scratch_bytes(n, g.cached and not pf) for g, n in zip(tbes, ns)), default=0),
+        passes_effective=tuple((g.name, len(prefetch_pass_sizes(int(round(n)), inputs.prefetch_passes, min_pass)))
+                               for g, n in cached) if pf else (),
+    )
+
+
+# ------------------------------------------------------------------ static
+def _merge(terms: list[Term]) -> tuple[Term, ...]:
+    """Sum terms of the same (name, side, category) (one per TBE) into one."""
+    out: dict[tuple[str, str, str], list[Term]] = {}
+    for t in terms:
+        out.setdefault((t.name, t.side, t.category), []).append(t)
+    return tuple(
+        ts[0] if len(ts) == 1 else dataclasses.replace(ts[0], bytes=sum(t.bytes for t in ts), detail=f"sum of {len(ts)} TBEs")
+        for ts in out.values()
+    )
+
+
+def static_terms(inputs: PlannerInputs, io: RankIO) -> tuple[Term, ...]:
+    terms = [Term(name, side, "static", b, d) for g in io.tbes for name, side, b, d in tbe_static(inputs, g)]
+    P = inputs.dense.num_params
+    k = _DENSE_OPT[inputs.dense_optimizer]
+    terms += [
+        Term("dense_params", "hbm", "static", 4 * P + inputs.dense.buffer_bytes, f"{P} params"),
+        Term("dense_grads", "hbm", "static", 4 * P, f"{P} params (DDP buckets are views)"),
+        Term("dense_optimizer", "hbm", "static", k * STATE_BYTES * P, f"{inputs.dense_optimizer}: {k} x params"),
+        Term("cublas_workspace", "hbm", "static", CUBLAS_WORKSPACE_BYTES, "cuBLAS + cuBLASLt, default stream"),
+    ]
+    return _merge(terms)
+
+
+def shard_memory(inputs: PlannerInputs, io: RankIO) -> list[ShardMemory]:
+    """Per shard: its static bytes and the per-step bytes that scale with it."""
+    pipe = inputs.pipeline
+    loc_batches = 2 if pipe.prefetch else 1
+    out = []
+    for g in io.tbes:
+        for i, s in enumerate(g.shards):
+            t = g.tables[i]
+            terms = [Term(name, side, "static", b, d) for name, side, b, d in shard_static(inputs, g, i)]
+            n, bags = shard_indices(inputs, s), shard_bags(inputs, s)
+            if t.sharding_type != "data_parallel":
+                kjt = pipe.dist_kjts_in_flight * received_kjt_bytes(n, bags, inputs.world_size)
+                terms.append(Term("input_dist_kjts", "hbm", "per_step", kjt, f"{pipe.dist_kjts_in_flight} x {n:.0f} indices"))
+            terms.append(Term("pooled_lookup", "hbm", "per_step", OUTPUT_BYTES * bags * s.cols, f"{bags} bags x {s.cols}"))
+            if t.cached:
+                name = "prefetch_cache_locations" if pipe.prefetch else "cache_locations"
+                terms.append(Term(name, "hbm", "per_step", int(loc_batches * LOCATION_BYTES * n), f"{loc_batches} x {n:.0f} x int32"))
+            out.append(ShardMemory(s.table, g.rank, s.rows, s.cols, t.sharding_type, t.kernel, tuple(terms)))
+    return out
+
+
+# ------------------------------------------------------------------ per step
+def _lookup_stream(inputs: PlannerInputs) -> str:
+    """Stream that runs the embedding lookup (and, autograd following it, its backward)."""
+    return inputs.pipeline.lookup_stream
+
+
+def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, str]]:
+    """(term, bytes, stream, detail) alive through the whole step (batches in flight)."""
+    pipe = inputs.pipeline
+    bb = batch_bytes(inputs)
+    dist = "dist" if "dist" in pipe.side_streams else "main"
+    items = [
+        ("input_batches", pipe.batches_in_flight * bb, "memcpy", f"{pipe.batches_in_flight} x {bb} B"),
+        ("input_dist_kjts", pipe.dist_kjts_in_flight * io.received, dist,
+         f"{pipe.dist_kjts_in_flight} x received KJT" + (" (W=1: TBE offsets only)" if inputs.world_size == 1 else "")),
+    ]
+    if pipe.early_pooled:
+        items.append(("early_pooled_embeddings", io.lookup + io.pooled, _lookup_stream(inputs), "batch i+1"))
+    if pipe.keeps_emb_graph:
+        items.append(("semi_sync_emb_graph", io.lookup + io.pooled, "main", "batch i: outputs + pooled grads"))
+    if pipe.stash_dense_grads:
+        items.append(("stashed_dense_grads", 4 * inputs.dense.num_params, "main", "dense grads"))
+    if io.cached_indices:
+        k = 2 if pipe.prefetch else 1
+        items.append(("prefetch_cache_locations" if pipe.prefetch else "cache_locations",
+                      int(k * LOCATION_BYTES * io.cached_indices), "prefetch" if pipe.prefetch else "main",
+                      f"{k} x {io.cached_indices:.0f} x int32"))
+    return items
+
+
+def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, int, str]]]:
+    """Transients of each phase of a step: (term, bytes, stream)."""
+    B = inputs.batch_size
+    act_dense = 4 * B * inputs.dense.dense_arch_floats
+    act_top = 4 * B * inputs.dense.top_floats
+    emb = _lookup_stream(inputs)
+    phases = {
+        "forward_lookup": [("pooled_lookup", io.lookup, emb), ("pooled_embeddings", io.pooled, "main"),
+                           ("dense_arch_activations", act_dense, "main")],
+        # the interaction copies the pooled embeddings (torch.cat) and drops them
+        "forward_end": [("dense_arch_activations", act_dense, "main"), ("top_activations", act_top, "main")],
+        "backward_emb": [("pooled_embedding_grads", io.lookup, "main"), ("sparse_backward_scratch", io.backward_scratch, emb),
+                         ("dense_arch_activations", act_dense, "main")],
+    }
+    if inputs.pipeline.prefetch and io.prefetch_scratch:  # prefetch(i+1) is issued right after forward(i)
+        phases["forward_end"].append(("prefetch_scratch", io.prefetch_scratch, "prefetch"))
+    if io.inline_scratch:
+        phases["inline_prefetch"] = [("prefetch_scratch_inline", io.inline_scratch, "main"),
+                                     ("dense_arch_activations", act_dense, "main")]
+    return phases
+
+
+def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term], list[Term], str, dict[str, int]]:
+    """Per-step terms at the peak phase, and the allocator's per-stream pools.
+
+    allocated = static + alive + max over phases of the phase's transients.
+    Each stream's pool keeps its own peak (alive on it + its largest phase), and
+    blocks cached in one pool are not reused by another stream, so
+    reserved = static + (1 + phi) * sum of pools, where a pool also covers staging
+    the peak does not see (one batch on memcpy, the permuted local KJT on dist when
+    W > 1). With fused_sparse_dist's lookup on the dist stream, staging and lookup
+    share that pool; on a 'new' stream they cannot (TorchRec #2916)."""
+    alive = alive_items(inputs, io)
+    phases = phase_items(inputs, io)
+    totals = {p: sum(b for _, b, _ in items) for p, items in phases.items()}
+    peak = max(totals, key=lambda p: totals[p])
+    per_step = [Term(n, "hbm", "per_step", b, d) for n, b, _, d in alive]
+    per_step += [Term(n, "hbm", "per_step", b, f"phase {peak}") for n, b, _ in phases[peak] if b]
+    streams = ("main",) + inputs.pipeline.side_streams
+    on = {s: sum(b for _, b, st, _ in alive if st == s) for s in streams}
+    at_peak = {s: on[s] + sum(b for _, b, st in phases[peak] if st == s) for s in streams}
+    # staging the peak does not see: a batch freed late on memcpy; the permuted local
+    # KJT on dist (W > 1). It reuses the pool's blocks when the lookup shares the stream.
+    staging = {"memcpy": batch_bytes(inputs), "dist": local_sparse_bytes(inputs) if inputs.world_size > 1 else 0}
+    pool = {s: on[s] + max([sum(b for _, b, st in items if st == s) for items in phases.values()] + [staging.get(s, 0)])
+            for s in streams}
+    allocator = [Term("allocator_fragmentation", "hbm", "allocator",
+                      int(ALLOCATOR_FRAGMENTATION * sum(pool.values())) + pool["main"] - at_peak["main"],
+                      f"{ALLOCATOR_FRAGMENTATION:.0%} of the per-step pools + default pool outside the peak phase")]
+    for s in inputs.pipeline.side_streams:
+        allocator.append(Term(f"reserve_{s}_stream", "hbm", "allocator", pool[s] - at_peak[s],
+                              f"pool {fmt_bytes(pool[s])}, {fmt_bytes(at_peak[s])} of it at the peak"))
+    return per_step, allocator, peak, totals
+
+
+# ------------------------------------------------------------------ one rank
+def _rank(inputs: PlannerInputs, rank: int) -> tuple[RankMemory, list[ShardMemory], RankIO]:
+    io = rank_io(inputs, rank)
+    per_step, allocator, peak, totals = per_step_and_allocator(inputs, io)
+    runtime = [Term("cuda_context", "hbm", "runtime", CUDA_CONTEXT_BYTES, "measured on H100 (calibrate per site)")]
+    if inputs.world_size > 1:
+        runtime.append(Term("nccl_communicators", "hbm", "runtime", NCCL_BYTES, "calibrate"))
+    bb = batch_bytes(inputs)
+    host = [Term("pinned_host_batches", "ddr", "per_step", inputs.pipeline.batches_in_flight * bb, "pinned host batches")]
+    terms = static_terms(inputs, io) + _merge(per_step) + tuple(allocator) + tuple(runtime) + tuple(host)
+    groups = tuple(
+        TbeGroupInfo(rank, g.name, g.sharding_type, "cached" if g.cached else g.kernel_class,
+                     tuple(s.table for s in g.shards), round(n, 1), g.cache_rows, g.cache_slots, g.cache_dim,
+                     dict(io.passes_effective).get(g.name, 0))
+        for g, n in zip(io.tbes, io.indices)
+    )
+    rm = RankMemory(rank, inputs.hbm_capacity_bytes, terms, peak, tuple(totals.items()), groups)
+    return rm, shard_memory(inputs, io), io
+
+
+# ------------------------------------------------------------------ the plan
+def _warnings(inputs: PlannerInputs, ranks: list[RankMemory], infos: list[RankIO]) -> list[str]:
+    out: list[str] = []
+    for rm, info in zip(ranks, infos):
+        cache = rm.term("uvm_cache_weights")
+        if cache and cache > rm.capacity_bytes - (rm.term("emb_weights") + rm.term("emb_optimizer_rowwise")):
+            out.append(f"rank {rm.rank}: the UVM cache ({cache} B) exceeds the GPU memory left after the other "
+                       "static buffers; FBGEMM would shrink it at construction")
+        for name, eff in info.passes_effective:
+            if inputs.prefetch_passes > 1 and eff < inputs.prefetch_passes:
+                n = next(g.indices_per_batch for g in rm.tbe_groups if g.name == name)
+                out.append(f"rank {rm.rank} TBE {name}: sharding.prefetch_passes={inputs.prefetch_passes} but only "
+                           f"{eff} pass(es) happen: {n:.0f} indices per batch, "
+                           f"sharding.prefetch_min_pass_size={inputs.prefetch_min_pass_size}")
+    if inputs.pipeline.prefetch and inputs.prefetch_passes > 6 and tuple(inputs.fbgemm_version) >= (1, 4):
+        out.append(f"sharding.prefetch_passes={inputs.prefetch_passes}: with FBGEMM >= 1.4 prefetch scratch floors at "
+                   "2x the index bytes (merged linear indices); passes beyond about 6 save nothing")
+    for s in inputs.shards:
+        if s.cols % 4:
+            out.append(f"{s.table}: shard of {s.cols} columns; FBGEMM needs a multiple of 4")
+    return out
+
+
+def _estimate(inputs: PlannerInputs) -> tuple[list[RankMemory], list[ShardMemory], list[RankIO]]:
+    ranks, shards, infos = [], [], []
+    for r in range(inputs.world_size):
+        rm, sh, info = _rank(inputs, r)
+        ranks.append(rm)
+        shards += sh
+        infos.append(info)
+    return ranks, shards, infos
+
+
+def estimate_memory(inputs: PlannerInputs) -> MemoryPlan:
+    """Per-shard and per-rank HBM/DDR of training ``inputs`` (pure function)."""
+    ranks, shards, infos = _estimate(inputs)
+    savings: list[PrefetchSavings] = []
+    if inputs.pipeline.prefetch and any(i.passes_effective for i in infos):
+        one, _, one_infos = _estimate(dataclasses.replace(inputs, prefetch_passes=1))
+        for rm, info, rm1, info1 in zip(ranks, infos, one, one_infos):
+            if info.passes_effective:
+                savings.append(PrefetchSavings(rm.rank, inputs.prefetch_passes, info.passes_effective,
+                                               info.prefetch_scratch, info1.prefetch_scratch, rm.hbm_bytes, rm1.hbm_bytes))
+    return MemoryPlan(
+        ranks=tuple(ranks), shards=tuple(shards), pipeline=inputs.pipeline.name, world_size=inputs.world_size,
+        batch_size=inputs.batch_size, fbgemm_version=tuple(inputs.fbgemm_version), prefetch=tuple(savings),
+        warnings=tuple(_warnings(inputs, ranks, infos)),
+    )

@@ -1,0 +1,311 @@
+"""What the planner is asked about: frozen input dataclasses, and their construction
+from a :class:`~recpipe.config.RecpipeConfig`.
+
+``PlannerInputs`` holds everything :func:`recpipe.planner.memory.estimate_memory`
+reads: tables, their shards (where each shard lives), the dense model, the
+optimizers, the pipeline, the prefetch options, the batch, the topology and the
+FBGEMM version. It is plain data: building it from a config
+(:func:`inputs_from_config`) touches no process group and no GPU (the dense model is
+built on the meta device to count its parameters).
+
+Shards follow torchrec's own rules so that the estimate is of the run that really
+happens (``tests/test_planner.py`` checks them against
+``construct_module_sharding_plan``):
+
+* table_wise: one shard, on ``recpipe.sharding.build.table_wise_ranks``'s rank;
+* row_wise: ``ceil(rows / W)`` rows per rank, the last non-empty shard takes the
+  rest, later ranks get 0 rows (torchrec ``_calculate_rw_shard_sizes_and_offsets``);
+* column_wise: ``dim / W`` columns on each rank (``sharding_plan.column_wise(ranks=...)``);
+* data_parallel: the whole table on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
+
+GiB = 1 << 30
+DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
+DEFAULT_CACHE_LOAD_FACTOR = 0.2  # recpipe.sharding.build._cache_params and FBGEMM's default
+
+CACHED = "fused_uvm_caching"
+UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table with one feature (recpipe's Criteo layout)."""
+
+    name: str
+    rows: int
+    dim: int
+    pooling_factor: float  # mean ids per sample of its feature
+    sharding_type: str  # table_wise | row_wise | column_wise | data_parallel
+    kernel: str  # fused | fused_uvm | fused_uvm_caching | dense
+    cache_load_factor: float | None = None  # fused_uvm_caching only
+
+    @property
+    def cached(self) -> bool:
+        return self.kernel == CACHED
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard of a table on one rank (``rows`` x ``cols`` of the table)."""
+
+    table: str
+    rank: int
+    rows: int
+    cols: int
+    row_offset: int = 0
+    col_offset: int = 0
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """The dense (data-parallel) part of the model.
+
+    ``activation_floats_per_sample`` counts the fp32 activations autograd saves per
+    sample in the dense arch (``dense_arch_floats``) and in the interaction + over
+    arch (``top_floats``); see :func:`dense_spec_from_config`."""
+
+    num_params: int
+    buffer_bytes: int = 0
+    dense_arch_floats: int = 0
+    top_floats: int = 0
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Memory-relevant facts of one training pipeline (design numbers of recpipe's
+    schedules, ``recpipe/pipelines/schedule.py``).
+
+    * ``batches_in_flight``: device copies of input batches alive at the peak;
+    * ``dist_kjts_in_flight``: of those, how many already went through the input
+      all-to-all (their received KJTs are alive too);
+    * ``early_pooled``: pooled embeddings of batch i+1 computed before batch i's
+      backward (fused_sparse_dist, semi_sync);
+    * ``keeps_emb_graph``: batch i's embedding autograd graph kept until its delayed
+      embedding backward (semi_sync);
+    * ``side_streams``: streams besides the default one; each keeps its own pool in
+      the caching allocator;
+    * ``lookup_stream``: where the embedding lookup runs ("main", or fused_sparse_dist's
+      "dist" / "lookup"); autograd runs its backward on the same stream.
+    """
+
+    name: str
+    batches_in_flight: int
+    dist_kjts_in_flight: int
+    side_streams: tuple[str, ...]
+    early_pooled: bool = False
+    keeps_emb_graph: bool = False
+    prefetch: bool = False
+    stash_dense_grads: bool = False
+    lookup_stream: str = "main"
+
+
+def pipeline_spec(name: str, *, emb_lookup_stream: str = "data_dist", stash_gradients: bool = False) -> PipelineSpec:
+    """The :class:`PipelineSpec` of a recpipe pipeline by name."""
+    if name == "base":  # batch i on the device, batch i+1 being copied
+        return PipelineSpec("base", 2, 1, ("memcpy",))
+    if name == "sparse_dist":  # i in fwd/bwd, i+1 after input a2a, i+2 H2D
+        return PipelineSpec("sparse_dist", 3, 2, ("memcpy", "dist"))
+    if name == "fused_sparse_dist":
+        streams = ("memcpy", "dist", "lookup") if emb_lookup_stream == "new" else ("memcpy", "dist")
+        lookup = {"data_dist": "dist", "new": "lookup"}.get(emb_lookup_stream, "main")
+        return PipelineSpec("fused_sparse_dist", 3, 2, streams, early_pooled=True, lookup_stream=lookup)
+    if name == "semi_sync":
+        return PipelineSpec(
+            "semi_sync", 3, 2, ("memcpy", "dist"), early_pooled=True, keeps_emb_graph=True,
+            stash_dense_grads=stash_gradients,
+        )
+    if name == "prefetch":  # + prefetched cache locations of batch i+1
+        return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True)
+    raise ValueError(f"unknown pipeline {name!r}; choose base, sparse_dist, fused_sparse_dist, semi_sync, prefetch")
+
+
+@dataclass(frozen=True)
+class PlannerInputs:
+    """Everything the memory estimate depends on. Sizes in bytes, counts per rank."""
+
+    tables: tuple[TableSpec, ...]
+    shards: tuple[ShardSpec, ...]
+    world_size: int
+    batch_size: int  # samples per rank and step
+    num_dense_features: int
+    dense: DenseSpec
+    embedding_optimizer: str  # sgd | rowwise_adagrad | adam
+    dense_optimizer: str  # sgd | adagrad | adam
+    pipeline: PipelineSpec
+    hbm_capacity_bytes: int
+    prefetch_pipeline: bool = False
+    prefetch_passes: int = 1
+    prefetch_min_pass_size: int = 6 * 1024 * 1024
+    uvm_host_mapped: bool = False
+    fbgemm_version: tuple[int, int] = (1, 8)
+    weight_bytes: int = 4  # fp32 tables (recpipe trains fp32)
+    tw_ranks: tuple[tuple[str, int], ...] = field(default=())
+
+    def table(self, name: str) -> TableSpec:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def shards_on(self, rank: int) -> list[ShardSpec]:
+        return [s for s in self.shards if s.rank == rank]
+
+
+# ------------------------------------------------------------------ shards
+def rw_shard_rows(rows: int, world_size: int) -> list[int]:
+    """torchrec ``_calculate_rw_shard_sizes_and_offsets``: ceil blocks, the rest last."""
+    block = math.ceil(rows / world_size)
+    last_rank = rows // block
+    return [block if r < last_rank else (rows - block * last_rank if r == last_rank else 0) for r in range(world_size)]
+
+
+def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: dict[str, int]) -> tuple[ShardSpec, ...]:
+    """Shards of every table, as ``recpipe.sharding.build.sharding_plan`` places them."""
+    out: list[ShardSpec] = []
+    for t in tables:
+        if t.sharding_type == "table_wise":
+            out.append(ShardSpec(t.name, tw_ranks[t.name], t.rows, t.dim))
+        elif t.sharding_type == "row_wise":
+            offset = 0
+            for rank, n in enumerate(rw_shard_rows(t.rows, world_size)):
+                out.append(ShardSpec(t.name, rank, n, t.dim, row_offset=offset))
+                offset += n
+        elif t.sharding_type == "column_wise":
+            if t.dim % world_size:
+                raise ValueError(f"{t.name}: dim {t.dim} does not split over {world_size} ranks")
+            cols = t.dim // world_size
+            out += [ShardSpec(t.name, r, t.rows, cols, col_offset=r * cols) for r in range(world_size)]
+        elif t.sharding_type == "data_parallel":
+            out += [ShardSpec(t.name, r, t.rows, t.dim) for r in range(world_size)]
+        else:
+            raise ValueError(f"{t.name}: unknown sharding type {t.sharding_type!r}")
+    return tuple(out)
+
+
+def shards_from_plan(plan, tables: tuple[TableSpec, ...]) -> tuple[ShardSpec, ...]:
+    """Shards of a torchrec ``ShardingPlan`` (e.g. one made by torchrec's planner with
+    :mod:`recpipe.planner.estimator`), for the tables named in ``tables``."""
+    by_name = {t.name: t for t in tables}
+    out: list[ShardSpec] = []
+    for module_plan in plan.plan.values():
+        for name, ps in module_plan.items():
+            if name not in by_name:
+                continue
+            if ps.sharding_spec is None:  # data parallel: replicated on ps.ranks
+                t = by_name[name]
+                out += [ShardSpec(name, r, t.rows, t.dim) for r in ps.ranks]
+                continue
+            for sh in ps.sharding_spec.shards:
+                rank = sh.placement.rank()
+                out.append(ShardSpec(name, rank, sh.shard_sizes[0], sh.shard_sizes[1], sh.shard_offsets[0], sh.shard_offsets[1]))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------ config
+def dense_spec_from_config(cfg: "RecpipeConfig") -> DenseSpec:
+    """Count the dense parameters exactly (model built on meta) and the saved
+    activations per sample (formula: approximate, see docs/planner.md)."""
+    import torch
+
+    from recpipe.models.dlrm import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg.model, device=torch.device("meta"))
+    ebc = "embedding_bag_collection"
+    params = sum(p.numel() for n, p in model.named_parameters() if ebc not in n)
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ebc not in n)
+    m = cfg.model
+    F, D = m.num_sparse_features, m.embedding_dim
+    # Each Linear saves its input and each ReLU its output, which is the next Linear's
+    # input: one activation per layer (the first input is the batch's dense features).
+    dense_floats = sum(m.dense_arch_layer_sizes)
+    if m.arch == "dlrm":
+        pairs = (F + 1) * F // 2
+        # the cat of dense + F pooled embeddings (saved by bmm), the [dense, pairs]
+        # concat (the over arch's input); bmm output and gather are freed
+        inter = (F + 1) * D + (D + pairs)
+    else:  # DCNv2: x0, and per layer V x, U(V x), x0 * (...) kept for backward
+        width = (F + 1) * D
+        inter = width + m.dcn_num_layers * (3 * width + m.dcn_low_rank_dim)
+    top_floats = inter + sum(m.over_arch_layer_sizes)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_floats=dense_floats, top_floats=top_floats)
+
+
+def fbgemm_version() -> tuple[int, int]:
+    """(major, minor) of the installed fbgemm_gpu."""
+    import fbgemm_gpu
+
+    parts = str(getattr(fbgemm_gpu, "__version__", "1.8.0")).split(".")
+    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
+
+
+def default_hbm_bytes() -> int:
+    """The GPU's own memory, or 80 GiB when planning without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
+
+
+def inputs_from_config(
+    cfg: "RecpipeConfig",
+    *,
+    world_size: int | None = None,
+    hbm_capacity_bytes: int | None = None,
+    fbgemm: tuple[int, int] | None = None,
+    shards: tuple[ShardSpec, ...] | None = None,
+) -> PlannerInputs:
+    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``)."""
+    from recpipe.sharding.build import table_wise_ranks
+
+    W = world_size or cfg.distributed.nproc
+    m = cfg.model
+    pf = cfg.data.synthetic.mean_pooling_factors
+    pfs = list(pf) if isinstance(pf, list) else [float(pf)] * m.num_sparse_features
+    tables = []
+    for name, rows, p in zip(m.table_names, m.num_embeddings_per_feature, pfs):
+        ts = cfg.sharding.for_table(name)
+        clf = None
+        if ts.kernel == CACHED:
+            clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
+        tables.append(TableSpec(name, rows, m.embedding_dim, float(p), ts.type, ts.kernel, clf))
+    tables_t = tuple(tables)
+    tw = table_wise_ranks(cfg, W)
+    if shards is None:
+        shards = shards_for_tables(tables_t, W, tw)
+    if hbm_capacity_bytes is None:
+        hbm_capacity_bytes = int(cfg.sharding.hbm_gb * GiB) if cfg.sharding.hbm_gb else default_hbm_bytes()
+    p = cfg.pipeline
+    pipe = pipeline_spec(
+        p.name,
+        emb_lookup_stream=getattr(p, "emb_lookup_stream", "data_dist"),
+        stash_gradients=getattr(p, "stash_gradients", False),
+    )
+    return PlannerInputs(
+        tables=tables_t,
+        shards=tuple(shards),
+        world_size=W,
+        batch_size=cfg.data.batch_size,
+        num_dense_features=m.num_dense_features,
+        dense=dense_spec_from_config(cfg),
+        embedding_optimizer=cfg.optimizer.embedding.name,
+        dense_optimizer=cfg.optimizer.dense.name,
+        pipeline=pipe,
+        hbm_capacity_bytes=int(hbm_capacity_bytes),
+        prefetch_pipeline=cfg.sharding.prefetch_pipeline,
+        prefetch_passes=cfg.sharding.prefetch_passes,
+        prefetch_min_pass_size=cfg.sharding.prefetch_min_pass_size,
+        uvm_host_mapped=cfg.sharding.uvm_host_mapped,
+        fbgemm_version=fbgemm or fbgemm_version(),
+        tw_ranks=tuple(sorted(tw.items())),
+    )

@@ -1,0 +1,21 @@
+"""``recpipe train``: the trainer, its checkpoints and metrics.
+
+``recpipe.train.cli.main_train`` validates the config and starts the ranks; each
+runs :func:`run_worker`, i.e. a :class:`Trainer` (see ``trainer`` for the segment
+loop, ``checkpoint`` for the DCP layout and resume, ``metrics`` for AUC / NE).
+"""
+
+from recpipe.train.checkpoint import TrainPosition, latest_checkpoint, load_checkpoint, save_checkpoint
+from recpipe.train.metrics import ClickMetrics, NormalizedEntropy
+from recpipe.train.trainer import Trainer, run_worker
+
+__all__ = [
+    "ClickMetrics",
+    "NormalizedEntropy",
+    "TrainPosition",
+    "Trainer",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "run_worker",
+    "save_checkpoint",
+]

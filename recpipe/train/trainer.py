@@ -1,0 +1,308 @@
+"""The training loop of ``recpipe train``: one :class:`Trainer` per rank.
+
+Build: seed, build the model on meta, shard it (DistributedModelParallel + the
+combined fused-embedding / dense optimizer), resume from the newest complete
+checkpoint, wrap the model in the configured pipeline.
+
+Train in segments. The trainer hands the pipeline ``islice(batches, n)``, where
+``n`` runs up to the next evaluation (``train.eval_every``), checkpoint
+(``checkpoint.every``) or ``train.steps``, and calls ``progress`` until
+StopIteration: the pipeline then has trained every batch of the segment and has
+none in flight. Only then does the trainer evaluate or save, so a checkpoint is
+exactly the state after its step. An epoch ends when its data yields fewer batches
+than the segment asked for (the pipeline's step count is agreed by all ranks, so
+all ranks see the same end); the next segment reads epoch ``e + 1``.
+
+Logging: every ``train.log_every`` steps the outputs of the steps since the last
+log go into torchmetrics (one host sync per interval, none per step) and every
+rank takes part in the metrics' all-gather; rank 0 updates the tqdm bar and the
+TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import resource
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import fbgemm_gpu
+import torch
+import torch.distributed as dist
+import torchrec
+from torch.utils.tensorboard import SummaryWriter
+from tqdm import tqdm
+
+from recpipe.config import RecpipeConfig
+from recpipe.data import Batch, make_dataloader, num_batches
+from recpipe.distributed import init_process_group
+from recpipe.models import build_model
+from recpipe.pipelines import make_pipeline
+from recpipe.sharding import plan_table, shard_model
+from recpipe.train.checkpoint import TrainPosition, checkpoint_path, load_checkpoint, save_checkpoint
+from recpipe.train.metrics import ClickMetrics
+
+__all__ = ["Trainer", "run_worker"]
+
+_GIB = 2**30
+
+
+def run_worker(cfg: RecpipeConfig) -> None:
+    """One rank of ``recpipe train`` (module-level: ``launch_local`` pickles it)."""
+    _quiet_library_deprecations()
+    device = init_process_group(cfg)
+    try:
+        Trainer(cfg, device).fit()
+    finally:
+        dist.destroy_process_group()
+
+
+def _quiet_library_deprecations() -> None:
+    """torch and torchrec warn about their own internals on every rank (torchrec's
+    DDP arguments, ShardedTensor in DCP, deprecated collectives it calls, its
+    is_fx_tracing checks): nothing a user of recpipe can act on, and it buries the
+    plan table and the metrics."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+
+
+class Trainer:
+    def __init__(self, cfg: RecpipeConfig, device: torch.device) -> None:
+        self.cfg, self.device = cfg, device
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.global_batch = cfg.data.batch_size * self.world_size
+        self.started = time.perf_counter()
+        # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
+        torch.manual_seed(cfg.train.seed)
+        self.sharded = shard_model(build_model(cfg.model), cfg, device)
+        self._say(plan_table(self.sharded.plan, cfg))
+        self.position = self._resume()
+        self.start_step = self.position.step
+        self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
+        self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
+        self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
+        if not self.has_eval:
+            self._say("no eval data (data.criteo.eval_files is empty): evaluation is skipped")
+        self.writer = self._open_run_dir()
+        # The bar is rank 0's, and only on a terminal (tqdm's disable=None): in a log
+        # file every refresh would be one more line; eval lines and TensorBoard remain.
+        show_bar = self.rank == 0 and cfg.train.progress
+        self.bar = tqdm(
+            total=cfg.train.steps, initial=self.start_step, unit="step", disable=None if show_bar else True
+        )
+        self._window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # steps since the last log
+        self._window_seconds = 0.0
+        self._train_seconds = 0.0
+        self.last_train: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- setup
+    def _resume(self) -> TrainPosition:
+        ckpt = self.cfg.checkpoint
+        position = None
+        if ckpt.dir is not None and ckpt.resume:
+            position = load_checkpoint(ckpt, self.sharded.model, self.sharded.optimizer)
+        if position is None:
+            return TrainPosition(step=0, epoch=0, batch=0)
+        self._say(
+            f"resumed from {checkpoint_path(ckpt, position.step)}: step {position.step}, "
+            f"epoch {position.epoch}, batch {position.batch}"
+        )
+        return position
+
+    def _open_run_dir(self) -> SummaryWriter | None:
+        if self.rank != 0:
+            return None
+        run_dir = Path(self.cfg.logging.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        return SummaryWriter(str(run_dir)) if self.cfg.logging.tensorboard else None
+
+    def _train_batches(self, position: TrainPosition) -> Iterator[Batch]:
+        loader = make_dataloader(
+            self.cfg,
+            rank=self.rank,
+            world_size=self.world_size,
+            split="train",
+            epoch=position.epoch,
+            start_batch=position.batch,
+        )
+        return iter(loader)
+
+    # ----------------------------------------------------------------- loop
+    def fit(self) -> None:
+        train, checkpointing = self.cfg.train, self.cfg.checkpoint.dir is not None
+        batches = self._train_batches(self.position)
+        evaluated_at = saved_at = None
+        while self.position.step < train.steps and self.position.epoch < train.epochs:
+            wanted = self._segment_length(checkpointing)
+            trained = self._train_segment(itertools.islice(batches, wanted))
+            p = self.position
+            self.position = TrainPosition(p.step + trained, p.epoch, p.batch + trained)
+            if trained < wanted:  # this epoch's data has ended
+                self.position = TrainPosition(self.position.step, p.epoch + 1, 0)
+                if self.position.epoch < train.epochs:
+                    batches = self._train_batches(self.position)
+            step = self.position.step
+            if _due(step, train.eval_every) and evaluated_at != step:
+                self.evaluate()
+                evaluated_at = step
+            if checkpointing and _due(step, self.cfg.checkpoint.every) and saved_at != step:
+                save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+                saved_at = step
+        step = self.position.step
+        if self._window:
+            self._log_train(step)
+        if evaluated_at != step:
+            self.evaluate()
+        if checkpointing and saved_at != step and step > self.start_step:
+            save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+        self.bar.close()
+        self._finish()
+
+    def _segment_length(self, checkpointing: bool) -> int:
+        """Steps up to the next point that needs a drained pipeline."""
+        step = self.position.step
+        ends = [self.cfg.train.steps]
+        intervals = [self.cfg.train.eval_every, self.cfg.checkpoint.every if checkpointing else 0]
+        ends += [(step // every + 1) * every for every in intervals if every > 0]
+        return min(ends) - step
+
+    def _train_segment(self, batches: Iterator[Batch]) -> int:
+        """Train every batch of ``batches``; returns the number of steps (agreed by all ranks)."""
+        trained = 0
+        last = time.perf_counter()
+        while True:
+            try:
+                _, logits, labels, weights = self.pipeline.progress(batches)
+            except StopIteration:
+                self._count_time(last, synchronize=True)
+                return trained
+            trained += 1
+            step = self.position.step + trained
+            self._window.append((logits, labels, weights))
+            self.bar.update(1)
+            log_now = step % self.cfg.train.log_every == 0
+            last = self._count_time(last, synchronize=log_now)
+            if log_now:
+                self._log_train(step)
+                last = time.perf_counter()  # the metrics' all-gather is not training time
+
+    def _count_time(self, since: float, synchronize: bool) -> float:
+        """Add the time since ``since`` to the training clocks. At log points and
+        segment ends, first wait for the device (host sync), so that the clocks
+        include the work the host had queued ahead of it."""
+        if synchronize and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self._window_seconds += now - since
+        self._train_seconds += now - since
+        return now
+
+    # ------------------------------------------------------- metrics & eval
+    def _log_train(self, step: int) -> None:
+        """Collective. Metrics of the steps since the last log, over all ranks."""
+        logits, labels, weights = (torch.cat(parts) for parts in zip(*self._window))
+        self.train_metrics.update(logits, labels, weights)
+        metrics = self.train_metrics.compute()  # all-gather over the ranks
+        self.train_metrics.reset()
+        samples_per_s = len(self._window) * self.global_batch / max(self._window_seconds, 1e-9)
+        self._window.clear()
+        self._window_seconds = 0.0
+        self.last_train = metrics
+        scalars = {f"train/{name}": value for name, value in metrics.items()}
+        scalars["train/loss"] = metrics["bce"]
+        scalars["throughput/samples_per_s"] = samples_per_s
+        self._write_scalars(step, {**scalars, **_memory_scalars(self.device)})
+        postfix = {"loss": f"{metrics['bce']:.4f}", "auc": f"{metrics['auc']:.4f}", "samples/s": f"{samples_per_s:,.0f}"}
+        self.bar.set_postfix(postfix, refresh=False)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Collective. AUC / accuracy / BCE / NE on the eval split, outside the pipeline."""
+        if not self.has_eval:
+            return {}
+        model = self.sharded.model
+        loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
+        model.eval()
+        with self.pipeline.detached():
+            for batch in loader:
+                batch = batch.to(self.device, non_blocking=True)
+                _, (_, logits, labels) = model(batch)
+                self.eval_metrics.update(logits, labels, batch.weights)
+        model.train()
+        metrics = self.eval_metrics.compute()
+        self.eval_metrics.reset()
+        self.last_eval = metrics
+        step = self.position.step
+        self._write_scalars(step, {f"eval/{name}": value for name, value in metrics.items()})
+        self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}")
+        return metrics
+
+    # ----------------------------------------------------------- reporting
+    def _say(self, message: str) -> None:
+        if self.rank == 0:
+            tqdm.write(message)
+
+    def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, step)
+
+    def _finish(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.rank != 0:
+            return
+        summary = self.summary()
+        path = Path(self.cfg.logging.run_dir) / "summary.json"
+        path.write_text(json.dumps(summary, indent=2) + "\n")
+        auc = summary["eval_auc"]
+        shown = "n/a (no eval data)" if auc is None else f"{auc:.4f}"
+        print(f"final eval AUC {shown} after {summary['steps']} steps ({summary['samples']:,} samples); {path}", flush=True)
+
+    def summary(self) -> dict:
+        step = self.position.step
+        trained_here = (step - self.start_step) * self.global_batch
+        return {
+            "steps": step,
+            "samples": step * self.global_batch,
+            "loss": self.last_train.get("bce"),
+            "train_auc": self.last_train.get("auc"),
+            "eval_auc": self.last_eval.get("auc"),
+            "eval_ne": self.last_eval.get("ne"),
+            "eval_loss": self.last_eval.get("bce"),
+            "eval_accuracy": self.last_eval.get("accuracy"),
+            "pipeline": self.cfg.pipeline.name,
+            "epoch": self.position.epoch,
+            "resumed_from_step": self.start_step if self.start_step else None,
+            "wall_time_s": round(time.perf_counter() - self.started, 3),
+            "train_time_s": round(self._train_seconds, 3),
+            "samples_per_s": trained_here / self._train_seconds if self._train_seconds else None,
+            "world_size": self.world_size,
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "versions": {
+                "torch": torch.__version__,
+                "torchrec": torchrec.__version__,
+                "fbgemm_gpu": fbgemm_gpu.__version__,
+                "cuda": torch.version.cuda,
+            },
+        }
+
+
+def _due(step: int, every: int) -> bool:
+    return every > 0 and step % every == 0
+
+
+def _memory_scalars(device: torch.device) -> dict[str, float]:
+    if device.type == "cuda":
+        return {
+            "memory/max_allocated_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+            "memory/max_reserved_gib": torch.cuda.max_memory_reserved(device) / _GIB,
+        }
+    # ru_maxrss is the peak resident set size, in KiB on Linux.
+    return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB}

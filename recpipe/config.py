@@ -380,6 +380,27 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     return problems
 
 
+def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
+    """Rules that depend on the machine (checked where the job is launched, before
+    any process starts): raises ConfigError naming every problem."""
+    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda_available)
+    problems = []
+    if cfg.train.device == "cuda" and not cuda_available:
+        problems.append("train.device='cuda' but this machine has no CUDA GPU")
+    if not on_cuda:
+        uvm = [n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching")]
+        if uvm:
+            problems.append(f"tables {uvm} use a UVM kernel (fused_uvm / fused_uvm_caching), which needs a CUDA GPU; "
+                            "this run is on CPU")
+        if cfg.optimizer.embedding.name == "adam":
+            problems.append("optimizer.embedding.name='adam': FBGEMM's CPU kernels have no Adam; use 'sgd' or "
+                            "'rowwise_adagrad' on CPU")
+        if cfg.distributed.backend == "nccl":
+            problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+    if problems:
+        raise ConfigError("invalid config for this machine:\n" + "\n".join(f"  {p}" for p in problems))
+
+
 # -------------------------------------------------------------- loading
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     """``["train.steps=50", ...]`` -> ``{"train.steps": 50}``; values are YAML scalars/lists."""

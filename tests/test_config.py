@@ -10,6 +10,7 @@ import pytest
 from recpipe.cli import EXIT_BAD_CONFIG, main
 from recpipe.config import load_config
 
+ROOT_CONFIGS = Path(__file__).parent.parent / "configs"
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
 QUICKSTART = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
 
@@ -89,3 +90,31 @@ def test_set_overrides_values_and_types():
     assert cfg.model.num_embeddings_per_feature == [10, 20, 30, 40]
     assert cfg.pipeline.name == "sparse_dist"
     assert load_config(QUICKSTART).train.steps != 50  # the file itself says otherwise
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["optimizer.embedding.name=adam", "train.device=cpu"], "optimizer.embedding.name='adam'"),
+        (["distributed.backend=nccl", "train.device=cpu"], "distributed.backend='nccl'"),
+    ],
+)
+def test_machine_dependent_rules_exit_2_before_any_process(overrides, needle, capsys):
+    from recpipe.cli import main
+
+    args = ["train", "--config", str(ROOT_CONFIGS / "quickstart.yaml")]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_train_refuses_a_plan_that_does_not_fit_on_cuda(capsys):
+    from recpipe.train.cli import _check_memory_plan
+
+    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gb=0.5"])
+    assert _check_memory_plan(cfg, 2, on_cuda=True, verbose=True) == 3
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "rank" in err
+    # On CPU the GPU estimate is informational only.
+    assert _check_memory_plan(cfg, 2, on_cuda=False, verbose=False) is None

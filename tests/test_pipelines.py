@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from pipeline_harness import (
     assert_differs,
+    build,
     assert_same,
     make_batches,
     semi_sync_reference,
@@ -90,6 +91,13 @@ def _data_worker(cfg) -> None:
     else:
         raise AssertionError("uneven_data='error' did not raise")
     dist.barrier()
+    # A rank with no batch of its own (resumed past its end) pads from padding_template.
+    sm = build(cfg, torch.device("cpu"))
+    pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
+    pipe.padding_template = full[0]
+    outs = _drain(pipe, iter(full[:2] if rank == 0 else []))
+    assert [bool(w.eq(0).all()) for *_, w in outs] == ([False, False] if rank == 0 else [True, True])
+    dist.barrier()
     # Epochs: a new iterator each time, and one iterator object reused after it ended.
     batches = make_batches(cfg, 5, rank)
     torch.manual_seed(0)
@@ -118,6 +126,15 @@ def _data_worker(cfg) -> None:
     # 5 batches + the one StopIteration per epoch: no next() after an epoch ended
     # (which would pull the next epoch's first batch into this pass).
     assert reused.calls == 12, reused.calls
+
+
+def _drain(pipe, it):
+    outs = []
+    while True:
+        try:
+            outs.append(pipe.progress(it))
+        except StopIteration:
+            return outs
 
 
 class _Reusable:

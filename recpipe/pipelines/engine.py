@@ -99,6 +99,9 @@ class Pipeline:
         self._local_done = False  # this rank's iterator has ended
         self._fetched = 0
         self._last_host: Batch | None = None
+        # Shapes for padding batches when this rank has had no batch of its own yet
+        # (e.g. resumed past the end of its data while other ranks still train).
+        self.padding_template: Batch | None = None
         self._end_of_data = _EndOfData(_control_group(), always_wait=uneven_data == "error")
         # Events only for steps something waits on (each costs a few microseconds of host time).
         self._waited = {dep for sched in self.schedules() for step in sched.steps for dep, _ in step.waits}
@@ -234,13 +237,14 @@ class Pipeline:
             return None
         is_padding = host is None
         if is_padding:
-            if self.uneven_data == "error" or self._last_host is None:
+            template = self._last_host if self._last_host is not None else self.padding_template
+            if self.uneven_data == "error" or template is None:
                 raise sharded.PipelineError(
                     f"{self.name}: this rank ran out of data after {self._fetched} batches while {have} of "
                     f"{total} ranks still have data; give every rank the same number of batches or set "
                     "pipeline.uneven_data=pad (ranks that run out then train zero-weight padding batches)"
                 )
-            host = self._last_host.as_padding()
+            host = template.as_padding()
         elif have is not None and have < total and self.uneven_data == "error":
             raise sharded.PipelineError(
                 f"{self.name}: {total - have} of {total} ranks ran out of data at batch {self._fetched} while this "

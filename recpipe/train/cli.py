@@ -18,7 +18,10 @@ import warnings
 
 from torch.multiprocessing.spawn import ProcessException
 
-from recpipe.config import RecpipeConfig, load_config
+import torch
+
+from recpipe.cli import EXIT_DOES_NOT_FIT
+from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.distributed import launch_local, under_torchrun
 from recpipe.train.checkpoint import check_checkpoint_config
 from recpipe.train.trainer import run_worker
@@ -26,21 +29,36 @@ from recpipe.train.trainer import run_worker
 EXIT_WORKER_FAILED = 1
 
 
-def _check_memory_plan(cfg: RecpipeConfig) -> int | None:
-    """The memory-planner gate: returns an exit code (3: the plan does not fit) to
-    stop before anything is allocated, or None to go on. Not wired to the planner
-    yet, so it lets every config through."""
-    return None
+def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:
+    """Print the planner's per-rank memory summary; on CUDA, return 3 (and say why)
+    when the plan does not fit the GPU, before anything is allocated. On CPU the
+    tables live in host memory, so the estimate is printed for information only.
+    Every rank evaluates it (a pure function), so under torchrun all refuse together."""
+    from recpipe.planner import check_fits, plan_from_config, summary
+
+    plan = plan_from_config(cfg, world_size=world_size)
+    if verbose:
+        print(summary(plan), flush=True)
+    problem = check_fits(plan)
+    if problem is None or not on_cuda:
+        return None
+    if verbose:
+        print(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT
 
 
 def main_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # ConfigError -> exit 2 (recpipe.cli)
     check_checkpoint_config(cfg.checkpoint)
-    refused = _check_memory_plan(cfg)
+    cuda = torch.cuda.is_available()
+    check_device(cfg, cuda)  # ConfigError -> exit 2
+    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda)
+    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.distributed.nproc
+    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
+    refused = _check_memory_plan(cfg, world_size, on_cuda, verbose=first)
     if refused is not None:
         return refused
     if under_torchrun():
-        world_size = int(os.environ["WORLD_SIZE"])
         if cfg.distributed.nproc not in (1, world_size):
             warnings.warn(
                 f"distributed.nproc={cfg.distributed.nproc} is ignored under torchrun, which started "

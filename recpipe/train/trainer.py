@@ -83,6 +83,11 @@ class Trainer:
         self.position = self._resume()
         self.start_step = self.position.step
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
+        if self.position.batch > 0:
+            # Resumed: this rank may be past its last batch while others are not;
+            # its padding batches then take their shapes from its first batch.
+            first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
+            self.pipeline.padding_template = next(iter(first), None)
         self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:

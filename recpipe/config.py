@@ -157,6 +157,10 @@ class ShardingConfig(_Section):
     uvm_host_mapped: bool = False
     # GPU memory per rank the plan must fit (GiB); None = the GPU's own, or 80.
     hbm_gb: float | None = Field(None, gt=0)
+    # Which rank holds each shard: "config" = as written here (table_wise tables on
+    # their `rank`, else the least-loaded rank); "planner" = torchrec's partitioner
+    # sized by recpipe's memory estimates (sharding types and kernels still from here).
+    placement: Literal["config", "planner"] = "config"
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
@@ -319,6 +323,8 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             )
         if t.rank is not None and t.type != "table_wise":
             problems.append(f"{key}.rank={t.rank} is only for type 'table_wise' (got type={t.type!r})")
+        if t.rank is not None and sh.placement == "planner":
+            problems.append(f"{key}.rank={t.rank} pins a table, but sharding.placement='planner' places every table")
         if t.rank is not None and t.rank >= cfg.distributed.nproc:
             problems.append(
                 f"{key}.rank={t.rank} but distributed.nproc={cfg.distributed.nproc} "

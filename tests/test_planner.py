@@ -377,3 +377,17 @@ def test_docs_name_every_term():
     missing = [name for name in TERM_DOC if f"`{name}`" not in text]
     assert not missing, missing
     assert "## GPU validation" in text
+
+
+def test_placement_planner_places_every_table_by_our_estimates(capsys):
+    import json
+
+    from recpipe.config import ConfigError, load_config
+
+    path = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+    assert main(["plan", "--config", path, "--format", "json", "--set", "sharding.placement=planner"]) == 0
+    shards = json.loads(capsys.readouterr().out)["shards"]
+    names = {f"t_cat_{i}" for i in range(26)}
+    assert {s["table"] for s in shards} == names
+    with pytest.raises(ConfigError, match="placement='planner' places every table"):
+        load_config(path, ["sharding.placement=planner", "sharding.tables.t_cat_5={rank: 1}"])

@@ -58,8 +58,14 @@ def test_train_two_ranks_uneven_data_two_epochs(tmp_path, capfd):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_failing_worker_gives_nonzero_exit(tmp_path, capfd):
-    # A config that validates but cannot run here: the ranks fail as they start
-    # (train.device=cuda without a GPU), and the launcher reports it.
-    args = ["train", "--config", str(CONFIG), "--set", "train.device=cuda", "--set", f"logging.run_dir={tmp_path}"]
+    # A config that validates but cannot run: the ranks fail reading a malformed
+    # Criteo TSV file (line 2 has 3 columns), and the launcher reports which rank.
+    tsv = tmp_path / "day_0.tsv"
+    good = "\t".join(["1"] + ["3"] * 13 + ["a1"] * 26)
+    tsv.write_text(good + "\n" + "0\t1\t2\n")
+    args = ["train", "--config", str(CONFIG), "--set", "data.source=criteo_tsv",
+            "--set", f"data.criteo.train_files=[{tsv}]", "--set", "data.batch_size=1",
+            "--set", f"logging.run_dir={tmp_path}"]
     assert main(args) == 1
-    assert "failed" in capfd.readouterr().err
+    err = capfd.readouterr().err
+    assert "failed" in err and f"{tsv}:2" in err

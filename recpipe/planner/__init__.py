@@ -11,6 +11,8 @@ Entry points::
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING
 
 from recpipe.planner.memory import estimate_memory
@@ -44,10 +46,16 @@ def plan_from_config(
     fbgemm_version: tuple[int, int] | None = None,
 ) -> MemoryPlan:
     """The memory plan of ``cfg`` (world size: ``distributed.nproc`` unless given;
-    capacity: ``sharding.hbm_gb``, else the GPU's own, else 80 GiB)."""
-    return estimate_memory(
-        inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
-    )
+    capacity: ``sharding.hbm_gb``, else the GPU's own, else 80 GiB). With
+    ``sharding.placement: planner`` the shards are where torchrec's partitioner puts
+    them on these estimates, as in the real run."""
+    inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
+    if cfg.sharding.placement == "planner":
+        from recpipe.planner.estimator import plan_with_torchrec
+        from recpipe.planner.spec import shards_from_plan
+
+        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))
+    return estimate_memory(inputs)
 
 
 def preflight(cfg: "RecpipeConfig", *, world_size: int | None = None, log=print) -> int:

@@ -123,6 +123,19 @@ def sharding_plan(model: RecModel, cfg: RecpipeConfig, world_size: int, device_t
     return ShardingPlan({EBC_PATH: module_plan})
 
 
+def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device) -> ShardingPlan:
+    """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
+    planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
+    from recpipe.planner.estimator import plan_with_torchrec
+    from recpipe.planner.spec import inputs_from_config
+
+    if device.type != "cuda":
+        raise ValueError("sharding.placement='planner' places shards on GPUs; use placement 'config' on CPU")
+    box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size)) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def make_sharder(cfg: RecpipeConfig) -> EmbeddingBagCollectionSharder:
     return EmbeddingBagCollectionSharder(fused_params=embedding_fused_params(cfg.optimizer.embedding, cfg))
 
@@ -153,7 +166,10 @@ def shard_model(
 ) -> ShardedModel:
     """Shard ``model`` (embedding tables on meta) over the default process group."""
     world_size = dist.get_world_size(pg)
-    plan = sharding_plan(model, cfg, world_size, device.type)
+    if cfg.sharding.placement == "planner":
+        plan = planner_placement(cfg, world_size, device)
+    else:
+        plan = sharding_plan(model, cfg, world_size, device.type)
     dmp = DistributedModelParallel(
         module=model, device=device, plan=plan, sharders=[make_sharder(cfg)], env=None
     )

@@ -22,35 +22,27 @@ from recpipe.pipelines import sharded
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 
+_HEAD = (
+    Step("zero_grad", "compute", 0),
+    Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
+    Step("h2d", "memcpy", 2),
+    Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
+    Step("input_dist_wait", "dist", 1),
+    Step("backward", "compute", 0),
+)
+# Fenced on the previous batch's backward: the TBE update it applies must land first.
 _LOOKUP = Step("lookup", "lookup", 1, waits=(("input_dist_wait", 0), ("backward", -1)))
+_OPTIMIZER = Step("optimizer", "compute", 0)
 
 SCHEDULE = Schedule(
     "fused_sparse_dist",
-    (
-        Step("zero_grad", "compute", 0),
-        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-        Step("h2d", "memcpy", 2),
-        Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
-        Step("input_dist_wait", "dist", 1),
-        Step("backward", "compute", 0),
-        _LOOKUP,
-        Step("optimizer", "compute", 0),
-    ),
+    (*_HEAD, _LOOKUP, _OPTIMIZER),
     doc="Lookup of batch i+1 right after backward(i), beside the dense optimizer step of batch i.",
 ).validate()
 
 SCHEDULE_AFTER_OPTIMIZER = Schedule(
     "fused_sparse_dist_lookup_after_optimizer",
-    (
-        Step("zero_grad", "compute", 0),
-        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-        Step("h2d", "memcpy", 2),
-        Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
-        Step("input_dist_wait", "dist", 1),
-        Step("backward", "compute", 0),
-        Step("optimizer", "compute", 0),
-        _LOOKUP,
-    ),
+    (*_HEAD, _OPTIMIZER, _LOOKUP),
     doc="Variant: lookup of batch i+1 issued after the dense optimizer step of batch i.",
 ).validate()
 

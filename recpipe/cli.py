@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="estimate per-shard and per-rank memory (no GPU needed)")
     _add_config_args(plan)
     plan.add_argument("--format", choices=("table", "json"), default="table")
+    plan.add_argument(
+        "--scaling",
+        default=None,
+        metavar="W1,W2,...",
+        help="predict per-rank all-to-all volume and the step's hardware bound at these GPU counts (weak scaling)",
+    )
 
     schedule = sub.add_parser("schedule", help="print a pipeline's schedule table")
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
@@ -48,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
     bench.add_argument("--steps", type=int, default=100, help="timed steps per pipeline")
     bench.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
+    bench.add_argument("--bound", action="store_true", help="also time each stage alone and report the hardware bound")
+    bench.add_argument(
+        "--multipass", default=None, metavar="P1,P2,...", help="sweep FBGEMM prefetch passes (UVM-caching configs)"
+    )
+    bench.add_argument("--baseline", default=None, metavar="BENCH_JSON", help="a bench.json from fewer GPUs: weak-scaling columns")
+    bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     bench.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last 5 warm-up steps -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
     return parser

@@ -38,6 +38,8 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
 
     plan = plan_from_config(cfg, world_size=world_size)
     if verbose:
+        if not on_cuda:
+            print("(this run trains on CPU; the plan below is what the config would need on GPUs)")
         print(summary(plan), flush=True)
     problem = check_fits(plan)
     if problem is None or not on_cuda:

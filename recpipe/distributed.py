@@ -23,6 +23,13 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
+def torchrun_overrides() -> list[str]:
+    """Under torchrun the job's world size is WORLD_SIZE, whatever the YAML says:
+    set ``distributed.nproc`` from it before validation, so rules that depend on
+    the number of ranks (pinned ranks, column-wise splits) check the real one."""
+    return [f"distributed.nproc={os.environ['WORLD_SIZE']}"] if under_torchrun() else []
+
+
 def resolve_device(cfg: RecpipeConfig, local_rank: int) -> torch.device:
     want = cfg.train.device
     if want == "cuda" and not torch.cuda.is_available():

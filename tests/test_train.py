@@ -69,3 +69,20 @@ def test_failing_worker_gives_nonzero_exit(tmp_path, capfd):
     assert main(args) == 1
     err = capfd.readouterr().err
     assert "failed" in err and f"{tsv}:2" in err
+
+
+@pytest.mark.slow
+def test_torchrun_world_size_drives_the_rank_rules(tmp_path):
+    # The YAML says 1 process, torchrun starts 2: a table pinned to rank 1 must be
+    # valid (the config is checked against WORLD_SIZE), and both ranks train.
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "recpipe", "train", "--config", str(CONFIG), "--set", "distributed.nproc=1",
+           "--set", "sharding.tables.t_cat_4={type: table_wise, rank: 1}", "--set", "train.steps=4",
+           "--set", "train.eval_every=0", "--set", "data.batch_size=64", "--set", f"logging.run_dir={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4

@@ -7,6 +7,7 @@ Entry points::
     plan = estimate_memory(inputs)           # PlannerInputs -> MemoryPlan (pure)
     msg = check_fits(plan)                   # None, or why it does not fit
     code = preflight(cfg)                    # for `recpipe train`: print summary, 0 or 3
+    rows = predict_scaling(cfg, (1, 2, 4, 8))  # weak-scaling all-to-all / bound model (docs/scaling.md)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from recpipe.planner.memory import estimate_memory
 from recpipe.planner.plan import MemoryPlan, RankMemory, ShardMemory, Term, check_fits, render_table, summary
+from recpipe.planner.scaling import predict_scaling
 from recpipe.planner.spec import PlannerInputs, inputs_from_config
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ __all__ = [
     "estimate_memory",
     "inputs_from_config",
     "plan_from_config",
+    "predict_scaling",
     "preflight",
     "render_table",
     "summary",

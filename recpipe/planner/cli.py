@@ -1,10 +1,18 @@
-"""``recpipe plan --config PATH [--format table|json] [--set KEY=VALUE ...]``.
+"""``recpipe plan --config PATH [--format table|json] [--set KEY=VALUE ...] [--scaling W1,W2,...]``.
 
 Prints the memory plan (table or JSON) on stdout. Exit codes: 0 it fits, 3
 (``EXIT_DOES_NOT_FIT``) some rank does not fit: stderr names the rank, its capacity
 and its largest terms, and what to set to fit (the largest cache load factor, the
 fewest prefetch passes) when such a knob exists. A bad config raises
 ``ConfigError``, which ``recpipe.cli`` turns into exit code 2.
+
+``--scaling 1,2,4,8`` adds the weak-scaling prediction of
+:func:`recpipe.planner.scaling.predict_scaling` (for H200 SXM, the GPUs of the lent
+multi-GPU machines; other GPUs from Python): after the memory table in table form,
+as a top-level ``"scaling"`` list (one entry per world size) in JSON. The memory
+plan itself stays the one at ``distributed.nproc`` and decides the exit code. A
+malformed list, or a world size the config cannot be placed on, is a
+``ConfigError`` (exit 2).
 """
 
 from __future__ import annotations
@@ -13,17 +21,38 @@ import argparse
 import json
 import sys
 
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 from recpipe.planner.memory import estimate_memory
 from recpipe.planner.plan import check_fits, render_table
+from recpipe.planner.scaling import predict_scaling, render_scaling
 from recpipe.planner.search import suggestions
 from recpipe.planner.spec import inputs_from_config
+
+SCALING_GPU = "H200"
+
+
+def parse_world_sizes(text: str) -> tuple[int, ...]:
+    """``"1,2,4,8"`` -> (1, 2, 4, 8); ConfigError naming the text otherwise."""
+    try:
+        sizes = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ConfigError(f"--scaling {text!r}: expected comma-separated GPU counts >= 1, e.g. 1,2,4,8")
+    return sizes
 
 
 def main_plan(args: argparse.Namespace) -> int:
     from recpipe.cli import EXIT_DOES_NOT_FIT
 
     cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
+    scaling = None
+    if getattr(args, "scaling", None):
+        sizes = parse_world_sizes(args.scaling)
+        try:
+            scaling = predict_scaling(cfg, sizes, gpu=SCALING_GPU)
+        except ValueError as err:
+            raise ConfigError(f"--scaling: {err}") from err
     inputs = inputs_from_config(cfg)
     plan = estimate_memory(inputs)
     problem = check_fits(plan)
@@ -31,9 +60,13 @@ def main_plan(args: argparse.Namespace) -> int:
     if (getattr(args, "format", None) or "table") == "json":
         doc = plan.to_json()
         doc["suggestions"] = [{"key": s.key, "value": s.value} for s in hints]
+        if scaling is not None:
+            doc["scaling"] = scaling
         print(json.dumps(doc, indent=2))
     else:
         print(render_table(plan))
+        if scaling is not None:
+            print("\n" + render_scaling(scaling))
     if problem is None:
         return 0
     lines = [f"recpipe plan: the configuration does not fit in GPU memory:", problem]

@@ -78,7 +78,7 @@ def local_sparse_bytes(inputs: PlannerInputs) -> int:
     return int(INDEX_BYTES * local_ids(inputs) + LENGTH_BYTES * inputs.batch_size * len(inputs.tables))
 
 
-def received_kjt_bytes(n: float, bags: int, world_size: int = 2) -> int:
+def received_kjt_bytes(n: float, bags: int, world_size: int) -> int:
     """A KJT after the input all-to-all (int64 values, int32 lengths) plus the int64
     offsets the TBE builds from it. With one rank torchrec's all-to-all returns its
     input (``KJTAllToAllTensorsAwaitable``: ``if self._workers == 1``): offsets only."""

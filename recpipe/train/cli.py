@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import warnings
 
 from torch.multiprocessing.spawn import ProcessException
 
@@ -22,7 +21,7 @@ import torch
 
 from recpipe.cli import EXIT_DOES_NOT_FIT
 from recpipe.config import RecpipeConfig, check_device, load_config
-from recpipe.distributed import launch_local, under_torchrun
+from recpipe.distributed import launch_local, torchrun_overrides, under_torchrun
 from recpipe.train.checkpoint import check_checkpoint_config
 from recpipe.train.trainer import run_worker
 
@@ -50,22 +49,17 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
 
 
 def main_train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)  # ConfigError -> exit 2 (recpipe.cli)
+    cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2
     check_checkpoint_config(cfg.checkpoint)
     cuda = torch.cuda.is_available()
     check_device(cfg, cuda)  # ConfigError -> exit 2
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda)
-    world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.distributed.nproc
+    world_size = cfg.distributed.nproc  # WORLD_SIZE under torchrun (torchrun_overrides)
     first = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
     refused = _check_memory_plan(cfg, world_size, on_cuda, verbose=first)
     if refused is not None:
         return refused
     if under_torchrun():
-        if cfg.distributed.nproc not in (1, world_size):
-            warnings.warn(
-                f"distributed.nproc={cfg.distributed.nproc} is ignored under torchrun, which started "
-                f"WORLD_SIZE={world_size} ranks"
-            )
         run_worker(cfg)  # a failure raises, and torchrun reports the rank that failed
         return 0
     try:

@@ -26,10 +26,13 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["MemorySnapshot", "StepClock", "percentile", "summarize_ms", "free_device_memory"]
+T = TypeVar("T")
+
+__all__ = ["MemorySnapshot", "StepClock", "percentile", "summarize_ms", "free_device_memory", "time_stage"]
 
 _GIB = 2**30
 
@@ -156,6 +159,28 @@ class MemorySnapshot:
             "alloc_after_build_gib": self.after_build / _GIB,
             "alloc_before_build_gib": self.before_build / _GIB,
         }
+
+
+def time_stage(device: torch.device, fn: Callable[[], T]) -> tuple[float, T]:
+    """Milliseconds of ``fn()`` run alone, and its result (the hardware bound's stages).
+
+    CUDA: the device is drained first (``synchronize``), then a pair of events on the
+    current stream brackets ``fn``; the host waits for the end event before reading
+    it. Work ``fn`` issues on other streams counts only where the current stream
+    waits for it (collectives' ``wait()``), which every stage here does before it
+    returns. Host syncs inside ``fn`` (the splits ``.tolist()``) are included.
+    CPU: host wall time; every op has finished when ``fn`` returns."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        out = fn()
+        return (time.perf_counter() - t0) * 1e3, out
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()  # host sync: the clock is read only once the stage is done
+    return start.elapsed_time(end), out
 
 
 def free_device_memory(device: torch.device) -> None:

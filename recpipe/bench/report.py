@@ -3,7 +3,8 @@
 Every record starts with the resolved config, the versions (torch, fbgemm-gpu,
 torchrec, CUDA) and the GPU (docs STYLE.md). ``bench.json`` holds every number;
 ``bench.md`` the same header and the table. Rows are plain dicts (``Row.to_dict``)
-so later additions (a hardware bound per row, plots) only add keys.
+so later additions only add keys (the bound, multi-pass and weak-scaling sections:
+``recpipe.bench.sections``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from recpipe.config import RecpipeConfig
 
-__all__ = ["Row", "environment", "format_table", "write_outputs"]
+__all__ = ["Row", "environment", "format_table", "grid", "write_outputs"]
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Row:
     step_ms_per_step: list[float] = field(default_factory=list)
     step_ms_p50_per_rank: list[float] = field(default_factory=list)
     samples_per_s: float | None = None  # global batch / P50 step time
+    samples_per_s_per_gpu: float | None = None  # samples_per_s / world size (weak scaling keeps it flat)
     samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
     wall_s: float | None = None
     # Host time inside each progress() call (no sync): near the step time = launch-bound.
@@ -50,6 +52,8 @@ class Row:
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
+    x_bound: float | None = None  # P50 / hardware bound (``--bound``); 1.0 = perfect overlap
+    weak_scaling: dict[str, Any] = field(default_factory=dict)  # baseline comparison / prediction
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -105,8 +109,9 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
 
 
 # ------------------------------------------------------------------ table
-_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "samples/s", "peak alloc GiB", "peak reserved GiB",
-            "reserved/alloc", "step +GiB", "note")
+_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "samples/s", "samples/s/GPU", "x bound", "peak alloc GiB",
+            "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
+_X_BOUND = _COLUMNS.index("x bound")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -115,7 +120,7 @@ def _num(x: float | None, fmt: str) -> str:
 
 def _cells(row: Row) -> list[str]:
     if row.status != "ok":
-        return [row.pipeline, row.impl, "-", "-", "-", "-", "-", "-", "-", f"{row.status}: {row.reason}"]
+        return [row.pipeline, row.impl] + ["-"] * (len(_COLUMNS) - 3) + [f"{row.status}: {row.reason}"]
     mem = row.memory
     note = "; ".join(row.notes)
     return [
@@ -124,6 +129,8 @@ def _cells(row: Row) -> list[str]:
         _num(row.step_ms.get("p50"), ".2f"),
         _num(row.step_ms.get("p90"), ".2f"),
         _num(row.samples_per_s, ",.0f"),
+        _num(row.samples_per_s_per_gpu, ",.0f"),
+        _num(row.x_bound, ".2f"),
         _num(mem.get("peak_alloc_gib"), ".2f"),
         _num(mem.get("peak_reserved_gib"), ".2f"),
         _num(mem.get("reserved_over_alloc"), ".3f"),
@@ -132,29 +139,42 @@ def _cells(row: Row) -> list[str]:
     ]
 
 
-def format_table(rows: list[Row], markdown: bool = False) -> str:
-    body = [_cells(r) for r in rows]
+def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: bool = False) -> str:
+    """A fixed-width text table, or a markdown one."""
     if markdown:
         esc = lambda s: s.replace("|", "\\|")  # noqa: E731
-        lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "|".join("---" for _ in _COLUMNS) + "|"]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         lines += ["| " + " | ".join(esc(c) for c in cells) + " |" for cells in body]
         return "\n".join(lines)
-    widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(_COLUMNS)]
+    widths = [max(len(h), *(len(c[i]) for c in body)) if body else len(h) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [fmt.format(*_COLUMNS).rstrip(), fmt.format(*("-" * w for w in widths))]
+    out = [fmt.format(*header).rstrip(), fmt.format(*("-" * w for w in widths))]
     out += [fmt.format(*c).rstrip() for c in body]
     return "\n".join(out)
 
 
+def format_table(rows: list[Row], markdown: bool = False) -> str:
+    """The main table; the "x bound" column only when the bound was measured."""
+    keep = [i for i in range(len(_COLUMNS)) if i != _X_BOUND or any(r.x_bound is not None for r in rows)]
+    body = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
+    return grid([_COLUMNS[i] for i in keep], body, markdown)
+
+
 # ------------------------------------------------------------------ files
-def write_outputs(out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row]) -> Path:
-    """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path."""
+def write_outputs(
+    out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row],
+    sections: dict[str, Any] | None = None, sections_md: list[str] | None = None,
+) -> Path:
+    """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path.
+    ``sections`` (``bound``, ``multipass``, ``weak_scaling``, ``plots``) follow the
+    rows in the JSON; ``sections_md`` (rendered by ``recpipe.bench.sections``) follow
+    the table in the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"config": cfg.model_dump(mode="json"), **header, "rows": [r.to_dict() for r in rows]}
+    record = {"config": cfg.model_dump(mode="json"), **header, "rows": [r.to_dict() for r in rows], **(sections or {})}
     path = out / "bench.json"
     path.write_text(json.dumps(_clean(record), indent=2, allow_nan=False) + "\n")
-    (out / "bench.md").write_text(_markdown(cfg, header, rows))
+    (out / "bench.md").write_text(_markdown(cfg, header, rows, sections_md or []))
     return path
 
 
@@ -169,7 +189,7 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
-def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row]) -> str:
+def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], sections_md: list[str]) -> str:
     v, gpu, bench = header["versions"], header["gpu"], header["bench"]
     lines = [
         "# recpipe bench",
@@ -185,11 +205,13 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row]) -> st
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",
         "P50/P90: percentiles over timed steps of the slowest rank's step time; samples/s = global batch / P50;",
+        "samples/s/GPU = samples/s / world size; x bound = P50 / hardware bound (`--bound`, below);",
         "peak alloc/reserved: whole run incl. model (max over ranks); step +GiB: step-only peak above the",
         "post-build allocation.",
         "",
         format_table(rows, markdown=True),
         "",
+        *sections_md,
     ]
     details = [r for r in rows if r.config_overrides or r.notes or r.options]
     if details:

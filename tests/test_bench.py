@@ -1,5 +1,7 @@
-"""``recpipe bench``: the CPU smoke run end to end (2 Gloo ranks), plus the pieces
-that need no process group (which config each pipeline runs, statistics, table)."""
+"""``recpipe bench``: the CPU smoke run end to end (2 Gloo ranks) with the hardware
+bound, plots and a skipped multi-pass sweep, a second run against the first as the
+weak-scaling baseline, one multi-pass sweep point on one rank, and the pieces that
+need no process group (which config each pipeline runs, statistics, tables, plots)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from recpipe.bench.bound import STAGES, hbm_peak
 from recpipe.bench.measure import percentile, summarize_ms
+from recpipe.bench.plots import MEMORY, MULTIPASS, STEP_TIME, write_plots
 from recpipe.bench.report import Row, format_table
 from recpipe.bench.runner import DRAIN, config_for_pipeline
 from recpipe.cli import EXIT_BAD_CONFIG, main
@@ -26,10 +30,23 @@ CPU_OK = {("base", "recpipe"), ("sparse_dist", "recpipe"), ("fused_sparse_dist",
           ("semi_sync", "recpipe"), ("base", "torchrec"), ("sparse_dist", "torchrec")}
 
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+# Stages of --bound that a CPU run measures: all but the UVM-cache prefetch.
+CPU_STAGES = set(STAGES) - {"prefetch"}
+
+
+def _main_table(md: str) -> list[str]:
+    lines = md.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| pipeline | impl | P50 ms"))
+    end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
+    return lines[start + 2 : end]
+
+
 @pytest.mark.slow
 def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     out = tmp_path / "bench"
-    code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--with-torchrec", "--out", str(out)])
+    code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--with-torchrec", "--bound",
+                 "--multipass", "1,2", "--out", str(out)])
     assert code == 0
     record = json.loads((out / "bench.json").read_text())
 
@@ -51,6 +68,8 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
         assert len(r["step_ms_per_step"]) == 3 and len(r["step_ms_p50_per_rank"]) == 2
         assert 0 < r["step_ms"]["p50"] <= r["step_ms"]["p90"] <= r["step_ms"]["max"]
         assert r["samples_per_s"] > 0 and r["samples_per_s_wall"] > 0
+        assert r["samples_per_s_per_gpu"] == pytest.approx(r["samples_per_s"] / 2)
+        assert r["x_bound"] == pytest.approx(r["step_ms"]["p50"] / record["bound"]["bound_ms"])
         assert r["memory"] == {}  # CPU: no allocator numbers
     for impl in ("recpipe", "torchrec"):
         assert rows["prefetch", impl]["status"] == "skipped"
@@ -63,15 +82,73 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     assert rows["fused_sparse_dist", "torchrec"]["options"]["emb_lookup_stream"] == "data_dist"
 
     md = (out / "bench.md").read_text()
-    for needle in ("torch ", "fbgemm-gpu ", "torchrec ", "CUDA ", "GPU:", "world size 2", "## Resolved config"):
+    for needle in ("torch ", "fbgemm-gpu ", "torchrec ", "CUDA ", "GPU:", "world size 2", "## Resolved config",
+                   "## Hardware bound", "**Bound: ", "## Multi-pass prefetch sweep", "## Weak scaling"):
         assert needle in md
-    table = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| pipeline")]
-    assert len(table) == len(rows)
+    assert len(_main_table(md)) == len(rows)
+    _check_bound(record["bound"])
+    # the sweep needs a UVM cache: skipped with the reason, in the JSON and in the report
+    assert record["multipass"]["status"] == "skipped" and record["multipass"]["passes"] == [1, 2]
+    assert "fused_uvm_caching" in record["multipass"]["reason"] and "fused_uvm_caching" in md
+    # plots: step time (with the bound), no memory plot on CPU, no sweep plot
+    assert record["plots"]["written"] == [STEP_TIME] and MEMORY in record["plots"]["reason"]
+    assert (out / STEP_TIME).read_bytes().startswith(PNG_MAGIC)
+    assert not (out / MEMORY).exists() and not (out / MULTIPASS).exists()
+    _second_run_against_baseline(tmp_path, out / "bench.json", rows)
 
 
-def test_bad_bench_arguments_exit_2(capsys):
+def _check_bound(bound: dict) -> None:
+    assert bound["status"] == "ok", bound.get("reason")
+    measured = {name for name, s in bound["stages"].items() if s["ms"] is not None}
+    assert measured == CPU_STAGES
+    for name in measured:
+        s = bound["stages"][name]
+        assert s["chains"] > 0 and 0 <= s["ms"]["p50"] <= s["ms"]["p90"] and len(s["p50_per_rank"]) == 2
+    assert bound["stages"]["prefetch"]["reason"].startswith("n/a: no fused_uvm_caching")
+    assert set(bound["resources"]) == {"compute", "comm", "copy"}
+    assert bound["bound_resource"] in bound["resources"]
+    assert bound["bound_ms"] == max(r["ms"] for r in bound["resources"].values()) > 0
+    compute = sum(bound["stages"][n]["ms"]["p50"] for n in ("lookup", "dense_fwd_bwd", "emb_bwd", "optimizer"))
+    assert bound["resources"]["compute"]["ms"] == pytest.approx(compute)
+    bw = bound["bandwidth"]
+    assert bw["h2d"]["bytes"] > 0 and bw["tbe_lookup"]["GB_per_s"] > 0 and bw["dense_allreduce"]["bytes"] > 0
+    assert "fraction_of_peak" not in bw["tbe_lookup"]  # no HBM peak for a CPU
+    assert "prefetch_h2d" not in bw
+
+
+def _second_run_against_baseline(tmp_path: Path, baseline: Path, first_rows: dict) -> None:
+    out = tmp_path / "again"
+    code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--pipelines", "base,sparse_dist",
+                 "--baseline", str(baseline), "--no-plots", "--out", str(out)])
+    assert code == 0
+    record = json.loads((out / "bench.json").read_text())
+    assert "plots" not in record and not list(out.glob("*.png"))
+    ws = record["weak_scaling"]
+    assert ws["baseline_world_size"] == 2 and ws["baseline"] == str(baseline)
+    by_key = {(r["pipeline"], r["impl"]): r for r in ws["rows"]}
+    assert set(by_key) == {("base", "recpipe"), ("sparse_dist", "recpipe")}
+    for key, r in by_key.items():
+        then = first_rows[key]["samples_per_s_per_gpu"]
+        assert r["baseline_samples_per_s_per_gpu"] == pytest.approx(then)
+        assert r["efficiency"] == pytest.approx(r["samples_per_s_per_gpu"] / then)
+    row = next(r for r in record["rows"] if r["pipeline"] == "base")
+    assert row["weak_scaling"]["efficiency"] == by_key["base", "recpipe"]["efficiency"]
+    md = (out / "bench.md").read_text()
+    assert "| efficiency |" in md and "baseline samples/s/GPU" in md
+    header = next(line for line in md.splitlines() if line.startswith("| pipeline | impl | P50 ms"))
+    assert "samples/s/GPU" in header and "x bound" not in header  # no --bound: no column
+
+
+def test_bad_bench_arguments_exit_2(capsys, tmp_path: Path):
     assert main(["bench", "--config", SMOKE, "--pipelines", "base,nope"]) == EXIT_BAD_CONFIG
     assert "nope" in capsys.readouterr().err
+    assert main(["bench", "--config", SMOKE, "--multipass", "1,two"]) == EXIT_BAD_CONFIG
+    assert main(["bench", "--config", SMOKE, "--multipass", "0,2"]) == EXIT_BAD_CONFIG
+    assert "--multipass" in capsys.readouterr().err
+    assert main(["bench", "--config", SMOKE, "--baseline", str(tmp_path / "none.json")]) == EXIT_BAD_CONFIG
+    (tmp_path / "x.json").write_text("{}")
+    assert main(["bench", "--config", SMOKE, "--baseline", str(tmp_path / "x.json")]) == EXIT_BAD_CONFIG
+    assert "bench.json" in capsys.readouterr().err
     assert main(["bench", "--config", SMOKE, "--steps", "0"]) == EXIT_BAD_CONFIG
     assert main(["bench", "--config", SMOKE, "--steps", "1000"]) == EXIT_BAD_CONFIG  # more than the data has
     assert "data.synthetic.num_batches" in capsys.readouterr().err
@@ -117,3 +194,66 @@ def test_percentiles_and_table():
     assert "1.50" in text and "1,000" in text and "1.500" in text and "skipped: no cache" in text
     md = format_table(rows, markdown=True).splitlines()
     assert len(md) == 4 and all(line.startswith("|") for line in md)
+
+
+@pytest.mark.slow
+def test_multipass_point_times_the_prefetch_step_and_asks_the_planner():
+    """The sweep's per-point machinery on one Gloo rank. On CPU the config cannot have
+    a UVM cache, so the prefetch pipeline runs with a no-op prefetch step (as in CPU CI):
+    what is checked is the plumbing the GPU run relies on."""
+    from tqdm import tqdm
+
+    from recpipe.bench.multipass import _point, sweep_config, sweep_skip_reason
+    from recpipe.bench.runner import BenchOptions, _single_rank_group, pregenerate
+    from recpipe.distributed import init_process_group
+
+    cfg = load_config(SMOKE, ["pipeline.name=prefetch", "distributed.nproc=1"])
+    opts = BenchOptions(("prefetch",), False, steps=3, warmup=2, out="unused")
+    with _single_rank_group():
+        device = init_process_group(cfg)
+        batches = pregenerate(cfg, 0, 1, opts.batches_per_run, device)
+        point = _point(cfg, 1, batches, opts, device, tqdm(disable=True))
+    assert point["status"] == "ok", point["reason"]
+    assert point["step_ms"]["p50"] > 0 and point["prefetch_ms"]["p50"] >= 0
+    assert point["prefetch_ms"]["p50"] < point["step_ms"]["max"]
+    assert point["memory_rank0"] is None and "CPU" in point["memory_reason"]
+    plan = point["planner"]
+    assert plan["per_step_bytes"] > 0 and plan["prefetch_terms_bytes"] == sum(plan["prefetch_terms"].values())
+    assert "fused_uvm_caching" in sweep_skip_reason(load_config(SMOKE), device)
+    uvm = load_config(CONFIGS / "uvm_caching.yaml")
+    assert sweep_skip_reason(uvm, device) == "the UVM cache needs CUDA (device is cpu)"
+    cfg8, why = sweep_config(uvm, 8)
+    assert not why and cfg8.sharding.prefetch_passes == 8 and cfg8.pipeline.name == "prefetch"
+    assert cfg8.sharding.prefetch_min_pass_size == uvm.sharding.prefetch_min_pass_size
+
+
+def _gpu_like_rows() -> tuple[list[Row], dict]:
+    """Rows and a sweep shaped like a GPU run's, to draw every plot on CPU."""
+    mem = {"peak_alloc_gib": 20.0, "peak_reserved_gib": 22.0}
+    rows = [Row("sparse_dist", "recpipe", step_ms={"p50": 8.0, "p90": 9.0}, memory=mem),
+            Row("sparse_dist", "torchrec", step_ms={"p50": 8.5, "p90": 9.5}, memory=mem),
+            Row("prefetch", "torchrec", status="failed", reason="x")]
+    point = {"status": "ok", "step_ms": {"p50": 9.0}, "prefetch_ms": {"p50": 1.0},
+             "memory_rank0": {"step_peak_alloc_above_build_gib": 0.3, "step_peak_reserved_above_build_gib": 0.4},
+             "planner": {"per_step_bytes": 3e8, "prefetch_terms_bytes": 7e7, "passes_effective": {"t": 1}}}
+    sweep = {"status": "ok", "prefetch_min_pass_size": 65536,
+             "points": [dict(point, passes=p) for p in (1, 2, 4)] + [{"passes": 8, "status": "failed", "reason": "y"}]}
+    bound = {"status": "ok", "bound_ms": 5.0, "bound_resource": "compute"}
+    return rows, {"bound": bound, "multipass": sweep}
+
+
+def test_plots_are_pngs_and_skip_what_has_no_data(tmp_path: Path):
+    rows, sections = _gpu_like_rows()
+    result = write_plots(tmp_path, rows, sections)
+    assert result == {"written": [STEP_TIME, MEMORY, MULTIPASS], "reason": ""}
+    for name in result["written"]:
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
+    cpu_rows = [Row("base", "recpipe", step_ms={"p50": 1.0, "p90": 2.0})]
+    result = write_plots(tmp_path / "cpu", cpu_rows, {"multipass": {"status": "skipped", "reason": "r"}})
+    assert result["written"] == [STEP_TIME] and MEMORY in result["reason"] and MULTIPASS in result["reason"]
+
+
+def test_hbm_peak_by_gpu_name():
+    assert hbm_peak("NVIDIA H100 80GB HBM3") == ("H100 SXM", 3.35e12)
+    assert hbm_peak("NVIDIA H200") == ("H200", 4.8e12)
+    assert hbm_peak("NVIDIA H100 PCIe") is None and hbm_peak("cpu") is None

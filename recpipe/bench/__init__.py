@@ -2,8 +2,12 @@
 and (``--with-torchrec``) TorchRec's, on identical models and batches.
 
 ``runner`` orchestrates (CLI entry ``main_bench``, one ``run_worker`` per rank),
-``measure`` owns the clocks and allocator snapshots, ``torchrec_impl`` maps each
-recpipe pipeline to TorchRec's, ``report`` writes ``bench.json`` / ``bench.md``.
+``run`` is one timed run on one rank, ``measure`` owns the clocks and allocator
+snapshots, ``torchrec_impl`` maps each recpipe pipeline to TorchRec's, ``report``
+writes ``bench.json`` / ``bench.md``. Optional sections: ``bound`` (``--bound``: each
+stage alone, the hardware bound), ``multipass`` (``--multipass``: prefetch passes
+sweep), ``weak_scaling`` (samples/s per GPU, ``--baseline``), rendered by
+``sections``; ``plots`` draws the PNGs.
 """
 
 from recpipe.bench.runner import BenchOptions, main_bench, run_worker

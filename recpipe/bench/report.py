@@ -179,8 +179,8 @@ def write_outputs(
 
 
 def _clean(obj: Any) -> Any:
-    """NaN -> None recursively (JSON has no NaN)."""
-    if isinstance(obj, float) and math.isnan(obj):
+    """NaN and infinities -> None recursively (JSON has neither)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
         return {k: _clean(v) for k, v in obj.items()}

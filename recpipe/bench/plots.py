@@ -1,0 +1,143 @@
+"""PNG plots of a bench record (matplotlib, Agg backend; rank 0 only).
+
+At most three files, because a GPU machine returns few files per run:
+
+* ``bench_step_time.png``: P50 step time per pipeline, recpipe beside TorchRec, with
+  a whisker up to P90, and the hardware bound as a horizontal line when measured;
+* ``bench_memory.png``: peak allocated vs reserved per pipeline and implementation
+  (not on CPU, where the allocator has no numbers);
+* ``multipass.png``: the multi-pass sweep, measured step memory and the planner's
+  prediction vs passes, and the prefetch step time vs passes.
+
+Plotting never fails the bench: errors (matplotlib missing, ...) become the reason
+recorded in the ``plots`` section.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MEMORY", "MULTIPASS", "STEP_TIME", "write_plots"]
+
+STEP_TIME, MEMORY, MULTIPASS = "bench_step_time.png", "bench_memory.png", "multipass.png"
+_COLORS = {"recpipe": "tab:blue", "torchrec": "tab:orange"}
+
+
+def _step_time(plt: Any, path: Path, rows: list[Any], bound: dict[str, Any] | None) -> str:
+    pipelines = list(dict.fromkeys(r.pipeline for r in rows))
+    impls = [i for i in _COLORS if any(r.impl == i for r in rows)]
+    width = 0.8 / len(impls)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(pipelines)), 4.5))
+    labeled: set[str] = set()
+    for k, impl in enumerate(impls):
+        for x, name in enumerate(pipelines):
+            row = next((r for r in rows if r.pipeline == name and r.impl == impl), None)
+            pos = x + (k - (len(impls) - 1) / 2) * width
+            if row is None or row.status != "ok":
+                if row is not None:
+                    ax.text(pos, 0, row.status, rotation=90, ha="center", va="bottom", fontsize=8, color="gray")
+                continue
+            p50, p90 = row.step_ms["p50"], row.step_ms["p90"]
+            ax.bar(pos, p50, width, color=_COLORS[impl], yerr=[[0.0], [p90 - p50]], capsize=3,
+                   label=None if impl in labeled else impl)
+            labeled.add(impl)
+    if bound and bound.get("status") == "ok":
+        ax.axhline(bound["bound_ms"], color="black", linestyle="--",
+                   label=f"hardware bound {bound['bound_ms']:.2f} ms ({bound['bound_resource']})")
+    ax.set_xticks(range(len(pipelines)), pipelines)
+    ax.set_ylabel("step time, ms (bar P50, whisker P90)")
+    ax.set_title("recpipe bench: step time per pipeline")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def _memory(plt: Any, path: Path, rows: list[Any]) -> str:
+    measured = [r for r in rows if r.status == "ok" and r.memory.get("peak_alloc_gib") is not None]
+    labels = [f"{r.pipeline}\n{r.impl}" for r in measured]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(measured)), 4.5))
+    xs = range(len(measured))
+    ax.bar([x - 0.2 for x in xs], [r.memory["peak_alloc_gib"] for r in measured], 0.4, label="peak allocated")
+    ax.bar([x + 0.2 for x in xs], [r.memory["peak_reserved_gib"] for r in measured], 0.4, label="peak reserved")
+    ax.set_xticks(list(xs), labels, fontsize=8)
+    ax.set_ylabel("GiB (max over ranks, model included)")
+    ax.set_title("recpipe bench: peak GPU memory")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def _multipass(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
+    points = [p for p in sweep["points"] if p["status"] == "ok"]
+    xs = [p["passes"] for p in points]
+    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+
+    def series(get: Any) -> list[float | None]:
+        return [get(p) for p in points]
+
+    mib = float(1 << 20)
+    lines = {
+        "measured step +alloc (rank 0)": series(lambda p: (p.get("memory_rank0") or {}).get(
+            "step_peak_alloc_above_build_gib")),
+        "measured step +reserved (rank 0)": series(lambda p: (p.get("memory_rank0") or {}).get(
+            "step_peak_reserved_above_build_gib")),
+        "planner per-step": series(lambda p: p.get("planner", {}).get("per_step_bytes")),
+        "planner prefetch terms": series(lambda p: p.get("planner", {}).get("prefetch_terms_bytes")),
+    }
+    for label, ys in lines.items():
+        scale = 1024.0 if label.startswith("measured") else 1 / mib  # GiB -> MiB, bytes -> MiB
+        pairs = [(x, y * scale) for x, y in zip(xs, ys) if y is not None]
+        if pairs:
+            mem_ax.plot(*zip(*pairs), marker="o", linestyle="-" if label.startswith("measured") else "--", label=label)
+    # tick labels: configured passes, and (planner) the most passes any TBE really makes
+    happen = [max((p.get("planner", {}).get("passes_effective") or {}).values(), default=None) for p in points]
+    ticks = [f"{x}" if h in (None, x) else f"{x}\n({h} happen)" for x, h in zip(xs, happen)]
+    mem_ax.set(xlabel="sharding.prefetch_passes", ylabel="MiB",
+               title=f"step memory vs passes (min pass size {sweep['prefetch_min_pass_size']:,})")
+    mem_ax.legend(fontsize=8)
+    for key, label in (("prefetch_ms", "prefetch step P50"), ("step_ms", "whole step P50")):
+        pairs = [(p["passes"], p[key]["p50"]) for p in points if p.get(key)]
+        if pairs:
+            time_ax.plot(*zip(*pairs), marker="o", label=label)
+    time_ax.set(xlabel="sharding.prefetch_passes", ylabel="ms", title="time vs passes")
+    time_ax.legend(fontsize=8)
+    for ax in (mem_ax, time_ax):
+        ax.set_xticks(xs, ticks)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
+def write_plots(out_dir: str | Path, rows: list[Any], sections: dict[str, Any]) -> dict[str, Any]:
+    """Write the plots that have data; returns ``{"written": [...], "reason": ...}``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        return {"written": [], "reason": f"matplotlib not importable: {err}"}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[str] = []
+    skipped: list[str] = []
+    try:
+        if any(r.status == "ok" for r in rows):
+            written.append(_step_time(plt, out / STEP_TIME, rows, sections.get("bound")))
+        if any(r.status == "ok" and r.memory.get("peak_alloc_gib") is not None for r in rows):
+            written.append(_memory(plt, out / MEMORY, rows))
+        else:
+            skipped.append(f"{MEMORY}: no allocator numbers (CPU run)")
+        sweep = sections.get("multipass")
+        if sweep and sweep.get("status") == "ok" and any(p["status"] == "ok" for p in sweep["points"]):
+            written.append(_multipass(plt, out / MULTIPASS, sweep))
+        elif sweep:
+            skipped.append(f"{MULTIPASS}: no sweep point was measured")
+    except Exception as err:  # noqa: BLE001 - plots must not lose the measurements
+        skipped.append(f"plotting failed: {type(err).__name__}: {err}")
+    finally:
+        plt.close("all")
+    return {"written": written, "reason": "; ".join(skipped)}

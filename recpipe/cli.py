@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--multipass", default=None, metavar="P1,P2,...", help="sweep FBGEMM prefetch passes (UVM-caching configs)"
     )
     bench.add_argument("--baseline", default=None, metavar="BENCH_JSON", help="a bench.json from fewer GPUs: weak-scaling columns")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="repeat every run R times, interleaved; P50/P90 over all rounds, paired ratios per round")
     bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     bench.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last 5 warm-up steps -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")

@@ -43,12 +43,14 @@ class Row:
     step_ms: dict[str, float] = field(default_factory=dict)  # p50/p90/mean/min/max of per-step max over ranks
     step_ms_per_step: list[float] = field(default_factory=list)
     step_ms_p50_per_rank: list[float] = field(default_factory=list)
+    round_p50_ms: list[float] = field(default_factory=list)  # P50 of each round (``--rounds``, compare.py)
     samples_per_s: float | None = None  # global batch / P50 step time
     samples_per_s_per_gpu: float | None = None  # samples_per_s / world size (weak scaling keeps it flat)
     samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
     wall_s: float | None = None
     # Host time inside each progress() call (no sync): near the step time = launch-bound.
     host_ms: dict[str, float] = field(default_factory=dict)
+    host_ms_per_step: list[float] = field(default_factory=list)  # per step, the slowest rank's
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None

@@ -201,10 +201,12 @@ def combine(row: Row, per_rank: list[dict[str, Any]], global_batch: int, steps: 
     row.step_ms = summarize_ms(per_step)
     row.step_ms_per_step = per_step
     row.step_ms_p50_per_rank = [summarize_ms(r["times_ms"])["p50"] for r in per_rank]
+    row.round_p50_ms = [row.step_ms["p50"]]
     row.samples_per_s = global_batch / (row.step_ms["p50"] / 1e3)
     row.samples_per_s_per_gpu = row.samples_per_s / len(per_rank)
     row.wall_s = max(r["wall_s"] for r in per_rank)
-    row.host_ms = summarize_ms([max(ts) for ts in zip(*(r["host_ms"] for r in per_rank))])
+    row.host_ms_per_step = [max(ts) for ts in zip(*(r["host_ms"] for r in per_rank))]
+    row.host_ms = summarize_ms(row.host_ms_per_step)
     row.samples_per_s_wall = global_batch * steps / row.wall_s
     row.build_s = max(r["build_s"] for r in per_rank)
     mems = [r["memory"] for r in per_rank]

@@ -58,6 +58,7 @@ from torch.multiprocessing.spawn import ProcessException
 from tqdm import tqdm
 
 from recpipe.bench.bound import apply_bound, measure_bound
+from recpipe.bench.compare import check_targets, merge_rounds, round_order, targets_md
 from recpipe.bench.measure import StepClock
 from recpipe.bench.multipass import describe_point, run_multipass
 from recpipe.bench.plots import write_plots
@@ -90,6 +91,7 @@ class BenchOptions:
     multipass: tuple[int, ...] = ()  # sharding.prefetch_passes values to sweep
     baseline: str | None = None  # an earlier bench.json: weak-scaling efficiency
     plots: bool = True
+    rounds: int = 1  # every run repeated, interleaved (compare.round_order)
 
     @property
     def batches_per_run(self) -> int:
@@ -107,6 +109,9 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
     if args.warmup < 0:
         raise ConfigError(f"--warmup={args.warmup} must be >= 0")
+    rounds = int(getattr(args, "rounds", 1))
+    if rounds < 1:
+        raise ConfigError(f"--rounds={rounds} must be >= 1")
     out = args.out or cfg.logging.run_dir
     bound, plots = bool(getattr(args, "bound", False)), bool(getattr(args, "plots", True))
     passes = _passes(getattr(args, "multipass", None))
@@ -115,14 +120,15 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
         load_baseline(baseline)  # ConfigError (exit 2) before any process starts
     flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--bound", bound),
                                    (f"--multipass {','.join(map(str, passes))}", passes),
-                                   (f"--baseline {baseline}", baseline), ("--no-plots", not plots)) if on]
+                                   (f"--baseline {baseline}", baseline), ("--no-plots", not plots),
+                                   (f"--rounds {rounds}", rounds > 1)) if on]
     command = " ".join(
         ["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
          f"--pipelines {','.join(names)}", *flags, f"--steps {args.steps} --warmup {args.warmup} --out {out}"]
     )
     profile = str(Path(out) / "profile.txt") if getattr(args, "profile", False) else None
     opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command, profile,
-                        bound=bound, multipass=passes, baseline=baseline, plots=plots)
+                        bound=bound, multipass=passes, baseline=baseline, plots=plots, rounds=rounds)
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
     short = [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]
@@ -223,27 +229,35 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions) -> list[Row]:
             flush=True,
         )
     bar = tqdm(
-        total=(len(runs) + len(opts.multipass)) * len(batches), unit="step", dynamic_ncols=True,
+        total=(opts.rounds * len(runs) + len(opts.multipass)) * len(batches), unit="step", dynamic_ncols=True,
         disable=rank != 0 or not cfg.train.progress,
     )
-    rows = []
-    for name, impl in runs:
-        bar.set_description(f"{name}/{impl}")
-        row = run_one(cfg, name, impl, batches, opts, device, bar)
-        rows.append(row)
-        if rank == 0 and row.status != "ok":
-            tqdm.write(f"recpipe bench: {name} ({impl}) {row.status}: {row.reason}")
-        elif rank == 0:
-            tqdm.write(
-                f"recpipe bench: {name} ({impl}) P50 {row.step_ms['p50']:.2f} ms, P90 {row.step_ms['p90']:.2f} ms, "
-                f"{row.samples_per_s:,.0f} samples/s"
-            )
+    measured: dict[tuple[str, str], list[Row]] = {run: [] for run in runs}
+    for r in range(opts.rounds):
+        for name, impl in round_order(runs, r):
+            if any(earlier.status != "ok" for earlier in measured[(name, impl)]):
+                bar.update(len(batches))  # skipped or failed once: it would again, on the same config
+                continue
+            bar.set_description(f"{name}/{impl}" + (f" round {r + 1}/{opts.rounds}" if opts.rounds > 1 else ""))
+            row = run_one(cfg, name, impl, batches, opts, device, bar)
+            measured[(name, impl)].append(row)
+            if rank == 0:
+                tqdm.write(f"recpipe bench: {_describe(row)}" + (f" (round {r + 1})" if opts.rounds > 1 else ""))
+    global_batch = cfg.data.batch_size * world
+    rows = [merge_rounds(measured[run], global_batch) for run in runs]
     sections = _optional_sections(cfg, opts, rows, batches, device, bar, header["gpu"]["name"])
     bar.close()
     if rank == 0:
         _write(cfg, opts, header, rows, sections, world)
     dist.barrier()
     return rows
+
+
+def _describe(row: Row) -> str:
+    if row.status != "ok":
+        return f"{row.pipeline} ({row.impl}) {row.status}: {row.reason}"
+    return (f"{row.pipeline} ({row.impl}) P50 {row.step_ms['p50']:.2f} ms, P90 {row.step_ms['p90']:.2f} ms, "
+            f"{row.samples_per_s:,.0f} samples/s")
 
 
 def _header(
@@ -264,7 +278,9 @@ def _header(
         "batch_generation_ms_per_batch": 1e3 * generation_s / num_batches_made,
         "pinned": device.type == "cuda",
         "timing": StepClock(device).method,
-        "runs": "sequential in one process group; fresh model (train.seed) per run",
+        "rounds": opts.rounds,
+        "runs": "sequential in one process group; fresh model (train.seed) per run"
+                + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else ""),
         "bound": opts.bound,
         "multipass": list(opts.multipass),
         "baseline": opts.baseline,
@@ -302,9 +318,11 @@ def _write(
     """Rank 0: weak scaling (needs no collective), plots, bench.json and bench.md."""
     baseline = load_baseline(opts.baseline) if opts.baseline else None
     sections["weak_scaling"] = weak_scaling(cfg, rows, world, header["gpu"]["name"], baseline, opts.baseline)
+    sections["targets"] = check_targets(rows, sections.get("bound"))
     if opts.plots:
         sections["plots"] = write_plots(opts.out, rows, sections)
-    path = write_outputs(opts.out, cfg, header, rows, sections, render_sections(sections))
+    markdown = targets_md(sections["targets"], opts.rounds) + render_sections(sections)
+    path = write_outputs(opts.out, cfg, header, rows, sections, markdown)
     print(format_table(rows))
     for p in sections.get("plots", {}).get("written", []):
         print(f"wrote {Path(opts.out) / p}")

@@ -29,6 +29,15 @@ from the config as given: with ``sharding.prefetch_pipeline`` the cache prefetch
 stage (g), on its own stream as FBGEMM requires, and the rows it fills from host
 memory are counted from ``lxu_cache_state`` (achieved H2D bandwidth of the misses);
 cached tables without it prefetch inside the lookup (c1).
+
+Prefetch memory (stage g, CUDA), read outside the timed stage: the peak allocated
+bytes above the allocation just before the prefetch (``reset_peak_memory_stats``
+then ``max_memory_allocated`` minus ``memory_allocated``; only the prefetch runs in
+between, so this is its scratch plus the cache locations and offsets it leaves),
+and the bytes the caching allocator holds in segments of the prefetch stream (its
+own pool, which only the prefetch allocates from; a high-water mark, since nothing
+empties the cache between chains). ``measure_prefetch_memory`` runs a few chains
+for just these numbers (``recpipe bench --multipass``).
 """
 
 from __future__ import annotations
@@ -54,10 +63,12 @@ from recpipe.pipelines.steps import dense_params
 from recpipe.pipelines.streams import use_stream
 from recpipe.sharding import shard_model
 
-__all__ = ["STAGES", "apply_bound", "hbm_peak", "measure_bound"]
+__all__ = ["STAGES", "apply_bound", "hbm_peak", "measure_bound", "measure_prefetch_memory", "stream_reserved_bytes"]
 
 WARMUP_CHAINS = 4  # two of each kind: input dists are created, kernels and NCCL warmed
 TIMED_CHAINS = 20  # ten of each kind; a chain costs about one training step plus syncs
+PREFETCH_WARMUP_CHAINS = 2  # measure_prefetch_memory: the first chains fill the cache
+PREFETCH_TIMED_CHAINS = 4
 GB = 1e9  # bandwidths in decimal GB/s, memory in GiB
 
 # stage -> (resource it loads, or None for a cross-check; what is timed)
@@ -178,14 +189,30 @@ def _dense(m: _Bench, batch: Batch, pooled: dict[str, KeyedTensor], t: dict[str,
     return {f: leaf.grad for f, leaf in leaves.items()}
 
 
+def stream_reserved_bytes(device: torch.device, stream: torch.cuda.Stream) -> int:
+    """Bytes of the caching allocator's segments that belong to ``stream`` on ``device``
+    (``torch.cuda.memory_snapshot()``: segments are cudaMalloc'd blocks, each owned by
+    the stream that allocated it; ``total_size`` is its reserved size)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg["stream"] == stream.cuda_stream and seg.get("device", index) == index)
+
+
 def _prefetch(m: _Bench, ctxs: dict, kjts: dict, t: dict[str, float], counts: dict[str, int]) -> None:
     """Stage (g) on the prefetch stream; counts the cache rows it filled from host
-    memory (slots of ``lxu_cache_state`` whose row changed; -1 = empty slot)."""
+    memory (slots of ``lxu_cache_state`` whose row changed; -1 = empty slot), its
+    peak allocated bytes above the allocation before it, and the prefetch stream's
+    reserved bytes (module docstring)."""
     before = [tbe.lxu_cache_state.clone() for tbe in m.cached_tbes]
     compute = torch.cuda.current_stream(m.device)
+    torch.cuda.reset_peak_memory_stats(m.device)  # after the clones: only the prefetch's own bytes count
+    allocated = torch.cuda.memory_allocated(m.device)
     with use_stream(m.prefetch_stream):
         t["prefetch"], _ = time_stage(m.device, lambda: [
             mod.prefetch(kjts[f], forward_stream=compute, ctx=ctxs[f]) for f, mod in m.modules.items()])
+    counts.update(prefetch_peak_alloc_bytes=torch.cuda.max_memory_allocated(m.device) - allocated,
+                  prefetch_stream_reserved_bytes=stream_reserved_bytes(m.device, m.prefetch_stream))
     inserted = evicted = inserted_bytes = 0
     for tbe, old in zip(m.cached_tbes, before):
         changed = tbe.lxu_cache_state != old
@@ -259,16 +286,17 @@ def _build(cfg: RecpipeConfig, device: torch.device) -> _Bench:
     return _Bench(model, sharded.optimizer, find_sharded_modules(model), device, dense_model, cached, stream)
 
 
-def _local(cfg: RecpipeConfig, batches: list[Batch], device: torch.device) -> dict[str, Any]:
+def _local(cfg: RecpipeConfig, batches: list[Batch], device: torch.device, warmup: int = WARMUP_CHAINS,
+           timed: int = TIMED_CHAINS) -> dict[str, Any]:
     """This rank's chains; never raises (the error goes into the result)."""
     free_device_memory(device)
     m = None
     try:
         m = _build(cfg, device)
         chains = []
-        for i in range(WARMUP_CHAINS + TIMED_CHAINS):
+        for i in range(warmup + timed):
             t, counts = _chain(m, batches[i % len(batches)], split=i % 2 == 0)
-            if i >= WARMUP_CHAINS:
+            if i >= warmup:
                 chains.append((t, counts))
         return {"status": "ok", "chains": chains, "prefetch": bool(m.cached_tbes), "cuda": device.type == "cuda"}
     except Exception as err:  # noqa: BLE001 - the bench still writes the pipelines' rows
@@ -288,6 +316,41 @@ def measure_bound(cfg: RecpipeConfig, batches: list[Batch], device: torch.device
     if bad:
         return {"status": "failed", "reason": " | ".join(dict.fromkeys(bad))}
     return _summarize(cfg, per_rank, gpu_name)
+
+
+def measure_prefetch_memory(cfg: RecpipeConfig, batches: list[Batch], device: torch.device,
+                            warmup: int = PREFETCH_WARMUP_CHAINS, timed: int = PREFETCH_TIMED_CHAINS) -> dict[str, Any]:
+    """Collective, never raises: the prefetch's own memory and time on a fresh model
+    built from ``cfg``, from ``warmup`` + ``timed`` whole chains (fwd + bwd, so every
+    cache line the prefetch locked is released before the next one); the same dict on
+    every rank. ``status`` is 'failed' (a rank failed) or 'skipped' (no stage g)."""
+    per_rank = gather(_local(cfg, batches, device, warmup, timed))
+    bad = [f"rank {r}: {x['reason']}" for r, x in enumerate(per_rank) if x["status"] != "ok"]
+    if bad:
+        return {"status": "failed", "reason": " | ".join(dict.fromkeys(bad))}
+    if not any(r["prefetch"] for r in per_rank):
+        return {"status": "skipped", "reason": _na(cfg, "prefetch", False)}
+    return dict(prefetch_memory(per_rank), status="ok", chains={"warmup": warmup, "timed": timed})
+
+
+def prefetch_memory(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Stage (g)'s memory over the timed chains: per rank the largest peak above the
+    allocation before the prefetch and the prefetch stream's reserved bytes (bytes;
+    rank 0 and the maximum over ranks; 0 on a rank without a cached TBE, which does
+    not run the stage), and the stage's time (per chain the slowest rank that ran it)."""
+    ran = [r["chains"] if r["prefetch"] else [] for r in per_rank]
+    alloc = [max((c["prefetch_peak_alloc_bytes"] for _, c in chains), default=0) for chains in ran]
+    reserved = [max((c["prefetch_stream_reserved_bytes"] for _, c in chains), default=0) for chains in ran]
+    slowest = [max(col) for col in zip(*([t["prefetch"] for t, _ in chains] for chains in ran if chains))]
+    return {
+        "peak_alloc_bytes": alloc[0],
+        "peak_alloc_bytes_max": max(alloc),
+        "stream_reserved_bytes": reserved[0],
+        "stream_reserved_bytes_max": max(reserved),
+        "peak_alloc_bytes_per_rank": alloc,
+        "stream_reserved_bytes_per_rank": reserved,
+        "ms": summarize_ms(slowest),
+    }
 
 
 def _stage_times(per_rank: list[dict[str, Any]], stage: str) -> tuple[list[float], list[list[float]]]:
@@ -353,6 +416,8 @@ def _summarize(cfg: RecpipeConfig, per_rank: list[dict[str, Any]], gpu_name: str
         "bandwidth": _bandwidths(cfg, per_rank, gpu_name),
         "notes": [],
     }
+    if any(r["prefetch"] for r in per_rank):
+        out["prefetch_memory"] = prefetch_memory(per_rank)
     if not per_rank[0]["cuda"]:
         out["notes"].append("CPU run: Batch.to(cpu) copies nothing (h2d), Gloo collectives, no HBM")
     split, combined = stages["lookup"]["ms"], stages["lookup_and_output_dist"]["ms"]

@@ -15,7 +15,14 @@ value, ``prefetch_min_pass_size`` included, as configured), and the point record
   ``MemorySnapshot``), rank 0 and the maximum over ranks;
 * the planner's prediction for the same config and world size (rank 0): the terms
   whose name contains ``prefetch``, its per-step total, and the passes that really
-  happen per TBE (FBGEMM does not split a batch below ``prefetch_min_pass_size``).
+  happen per TBE (FBGEMM does not split a batch below ``prefetch_min_pass_size``);
+* the prefetch's own memory, measured alone (``bound.measure_prefetch_memory``: a
+  fresh model, a few whole fwd + bwd chains, the prefetch stage drained before and
+  after): its peak allocated bytes above the allocation before it, the prefetch
+  stream's reserved bytes, its time; beside the planner's prediction for that same
+  measurement (:func:`isolated_prefetch_peak_bytes`) and their ratio. The sweep's
+  ``prefetch_memory_target`` says whether the ratio is within ``TOLERANCE`` at every
+  P on every rank.
 """
 
 from __future__ import annotations
@@ -27,14 +34,20 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from recpipe.bench.bound import measure_prefetch_memory
 from recpipe.bench.measure import StepClock, summarize_ms
 from recpipe.bench.report import Row
-from recpipe.bench.run import combine, config_for_pipeline, gather, run_local
+from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.pipelines import PrefetchPipeline
+from recpipe.planner.memory import LENGTH_BYTES, TBE_OFFSET_BYTES
+from recpipe.planner.tbe import LOCATION_BYTES, prefetch_scratch_bytes
 
-__all__ = ["TimedPrefetchPipeline", "describe_point", "run_multipass", "sweep_config", "sweep_skip_reason"]
+__all__ = ["TOLERANCE", "TimedPrefetchPipeline", "describe_point", "isolated_prefetch_peak_bytes",
+           "prefetch_memory_point", "prefetch_memory_target", "run_multipass", "sweep_config", "sweep_skip_reason"]
+
+TOLERANCE = 0.10  # issue 5: the measured prefetch peak follows the planner's curve within 10%
 
 _MEMORY_KEYS = ("step_peak_alloc_above_build_gib", "step_peak_reserved_above_build_gib", "peak_alloc_gib",
                 "peak_reserved_gib")
@@ -106,8 +119,46 @@ def sweep_config(cfg: RecpipeConfig, passes: int) -> tuple[RecpipeConfig | None,
         return None, str(err).replace("\n", " ")
 
 
+def isolated_prefetch_peak_bytes(
+    tbes: list[tuple[float, int]], passes: int, min_pass_size: int, fbgemm_version: tuple[int, int]
+) -> int:
+    """Predicted peak allocated bytes above the allocation before ``module.prefetch``
+    of one batch (what ``bound`` measures), from the (indices, bags) of each cached TBE
+    of the rank, in prefetch order (torchrec: lookup by lookup, TBE by TBE).
+
+    TBE k at its peak holds what the TBEs before it left, its own prefetch scratch
+    (:func:`~recpipe.planner.tbe.prefetch_scratch_bytes`, freed when it returns) and::
+
+        locations  4 n    final_lxu_cache_locations, int32 [n] (kept for the forward)
+        offsets    4 (b + 1)  KJT.offsets() from the int32 lengths (cached on the KJT)
+        cast       8 (b + 1)  prepare_inputs: offsets.to(indices.dtype), int64 (freed)
+
+    so peak = max over k of (sum over j < k of (4 n_j + 4 (b_j + 1)) + 4 n_k + 12 (b_k + 1) + scratch_k).
+    """
+    peak, kept = 0.0, 0.0
+    for n, bags in tbes:
+        leaves = LOCATION_BYTES * n + LENGTH_BYTES * (bags + 1)
+        scratch = prefetch_scratch_bytes(n, passes, min_pass_size, fbgemm_version)
+        peak = max(peak, kept + leaves + TBE_OFFSET_BYTES * (bags + 1) + scratch)
+        kept += leaves
+    return int(round(peak))
+
+
+def _isolated_prefetch_peaks(plan: Any, passes: int, min_pass_size: int) -> list[int]:
+    """:func:`isolated_prefetch_peak_bytes` of every rank of ``plan`` (its cached TBEs;
+    every non-data-parallel table's feature brings W x B bags to its TBE)."""
+    out = []
+    for r in plan.ranks:
+        tbes = [(g.indices_per_batch, len(g.tables) * plan.batch_size * (1 if g.sharding_type == "data_parallel"
+                                                                          else plan.world_size))
+                for g in r.tbe_groups if g.kernel == "cached"]
+        out.append(isolated_prefetch_peak_bytes(tbes, passes, min_pass_size, plan.fbgemm_version))
+    return out
+
+
 def planner_prediction(cfg: RecpipeConfig, world_size: int) -> dict[str, Any]:
-    """Rank 0 of ``plan_from_config``: prefetch terms, per-step bytes, passes that happen."""
+    """Rank 0 of ``plan_from_config``: prefetch terms, per-step bytes, passes that happen;
+    and every rank's peak of the prefetch measured alone (``isolated_prefetch_peak_bytes``)."""
     from recpipe.planner import plan_from_config
 
     try:
@@ -127,6 +178,8 @@ def planner_prediction(cfg: RecpipeConfig, world_size: int) -> dict[str, Any]:
         "per_step_bytes": per_step,
         "per_step_plus_allocator_bytes": per_step + sum(t.bytes for t in hbm if t.category == "allocator"),
         "passes_effective": effective,
+        "isolated_prefetch_peak_bytes": _isolated_prefetch_peaks(
+            plan, cfg.sharding.prefetch_passes, cfg.sharding.prefetch_min_pass_size),
         "peak_phase": r0.peak_phase,
         "warnings": [w for w in plan.warnings if "prefetch" in w],
     }
@@ -154,9 +207,45 @@ def _point(
         )
         if not mems[0]:
             point["memory_reason"] = "n/a: no allocator statistics on CPU"
+    alone = (measure_prefetch_memory(cfg_p, list(fresh_batches(batches)), device) if device.type == "cuda"
+             else {"status": "skipped", "reason": "n/a: CPU run (no UVM cache)"})
     if dist.get_rank() == 0:
         point["planner"] = planner_prediction(cfg_p, world)
+    predicted = point.get("planner", {}).get("isolated_prefetch_peak_bytes")
+    point["prefetch_memory"] = prefetch_memory_point(alone, predicted)
     return point
+
+
+def prefetch_memory_point(measured: dict[str, Any], predicted: list[int] | None) -> dict[str, Any]:
+    """``measure_prefetch_memory``'s result beside the prediction (per rank, bytes):
+    ``measured_over_predicted`` (rank 0) and per rank (None where nothing is predicted:
+    a rank without a cached TBE)."""
+    out = dict(measured)
+    if measured.get("status") != "ok" or not predicted:
+        return out
+    per_rank = [m / p if p else None for m, p in zip(measured["peak_alloc_bytes_per_rank"], predicted)]
+    out.update(predicted_peak_bytes=predicted[0], predicted_peak_bytes_max=max(predicted),
+               predicted_peak_bytes_per_rank=list(predicted), measured_over_predicted=per_rank[0],
+               measured_over_predicted_per_rank=per_rank)
+    return out
+
+
+def prefetch_memory_target(points: list[dict[str, Any]], tolerance: float = TOLERANCE) -> dict[str, Any]:
+    """Whether the prefetch measured alone peaks within ``tolerance`` of the planner's
+    prediction at every swept P, on every rank with a prediction; a P without both
+    numbers on any rank fails it."""
+    ratios = {p["passes"]: [x for x in (p.get("prefetch_memory") or {}).get("measured_over_predicted_per_rank") or []
+                            if x is not None] for p in points}
+    missing = [P for P, rs in ratios.items() if not rs]
+    compared = [(P, x) for P, rs in ratios.items() for x in rs]
+    worst = max(compared, key=lambda c: abs(c[1] - 1.0), default=(None, None))
+    return {
+        "tolerance": tolerance,
+        "holds": not missing and all(abs(x - 1.0) <= tolerance for _, x in compared),
+        "worst_ratio": worst[1],
+        "worst_passes": worst[0],
+        "not_compared": missing,
+    }
 
 
 def run_multipass(
@@ -182,7 +271,11 @@ def run_multipass(
         "prefetch_min_pass_size": cfg.sharding.prefetch_min_pass_size,
         "measured": "GiB above the post-build allocation, peak over warm-up and timed steps",
         "predicted": "planner rank 0: terms named *prefetch*; per-step terms; per-step + allocator terms",
+        "prefetch_memory": "the prefetch alone (bound stage g, whole fwd+bwd chains on a fresh model): peak allocated "
+                           "bytes above the allocation before it, max over the timed chains; the prefetch stream's "
+                           "reserved bytes; predicted: isolated_prefetch_peak_bytes of the planner's TBEs",
         "points": points,
+        "prefetch_memory_target": prefetch_memory_target(points),
     }
 
 
@@ -192,6 +285,12 @@ def describe_point(p: dict[str, Any]) -> str:
         return f"multipass P={p['passes']} {p['status']}: {p.get('reason', '')}"
     prefetch = (p.get("prefetch_ms") or {}).get("p50")
     mem = (p.get("memory_rank0") or {}).get("step_peak_alloc_above_build_gib")
-    return (f"multipass P={p['passes']} step P50 {p['step_ms']['p50']:.2f} ms, prefetch P50 "
+    alone = p.get("prefetch_memory") or {}
+    line = (f"multipass P={p['passes']} step P50 {p['step_ms']['p50']:.2f} ms, prefetch P50 "
             + ("-" if prefetch is None else f"{prefetch:.3f} ms")
             + ", step +" + ("- (CPU)" if mem is None else f"{mem:.3f} GiB") + " allocated")
+    if alone.get("status") != "ok":
+        return line + f"; prefetch alone {alone.get('status', '-')}: {alone.get('reason', '')}"
+    ratio = alone.get("measured_over_predicted")
+    return (line + f"; prefetch alone +{alone['peak_alloc_bytes'] / 2**20:.1f} MiB allocated"
+            + ("" if ratio is None else f" ({ratio:.3f} x predicted)"))

@@ -6,8 +6,10 @@ At most three files, because a GPU machine returns few files per run:
   a whisker up to P90, and the hardware bound as a horizontal line when measured;
 * ``bench_memory.png``: peak allocated vs reserved per pipeline and implementation
   (not on CPU, where the allocator has no numbers);
-* ``multipass.png``: the multi-pass sweep, measured step memory and the planner's
-  prediction vs passes, and the prefetch step time vs passes.
+* ``multipass.png``: the multi-pass sweep vs passes: the prefetch's own peak memory
+  measured alone (allocated; the prefetch stream's reserved) beside the planner's
+  prediction, measured step memory beside the planner's per-step terms, and the
+  prefetch (in the pipeline and alone) and step times.
 
 Plotting never fails the bench: errors (matplotlib missing, ...) become the reason
 recorded in the ``plots`` section.
@@ -70,10 +72,33 @@ def _memory(plt: Any, path: Path, rows: list[Any]) -> str:
     return path.name
 
 
+def _prefetch_alone(ax: Any, points: list[dict[str, Any]], tolerance: float | None) -> None:
+    """The prefetch measured alone (peak allocated, prefetch stream reserved; rank 0)
+    beside the planner's prediction, with the target's tolerance band around it."""
+
+    def pairs(key: str) -> list[tuple[int, float]]:
+        return [(p["passes"], p["prefetch_memory"][key] / float(1 << 20)) for p in points
+                if (p.get("prefetch_memory") or {}).get(key) is not None]
+
+    for label, key, style in (("measured peak +alloc", "peak_alloc_bytes", "-"),
+                              ("measured prefetch stream reserved", "stream_reserved_bytes", "-"),
+                              ("planner prediction", "predicted_peak_bytes", "--")):
+        if pairs(key):
+            ax.plot(*zip(*pairs(key)), marker="o", linestyle=style, label=label)
+    predicted = pairs("predicted_peak_bytes")
+    if predicted and tolerance is not None:
+        xs, ys = zip(*predicted)
+        ax.fill_between(xs, [y * (1 - tolerance) for y in ys], [y * (1 + tolerance) for y in ys], alpha=0.15,
+                        color="gray", label=f"prediction +-{tolerance:.0%}")
+    ax.set(xlabel="sharding.prefetch_passes", ylabel="MiB (rank 0)", title="prefetch alone: memory vs passes")
+    ax.legend(fontsize=8)
+
+
 def _multipass(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     points = [p for p in sweep["points"] if p["status"] == "ok"]
     xs = [p["passes"] for p in points]
-    fig, (mem_ax, time_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, (alone_ax, mem_ax, time_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
+    _prefetch_alone(alone_ax, points, (sweep.get("prefetch_memory_target") or {}).get("tolerance"))
 
     def series(get: Any) -> list[float | None]:
         return [get(p) for p in points]
@@ -98,13 +123,16 @@ def _multipass(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     mem_ax.set(xlabel="sharding.prefetch_passes", ylabel="MiB",
                title=f"step memory vs passes (min pass size {sweep['prefetch_min_pass_size']:,})")
     mem_ax.legend(fontsize=8)
-    for key, label in (("prefetch_ms", "prefetch step P50"), ("step_ms", "whole step P50")):
-        pairs = [(p["passes"], p[key]["p50"]) for p in points if p.get(key)]
+    times = {"prefetch step P50 (pipeline)": lambda p: (p.get("prefetch_ms") or {}).get("p50"),
+             "prefetch alone P50": lambda p: ((p.get("prefetch_memory") or {}).get("ms") or {}).get("p50"),
+             "whole step P50": lambda p: (p.get("step_ms") or {}).get("p50")}
+    for label, get in times.items():
+        pairs = [(x, y) for x, y in zip(xs, series(get)) if y is not None]
         if pairs:
             time_ax.plot(*zip(*pairs), marker="o", label=label)
     time_ax.set(xlabel="sharding.prefetch_passes", ylabel="ms", title="time vs passes")
     time_ax.legend(fontsize=8)
-    for ax in (mem_ax, time_ax):
+    for ax in (alone_ax, mem_ax, time_ax):
         ax.set_xticks(xs, ticks)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -48,6 +48,14 @@ def _rate_line(label: str, rate: dict[str, Any] | None) -> str:
     return line + (f"; {rate['note']}" if "note" in rate else "")
 
 
+def _prefetch_memory_line(pm: dict[str, Any]) -> str:
+    """Stage (g)'s own memory (bytes in the JSON, MiB here)."""
+    return (f"- cache prefetch memory: peak {_mib(pm['peak_alloc_bytes'])} MiB allocated above the allocation before "
+            f"it (max over ranks {_mib(pm['peak_alloc_bytes_max'])}), prefetch stream holds "
+            f"{_mib(pm['stream_reserved_bytes'])} MiB reserved "
+            f"(max over ranks {_mib(pm['stream_reserved_bytes_max'])}); rank 0, largest over the timed chains")
+
+
 def bound_md(bound: dict[str, Any]) -> list[str]:
     lines = ["## Hardware bound: each stage alone", ""]
     if bound.get("status") != "ok":
@@ -71,6 +79,8 @@ def bound_md(bound: dict[str, Any]) -> list[str]:
     lines.append(_rate_line("TBE lookup (ids x dim x 4 B of rows read)", bw.get("tbe_lookup")))
     if "prefetch_h2d" in bw:
         lines.append(_rate_line("cache prefetch, rows filled from host memory", bw["prefetch_h2d"]))
+    if "prefetch_memory" in bound:
+        lines.append(_prefetch_memory_line(bound["prefetch_memory"]))
     lines.append(_rate_line("dense gradient all-reduce (bytes / time)", bw.get("dense_allreduce")))
     lines += [f"- note: {n}" for n in bound.get("notes", [])]
     return lines + [""]
@@ -113,8 +123,41 @@ def multipass_md(sweep: dict[str, Any]) -> list[str]:
                 f" ({p['memory_reason']})" if p.get("memory_reason") else ""),
         ])
     lines += [grid(header, body, markdown=True), ""]
+    lines += _prefetch_alone_md(sweep)
     warned = dict.fromkeys(w for p in sweep["points"] for w in p.get("planner", {}).get("warnings", []))
     return lines + [f"- planner: {w}" for w in warned] + ([""] if warned else [])
+
+
+def _prefetch_alone_md(sweep: dict[str, Any]) -> list[str]:
+    """The prefetch measured alone beside the planner's prediction, and the target line
+    (records written before the measurement existed have neither)."""
+    if "prefetch_memory" not in sweep:
+        return []
+    lines = ["Prefetch alone: " + sweep["prefetch_memory"] + ". MiB; rank 0 unless marked.", ""]
+    header = ("passes", "prefetch alone P50 ms", "peak +MiB alloc", "peak +MiB alloc (max over ranks)",
+              "prefetch stream MiB reserved", "predicted peak MiB", "measured / predicted",
+              "measured / predicted (worst rank)", "status")
+    body = []
+    for p in sweep["points"]:
+        pm = p.get("prefetch_memory") or {}
+        per_rank = [x for x in pm.get("measured_over_predicted_per_rank") or [] if x is not None]
+        worst = max(per_rank, key=lambda x: abs(x - 1.0), default=None)
+        body.append([
+            str(p["passes"]), _f((pm.get("ms") or {}).get("p50"), ".3f"), _mib(pm.get("peak_alloc_bytes")),
+            _mib(pm.get("peak_alloc_bytes_max")), _mib(pm.get("stream_reserved_bytes")),
+            _mib(pm.get("predicted_peak_bytes")), _f(pm.get("measured_over_predicted"), ".3f"), _f(worst, ".3f"),
+            pm.get("status", p["status"]) + (f": {pm['reason']}" if pm.get("reason") else ""),
+        ])
+    lines += [grid(header, body, markdown=True), ""]
+    target = sweep["prefetch_memory_target"]
+    verdict = "**holds**" if target["holds"] else "**does not hold**"
+    line = (f"- Target: measured prefetch peak within {target['tolerance']:.0%} of the planner's prediction "
+            f"at every P, on every rank: {verdict}")
+    if target["worst_ratio"] is not None:
+        line += f" (worst measured/predicted {target['worst_ratio']:.3f} at P={target['worst_passes']})"
+    if target["not_compared"]:
+        line += f"; not compared at P={', '.join(map(str, target['not_compared']))} (no measurement or prediction)"
+    return lines + [line, ""]
 
 
 def weak_scaling_md(ws: dict[str, Any]) -> list[str]:

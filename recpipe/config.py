@@ -250,6 +250,13 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    cuda_alloc_conf: str | None = Field(
+        "expandable_segments:True",
+        pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
+        description="PyTorch CUDA caching-allocator settings (PYTORCH_CUDA_ALLOC_CONF syntax) for every process, "
+        "unless PYTORCH_CUDA_ALLOC_CONF is already set; null = PyTorch's defaults. Expandable segments keep "
+        "peak reserved close to peak allocated when batch-sized blocks vary",
+    )
 
 
 class DistributedConfig(_Section):

@@ -8,6 +8,7 @@ with torch.multiprocessing (spawn), which tests use as well.
 from __future__ import annotations
 
 import os
+import warnings
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -49,8 +50,27 @@ def backend_for(cfg: RecpipeConfig, device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def apply_cuda_alloc_conf(cfg: RecpipeConfig) -> str | None:
+    """Give this process the caching-allocator settings of ``train.cuda_alloc_conf``,
+    unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (the user's choice wins); returns the
+    settings in force. Must run before CUDA is initialized: the allocator reads its
+    settings once, at initialization, so after it this only warns."""
+    if ALLOC_CONF_ENV in os.environ or cfg.train.cuda_alloc_conf is None:
+        return os.environ.get(ALLOC_CONF_ENV)
+    if torch.cuda.is_initialized():
+        warnings.warn(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
+                      f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
+        return None
+    os.environ[ALLOC_CONF_ENV] = cfg.train.cuda_alloc_conf
+    return cfg.train.cuda_alloc_conf
+
+
 def init_process_group(cfg: RecpipeConfig) -> torch.device:
     """Join the job's process group (env:// rendezvous) and return this rank's device."""
+    apply_cuda_alloc_conf(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg, local_rank)
     if not dist.is_initialized():

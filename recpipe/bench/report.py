@@ -105,6 +105,7 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
         },
         "world_size": world_size,
         "device_type": device.type,
+        "cuda_alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") if cuda else None,
         "host": {"node": platform.node(), "cpus": os.cpu_count(), "processor": platform.processor()},
         "command": " ".join(sys.argv),
     }
@@ -199,7 +200,8 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"- date: {header['date']}",
         f"- versions: torch {v['torch']}, fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, "
         f"CUDA {v['cuda']}, NCCL {v['nccl']}",
-        f"- GPU: {gpu['name']} ({gpu['count_visible']} visible); world size {header['world_size']}",
+        f"- GPU: {gpu['name']} ({gpu['count_visible']} visible); world size {header['world_size']}; "
+        f"PYTORCH_CUDA_ALLOC_CONF: {header.get('cuda_alloc_conf') or 'PyTorch default'}",
         f"- command: `{header['command']}`",
         f"- steps: {bench['steps']} timed after {bench['warmup']} warm-up (+{bench['drain']} untimed to drain); "
         f"global batch {bench['global_batch']}; timing: {bench['timing']}",

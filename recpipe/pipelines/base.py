@@ -1,8 +1,10 @@
 """``base``: the plain loop, the numerical reference of every other pipeline.
 
-Only the host-to-device copy of the next batch is overlapped (issued after the
-backward, so it runs beside the optimizer and the next forward). Input dist,
-lookup and output dist run inline in the model's own forward.
+Only the host-to-device copy of the next batch is overlapped: it is issued before
+the forward, as TorchRec's TrainPipelineBase does, so a large batch's copy hides
+behind a whole forward and backward (issued after the backward, it hid only behind
+the optimizer step and the next forward could wait for it). Input dist, lookup and
+output dist run inline in the model's own forward.
 """
 
 from __future__ import annotations
@@ -14,12 +16,12 @@ SCHEDULE = Schedule(
     "base",
     (
         Step("zero_grad", "compute", 0),
+        Step("h2d", "memcpy", 1),
         Step("forward", "compute", 0, waits=(("h2d", 0),)),
         Step("backward", "compute", 0),
-        Step("h2d", "memcpy", 1),
         Step("optimizer", "compute", 0),
     ),
-    doc="The plain loop: forward, backward, optimizer; the next batch's copy overlaps the optimizer.",
+    doc="The plain loop: forward, backward, optimizer; the next batch's copy overlaps all three.",
 ).validate()
 
 

@@ -3,7 +3,8 @@
 At most three files, because a GPU machine returns few files per run:
 
 * ``bench_step_time.png``: P50 step time per pipeline, recpipe beside TorchRec, with
-  a whisker up to P90, and the hardware bound as a horizontal line when measured;
+  a whisker up to P90, each round's P50 as a dot (``--rounds``), and the hardware
+  bound as a horizontal line when measured;
 * ``bench_memory.png``: peak allocated vs reserved per pipeline and implementation
   (not on CPU, where the allocator has no numbers);
 * ``multipass.png``: the multi-pass sweep vs passes: the prefetch's own peak memory
@@ -44,6 +45,11 @@ def _step_time(plt: Any, path: Path, rows: list[Any], bound: dict[str, Any] | No
             ax.bar(pos, p50, width, color=_COLORS[impl], yerr=[[0.0], [p90 - p50]], capsize=3,
                    label=None if impl in labeled else impl)
             labeled.add(impl)
+            rounds = getattr(row, "round_p50_ms", None) or []
+            if len(rounds) > 1:  # each round's own P50 (``--rounds``): the spread behind the bar
+                ax.scatter([pos] * len(rounds), rounds, s=12, color="black", zorder=3,
+                           label=None if "rounds" in labeled else "P50 of each round")
+                labeled.add("rounds")
     if bound and bound.get("status") == "ok":
         ax.axhline(bound["bound_ms"], color="black", linestyle="--",
                    label=f"hardware bound {bound['bound_ms']:.2f} ms ({bound['bound_resource']})")

@@ -272,3 +272,29 @@ def test_catch_up_runs_every_earlier_stage_once():
             names = [step.name for step in s.catch_up(slot)]
             assert names == [step.name for off in range(s.depth - 1, slot, -1) for step in s.steps_at(off)]
             assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("lookup_on", ["dist", "new", "compute"])
+@pytest.mark.parametrize("max_batches_ahead", [None, 1])
+def test_compiled_plans_drop_only_same_stream_fences(lookup_on, max_batches_ahead):
+    """The engine drops a schedule's wait only when both steps run on one stream
+    (stream order), keeps every wait across streams, and records an event after
+    every step such a wait names. Checked with distinct stand-in streams (as on CUDA)."""
+    from recpipe.pipelines.streams import Streams
+
+    s = {role: object() for role in ("compute", "memcpy", "dist", "prefetch", "new")}
+    streams = Streams(s["compute"], s["memcpy"], s["dist"], s[lookup_on] if lookup_on != "dist" else s["dist"], s["prefetch"])
+    for name, schedules in all_schedules().items():
+        for schedule in schedules:
+            pipe = object.__new__(PIPELINES[name])  # only what compiling a plan reads
+            pipe.streams, pipe.max_batches_ahead, pipe._plans, pipe.schedule = streams, max_batches_ahead, {}, schedule
+            _, ops, by_name = pipe._plan(schedule)
+            stream_of = {step.name: streams.by_role(step.stream) for step in schedule.steps}
+            for op in ops:
+                assert op.stream is stream_of[op.step.name]
+                cross = tuple((d, k) for d, k in op.step.waits if stream_of[d] is not op.stream)
+                assert op.fences == cross, (name, schedule.name, op.step.name, op.fences, cross)
+                for dep, _ in cross:
+                    assert by_name[dep].record, (name, schedule.name, dep)
+            if max_batches_ahead is not None:
+                assert by_name["optimizer"].record

@@ -9,6 +9,13 @@ Slots: ``_slots[k]`` holds the batch k places ahead of the one being trained.
 Each ``progress()`` runs the schedule's steps in order on the batches in their
 slots, returns the output of slot 0, and shifts every batch one slot down.
 
+Host cost: each schedule is compiled once, on the first ``progress()``, into a plan
+(``_Op`` per step: its function, stream and the fences it needs), so a step costs a
+list walk, not lookups by name. A fence on a step that ran on the same stream is
+dropped (stream order already holds) and events are recorded only after steps that
+a fence on another stream waits for. Steps on the compute stream switch no stream
+when compute is already current (the usual case).
+
 End of data: every fetch is agreed on by all ranks (one tiny Gloo all-reduce per
 step). Ranks that run out while others still have data feed padding batches (the
 last batch with every loss weight 0: they train nothing but keep the collectives
@@ -32,7 +39,7 @@ from torch import nn
 from recpipe.data.batch import Batch
 from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Event, Streams, fence, record_event, use_stream
+from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
 
 Output = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, logits, labels, weights
 
@@ -54,6 +61,17 @@ class InFlight:
     events: dict[str, Event] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     output: Output | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class _Op:
+    """One step of a schedule, resolved for this pipeline (see ``Pipeline._plan``)."""
+
+    step: Step
+    fn: Callable[["Pipeline", InFlight], None]
+    stream: Stream
+    fences: tuple[tuple[str, int], ...]  # the step's waits on steps of another stream
+    record: bool  # record an event after it (a fence on another stream waits for it)
 
 
 class Pipeline:
@@ -103,10 +121,11 @@ class Pipeline:
         # (e.g. resumed past the end of its data while other ranks still train).
         self.padding_template: Batch | None = None
         self._end_of_data = _EndOfData(_control_group(), always_wait=uneven_data == "error")
-        # Events only for steps something waits on (each costs a few microseconds of host time).
-        self._waited = {dep for sched in self.schedules() for step in sched.steps for dep, _ in step.waits}
-        if max_batches_ahead is not None:
-            self._waited.add("optimizer")
+        self._depth = self.schedule.depth
+        # Compiled schedules, by id (built on the first progress(), once subclasses are set up).
+        self._plans: dict[int, tuple[Schedule, list[_Op], dict[str, _Op]]] = {}
+        self._ambient: Stream = None  # the current stream during progress() if it is compute
+        self._on: Stream = None  # the current stream inside a step (see _run)
         self.attached = False
         self.attach()
 
@@ -132,6 +151,8 @@ class Pipeline:
         return self.schedule
 
     def step_function(self, name: str) -> Callable[["Pipeline", InFlight], None]:
+        """The function of step ``name``. Resolved once per schedule, on the first
+        ``progress()`` (after every subclass ``__init__`` has run)."""
         return steps.STEPS[name]
 
     def _sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
@@ -142,21 +163,24 @@ class Pipeline:
         """Train one batch; raise StopIteration once every batch has been trained."""
         if not self.attached:
             self.attach()
+        self._ambient = self._on = self.streams.ambient()
         self._fill(dataloader_iter)
-        head = self._slots[0]
+        slots = self._slots
+        head = slots[0]
         if head is None:
             # Drained: the next call starts a new pass over data (new epoch or segment,
             # or the same iterator object handing out more).
             self._exhausted = self._local_done = False
             raise StopIteration
-        for step in self.schedule_for(head).steps:
-            batch = self._slots[step.offset]
-            if batch is None and step.name == "h2d" and not self._exhausted:
-                batch = self._slots[step.offset] = self._fetch(dataloader_iter)
+        for op in self._plan(self.schedule_for(head))[1]:
+            batch = slots[op.step.offset]
+            if batch is None and op.step.name == "h2d" and not self._exhausted:
+                batch = slots[op.step.offset] = self._fetch(dataloader_iter)
             if batch is not None:
-                self._run(step, batch)
+                self._run(op, batch)
         assert head.output is not None, f"{self.name}: schedule finished without a forward for batch {head.index}"
-        self._slots = self._slots[1:] + [None]
+        del slots[0]
+        slots.append(None)
         return head.output
 
     def in_flight(self) -> int:
@@ -199,9 +223,44 @@ class Pipeline:
         return "\n".join(lines)
 
     # ------------------------------------------------------------ internals
+    def _plan(self, schedule: Schedule) -> tuple[Schedule, list[_Op], dict[str, _Op]]:
+        """``schedule`` compiled for this pipeline: (schedule, ops in order, ops by name)."""
+        plan = self._plans.get(id(schedule))
+        if plan is not None and plan[0] is schedule:
+            return plan
+        # A step's stream, over every schedule this pipeline may run (a delta=-1 wait
+        # reads the event of the previous batch, which may have run another schedule).
+        streams: dict[str, list[Stream]] = {}
+        for sched in [*self.schedules(), schedule]:
+            for step in sched.steps:
+                streams.setdefault(step.name, []).append(self.streams.by_role(step.stream))
+
+        def same_stream(dep: str, stream: Stream) -> bool:
+            return all(s is stream for s in streams[dep])
+
+        # Record after a step only if a fence on another stream waits for it (and the
+        # max_batches_ahead fence in h2d, on the memcpy stream, waits for "optimizer").
+        waited = {"optimizer"} if self.max_batches_ahead is not None else set()
+        for sched in [*self.schedules(), schedule]:
+            for step in sched.steps:
+                here = self.streams.by_role(step.stream)
+                waited.update(dep for dep, _ in step.waits if not same_stream(dep, here))
+        ops = []
+        for step in schedule.steps:
+            stream = self.streams.by_role(step.stream)
+            fences = tuple((dep, delta) for dep, delta in step.waits if not same_stream(dep, stream))
+            ops.append(_Op(step, self.step_function(step.name), stream, fences, step.name in waited and stream is not None))
+        plan = (schedule, ops, {op.step.name: op for op in ops})
+        self._plans[id(schedule)] = plan
+        return plan
+
+    def step_stream(self, batch: InFlight, name: str) -> Stream:
+        """The stream step ``name`` runs on in the schedule that trains ``batch``."""
+        return self._plan(self.schedule_for(batch))[2][name].stream
+
     def _fill(self, it: Iterator[Batch]) -> None:
         """Bring batches into the slots a new pipeline (or one after a drain) needs."""
-        for slot in range(self.schedule.depth - 1):
+        for slot in range(self._depth - 1):
             if self._slots[slot] is not None:
                 continue
             if self._exhausted:
@@ -210,19 +269,27 @@ class Pipeline:
             if batch is None:
                 return
             self._slots[slot] = batch
+            by_name = self._plan(self.schedule)[2]
             for step in self.schedule.catch_up(slot):
-                self._run(step, batch)
+                self._run(by_name[step.name], batch)
 
-    def _run(self, step: Step, batch: InFlight) -> None:
-        stream = self.streams.by_role(step.stream)
-        for dep, delta in step.waits:
+    def _run(self, op: _Op, batch: InFlight) -> None:
+        stream = op.stream
+        for dep, delta in op.fences:
             source = batch if delta == 0 else self._recent.get(batch.index - 1)
             if source is not None:
                 fence(stream, source.events.get(dep))
-        with use_stream(stream):
-            self.step_function(step.name)(self, batch)
-            if step.name in self._waited:
-                batch.events[step.name] = record_event(stream)
+        self._on = stream  # the current stream while the step runs (steps skip switching to it)
+        try:
+            if stream is None or stream is self._ambient:  # already the current stream
+                op.fn(self, batch)
+            else:
+                with use_stream(stream):
+                    op.fn(self, batch)
+        finally:
+            self._on = self._ambient
+        if op.record:
+            batch.events[op.step.name] = record_event(stream)
 
     def _fetch(self, it: Iterator[Batch]) -> InFlight | None:
         host: Batch | None = None
@@ -256,7 +323,7 @@ class Pipeline:
         batch = InFlight(index=self._fetched, host=host, is_padding=is_padding)
         self._fetched += 1
         self._recent[batch.index] = batch
-        while len(self._recent) > self.schedule.depth + (self.max_batches_ahead or 0) + 1:
+        while len(self._recent) > self._depth + (self.max_batches_ahead or 0) + 1:
             self._recent.popitem(last=False)
         return batch
 
@@ -284,19 +351,23 @@ class _EndOfData:
         self.pg = pg
         self.always_wait = always_wait
         self.world = 1 if pg is None else dist.get_world_size(pg)
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        # One flag tensor, reused: at most one all-reduce is in flight (the previous
+        # one is waited for before the next starts), so it is free again by then.
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._pending: Any = None  # the in-flight all-reduce's Work
 
     def __call__(self, has_batch: bool) -> int | None:
         """Ranks that have a batch, or None when unknown (this rank has one, so >= 1)."""
         if self.pg is None:
             return int(has_batch)
         if self._pending is not None:  # the previous fetch's all-reduce; done by now
-            self._pending[0].wait()
+            self._pending.wait()
             self._pending = None
-        flag = torch.tensor([int(has_batch)], dtype=torch.int64)
+        flag = self._flag
+        flag.fill_(int(has_batch))
         work = dist.all_reduce(flag, group=self.pg, async_op=True)
         if has_batch and not self.always_wait:
-            self._pending = (work, flag)  # keep the tensor alive until the reduce is done
+            self._pending = work
             return None
         work.wait()  # host sync: a Gloo round trip
         return int(flag.item())

@@ -135,20 +135,22 @@ class SplitsOnlyForward:
         self.pg = kjt_dist._pg
         self.splits = kjt_dist._splits
         self.stagger = kjt_dist._stagger
-        self._cumsum = [0, *itertools.accumulate(self.splits)]
+        cumsum = [0, *itertools.accumulate(self.splits)]
+        rank = dist.get_rank(self.pg)  # fixed for the group's life: looked up once, not per batch
+        self._world = self.pg.size()
+        self._keys = slice(cumsum[rank], cumsum[rank + 1])  # this rank's features
 
     def __repr__(self) -> str:
         return f"SplitsOnlyForward(splits={self.splits}; the pipeline launches one fused splits all-to-all)"
 
     def __call__(self, kjt: KeyedJaggedTensor) -> KJTSplitsAllToAllMeta:
         with torch.no_grad():
-            rank = dist.get_rank(self.pg)
             device = kjt.values().device
             input_splits = kjt.dist_splits(self.splits)
             # torch.tensor(list, device=cuda): small synchronous H2D copies, as in TorchRec.
             splits_tensors = [torch.tensor(split, device=device) for split in input_splits]
             if not kjt.variable_stride_per_key():
-                splits_tensors.append(torch.tensor([kjt.stride()] * self.pg.size(), device=device))
+                splits_tensors.append(torch.tensor([kjt.stride()] * self._world, device=device))
             return KJTSplitsAllToAllMeta(
                 pg=self.pg,
                 _input=kjt,
@@ -157,7 +159,7 @@ class SplitsOnlyForward:
                 input_splits=input_splits,
                 input_tensors=kjt.dist_tensors(),
                 labels=kjt.dist_labels(),
-                keys=kjt.keys()[self._cumsum[rank] : self._cumsum[rank + 1]],
+                keys=kjt.keys()[self._keys],
                 device=device,
                 stagger=self.stagger,
             )

@@ -1,9 +1,11 @@
 """The steps a schedule is made of, as free functions ``step(pipeline, batch)``.
 
 The engine runs each under its stream (``use_stream``) after the fences its
-``Step.waits`` name, and records an event right after it. Inside, a step only has
-to hand the objects it reads from another stream to its own
-(``streams.hand_off``: ``record_stream`` so the allocator keeps them alive).
+``Step.waits`` name, and records an event right after it when a fence on another
+stream waits for it. Inside, a step only has to hand the objects it reads from
+another stream to its own (``streams.hand_off`` / ``Streams.hand_over``:
+``record_stream`` so the allocator keeps them alive; nothing when the two are the
+same stream).
 The sharded modules' part of forward is ``sharded_forward``, called by the
 interceptors in ``recpipe.pipelines.sharded``.
 """
@@ -16,7 +18,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recpipe.pipelines.sharded import fuse_splits, install_splits_only
-from recpipe.pipelines.streams import hand_off, record_event, use_stream
+from recpipe.pipelines.streams import hand_off, use_stream
 
 if TYPE_CHECKING:
     from recpipe.pipelines.engine import InFlight, Pipeline
@@ -64,7 +66,7 @@ def _dist_input(pipe: "Pipeline", b: "InFlight", fqn: str) -> Any:
     """The module's KJTList on the dist stream (waiting its all-to-all if pending)."""
     data = b.dist_in[fqn]
     if hasattr(data, "wait"):
-        with use_stream(pipe.streams.dist):
+        with use_stream(pipe.streams.dist, pipe._on):
             data = data.wait()
         b.dist_in[fqn] = data
     return data
@@ -72,11 +74,12 @@ def _dist_input(pipe: "Pipeline", b: "InFlight", fqn: str) -> Any:
 
 def lookup(pipe: "Pipeline", b: "InFlight") -> None:
     """TBE lookup + output all-to-all launch for every module, ahead of forward."""
-    stream = pipe.streams.by_role(_step_stream(pipe, b, "lookup"))
+    stream = pipe.step_stream(b, "lookup")
     for fqn, module in pipe._modules.items():
         data = _dist_input(pipe, b, fqn)
-        ready = record_event(pipe.streams.dist)
-        hand_off([data, b.ctxs[fqn]], stream, after=ready)
+        # The input all-to-all's output, made on dist; nothing to do when the lookup
+        # runs on dist too (emb_lookup_stream=data_dist, the default).
+        pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, stream)
         b.emb[fqn] = module.compute_and_output_dist(b.ctxs[fqn], data)
         del b.dist_in[fqn]
 
@@ -89,8 +92,7 @@ def prefetch(pipe: "Pipeline", b: "InFlight") -> None:
     TBE backward (FBGEMM PR #1893's dirty-cache and inconsistency cases)."""
     for fqn, module in pipe._modules.items():
         data = _dist_input(pipe, b, fqn)
-        ready = record_event(pipe.streams.dist)
-        hand_off([data, b.ctxs[fqn]], pipe.streams.prefetch, after=ready)
+        pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, pipe.streams.prefetch)
         module.prefetch(data, forward_stream=pipe.streams.compute, ctx=b.ctxs[fqn])
 
 
@@ -106,10 +108,10 @@ def forward(pipe: "Pipeline", b: "InFlight") -> None:
         loss, (_, logits, labels) = pipe.model(b.device)[:2]
     finally:
         pipe._current = None
-    missing = set(pipe._modules) - b.consumed
-    if missing:
+    if len(b.consumed) != len(pipe._modules):  # consumed holds only names of pipe._modules
         from recpipe.pipelines.sharded import PipelineError
 
+        missing = set(pipe._modules) - b.consumed
         raise PipelineError(
             f"{pipe.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
             "input all-to-all for this batch, so every sharded module must be called once per forward"
@@ -140,13 +142,14 @@ def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> A
     """
     compute = pipe.streams.compute
     if fqn in b.emb:
-        src = pipe.streams.by_role(_step_stream(pipe, b, "lookup"))
-        with use_stream(src):
+        src = pipe.step_stream(b, "lookup")
+        with use_stream(src, pipe._on):
             pooled = b.emb.pop(fqn).wait()
-        hand_off(pooled, compute, after=record_event(src))
+        # Nothing to do when the lookup ran on compute (semi_sync, emb_lookup_stream=current).
+        pipe.streams.hand_over(pooled, src, compute)
         return pooled
     data = _dist_input(pipe, b, fqn)
-    hand_off([data, b.ctxs[fqn]], compute, after=record_event(pipe.streams.dist))
+    pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, compute)
     del b.dist_in[fqn]
     return module.compute_and_output_dist(b.ctxs[fqn], data)
 
@@ -166,10 +169,6 @@ def detach_pooled(b: "InFlight", pooled: KeyedTensor) -> KeyedTensor:
     leaf = values.detach().requires_grad_()
     b.detached.append((values, leaf))
     return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=leaf, key_dim=pooled.key_dim())
-
-
-def _step_stream(pipe: "Pipeline", b: "InFlight", name: str) -> str:
-    return next(s.stream for s in pipe.schedule_for(b).steps if s.name == name)
 
 
 STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {

@@ -12,6 +12,11 @@ on stream A and used on stream B needs two things:
    reserved until B reaches that point, which is why pipelines hand off as late as
    possible and keep few batches in flight.
 
+A hand-off from a stream to itself is never needed: work queued on one stream runs
+in queue order, and the allocator already knows a block is used on the stream that
+made it (or on the stream it was handed to before). ``Streams.hand_over`` and the
+engine's fences skip those, so no event or ``record_stream`` is spent on them.
+
 On CPU every stream is ``None`` and every function here is a no-op, so the same
 schedules run unchanged under Gloo in CI.
 """
@@ -19,7 +24,7 @@ schedules run unchanged under Gloo in CI.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
@@ -37,6 +42,8 @@ class Streams:
     dist: Stream  # input all-to-all (splits and tensors)
     lookup: Stream  # early embedding lookup + output dist (fused_sparse_dist)
     prefetch: Stream  # UVM cache prefetch (prefetch)
+    # One reusable event per source stream for ``hand_over`` (record, then wait at once).
+    _scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def create(device: torch.device, roles: frozenset[str], lookup_on: str = "dist") -> "Streams":
@@ -63,10 +70,41 @@ class Streams:
     def by_role(self, role: str) -> Stream:
         return getattr(self, role)
 
+    def ambient(self) -> Stream:
+        """``compute`` if it is the current stream (then steps on it need no stream
+        switch), else None. Checked once per ``progress()``: a caller may run it
+        under another stream (or device), and then every step switches as before."""
+        compute = self.compute
+        if compute is not None and torch.cuda.current_stream() == compute:
+            return compute
+        return None
 
-def use_stream(stream: Stream) -> contextlib.AbstractContextManager:
-    """Issue the enclosed work on ``stream`` (no-op on CPU)."""
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    def hand_over(self, obj: object, from_stream: Stream, to_stream: Stream) -> None:
+        """``hand_off(obj, to_stream, after=<everything queued on from_stream so far>)``.
+
+        Skipped when both are the same stream (stream order already holds, and every
+        tensor of ``obj`` is known to that stream's allocator pool: made there or
+        handed to it before). Otherwise the event is one kept per source stream and
+        re-recorded each time: ``wait_event`` waits for the record that precedes it
+        when it is issued, so a later re-record cannot move an earlier fence."""
+        if to_stream is None or to_stream is from_stream:
+            return
+        event: Event = None
+        if from_stream is not None:
+            event = self._scratch.get(id(from_stream))
+            if event is None:
+                event = self._scratch[id(from_stream)] = torch.cuda.Event()
+            event.record(from_stream)
+        hand_off(obj, to_stream, after=event)
+
+
+_NO_SWITCH = contextlib.nullcontext()  # reusable: enters and exits any number of times
+
+
+def use_stream(stream: Stream, current: Stream = None) -> contextlib.AbstractContextManager:
+    """Issue the enclosed work on ``stream`` (no-op on CPU, or when ``stream`` is
+    ``current``: the caller knows it is the current stream already)."""
+    return torch.cuda.stream(stream) if stream is not None and stream is not current else _NO_SWITCH
 
 
 def record_event(stream: Stream) -> Event:

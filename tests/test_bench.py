@@ -89,7 +89,7 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     # TorchRec's FX trace of RecModel(Batch) found the sharded EBC
     assert rows["sparse_dist", "torchrec"]["torchrec_pipelined_modules"] == 1
     assert rows["semi_sync", "torchrec"]["options"]["start_batch"] == 0
-    assert rows["fused_sparse_dist", "torchrec"]["options"]["emb_lookup_stream"] == "data_dist"
+    assert rows["fused_sparse_dist", "torchrec"]["options"]["emb_lookup_stream"] == "current"
 
     md = (out / "bench.md").read_text()
     for needle in ("torch ", "fbgemm-gpu ", "torchrec ", "CUDA ", "GPU:", "world size 2", "## Resolved config",

@@ -7,7 +7,7 @@ recpipe            TorchRec class                       options passed
 =================  ===================================  ==========================================
 base               TrainPipelineBase                    -
 sparse_dist        TrainPipelineSparseDist              execute_all_batches=True
-fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream (config; default data_dist)
+fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream (config; recpipe's default current)
 semi_sync          TrainPipelineSemiSync                start_batch, stash_gradients (config; recpipe's
                                                         default start_batch is 0, TorchRec's 900)
 prefetch           PrefetchTrainPipelineSparseDist      -

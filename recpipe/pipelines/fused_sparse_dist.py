@@ -6,7 +6,10 @@ done the lookup (TBE forward + output all-to-all) of i+1 reads exactly the weigh
 ``sparse_dist`` would read: bit-identical numerics. The lookup stream is fenced on
 an event recorded after backward(i) — TorchRec 1.8 does not fence here, so its
 lookup on a side stream can race the update (see the reference notes, PR #4497).
-Two schedules: the lookup before the dense optimizer (default) or after it.
+Two schedules: the lookup before the dense optimizer (default) or after it. The
+lookup runs on the compute stream by default (``emb_lookup_stream='current'``:
+stream order is then the fence, and its outputs stay in the compute stream's
+allocator pool), on the input-dist stream, or on a stream of its own.
 Modules with feature processors are refused: their output depends on dense
 parameters the optimizer has not stepped yet (TorchRec PR #2916).
 """
@@ -57,7 +60,7 @@ class FusedSparseDistPipeline(Pipeline):
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
-        emb_lookup_stream: str = "data_dist",
+        emb_lookup_stream: str = "current",
         emb_lookup: str = "before_optimizer",
         **options: Any,
     ) -> None:

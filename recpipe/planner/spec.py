@@ -108,7 +108,7 @@ class PipelineSpec:
     lookup_stream: str = "main"
 
 
-def pipeline_spec(name: str, *, emb_lookup_stream: str = "data_dist", stash_gradients: bool = False) -> PipelineSpec:
+def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False) -> PipelineSpec:
     """The :class:`PipelineSpec` of a recpipe pipeline by name."""
     if name == "base":  # batch i on the device, batch i+1 being copied
         return PipelineSpec("base", 2, 1, ("memcpy",))
@@ -288,7 +288,7 @@ def inputs_from_config(
     p = cfg.pipeline
     pipe = pipeline_spec(
         p.name,
-        emb_lookup_stream=getattr(p, "emb_lookup_stream", "data_dist"),
+        emb_lookup_stream=getattr(p, "emb_lookup_stream", "current"),
         stash_gradients=getattr(p, "stash_gradients", False),
     )
     return PlannerInputs(

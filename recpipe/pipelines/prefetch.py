@@ -9,9 +9,13 @@ overlaps it, the prefetch of i+1 runs on the prefetch stream after forward(i) is
 queued, and FBGEMM's backward hooks serialize the TBE backward against it.
 
 Fixes of TorchRec's PrefetchTrainPipelineSparseDist by construction:
-* the input all-to-all of i+2 (dist stream) is fenced on the prefetch of i+1, and
-  the prefetched inputs are recorded on the prefetch and compute streams (the race
-  of TorchRec PR #4191);
+* forward(i) waits for the prefetch of batch i itself (an event on the prefetch
+  stream), and the inputs the prefetch reads are recorded on the prefetch and
+  compute streams: the race of TorchRec PR #4191 (its forward waits on the
+  data-dist stream, and nothing orders that stream after the prefetch) cannot
+  happen. So the input all-to-all of i+2 needs no fence on the prefetch of i+1:
+  such a fence made the next step's host sync on the splits wait for the prefetch
+  to finish on the GPU;
 * ``forward_stream`` given to FBGEMM is the real compute stream;
 * one fill path, so no duplicate prefetch on refill (PR #4503);
 * after an evaluation outside the pipeline (``detached()``), the cache-line locks
@@ -40,9 +44,9 @@ SCHEDULE = Schedule(
         Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
         Step("backward", "compute", 0),
         Step("optimizer", "compute", 0),
-        Step("input_dist", "dist", 2, waits=(("h2d", 0), ("prefetch", -1))),
+        Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
     ),
-    doc="Prefetch of batch i+1 after forward(i), before backward(i); input dist of i+2 fenced on it.",
+    doc="Prefetch of batch i+1 after forward(i), before backward(i); forward(i+1) waits for it.",
 ).validate()
 
 

@@ -20,3 +20,28 @@ def test_custom_pipeline_script_trains_with_its_hooks():
     # 12 batches of 64 samples on rank 0, one optimizer step each, a clip per backward
     assert "trained 12 steps, 768 samples on rank 0" in out.stdout, out.stdout
     assert "dense grad norm before clipping" in out.stdout
+
+
+def test_bench_summary_renders_the_published_numbers(tmp_path: Path):
+    """scripts/bench_summary.py: the per-hardware report and the README headline come
+    from the suites' bench.json, number for number."""
+    import json
+
+    suite = ROOT / "benchmarks" / "2026-11-22-h100x1-opt_heavy.json"
+    record = json.loads(suite.read_text())
+    ours = next(r for r in record["rows"] if r["pipeline"] == "sparse_dist" and r["impl"] == "recpipe")
+    theirs = next(r for r in record["rows"] if r["pipeline"] == "sparse_dist" and r["impl"] == "torchrec")
+    script = str(ROOT / "scripts" / "bench_summary.py")
+    head = subprocess.run([sys.executable, script, "headline", str(suite)], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert head.returncode == 0, head.stderr[-2000:]
+    ratio = ours["step_ms"]["p50"] / theirs["step_ms"]["p50"]
+    line = next(x for x in head.stdout.splitlines() if "| sparse_dist |" in x)
+    assert f"| {ours['step_ms']['p50']:.2f} | {theirs['step_ms']['p50']:.2f} | {ratio:.3f} |" in line
+    out = tmp_path / "summary.md"
+    rep = subprocess.run([sys.executable, script, "report", str(out), "--title", "t", str(suite)],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    text = out.read_text()
+    assert record["command"] in text and "### Targets" in text and "### Hardware bound" in text
+    assert f"**Bound: {record['bound']['bound_ms']:.3f} ms per step" in text

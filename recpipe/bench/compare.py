@@ -24,7 +24,7 @@ import statistics
 from typing import Any, Sequence
 
 from recpipe.bench.measure import summarize_ms
-from recpipe.bench.report import Row
+from recpipe.bench.report import Row, grid
 
 __all__ = ["TARGETS", "check_targets", "merge_rounds", "paired", "round_order", "sign_test_p"]
 
@@ -185,8 +185,6 @@ def _paired_cell(pair: dict[str, Any] | None) -> str:
 
 def targets_md(checks: list[dict[str, Any]], rounds: int) -> list[str]:
     """Markdown of ``check_targets``: every check with its number and verdict."""
-    from recpipe.bench.report import grid
-
     lines = ["## Targets", ""]
     if not checks:
         return lines + ["No target applies to the rows of this run.", ""]

@@ -7,6 +7,7 @@ with torch.multiprocessing (spawn), which tests use as well.
 
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 from datetime import timedelta
@@ -81,6 +82,22 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     return device
 
 
+def shutdown_process_group() -> None:
+    """Leave every process group now, while the interpreter is fully alive.
+
+    ``destroy_process_group`` only drops torch's own references to the groups. The
+    sharded model still holds them (torchrec's ShardingEnv, its all-to-all modules,
+    ShardedTensors), and torchrec's modules sit in reference cycles, so after the
+    run they are cyclic garbage: without a collection here the groups, and Gloo's
+    worker threads, would live until interpreter shutdown, where a Gloo thread that
+    releases a tensor with a Python object aborts the process ("terminate called
+    without an active exception") after training has succeeded. Collecting the
+    cycles runs the groups' destructors, which join those threads, here."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
 def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(
         RANK=str(local_rank),
@@ -98,8 +115,7 @@ def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], 
     try:
         fn(*args)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:

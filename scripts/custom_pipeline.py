@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from recpipe.config import load_config
 from recpipe.data import make_dataloader
-from recpipe.distributed import init_process_group, launch_local, under_torchrun
+from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, under_torchrun
 from recpipe.models import build_model
 from recpipe.pipelines import SparseDistPipeline
 from recpipe.pipelines.steps import dense_params
@@ -80,8 +80,11 @@ def main() -> None:
     cfg = load_config(args.config, args.overrides)
     if cfg.distributed.nproc > 1 and not under_torchrun():
         launch_local(worker, cfg.distributed.nproc, cfg)
-    else:
-        worker(cfg)
+    else:  # one process, or one rank under torchrun
+        try:
+            worker(cfg)
+        finally:
+            shutdown_process_group()
 
 
 if __name__ == "__main__":

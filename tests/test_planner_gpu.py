@@ -83,7 +83,9 @@ def process_group():
         dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     yield
     _write_report()
-    dist.destroy_process_group()
+    from recpipe.distributed import shutdown_process_group
+
+    shutdown_process_group()
 
 
 def _measure(cfg, name: str = "") -> dict:

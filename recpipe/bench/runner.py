@@ -68,7 +68,7 @@ from recpipe.bench.sections import render_sections
 from recpipe.bench.weak_scaling import load_baseline, weak_scaling
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import init_process_group, launch_local, torchrun_overrides, under_torchrun
+from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
 from recpipe.pipelines import PIPELINES
 
 __all__ = ["BenchOptions", "DRAIN", "config_for_pipeline", "main_bench", "run_worker"]
@@ -156,7 +156,10 @@ def main_bench(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2 (recpipe.cli)
     opts = _options(args, cfg)
     if under_torchrun():
-        rows = run_worker(cfg, opts)
+        try:
+            rows = run_worker(cfg, opts)
+        finally:
+            shutdown_process_group()
     else:
         try:
             if cfg.distributed.nproc > 1:
@@ -194,8 +197,7 @@ def _single_rank_group() -> Iterator[None]:
     try:
         yield
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown_process_group()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

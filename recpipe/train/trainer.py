@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import init_process_group
+from recpipe.distributed import init_process_group, shutdown_process_group
 from recpipe.models import build_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
@@ -58,7 +58,7 @@ def run_worker(cfg: RecpipeConfig) -> None:
     try:
         Trainer(cfg, device).fit()
     finally:
-        dist.destroy_process_group()
+        shutdown_process_group()
 
 
 def _quiet_library_deprecations() -> None:

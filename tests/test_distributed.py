@@ -1,0 +1,49 @@
+"""Process-group lifetime: recpipe leaves its process groups while the interpreter
+is alive, so no Gloo thread outlives them into interpreter shutdown (where it can
+abort a run that has succeeded: "terminate called without an active exception")."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from recpipe.distributed import launch_local, shutdown_process_group
+
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
+
+
+def _gloo_threads() -> list[str]:
+    names = (open(f"/proc/self/task/{tid}/comm").read().strip() for tid in os.listdir("/proc/self/task"))
+    return [name for name in names if name in GLOO_THREADS]
+
+
+class _Holder:
+    """Like torchrec's sharded modules: holds the group, inside a reference cycle."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.me = self
+
+
+def _worker() -> None:
+    dist.init_process_group("gloo")  # env:// from launch_local
+    holder = _Holder(dist.group.WORLD)
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=holder.group, async_op=True).wait()
+    assert flag.item() == dist.get_world_size()
+    assert _gloo_threads(), "no Gloo threads found: the check below would prove nothing"
+
+    dist.destroy_process_group()
+    del holder
+    # The premise: destroy_process_group alone leaves the cyclically held group, and
+    # its threads, alive.
+    assert _gloo_threads(), "destroy_process_group freed the group by itself"
+
+    shutdown_process_group()
+    assert not _gloo_threads(), f"Gloo threads outlive shutdown_process_group: {_gloo_threads()}"
+
+
+def test_shutdown_frees_cyclically_held_groups_and_their_threads():
+    launch_local(_worker, 2)

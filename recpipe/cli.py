@@ -2,7 +2,7 @@
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.schedule``); this file only parses.
-Exit codes: 0 ok, 2 bad config or arguments, 3 the plan does not fit in memory.
+Exit codes: ``recpipe.exit_codes``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,7 @@ import argparse
 import sys
 
 from recpipe.config import ConfigError
-
-EXIT_BAD_CONFIG = 2
-EXIT_DOES_NOT_FIT = 3
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:

@@ -13,11 +13,12 @@ the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 __all__ = [
     "ConfigError",
@@ -42,7 +43,26 @@ CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
 
 
+_FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _factory_spec(value: str | None) -> str | None:
+    if value is not None and not _FACTORY_RE.match(value):
+        raise ValueError("expected 'package.module:function', e.g. 'my_models.two_tower:build'")
+    return value
+
+
+FactorySpec = Annotated[Union[str, None], AfterValidator(_factory_spec)]
+
+
 class ModelConfig(_Section):
+    # A user model instead of the built-in DLRM/DCNv2: "package.module:function", a
+    # function(cfg: RecpipeConfig) -> torch.nn.Module whose forward(batch) returns
+    # (loss, output) (docs/models.md). Imported from the working directory or
+    # PYTHONPATH. With a factory the DLRM fields below are not used; the factory reads
+    # its own settings from ``model.options``.
+    factory: FactorySpec = None
+    options: dict[str, Any] = Field(default_factory=dict)
     arch: Literal["dlrm", "dcnv2"] = "dlrm"
     embedding_dim: int = Field(16, gt=0)
     num_dense_features: int = Field(CRITEO_NUM_DENSE, gt=0)
@@ -63,6 +83,8 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _shapes(self) -> "ModelConfig":
+        if self.factory is not None:  # the DLRM fields are not used
+            return self
         if self.dense_arch_layer_sizes[-1] != self.embedding_dim:
             raise ValueError(
                 f"model.dense_arch_layer_sizes[-1]={self.dense_arch_layer_sizes[-1]} must equal "
@@ -112,6 +134,12 @@ class CriteoConfig(_Section):
 
 
 class DataConfig(_Section):
+    # User batches instead of a built-in source: "package.module:function", a
+    # function(cfg, *, rank, world_size, split, epoch, start_batch) -> Iterable[batch]
+    # (batches are torchrec Pipelineables: ``to(device, non_blocking)`` and
+    # ``record_stream``). Settings for it go in ``data.options``.
+    factory: FactorySpec = None
+    options: dict[str, Any] = Field(default_factory=dict)
     source: Literal["synthetic", "criteo_tsv"] = "synthetic"
     batch_size: int = Field(512, gt=0, description="samples per rank and step")
     num_workers: int = Field(1, ge=0)
@@ -121,6 +149,8 @@ class DataConfig(_Section):
 
     @model_validator(mode="after")
     def _files(self) -> "DataConfig":
+        if self.factory is not None and "source" in self.model_fields_set:
+            raise ValueError(f"data.factory={self.factory!r} and data.source={self.source!r} both name the data; set one")
         if self.source == "criteo_tsv" and not self.criteo.train_files:
             raise ValueError("data.criteo.train_files is empty but data.source='criteo_tsv'")
         return self
@@ -310,7 +340,8 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     problems: list[str] = []
     sh = cfg.sharding
     known = set(cfg.model.table_names)
-    for name in sh.tables:
+    # A factory model's tables are known once it is built: recpipe.sharding checks them then.
+    for name in sh.tables if cfg.model.factory is None else ():
         if name not in known:
             problems.append(
                 f"sharding.tables.{name}: no such table; tables are t_cat_0 .. "
@@ -383,7 +414,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             "fused_uvm_caching), which needs a CUDA GPU"
         )
     syn = cfg.data.synthetic
-    if isinstance(syn.mean_pooling_factors, list) and len(syn.mean_pooling_factors) != cfg.model.num_sparse_features:
+    if cfg.model.factory is None and isinstance(syn.mean_pooling_factors, list) and len(syn.mean_pooling_factors) != cfg.model.num_sparse_features:
         problems.append(
             f"data.synthetic.mean_pooling_factors has {len(syn.mean_pooling_factors)} entries but "
             f"model.num_embeddings_per_feature has {cfg.model.num_sparse_features} features"

@@ -24,7 +24,8 @@ from recpipe.bench.plots import MEMORY, MULTIPASS, STEP_TIME, write_plots
 from recpipe.bench.report import Row, format_table
 from recpipe.bench.runner import DRAIN, config_for_pipeline
 from recpipe.bench.sections import bound_md, multipass_md
-from recpipe.cli import EXIT_BAD_CONFIG, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
 from recpipe.pipelines import PIPELINES
 

@@ -11,7 +11,8 @@ import pytest
 
 from recpipe.bench.compare import check_targets, merge_rounds, paired, round_order, sign_test_p, targets_md
 from recpipe.bench.report import Row
-from recpipe.cli import EXIT_BAD_CONFIG, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 
 SMOKE = str(Path(__file__).parent.parent / "configs" / "bench" / "smoke_cpu.yaml")
 RUNS = [("base", "recpipe"), ("base", "torchrec"), ("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),

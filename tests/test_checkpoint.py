@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from recpipe.cli import EXIT_BAD_CONFIG, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.train.checkpoint import METADATA_FILE, latest_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from recpipe.cli import EXIT_BAD_CONFIG, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
 
 ROOT_CONFIGS = Path(__file__).parent.parent / "configs"

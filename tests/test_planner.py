@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from recpipe.cli import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT
 from recpipe.config import load_config
 from recpipe.planner import check_fits, estimate_memory, inputs_from_config, plan_from_config, preflight
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes

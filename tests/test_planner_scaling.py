@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from recpipe.cli import EXIT_BAD_CONFIG, main
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
 from recpipe.planner import inputs_from_config, predict_scaling
 from recpipe.planner.scaling import GPUS, a2a_bytes, growth, predict_point, render_scaling

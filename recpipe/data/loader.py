@@ -12,7 +12,7 @@ also works inside ``torch.multiprocessing.spawn``-ed trainers.
 from __future__ import annotations
 
 import itertools
-from typing import Iterator, Literal
+from typing import Any, Iterable, Iterator, Literal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -43,6 +43,8 @@ def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -
     A TSV split without files has 0 batches. TSV ranks always have equal counts.
     """
     _check(cfg, rank, world_size, split)
+    if cfg.data.factory is not None:
+        return None
     if cfg.data.source == "synthetic":
         return num_synthetic_batches(cfg, rank=rank, split=split)
     return None if _tsv_files(cfg, split) else 0
@@ -87,6 +89,24 @@ class CriteoTsvDataset(IterableDataset):
         return self.reader.batches(_worker_slice(self.start, None))
 
 
+def user_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int) -> Iterable[Any]:
+    """``data.factory(cfg, rank=, world_size=, split=, epoch=, start_batch=)``: the
+    user's batches (None = no batches for this split, e.g. no eval data)."""
+    from recpipe.config import ConfigError
+    from recpipe.models.factory import load_callable
+
+    fn = load_callable(cfg.data.factory, "data.factory")
+    batches = fn(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
+    if batches is None:
+        return []
+    if not hasattr(batches, "__iter__"):
+        raise ConfigError(
+            f"data.factory={cfg.data.factory!r} returned {type(batches).__name__} for split={split!r}; it must "
+            "return an iterable of batches (or None when the split has no data)"
+        )
+    return batches
+
+
 def identity_collate(batch: Batch) -> Batch:
     """The dataset yields finished batches; module-level so spawn can pickle it."""
     return batch
@@ -105,11 +125,14 @@ def make_dataloader(
     split: Literal["train", "eval"],
     epoch: int = 0,
     start_batch: int = 0,
-) -> DataLoader:
-    """A DataLoader over ``rank``'s ``split`` batches from index ``start_batch`` on."""
+) -> Iterable[Any]:
+    """A DataLoader over ``rank``'s ``split`` batches from index ``start_batch`` on
+    (with ``data.factory``: whatever the user's function returns for the same arguments)."""
     _check(cfg, rank, world_size, split)
     if start_batch < 0:
         raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+    if cfg.data.factory is not None:
+        return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
     dataset: IterableDataset
     if cfg.data.source == "synthetic":
         dataset = SyntheticDataset(cfg, rank=rank, split=split, epoch=epoch, start_batch=start_batch)

@@ -64,7 +64,7 @@ def plan_from_config(
 def preflight(cfg: "RecpipeConfig", *, world_size: int | None = None, log=print) -> int:
     """For ``recpipe train`` before it allocates anything: log the per-rank summary;
     return 0, or ``EXIT_DOES_NOT_FIT`` (3) after logging why the plan does not fit."""
-    from recpipe.cli import EXIT_DOES_NOT_FIT
+    from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 
     plan = plan_from_config(cfg, world_size=world_size)
     log(summary(plan))

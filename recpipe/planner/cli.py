@@ -43,7 +43,7 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
 
 
 def main_plan(args: argparse.Namespace) -> int:
-    from recpipe.cli import EXIT_DOES_NOT_FIT
+    from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 
     cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
     scaling = None

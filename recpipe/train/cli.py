@@ -19,13 +19,12 @@ from torch.multiprocessing.spawn import ProcessException
 
 import torch
 
-from recpipe.cli import EXIT_DOES_NOT_FIT
+from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.distributed import launch_local, torchrun_overrides, under_torchrun
 from recpipe.train.checkpoint import check_checkpoint_config
 from recpipe.train.trainer import run_worker
 
-EXIT_WORKER_FAILED = 1
 
 
 def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:

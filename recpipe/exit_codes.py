@@ -1,0 +1,14 @@
+"""Exit codes of every ``recpipe`` command, in one place (README: "Exit codes").
+
+A module of its own so that components (train, plan, bench, data, checkpoint) can
+return them without importing the command-line parser.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_WORKER_FAILED = 1  # a rank failed; its traceback is printed
+EXIT_BAD_CONFIG = 2  # the config or the arguments are wrong (checked before any process starts)
+EXIT_DOES_NOT_FIT = 3  # the memory plan does not fit
+
+__all__ = ["EXIT_BAD_CONFIG", "EXIT_DOES_NOT_FIT", "EXIT_OK", "EXIT_WORKER_FAILED"]

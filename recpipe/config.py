@@ -229,6 +229,10 @@ class _PipelineCommon(_Section):
     # batches with zero loss weight until the last rank is done ("pad"), or the
     # run stops with an error naming the ranks and their counts ("error").
     uneven_data: Literal["pad", "error"] = "pad"
+    # Sharded modules whose input the model builds inside forward: module path in the
+    # model (e.g. "sparse.ebc") -> "package.module:function", a function(batch) ->
+    # KeyedJaggedTensor the pipeline runs ahead of forward (docs/models.md).
+    inputs: dict[str, Annotated[str, AfterValidator(_factory_spec)]] = Field(default_factory=dict)
 
 
 class BasePipelineConfig(_PipelineCommon):

@@ -186,7 +186,7 @@ def _errors_worker(cfg) -> None:
 
     sm = sharded(_PermutingModel)
     pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, cpu)
-    expect(lambda: pipe.progress(iter(batches)), "embedding_bag_collection", "not batch.sparse_features", "data loader")
+    expect(lambda: pipe.progress(iter(batches)), "model.sparse_arch.embedding_bag_collection", "not in the batch", "data loader", "inputs=")
 
     sm = sharded(_TwiceModel)
     pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, cpu)

@@ -1,8 +1,10 @@
 """DLRM (dot interaction) and DCNv2 on torchrec's EmbeddingBagCollection.
 
-``build_model`` returns a :class:`RecModel`: ``model(batch) -> (loss, (loss, logits, labels))``,
-the contract of TorchRec's train pipelines (``torch.sum(loss).backward()`` is valid),
-so the same module runs under recpipe's pipelines and TorchRec's.
+``build_model`` returns a :class:`RecModel`: ``model(batch) -> (loss, (loss, logits,
+labels, weights))``, the contract of TorchRec's train pipelines (``(loss, output)``;
+``torch.sum(loss).backward()`` is valid) with the output layout of TorchRec's
+DLRMTrain plus the per-sample loss weights, so the same module runs under recpipe's
+pipelines and TorchRec's, and the trainer's metrics read it (docs/models.md).
 """
 
 from __future__ import annotations
@@ -39,11 +41,11 @@ class RecModel(nn.Module):
         super().__init__()
         self.model = dlrm
 
-    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         logits = self.model(batch.dense_features, batch.sparse_features).squeeze(-1)
         per_sample = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
         loss = (per_sample * batch.weights).sum() / batch.labels.numel()
-        return loss, (loss.detach(), logits.detach(), batch.labels)
+        return loss, (loss.detach(), logits.detach(), batch.labels, batch.weights)
 
 
 def build_model(cfg: ModelConfig, device: torch.device = torch.device("meta")) -> RecModel:

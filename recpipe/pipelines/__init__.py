@@ -7,6 +7,8 @@ and expose ``progress(dataloader_iter)`` like TorchRec's pipelines.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -31,8 +33,15 @@ PIPELINES: dict[str, type[Pipeline]] = {
 def make_pipeline(
     cfg: RecpipeConfig, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> Pipeline:
-    options = cfg.pipeline.model_dump(exclude={"name"})
-    return PIPELINES[cfg.pipeline.name](model, optimizer, device, **options)
+    """The pipeline ``cfg.pipeline`` names, its ``inputs`` functions imported."""
+    from recpipe.models.factory import load_callable
+
+    options = cfg.pipeline.model_dump(exclude={"name", "inputs"})
+    inputs = {fqn: load_callable(spec, f"pipeline.inputs.{fqn}") for fqn, spec in cfg.pipeline.inputs.items()}
+    if inputs and not PIPELINES[cfg.pipeline.name].intercepts:
+        warnings.warn(f"pipeline.inputs is ignored by pipeline.name={cfg.pipeline.name!r}: the model runs its own forward")
+        inputs = {}
+    return PIPELINES[cfg.pipeline.name](model, optimizer, device, inputs=inputs, **options)
 
 
 __all__ = [

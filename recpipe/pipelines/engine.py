@@ -16,6 +16,11 @@ dropped (stream order already holds) and events are recorded only after steps th
 a fence on another stream waits for. Steps on the compute stream switch no stream
 when compute is already current (the usual case).
 
+Inputs: the first batch of a pipeline's life is trained while the sharded modules
+run their own forward (``discovering``), which is how the pipeline learns where each
+module's input lives in the batch (``recpipe.pipelines.inputs``); only the steps
+that need that knowledge wait for it. See ``_progress_discovering``.
+
 End of data: every fetch is agreed on by all ranks (one tiny Gloo all-reduce per
 step). Ranks that run out while others still have data feed padding batches (the
 last batch with every loss weight 0: they train nothing but keep the collectives
@@ -30,28 +35,26 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from recpipe.data.batch import Batch
 from recpipe.pipelines import sharded, steps
+from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
-
-Output = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # loss, logits, labels, weights
-
 
 @dataclass(eq=False)
 class InFlight:
     """One batch in the pipeline and everything made for it so far."""
 
     index: int  # position in the pipeline's stream of batches (0, 1, ...)
-    host: Batch
+    host: Any  # the user's batch (recpipe's Batch, or any torchrec Pipelineable)
     is_padding: bool = False
-    device: Batch | None = None
+    zero_loss: bool = False  # a padding batch without as_padding(): its loss is multiplied by 0
+    device: Any = None
     ctxs: dict[str, Any] = field(default_factory=dict)  # module contexts (create_context)
     splits: list[tuple[list[str], Any]] = field(default_factory=list)  # fused splits all-to-alls
     dist_in: dict[str, Any] = field(default_factory=dict)  # tensors all-to-all awaitables, then KJTLists
@@ -59,8 +62,9 @@ class InFlight:
     detached: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # semi_sync
     consumed: set[str] = field(default_factory=set)
     events: dict[str, Event] = field(default_factory=dict)
-    loss: torch.Tensor | None = None
-    output: Output | None = None
+    loss: torch.Tensor | None = None  # until backward (it holds the autograd graph)
+    loss_value: torch.Tensor | None = None  # detached, for the caller
+    output: Any = None  # what the model returned besides the loss
 
 
 @dataclass(frozen=True, eq=False)
@@ -77,10 +81,17 @@ class _Op:
 class Pipeline:
     """Base of every recpipe pipeline: ``progress(iterator)`` trains one batch.
 
+    The model is called as ``model(batch)`` and returns ``(loss, output)``, as
+    TorchRec's pipelines require; ``progress()`` returns ``output`` and leaves the
+    detached loss in ``last_loss`` (a device tensor: reading it is a host sync) and
+    whether the batch was padding in ``last_is_padding``. ``inputs`` maps sharded
+    module paths (``sparse.ebc``) to functions that compute the module's input from
+    the device batch, for modules whose input is built inside forward.
+
     Hooks for subclasses in trainer scripts (each a no-op here; see
     scripts/custom_pipeline.py): ``on_batch_fetched(batch)``,
     ``before_forward(batch)``, ``after_backward(batch, loss)``,
-    ``after_optimizer_step(batch)``. ``batch`` is the device ``Batch``, except in
+    ``after_optimizer_step(batch)``. ``batch`` is the batch on the device, except in
     ``on_batch_fetched`` (the host batch, before the copy).
     """
 
@@ -97,6 +108,7 @@ class Pipeline:
         *,
         max_batches_ahead: int | None = None,
         uneven_data: str = "pad",
+        inputs: Mapping[str, Callable[[Any], Any]] | None = None,
     ) -> None:
         if uneven_data not in ("pad", "error"):
             raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
@@ -109,6 +121,19 @@ class Pipeline:
         self.uneven_data = uneven_data
         self.streams = Streams.create(device, self.all_roles(), self.lookup_stream)
         self._modules = sharded.find_sharded_modules(model) if self.intercepts else {}
+        self.inputs = dict(inputs or {})
+        unknown = sorted(set(self.inputs) - set(self._modules))
+        if unknown:
+            raise sharded.PipelineError(
+                f"inputs names {unknown}, which are not sharded modules of the model; its sharded modules are "
+                f"{sorted(self._modules) or 'none (this pipeline does not intercept them)'}"
+            )
+        # Where each module's input comes from: learned on the first batch (None until then).
+        self._sources: dict[str, InputSource] | None = None if self._modules else {}
+        self._found_sources: dict[str, InputSource] = {}
+        self.discovering = False  # inside the first batch's forward
+        self.last_loss: torch.Tensor | None = None
+        self.last_is_padding = False
         self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
         self._recent: OrderedDict[int, InFlight] = OrderedDict()  # for delta=-1 waits and the rate limiter
@@ -116,10 +141,10 @@ class Pipeline:
         self._exhausted = False  # no rank has data left (agreed)
         self._local_done = False  # this rank's iterator has ended
         self._fetched = 0
-        self._last_host: Batch | None = None
+        self._last_host: Any = None
         # Shapes for padding batches when this rank has had no batch of its own yet
         # (e.g. resumed past the end of its data while other ranks still train).
-        self.padding_template: Batch | None = None
+        self.padding_template: Any = None
         self._end_of_data = _EndOfData(_control_group(), always_wait=uneven_data == "error")
         self._depth = self.schedule.depth
         # Compiled schedules, by id (built on the first progress(), once subclasses are set up).
@@ -130,13 +155,13 @@ class Pipeline:
         self.attach()
 
     # ------------------------------------------------------------ user hooks
-    def on_batch_fetched(self, batch: Batch) -> None: ...
+    def on_batch_fetched(self, batch: Any) -> None: ...
 
-    def before_forward(self, batch: Batch) -> None: ...
+    def before_forward(self, batch: Any) -> None: ...
 
-    def after_backward(self, batch: Batch, loss: torch.Tensor) -> None: ...
+    def after_backward(self, batch: Any, loss: torch.Tensor) -> None: ...
 
-    def after_optimizer_step(self, batch: Batch) -> None: ...
+    def after_optimizer_step(self, batch: Any) -> None: ...
 
     # ------------------------------------------------------ for subclasses
     def all_roles(self) -> frozenset[str]:
@@ -159,29 +184,91 @@ class Pipeline:
         return steps.sharded_forward(self, batch, fqn, module)
 
     # ------------------------------------------------------------- public
-    def progress(self, dataloader_iter: Iterator[Batch]) -> Output:
-        """Train one batch; raise StopIteration once every batch has been trained."""
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Train one batch and return the model's output for it; raise
+        StopIteration once every batch has been trained."""
         if not self.attached:
             self.attach()
         self._ambient = self._on = self.streams.ambient()
+        if self._sources is None:
+            return self._progress_discovering(dataloader_iter)
         self._fill(dataloader_iter)
-        slots = self._slots
-        head = slots[0]
+        head = self._slots[0]
         if head is None:
-            # Drained: the next call starts a new pass over data (new epoch or segment,
-            # or the same iterator object handing out more).
-            self._exhausted = self._local_done = False
-            raise StopIteration
-        for op in self._plan(self.schedule_for(head))[1]:
+            self._drained()
+        self._run_ops(self._plan(self.schedule_for(head))[1], dataloader_iter)
+        return self._finish_step(head)
+
+    def _run_ops(self, ops: list["_Op"], it: Iterator[Any]) -> None:
+        slots = self._slots
+        for op in ops:
             batch = slots[op.step.offset]
             if batch is None and op.step.name == "h2d" and not self._exhausted:
-                batch = slots[op.step.offset] = self._fetch(dataloader_iter)
+                batch = slots[op.step.offset] = self._fetch(it)
             if batch is not None:
                 self._run(op, batch)
-        assert head.output is not None, f"{self.name}: schedule finished without a forward for batch {head.index}"
-        del slots[0]
-        slots.append(None)
+
+    def _drained(self) -> None:
+        """No batch left: the next call starts a new pass over data (new epoch or
+        segment, or the same iterator object handing out more)."""
+        self._exhausted = self._local_done = False
+        raise StopIteration
+
+    def _finish_step(self, head: InFlight) -> Any:
+        assert head.loss_value is not None, f"{self.name}: schedule finished without a forward for batch {head.index}"
+        del self._slots[0]
+        self._slots.append(None)
+        self.last_loss, self.last_is_padding = head.loss_value, head.is_padding
         return head.output
+
+    def _progress_discovering(self, it: Iterator[Any]) -> Any:
+        """The first call of the pipeline's life: learn every module's input source.
+
+        Batch 0 enters slot 0 with only its copy (its input dist, lookup and prefetch
+        steps are skipped: in this forward the sharded modules run their own forward,
+        so batch 0 trains exactly as in the plain loop). The schedule's steps of
+        batch 0 up to its forward run; then the other slots fill and every remaining
+        step of the call runs in schedule order. Steps for later batches that the
+        schedule lists before the forward run after it instead, which changes no
+        number: they touch only those batches, and keep their order relative to
+        batch 0's backward and optimizer (semi_sync's stale lookup of batch 1 still
+        precedes backward(0))."""
+        batch = self._fetch(it)
+        if batch is None:
+            self._drained()
+        needs = ("to", "record_stream") if self.device.type == "cuda" else ("to",)
+        missing = [m for m in needs if not callable(getattr(batch.host, m, None))]
+        if missing:
+            raise sharded.PipelineError(
+                f"{self.name}: the batch ({type(batch.host).__name__}) has no {' or '.join(missing)} method; pipelines "
+                "copy batches ahead on their own streams, so a batch must be a torchrec Pipelineable: "
+                "to(device, non_blocking) -> batch and record_stream(stream) (docs/models.md)"
+            )
+        self._slots[0] = batch
+        schedule, ops, by_name = self._plan(self.schedule_for(batch))
+        self._run(by_name["h2d"], batch)
+        upto = next(i for i, op in enumerate(ops) if op.step.name == "forward")
+        head_ops = [op for op in ops[: upto + 1] if op.step.offset == 0]
+        self.discovering = True
+        try:
+            self._run_ops(head_ops, it)
+        finally:
+            self.discovering = False
+        found, self._found_sources = self._found_sources, {}
+        # Input dists run in the order the model calls the modules, as in the plain loop.
+        self._modules = {fqn: self._modules[fqn] for fqn in found}
+        self._sources = found
+        self._fill(it)
+        self._run_ops([op for op in ops if op not in head_ops], it)
+        return self._finish_step(batch)
+
+    def describe(self) -> str:
+        """Each sharded module and where its input comes from (known after the first batch)."""
+        if not self._modules:
+            return f"{self.name}: no sharded module is intercepted (the model runs its own forward)"
+        if self._sources is None:
+            return f"{self.name}: inputs not known yet (learned on the first batch): {', '.join(self._modules)}"
+        return "\n".join(f"{fqn} <- {self._sources[fqn]}" for fqn in self._modules)
 
     def in_flight(self) -> int:
         return sum(b is not None for b in self._slots)
@@ -258,7 +345,7 @@ class Pipeline:
         """The stream step ``name`` runs on in the schedule that trains ``batch``."""
         return self._plan(self.schedule_for(batch))[2][name].stream
 
-    def _fill(self, it: Iterator[Batch]) -> None:
+    def _fill(self, it: Iterator[Any]) -> None:
         """Bring batches into the slots a new pipeline (or one after a drain) needs."""
         for slot in range(self._depth - 1):
             if self._slots[slot] is not None:
@@ -291,8 +378,9 @@ class Pipeline:
         if op.record:
             batch.events[op.step.name] = record_event(stream)
 
-    def _fetch(self, it: Iterator[Batch]) -> InFlight | None:
-        host: Batch | None = None
+    def _fetch(self, it: Iterator[Any]) -> InFlight | None:
+        host: Any = None
+        zero_loss = False
         if not self._local_done:  # never next() an ended iterator (some loaders hang)
             try:
                 host = next(it)
@@ -311,7 +399,8 @@ class Pipeline:
                     f"{total} ranks still have data; give every rank the same number of batches or set "
                     "pipeline.uneven_data=pad (ranks that run out then train zero-weight padding batches)"
                 )
-            host = template.as_padding()
+            zero_loss = not hasattr(template, "as_padding")
+            host = template if zero_loss else template.as_padding()
         elif have is not None and have < total and self.uneven_data == "error":
             raise sharded.PipelineError(
                 f"{self.name}: {total - have} of {total} ranks ran out of data at batch {self._fetched} while this "
@@ -320,7 +409,7 @@ class Pipeline:
         else:
             self._last_host = host
             self.on_batch_fetched(host)
-        batch = InFlight(index=self._fetched, host=host, is_padding=is_padding)
+        batch = InFlight(index=self._fetched, host=host, is_padding=is_padding, zero_loss=zero_loss)
         self._fetched += 1
         self._recent[batch.index] = batch
         while len(self._recent) > self._depth + (self.max_batches_ahead or 0) + 1:

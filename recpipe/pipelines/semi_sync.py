@@ -15,6 +15,13 @@ be the embedding / dense parameters after the updates of batches < t.
   and at every drain the last stashed gradient is applied in one extra optimizer
   step, so every batch's gradient is applied exactly once.
 
+* Feature processors (position weights of a FeatureProcessedEmbeddingBagCollection)
+  are dense parameters read inside the lookup, so batch t's lookup reads them as of
+  D_{t-1}, one step stale like the embeddings.
+* The first batch of the pipeline's life trains while the modules run their own
+  forward (``recpipe.pipelines.inputs``); the stale lookup of batch 1 still runs before
+  backward(0), so the rule above holds from batch 1 on.
+
 How: the lookup of t+1 is queued on the compute stream after forward(t) and before
 backward(t); the TBE update of t runs later on the same stream, so stream order
 (not timing) decides what the lookup reads. Backward is split: dense backward stops

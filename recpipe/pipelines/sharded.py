@@ -2,11 +2,17 @@
 
 No FX tracing: a pipeline looks up every torchrec ``ShardedModule`` in the model and
 replaces its ``forward`` (an instance attribute, so ``del`` restores the class's)
-with a named :class:`PipelinedForward`. The batch attribute that feeds the modules is
-``Batch.sparse_features``; the interceptor checks at every call that it received
-exactly that object, so a model that rewrites its KeyedJaggedTensor before the
-embedding module gets an error saying what to change instead of silently losing
-the overlap (TorchRec's "will NOT be pipelined" mode).
+with a named :class:`PipelinedForward`. Where each module's input comes from is
+learned on the pipeline's first batch (``recpipe.pipelines.inputs``): there the
+interceptor runs the module's own forward and looks up, by identity, the
+KeyedJaggedTensor it was called with in the batch. Afterwards it hands the module
+what the pipeline prepared ahead, and checks on every call that the model still
+passes the object at that path; a model that rewrites its KeyedJaggedTensor before
+the embedding module gets an error saying what to change instead of silently
+losing the overlap (TorchRec's "will NOT be pipelined" mode).
+
+Module names are paths in the user's model (DistributedModelParallel and DDP
+wrappers unwrapped): ``sparse.ebc``, as ``inputs=`` and error messages use them.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.dist_data import KJTAllToAll
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
+from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.types import ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
+
 if TYPE_CHECKING:
     from recpipe.pipelines.engine import Pipeline
-
-BATCH_INPUT_ATTR = "sparse_features"
 
 
 class PipelineError(RuntimeError):
@@ -33,9 +40,9 @@ class PipelineError(RuntimeError):
 
 
 def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
-    """Every torchrec ShardedModule in ``model`` by fully qualified name (outermost only)."""
+    """Every torchrec ShardedModule in ``model`` by its path in the user's model (outermost only)."""
     found: dict[str, ShardedModule] = {}
-    for fqn, module in model.named_modules():
+    for fqn, module in get_unwrapped_module(model).named_modules():
         if isinstance(module, ShardedModule) and not any(fqn.startswith(f"{p}.") for p in found):
             found[fqn] = module
     if not found:
@@ -51,23 +58,36 @@ def has_feature_processor(module: ShardedModule) -> bool:
 
 
 def dense_optimized_tables(modules: dict[str, ShardedModule], optimizer: Any) -> list[str]:
-    """Parameters of sharded modules that the dense optimizer steps (data_parallel
-    tables): pipelines that look up batch i+1 before optimizer(i) cannot use them."""
+    """Embedding tables of sharded modules that the dense optimizer steps (data_parallel
+    tables): pipelines that look up batch i+1 before optimizer(i) cannot use them.
+    Feature processors' parameters (position weights) are not tables: semi_sync reads
+    them one step stale like the embeddings; fused_sparse_dist refuses them itself."""
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     return [
         f"{fqn}.{name}"
         for fqn, module in modules.items()
         for name, p in module.named_parameters()
-        if id(p) in stepped
+        if id(p) in stepped and "_feature_processors." not in name
     ]
+
+
+def _fixes(fqn: str) -> str:
+    return (
+        f"Either move that transformation into the data loader, so the batch holds the KeyedJaggedTensor the module "
+        f"is called with, or give the pipeline a function that computes it from the batch: "
+        f"inputs={{{fqn!r}: fn}} (pipeline.inputs in YAML), which the pipeline runs ahead of forward. "
+        "Or train with pipeline.name=base."
+    )
 
 
 class PipelinedForward:
     """Stands in for ``ShardedModule.forward`` while a pipeline is attached.
 
-    During ``progress()`` it hands the module the input all-to-all (or the whole
-    lookup) that the pipeline ran ahead for the batch being trained. Outside
-    ``progress()`` it refuses: the model must be run through ``pipeline.detached()``.
+    On the pipeline's first batch (``pipeline.discovering``) it runs the module's own
+    forward and records where its input came from. After that, during ``progress()``
+    it hands the module the input all-to-all (or the whole lookup) that the pipeline
+    ran ahead for the batch being trained. Outside ``progress()`` it refuses: the
+    model must be run through ``pipeline.detached()``.
     """
 
     def __init__(self, fqn: str, module: ShardedModule, pipeline: "Pipeline") -> None:
@@ -79,21 +99,17 @@ class PipelinedForward:
         return f"PipelinedForward({self.fqn!r}, installed by {type(self.pipeline).__name__}; removed by .detach())"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        batch = self.pipeline._current
+        pipe = self.pipeline
+        batch = pipe._current
         if batch is None:
             raise PipelineError(
                 f"sharded module {self.fqn!r} was called outside pipeline.progress() while the pipeline is "
                 "attached; run the model under `with pipeline.detached():` (e.g. for evaluation)"
             )
-        features = args[0] if args else next(iter(kwargs.values()), None)
-        expected = getattr(batch.device, BATCH_INPUT_ATTR)
-        if features is not expected:
+        if len(args) + len(kwargs) != 1 or not isinstance(features := next(iter([*args, *kwargs.values()])), KeyedJaggedTensor):
             raise PipelineError(
-                f"sharded module {self.fqn!r} received a KeyedJaggedTensor that is not batch.{BATCH_INPUT_ATTR}: "
-                f"the model builds or changes it inside forward (concat, permute, feature processing, ...). "
-                f"{type(self.pipeline).__name__} starts the input all-to-all of the next batch from the batch itself, "
-                f"before forward runs, so the module must be called with batch.{BATCH_INPUT_ATTR} unchanged. Move the "
-                "transformation into the data loader, or train with pipeline.name=base."
+                f"sharded module {self.fqn!r} was called with {len(args)} positional and {sorted(kwargs)} keyword "
+                "arguments; the pipeline supports sharded modules called with one KeyedJaggedTensor"
             )
         if self.fqn in batch.consumed:
             raise PipelineError(
@@ -101,7 +117,41 @@ class PipelinedForward:
                 "all-to-all per module and batch. Call each sharded module once per forward."
             )
         batch.consumed.add(self.fqn)
-        return self.pipeline._sharded_forward(batch, self.fqn, self.module)
+        if pipe.discovering:
+            pipe._found_sources[self.fqn] = self._discover(batch.device, features)
+            return type(self.module).forward(self.module, features)
+        source = pipe._sources[self.fqn]
+        if isinstance(source, BatchPath) and features is not source.get(batch.device):
+            raise PipelineError(
+                f"sharded module {self.fqn!r} was called with a KeyedJaggedTensor that is not {source}, where its "
+                f"input was on the first batch: the model changes where it reads it, or builds it inside forward "
+                f"on some batches. {type(pipe).__name__} starts the input all-to-all of the next batch from the "
+                f"batch itself, before forward runs. " + _fixes(self.fqn)
+            )
+        return pipe._sharded_forward(batch, self.fqn, self.module)
+
+    def _discover(self, device_batch: Any, features: KeyedJaggedTensor) -> BatchPath | ComputedInput:
+        """Where this call's input came from (first batch only; host sync if computed)."""
+        given = self.pipeline.inputs.get(self.fqn)
+        if given is not None:
+            problem = kjt_difference(given(device_batch), features)
+            if problem is not None:
+                raise PipelineError(
+                    f"inputs[{self.fqn!r}] ({ComputedInput(given)}) does not compute what the model passes sharded "
+                    f"module {self.fqn!r} on the first batch: {problem}"
+                )
+            return ComputedInput(given)
+        path = find_path(device_batch, features)
+        if path is None:
+            found = kjts_in(device_batch)
+            raise PipelineError(
+                f"sharded module {self.fqn!r} was called with a KeyedJaggedTensor (keys {features.keys()}) that is "
+                f"not in the batch ({type(device_batch).__name__}; KeyedJaggedTensors found: "
+                f"{', '.join(found) or 'none'}): the model builds or changes it inside forward (concat, permute, "
+                "feature processing, ...). The pipeline starts the input all-to-all of the next batch before forward "
+                "runs, so it must get the module's input without running the model. " + _fixes(self.fqn)
+            )
+        return path
 
 
 def install(pipeline: "Pipeline", modules: dict[str, ShardedModule]) -> None:

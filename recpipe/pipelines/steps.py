@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-from recpipe.pipelines.sharded import fuse_splits, install_splits_only
+from recpipe.pipelines.sharded import PipelineError, fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, use_stream
 
 if TYPE_CHECKING:
@@ -42,9 +42,11 @@ def input_dist(pipe: "Pipeline", b: "InFlight") -> None:
     collective per process group once the input dists exist (the first batch
     creates them and goes unfused)."""
     hand_off(b.device, pipe.streams.dist)
-    features = b.device.sparse_features
     requests = {}
     for fqn, module in pipe._modules.items():
+        # The KJT at the module's path in the batch, or the user's inputs= function
+        # run here, on the dist stream, ahead of forward.
+        features = pipe._sources[fqn].get(b.device)
         b.ctxs[fqn] = module.create_context()
         requests[fqn] = module.input_dist(b.ctxs[fqn], features)
     b.splits = fuse_splits(requests, b.ctxs)
@@ -101,23 +103,32 @@ def zero_grad(pipe: "Pipeline", b: "InFlight") -> None:
 
 
 def forward(pipe: "Pipeline", b: "InFlight") -> None:
+    """``model(batch)`` -> ``(loss, output)``, TorchRec's contract."""
     hand_off(b.device, pipe.streams.compute)
     pipe.before_forward(b.device)
     pipe._current = b
     try:
-        loss, (_, logits, labels) = pipe.model(b.device)[:2]
+        result = pipe.model(b.device)
     finally:
         pipe._current = None
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise PipelineError(
+            f"{pipe.name}: model(batch) returned {type(result).__name__}"
+            f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}; in training a pipelined "
+            "model returns (loss, output), as TorchRec's pipelines require (docs/models.md)"
+        )
+    loss, output = result
     if len(b.consumed) != len(pipe._modules):  # consumed holds only names of pipe._modules
-        from recpipe.pipelines.sharded import PipelineError
-
         missing = set(pipe._modules) - b.consumed
         raise PipelineError(
             f"{pipe.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
             "input all-to-all for this batch, so every sharded module must be called once per forward"
         )
+    if b.zero_loss:  # a padding batch of a batch type without as_padding(): train nothing
+        loss = loss * 0.0
     b.loss = loss
-    b.output = (loss.detach(), logits, labels, b.device.weights)
+    b.loss_value = loss.detach()
+    b.output = output
 
 
 def backward(pipe: "Pipeline", b: "InFlight") -> None:
@@ -162,13 +173,30 @@ def dense_params(optimizer: Any) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"] if not isinstance(p, ShardedTensor)]
 
 
-def detach_pooled(b: "InFlight", pooled: KeyedTensor) -> KeyedTensor:
-    """Cut autograd at the pooled embeddings (semi_sync's split backward): dense
-    backward stops at a leaf; ``backward_emb`` continues from the original."""
-    values = pooled.values()
-    leaf = values.detach().requires_grad_()
-    b.detached.append((values, leaf))
-    return KeyedTensor(keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=leaf, key_dim=pooled.key_dim())
+def detach_pooled(b: "InFlight", pooled: Any) -> Any:
+    """Cut autograd at a sharded module's output (semi_sync's split backward): dense
+    backward stops at leaves; ``backward_emb`` continues from the originals.
+    ``pooled`` is a KeyedTensor (EmbeddingBagCollection and its feature-processed
+    variant) or a dict of JaggedTensors (EmbeddingCollection: one per feature)."""
+
+    def leaf(values: torch.Tensor) -> torch.Tensor:
+        cut = values.detach().requires_grad_()
+        b.detached.append((values, cut))
+        return cut
+
+    if isinstance(pooled, KeyedTensor):
+        return KeyedTensor(
+            keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=leaf(pooled.values()), key_dim=pooled.key_dim()
+        )
+    if isinstance(pooled, dict) and all(isinstance(v, JaggedTensor) for v in pooled.values()):
+        return {
+            key: JaggedTensor(values=leaf(jt.values()), lengths=jt.lengths(), weights=jt.weights_or_none())
+            for key, jt in pooled.items()
+        }
+    raise PipelineError(
+        f"semi_sync cannot split backward at a sharded module output of type {type(pooled).__name__}; it supports "
+        "KeyedTensor (EmbeddingBagCollection) and dict of JaggedTensor (EmbeddingCollection) outputs"
+    )
 
 
 STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {

@@ -139,6 +139,9 @@ def _multistreamables(obj: object) -> Iterator:
     if isinstance(obj, (list, tuple)):
         for item in obj:
             yield from _multistreamables(item)
+    elif isinstance(obj, dict):  # EmbeddingCollection output: feature -> JaggedTensor
+        for item in obj.values():
+            yield from _multistreamables(item)
     elif isinstance(obj, torch.Tensor):
         yield obj
     elif hasattr(obj, "record_stream"):

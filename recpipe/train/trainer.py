@@ -237,7 +237,7 @@ class Trainer:
         with self.pipeline.detached():
             for batch in loader:
                 batch = batch.to(self.device, non_blocking=True)
-                _, (_, logits, labels) = model(batch)
+                _, (_, logits, labels, _) = model(batch)
                 self.eval_metrics.update(logits, labels, batch.weights)
         model.train()
         metrics = self.eval_metrics.compute()

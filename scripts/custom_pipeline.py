@@ -22,7 +22,7 @@ import torch.distributed as dist
 from recpipe.config import load_config
 from recpipe.data import make_dataloader
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, under_torchrun
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import SparseDistPipeline
 from recpipe.pipelines.steps import dense_params
 from recpipe.sharding import shard_model
@@ -52,7 +52,7 @@ class ClippedSparseDist(SparseDistPipeline):
 def worker(cfg) -> None:
     device = init_process_group(cfg)
     torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(build_model(cfg.model), cfg, device)
+    sharded = shard_model(make_model(cfg), cfg, device)
     pipe = ClippedSparseDist(sharded.model, sharded.optimizer, device, max_grad_norm=1.0)
     loader = make_dataloader(cfg, rank=dist.get_rank(), world_size=dist.get_world_size(), split="train")
     batches = itertools.islice(iter(loader), cfg.train.steps)

@@ -40,9 +40,21 @@ _CFG = load_config(None, ["optimizer.embedding.lr=0.1", "optimizer.dense.lr=0.1"
 _FUSED = embedding_fused_params(_CFG.optimizer.embedding, _CFG)
 
 
-def shard_any(model: nn.Module, generators: dict[str, Any], device: torch.device):
-    """(DMP, combined optimizer) for every embedding module of ``model``, each
-    table sharded by ``generators[table name]`` (torchrec's sharding_plan helpers)."""
+def _tw(rank: int):
+    return lambda world: table_wise(rank=rank % world, compute_kernel="fused")
+
+
+def _rw():
+    return lambda world: row_wise(compute_kernel="fused")
+
+
+def _cw():
+    return lambda world: column_wise(ranks=list(range(world)), compute_kernel="fused")
+
+
+def shard_any(model: nn.Module, generators: dict[str, Callable[[int], Any]], device: torch.device):
+    """(DMP, combined optimizer) for every embedding module of ``model``, each table
+    sharded by ``generators[table name](world size)`` (torchrec's sharding_plan helpers)."""
     ebc_sharder = EmbeddingBagCollectionSharder(fused_params=_FUSED)
     sharders = {
         EmbeddingBagCollection: ebc_sharder,
@@ -57,7 +69,7 @@ def shard_any(model: nn.Module, generators: dict[str, Any], device: torch.device
             continue
         names = [n for n in generators if n in {c.name for c in _tables(module)}]
         plan[fqn] = construct_module_sharding_plan(
-            module, per_param_sharding={n: generators[n] for n in names}, sharder=sharder,
+            module, per_param_sharding={n: generators[n](world) for n in names}, sharder=sharder,
             local_size=world, world_size=world, device_type=device.type,
         )
     dmp = DistributedModelParallel(module=model, device=device, plan=ShardingPlan(plan), sharders=list(sharders.values()))
@@ -101,8 +113,8 @@ def sparse_nn(feature_processor: bool = False) -> Case:
     weighted = [EmbeddingBagConfig(name=f"t_{f}", feature_names=[f], embedding_dim=8, num_embeddings=rows[f])
                 for f in ("w0", "w1")]
     idlist = [c.feature_names[0] for c in tables]
-    gens = {"t_f0": table_wise(rank=0, compute_kernel="fused"), "t_f1": row_wise(compute_kernel="fused"), "t_f2": table_wise(rank=1, compute_kernel="fused"), "t_w0": table_wise(rank=1, compute_kernel="fused"),
-            "t_w1": row_wise(compute_kernel="fused"), "t_fp0": table_wise(rank=0, compute_kernel="fused")}
+    gens = {"t_f0": _tw(0), "t_f1": _rw(), "t_f2": _tw(1), "t_w0": _tw(1),
+            "t_w1": _rw(), "t_fp0": _tw(0)}
 
     def build(device: torch.device):
         torch.manual_seed(0)
@@ -131,8 +143,8 @@ def two_tower() -> Case:
     cfg = load_config(None, ["model.factory=scripts.two_tower:build_model", "data.factory=scripts.two_tower:make_batches",
                              "model.options={num_users: 60, num_items: 80, num_categories: 4, embedding_dim: 8, tower: [16, 8]}",
                              "data.batch_size=10", "data.options={max_history: 4}"])
-    gens = {"user_id": row_wise(compute_kernel="fused"), "user_country": table_wise(rank=0, compute_kernel="fused"), "item_id": column_wise(ranks=[0, 1], compute_kernel="fused"),
-            "item_category": table_wise(rank=1, compute_kernel="fused"), "item_history": row_wise(compute_kernel="fused")}
+    gens = {"user_id": _rw(), "user_country": _tw(0), "item_id": _cw(),
+            "item_category": _tw(1), "item_history": _rw()}
 
     def build(device: torch.device):
         torch.manual_seed(0)
@@ -202,7 +214,7 @@ def concat_ids(batch: dict) -> KeyedJaggedTensor:
 
 def ids_model(concat: bool = False) -> Case:
     rows = {"a": 30, "b": 40} if not concat else {"a": 30, "b": 40, "c": 20}
-    gens = {"t_a": row_wise(compute_kernel="fused"), "t_b": table_wise(rank=1, compute_kernel="fused"), "t_c": table_wise(rank=0, compute_kernel="fused")}
+    gens = {"t_a": _rw(), "t_b": _tw(1), "t_c": _tw(0)}
 
     def build(device: torch.device):
         torch.manual_seed(0)

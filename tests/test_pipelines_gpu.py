@@ -124,3 +124,30 @@ def test_prefetch_with_small_uvm_cache_trains_like_hbm(nproc, passes):
         ],
     )
     launch_local(_prefetch_vs_hbm, nproc, hbm_cfg, cached_cfg)
+
+
+def _models(cfg) -> None:
+    """Every model of tests/model_zoo.py on CUDA streams: each pipeline equals the plain loop."""
+    import model_zoo
+    from test_pipelines_models import CASES
+
+    device = init_process_group(cfg)
+    rank = dist.get_rank()
+    for case_name, make in CASES.items():
+        case = make()
+        batches = case.batches(rank, 6)
+        ref = model_zoo.plain_loop(case, batches, device=device)
+        runs = [("base", {}), ("sparse_dist", {}), ("prefetch", {})]
+        runs += [("fused_sparse_dist", {}), ("fused_sparse_dist", {"emb_lookup_stream": "new"})] if case.fused_ok else []
+        for name, options in runs:
+            got = model_zoo.run_pipeline(case, name, batches, device=device, **options)
+            assert_same(ref, got, f"cuda {case.name}: {name} {options}")
+        got = model_zoo.run_pipeline(case, "semi_sync", batches, device=device)
+        assert_same(model_zoo.semi_sync_reference(case, batches, 0, False, device=device), got, f"cuda {case.name}: semi_sync")
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_any_model_matches_the_plain_loop_on_cuda(nproc):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    launch_local(_models, nproc, small_config(nproc, ["train.device=cuda"]))

@@ -15,7 +15,31 @@ from torch.nn import functional as F
 from torchmetrics import Metric, MetricCollection
 from torchmetrics.classification import BinaryAccuracy, BinaryAUROC
 
-__all__ = ["ClickMetrics", "NormalizedEntropy"]
+__all__ = ["ClickMetrics", "NormalizedEntropy", "click_outputs"]
+
+
+def _part(output: object, index: int, name: str) -> object:
+    if isinstance(output, (tuple, list)):
+        return output[index] if len(output) > index else None
+    if isinstance(output, dict):
+        return output.get(name)
+    return getattr(output, name, None)
+
+
+def click_outputs(output: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(logits, labels, weights or None)`` from a model's output, or None when the
+    output does not follow the metrics contract (docs/models.md): a tuple
+    ``(loss, logits, labels[, weights])`` as TorchRec's DLRMTrain returns, or a dict
+    or object with ``logits`` and ``labels`` (and optionally per-sample ``weights``,
+    0 = not counted), every one a tensor of shape [B]."""
+    logits, labels = _part(output, 1, "logits"), _part(output, 2, "labels")
+    weights = _part(output, 3, "weights")
+    tensors = [t for t in (logits, labels, weights) if t is not None]
+    if logits is None or labels is None or not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    if logits.dim() != 1 or any(t.shape != logits.shape for t in tensors):
+        return None
+    return logits, labels, weights
 
 
 class NormalizedEntropy(Metric):

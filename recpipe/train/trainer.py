@@ -40,11 +40,11 @@ from tqdm import tqdm
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import init_process_group, shutdown_process_group
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, load_checkpoint, save_checkpoint
-from recpipe.train.metrics import ClickMetrics
+from recpipe.train.metrics import ClickMetrics, click_outputs
 
 __all__ = ["Trainer", "run_worker"]
 
@@ -78,7 +78,7 @@ class Trainer:
         self.started = time.perf_counter()
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
         torch.manual_seed(cfg.train.seed)
-        self.sharded = shard_model(build_model(cfg.model), cfg, device)
+        self.sharded = shard_model(make_model(cfg), cfg, device)
         self._say(plan_table(self.sharded.plan, cfg))
         self.position = self._resume()
         self.start_step = self.position.step
@@ -99,7 +99,12 @@ class Trainer:
         self.bar = tqdm(
             total=cfg.train.steps, initial=self.start_step, unit="step", disable=None if show_bar else True
         )
-        self._window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # steps since the last log
+        # Steps since the last log: the loss of each non-padding step, and for models whose
+        # output follows the metrics contract (docs/models.md) its logits, labels, weights.
+        self._losses: list[torch.Tensor] = []
+        self._window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._steps_in_window = 0
+        self._has_clicks: bool | None = None  # known after the first step
         self._window_seconds = 0.0
         self._train_seconds = 0.0
         self.last_train: dict[str, float] = {}
@@ -160,7 +165,7 @@ class Trainer:
                 save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
                 saved_at = step
         step = self.position.step
-        if self._window:
+        if self._steps_in_window:
             self._log_train(step)
         if evaluated_at != step:
             self.evaluate()
@@ -183,19 +188,37 @@ class Trainer:
         last = time.perf_counter()
         while True:
             try:
-                _, logits, labels, weights = self.pipeline.progress(batches)
+                output = self.pipeline.progress(batches)
             except StopIteration:
                 self._count_time(last, synchronize=True)
                 return trained
             trained += 1
             step = self.position.step + trained
-            self._window.append((logits, labels, weights))
+            self._record_step(output)
             self.bar.update(1)
             log_now = step % self.cfg.train.log_every == 0
             last = self._count_time(last, synchronize=log_now)
             if log_now:
                 self._log_train(step)
                 last = time.perf_counter()  # the metrics' all-gather is not training time
+
+    def _record_step(self, output: object) -> None:
+        """Keep what the next log needs of this step (device tensors: no host sync)."""
+        if self._has_clicks is None:
+            self._has_clicks = click_outputs(output) is not None
+            self._say(self.pipeline.describe())
+            if not self._has_clicks:
+                self._say("the model's output has no logits and labels (docs/models.md, 'Metrics'): only the loss is logged")
+        padding = self.pipeline.last_is_padding
+        self._steps_in_window += 1
+        if not padding:
+            self._losses.append(self.pipeline.last_loss)
+        clicks = click_outputs(output) if self._has_clicks else None
+        if clicks is not None:
+            logits, labels, weights = clicks
+            if weights is None:  # padding samples must not count
+                weights = torch.full_like(labels, 0.0 if padding else 1.0, dtype=torch.float32)
+            self._window.append((logits, labels, weights))
 
     def _count_time(self, since: float, synchronize: bool) -> float:
         """Add the time since ``since`` to the training clocks. At log points and
@@ -211,20 +234,29 @@ class Trainer:
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int) -> None:
         """Collective. Metrics of the steps since the last log, over all ranks."""
-        logits, labels, weights = (torch.cat(parts) for parts in zip(*self._window))
-        self.train_metrics.update(logits, labels, weights)
-        metrics = self.train_metrics.compute()  # all-gather over the ranks
-        self.train_metrics.reset()
-        samples_per_s = len(self._window) * self.global_batch / max(self._window_seconds, 1e-9)
+        if self._has_clicks:
+            logits, labels, weights = (torch.cat(parts) for parts in zip(*self._window))
+            self.train_metrics.update(logits, labels, weights)
+            metrics = self.train_metrics.compute()  # all-gather over the ranks
+            self.train_metrics.reset()
+            metrics["loss"] = metrics["bce"]
+        else:  # mean loss over the ranks' non-padding steps (host sync: the all-reduce's result)
+            total = torch.stack([torch.stack(self._losses).double().sum(), torch.tensor(float(len(self._losses)))]) \
+                if self._losses else torch.zeros(2, dtype=torch.float64)
+            total = total.to(self.device, torch.float64)
+            dist.all_reduce(total)
+            metrics = {"loss": float(total[0] / total[1].clamp(min=1))}
+        samples_per_s = self._steps_in_window * self.global_batch / max(self._window_seconds, 1e-9)
         self._window.clear()
+        self._losses.clear()
+        self._steps_in_window = 0
         self._window_seconds = 0.0
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
-        scalars["train/loss"] = metrics["bce"]
         scalars["throughput/samples_per_s"] = samples_per_s
         self._write_scalars(step, {**scalars, **_memory_scalars(self.device)})
-        postfix = {"loss": f"{metrics['bce']:.4f}", "auc": f"{metrics['auc']:.4f}", "samples/s": f"{samples_per_s:,.0f}"}
-        self.bar.set_postfix(postfix, refresh=False)
+        postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
+        self.bar.set_postfix({**postfix, "samples/s": f"{samples_per_s:,.0f}"}, refresh=False)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -236,10 +268,18 @@ class Trainer:
         model.eval()
         with self.pipeline.detached():
             for batch in loader:
-                batch = batch.to(self.device, non_blocking=True)
-                _, (_, logits, labels, _) = model(batch)
-                self.eval_metrics.update(logits, labels, batch.weights)
+                result = model(batch.to(self.device, non_blocking=True))
+                clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
+                if clicks is None:
+                    self.has_eval = False
+                    self._say("evaluation is skipped: in eval mode the model does not return (loss, output) with logits "
+                              "and labels (docs/models.md, 'Metrics')")
+                    break
+                logits, labels, weights = clicks
+                self.eval_metrics.update(logits, labels, torch.ones_like(labels) if weights is None else weights)
         model.train()
+        if not self.has_eval:
+            return {}
         metrics = self.eval_metrics.compute()
         self.eval_metrics.reset()
         self.last_eval = metrics
@@ -276,7 +316,7 @@ class Trainer:
         return {
             "steps": step,
             "samples": step * self.global_batch,
-            "loss": self.last_train.get("bce"),
+            "loss": self.last_train.get("loss"),
             "train_auc": self.last_train.get("auc"),
             "eval_auc": self.last_eval.get("auc"),
             "eval_ne": self.last_eval.get("ne"),

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
+import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch import nn
 
@@ -76,6 +77,10 @@ class _Op:
     stream: Stream
     fences: tuple[tuple[str, int], ...]  # the step's waits on steps of another stream
     record: bool  # record an event after it (a fence on another stream waits for it)
+
+    @property
+    def label(self) -> str:
+        return f"recpipe.{self.step.name}"
 
 
 class Pipeline:
@@ -367,6 +372,12 @@ class Pipeline:
             if source is not None:
                 fence(stream, source.events.get(dep))
         self._on = stream  # the current stream while the step runs (steps skip switching to it)
+        # Under torch.profiler each step is a named range ("recpipe.input_dist", ...), so a
+        # trace shows host time per phase; otherwise not even the range object is made.
+        ranged = _profiler._is_profiler_enabled
+        if ranged:
+            scope = torch.profiler.record_function(op.label)
+            scope.__enter__()
         try:
             if stream is None or stream is self._ambient:  # already the current stream
                 op.fn(self, batch)
@@ -375,6 +386,8 @@ class Pipeline:
                     op.fn(self, batch)
         finally:
             self._on = self._ambient
+            if ranged:
+                scope.__exit__(None, None, None)
         if op.record:
             batch.events[op.step.name] = record_event(stream)
 

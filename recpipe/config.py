@@ -233,6 +233,12 @@ class _PipelineCommon(_Section):
     # model (e.g. "sparse.ebc") -> "package.module:function", a function(batch) ->
     # KeyedJaggedTensor the pipeline runs ahead of forward (docs/models.md).
     inputs: dict[str, Annotated[str, AfterValidator(_factory_spec)]] = Field(default_factory=dict)
+    # Replay the model's dense modules (forward and backward) as CUDA graphs, captured
+    # at the first batch's shapes: cuts the host's launch work (recpipe/pipelines/graphs.py).
+    # CUDA only. Which modules: the model's cuda_graph_modules() (recpipe's DLRM/DCNv2:
+    # dense arch and interaction+over arch+loss), or the paths in cuda_graph_modules.
+    cuda_graphs: bool = False
+    cuda_graph_modules: list[str] = Field(default_factory=list)
 
 
 class BasePipelineConfig(_PipelineCommon):
@@ -446,6 +452,8 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
         if cfg.optimizer.embedding.name == "adam":
             problems.append("optimizer.embedding.name='adam': FBGEMM's CPU kernels have no Adam; use 'sgd' or "
                             "'rowwise_adagrad' on CPU")
+        if cfg.pipeline.cuda_graphs:
+            problems.append("pipeline.cuda_graphs=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
     if problems:

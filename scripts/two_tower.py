@@ -71,8 +71,9 @@ class TwoTower(nn.Module):
     """``model(batch) -> (loss, (loss, logits, labels))``: the contract recpipe's (and
     TorchRec's) pipelines train, with the output layout recpipe's metrics read."""
 
-    def __init__(self, rows: dict[str, int], dim: int, tower: list[int], device: torch.device) -> None:
+    def __init__(self, rows: dict[str, int], dim: int, tower: list[int], max_history: int, device: torch.device) -> None:
         super().__init__()
+        self.max_history = max_history
         bag = lambda f: EmbeddingBagConfig(name=f, embedding_dim=dim, num_embeddings=rows[f], feature_names=[f])  # noqa: E731
         self.user_ebc = EmbeddingBagCollection(tables=[bag(f) for f in USER_FEATURES], device=device)
         self.item_ebc = EmbeddingBagCollection(tables=[bag(f) for f in ITEM_FEATURES], device=device)
@@ -88,7 +89,7 @@ class TwoTower(nn.Module):
         user = self.user_ebc(batch.features["user"]).values()
         item = self.item_ebc(batch.features["item"]).values()
         seq: JaggedTensor = self.history_ec(batch.history)[HISTORY]
-        history = _mean_over_sequence(seq, batch.labels.shape[0])
+        history = _mean_over_sequence(seq, self.max_history)
         u = self.user_tower(torch.cat([user, history], dim=1))
         v = self.item_tower(item)
         logits = (u * v).sum(dim=1)
@@ -96,12 +97,12 @@ class TwoTower(nn.Module):
         return loss, (loss.detach(), logits.detach(), batch.labels)
 
 
-def _mean_over_sequence(seq: JaggedTensor, batch_size: int) -> torch.Tensor:
-    """Mean of each sample's sequence embeddings: [sum ids, D] -> [B, D]."""
-    lengths = seq.lengths()
-    owner = torch.repeat_interleave(torch.arange(batch_size, device=lengths.device), lengths)
-    sums = torch.zeros(batch_size, seq.values().shape[1], device=seq.values().device).index_add(0, owner, seq.values())
-    return sums / lengths.clamp(min=1).unsqueeze(1).to(sums.dtype)
+def _mean_over_sequence(seq: JaggedTensor, max_length: int) -> torch.Tensor:
+    """Mean of each sample's sequence embeddings: [sum ids, D] -> [B, D]. Padded to
+    ``max_length`` rather than summed with index_add, whose atomic adds make CUDA
+    results differ from run to run."""
+    padded = seq.to_padded_dense(desired_length=max_length)  # [B, max_length, D], zeros past each length
+    return padded.sum(dim=1) / seq.lengths().clamp(min=1).unsqueeze(1).to(padded.dtype)
 
 
 def build_model(cfg: Any) -> TwoTower:
@@ -109,7 +110,8 @@ def build_model(cfg: Any) -> TwoTower:
     o = cfg.model.options
     rows = {"user_id": o.get("num_users", 1000), "user_country": 50,
             "item_id": o.get("num_items", 2000), "item_category": o.get("num_categories", 20)}
-    return TwoTower(rows, dim=o.get("embedding_dim", 16), tower=list(o.get("tower", [32, 16])), device=torch.device("meta"))
+    return TwoTower(rows, dim=o.get("embedding_dim", 16), tower=list(o.get("tower", [32, 16])),
+                    max_history=cfg.data.options.get("max_history", 5), device=torch.device("meta"))
 
 
 def _seed(*parts: object) -> int:

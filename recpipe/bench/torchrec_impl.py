@@ -56,6 +56,10 @@ def _options(cfg: RecpipeConfig) -> tuple[dict[str, Any], list[str]]:
     notes: list[str] = []
     if p.max_batches_ahead is not None:
         notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
+    if p.cuda_graphs:
+        notes.append("pipeline.cuda_graphs is recpipe's: TorchRec's pipeline runs the dense part eagerly")
+    if p.inputs:
+        notes.append(f"pipeline.inputs {sorted(p.inputs)} has no TorchRec counterpart here")
     if p.name == "base":
         return {}, notes
     kwargs: dict[str, Any] = {"execute_all_batches": True}

@@ -33,6 +33,7 @@ iterator object reused). So every batch is trained exactly once, on every rank.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -42,7 +43,7 @@ import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch import nn
 
-from recpipe.pipelines import sharded, steps
+from recpipe.pipelines import graphs, sharded, steps
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
@@ -114,6 +115,8 @@ class Pipeline:
         max_batches_ahead: int | None = None,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
+        cuda_graphs: bool = False,
+        cuda_graph_modules: list[str] | tuple[str, ...] = (),
     ) -> None:
         if uneven_data not in ("pad", "error"):
             raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
@@ -139,6 +142,14 @@ class Pipeline:
         self.discovering = False  # inside the first batch's forward
         self.last_loss: torch.Tensor | None = None
         self.last_is_padding = False
+        # Dense modules replayed as CUDA graphs while attached (recpipe.pipelines.graphs).
+        self.graphs: list[graphs.GraphedPart] = []
+        if cuda_graphs:
+            if device.type != "cuda":
+                raise sharded.PipelineError(f"pipeline.cuda_graphs=true needs a CUDA device (this pipeline runs on {device})")
+            self.graphs = graphs.graph_parts(model, list(cuda_graph_modules))
+        elif cuda_graph_modules:
+            warnings.warn(f"pipeline.cuda_graph_modules={list(cuda_graph_modules)} is ignored: pipeline.cuda_graphs is false")
         self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
         self._recent: OrderedDict[int, InFlight] = OrderedDict()  # for delta=-1 waits and the rate limiter
@@ -281,6 +292,7 @@ class Pipeline:
     def attach(self) -> None:
         if not self.attached:
             sharded.install(self, self._modules)
+            graphs.install(self.graphs)
             self.attached = True
 
     def detach(self) -> None:
@@ -292,6 +304,7 @@ class Pipeline:
             )
         sharded.remove(self._modules)
         sharded.remove_splits_only(self._modules)
+        graphs.remove(self.graphs)
         self._splits_fused = False
         self.attached = False
 
@@ -312,6 +325,7 @@ class Pipeline:
         lines = [f"{type(self).__name__}(schedule={self.schedule.name}, depth={self.schedule.depth})"]
         lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in self._modules.items()]
         lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(self._modules)]
+        lines += [f"  cuda graphs: {part!r}" for part in self.graphs]
         return "\n".join(lines)
 
     # ------------------------------------------------------------ internals

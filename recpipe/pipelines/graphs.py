@@ -39,15 +39,36 @@ Capture = Callable[[nn.Module, tuple], Callable[..., Any]]
 
 
 def capture_with_torch(module: nn.Module, sample_args: tuple) -> Callable[..., Any]:
-    """``torch.cuda.make_graphed_callables`` on ``module``; returns the graphed forward
-    and leaves the module's own ``forward`` as it was."""
-    own = vars(module).pop("forward", None)  # our wrapper: make_graphed_callables calls module(...)
+    """``torch.cuda.make_graphed_callables`` over ``module``'s forward; returns the
+    graphed callable (the module itself is left as it was).
+
+    The module is captured as a function of its inputs *and its parameters*
+    (``torch.func.functional_call``), with fresh leaf aliases of the parameters
+    (``detach()``: same storage, no copy) as sample inputs. Capturing the module
+    itself fails under DistributedModelParallel: DDP created the parameters'
+    gradient accumulators on the default stream at construction, and the autograd
+    engine's end-of-backward sync with those cached streams is illegal inside a
+    capture ("operation would make the legacy stream depend on a capturing blocking
+    stream"; PyTorch PRs 180090 and 189591). At replay the real parameters are passed
+    in: they share the aliases' storage, so nothing is copied, and their gradients
+    reach their own accumulators, where DDP's all-reduce hooks fire as in eager mode."""
+    named = dict(module.named_parameters())
+    params = tuple(named.values())
+    aliases = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)
+    buffers = dict(module.named_buffers())
+    count = len(sample_args)
+
+    def functional(*flat: torch.Tensor) -> Any:
+        state = {**dict(zip(named, flat[count:])), **buffers}
+        return torch.func.functional_call(module, state, flat[:count])
+
+    own = vars(module).pop("forward", None)  # our wrapper; capture runs the module's own forward
     try:
-        torch.cuda.make_graphed_callables(module, sample_args)
-        return vars(module).pop("forward")  # make_graphed_callables installed it on the module
+        graphed = torch.cuda.make_graphed_callables(functional, (*sample_args, *aliases), allow_unused_input=True)
     finally:
         if own is not None:
             module.forward = own
+    return lambda *args: graphed(*args, *params)
 
 
 def _signature(args: tuple) -> tuple:

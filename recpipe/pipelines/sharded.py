@@ -197,10 +197,14 @@ class SplitsOnlyForward:
         with torch.no_grad():
             device = kjt.values().device
             input_splits = kjt.dist_splits(self.splits)
-            # torch.tensor(list, device=cuda): small synchronous H2D copies, as in TorchRec.
-            splits_tensors = [torch.tensor(split, device=device) for split in input_splits]
+            rows = list(input_splits)
             if not kjt.variable_stride_per_key():
-                splits_tensors.append(torch.tensor([kjt.stride()] * self._world, device=device))
+                rows.append([kjt.stride()] * self._world)
+            # One pinned host tensor and one asynchronous copy for all the splits (TorchRec
+            # makes one torch.tensor(list, device=cuda) each: a pageable, synchronous copy).
+            flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64,
+                                pin_memory=device.type == "cuda")
+            splits_tensors = list(flat.to(device, non_blocking=True).split([len(r) for r in rows]))
             return KJTSplitsAllToAllMeta(
                 pg=self.pg,
                 _input=kjt,

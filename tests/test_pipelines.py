@@ -60,6 +60,9 @@ def _semi_sync_worker(cfg) -> None:
         got = train(cfg, "semi_sync", batches, start_batch=start_batch, stash_gradients=stash)
         assert_same(semi_sync_reference(cfg, batches, start_batch, stash), got, f"semi_sync {start_batch} {stash}")
         assert_differs(base, got, "semi_sync vs base (staleness must be visible on these batches)")
+    # The variant that waits for the output all-to-all in forward (TorchRec's order): same numbers.
+    got = train(cfg, "semi_sync", batches, start_batch=2, output_dist_wait="in_forward")
+    assert_same(semi_sync_reference(cfg, batches, 2, False), got, "semi_sync output_dist_wait=in_forward")
     # All warm-up: synchronous numerics, identical to base.
     assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
 
@@ -244,7 +247,9 @@ def test_every_schedule_is_valid_and_printable(capsys):
         assert name in PIPELINES
         for schedule in schedules:
             schedule.validate()
-            assert schedules[0].same_stages(schedule), f"{schedule.name} moves batches unlike {schedules[0].name}"
+            # A pipeline switches between schedules that move batches alike (semi_sync's warm-up and
+            # main schedule, fused_sparse_dist's two lookup orders); the engine checks the pair it runs.
+            assert len(schedules) == 1 or any(schedule.same_stages(o) for o in schedules if o is not schedule), schedule.name
         assert main(["schedule", name]) == 0
         printed = capsys.readouterr().out
         assert all(s.name in printed for s in schedules[0].steps)

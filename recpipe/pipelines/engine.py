@@ -61,6 +61,7 @@ class InFlight:
     splits: list[tuple[list[str], Any]] = field(default_factory=list)  # fused splits all-to-alls
     dist_in: dict[str, Any] = field(default_factory=dict)  # tensors all-to-all awaitables, then KJTLists
     emb: dict[str, Any] = field(default_factory=dict)  # early lookups: output-dist awaitables
+    emb_ready: dict[str, Any] = field(default_factory=dict)  # early lookups, output dist already waited
     detached: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # semi_sync
     consumed: set[str] = field(default_factory=set)
     events: dict[str, Event] = field(default_factory=dict)
@@ -334,6 +335,8 @@ class Pipeline:
         plan = self._plans.get(id(schedule))
         if plan is not None and plan[0] is schedule:
             return plan
+        mixed = [s.name for s in self.schedules() if not s.same_stages(self.schedules()[0])]
+        assert not mixed, f"{self.name}: schedules {mixed} move batches unlike {self.schedules()[0].name}"
         # A step's stream, over every schedule this pipeline may run (a delta=-1 wait
         # reads the event of the previous batch, which may have run another schedule).
         streams: dict[str, list[Stream]] = {}

@@ -27,6 +27,7 @@ STEP_DOC = {
     "input_dist": "start the input all-to-all: launch the splits all-to-all of each sharded module",
     "input_dist_wait": "host sync: .tolist() on the splits, then launch the values/lengths all-to-all",
     "lookup": "embedding lookup + launch of the output all-to-all (compute_and_output_dist)",
+    "output_dist_wait": "wait for the lookup's output all-to-all here, freeing the lookup's own output",
     "prefetch": "UVM cache prefetch (FBGEMM locks the cache lines until this batch's backward)",
     "zero_grad": "zero the dense gradients",
     "forward": "model(batch): sharded modules take their prepared inputs/outputs",
@@ -137,7 +138,8 @@ def all_schedules() -> dict[str, list[Schedule]]:
         "base": [base.SCHEDULE],
         "sparse_dist": [sparse_dist.SCHEDULE],
         "fused_sparse_dist": [fused_sparse_dist.SCHEDULE, fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER],
-        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP],
+        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP, semi_sync.SCHEDULE_WAIT_IN_FORWARD,
+                      semi_sync.SCHEDULE_WAIT_IN_FORWARD_WARMUP],
         "prefetch": [prefetch.SCHEDULE],
     }
 

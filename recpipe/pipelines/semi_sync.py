@@ -48,6 +48,11 @@ _HEAD = (
     Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
 )
 _LOOKUP = Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),))
+# Waits for the lookup's output all-to-all on the dist stream right away, so the
+# lookup's own output (the all-to-all's input) is freed before backward(i) instead of
+# living beside the all-to-all's output until forward(i+1): one copy of batch i+1's
+# embeddings during backward(i), not two. The compute stream does not wait for it.
+_OUTPUT_WAIT = Step("output_dist_wait", "dist", 1, waits=(("lookup", 0),))
 _TAIL = (
     Step("input_dist_wait", "dist", 2),
     Step("backward_dense", "compute", 0),
@@ -57,14 +62,29 @@ _TAIL = (
 
 SCHEDULE = Schedule(
     "semi_sync",
-    (*_HEAD, _LOOKUP, *_TAIL),
-    doc="Lookup of batch i+1 before backward(i): one step stale, its output all-to-all overlaps backward(i).",
+    (*_HEAD, _LOOKUP, _OUTPUT_WAIT, *_TAIL),
+    doc="Lookup of batch i+1 before backward(i): one step stale; its output all-to-all overlaps backward(i) "
+    "and is waited on the dist stream, freeing the lookup's output.",
 ).validate()
 
 SCHEDULE_WARMUP = Schedule(
     "semi_sync_warmup",
-    (*_HEAD, *_TAIL, _LOOKUP),
+    (*_HEAD, *_TAIL, _LOOKUP, _OUTPUT_WAIT),
     doc="Warm-up (batches < start_batch): lookup of batch i+1 after optimizer(i), synchronous numerics.",
+).validate()
+
+# output_dist_wait="in_forward": the all-to-all is waited in forward(i+1) on the compute
+# stream (TorchRec's order); batch i+1's lookup output stays alive through backward(i).
+SCHEDULE_WAIT_IN_FORWARD = Schedule(
+    "semi_sync_wait_in_forward",
+    (*_HEAD, _LOOKUP, *_TAIL),
+    doc="Variant: batch i+1's output all-to-all is waited in forward(i+1) (two copies alive during backward(i)).",
+).validate()
+
+SCHEDULE_WAIT_IN_FORWARD_WARMUP = Schedule(
+    "semi_sync_wait_in_forward_warmup",
+    (*_HEAD, *_TAIL, _LOOKUP),
+    doc="Warm-up of the wait_in_forward variant.",
 ).validate()
 
 
@@ -98,10 +118,15 @@ class SemiSyncPipeline(Pipeline):
         *,
         start_batch: int = 0,
         stash_gradients: bool = False,
+        output_dist_wait: str = "early",
         **options: Any,
     ) -> None:
         if start_batch < 0:
             raise ValueError(f"start_batch={start_batch} must be >= 0")
+        variants = {"early": (SCHEDULE, SCHEDULE_WARMUP), "in_forward": (SCHEDULE_WAIT_IN_FORWARD, SCHEDULE_WAIT_IN_FORWARD_WARMUP)}
+        if output_dist_wait not in variants:
+            raise ValueError(f"output_dist_wait={output_dist_wait!r}: choose one of {sorted(variants)}")
+        self.schedule, self._warmup_schedule = variants[output_dist_wait]
         self.start_batch = start_batch
         self.stash_gradients = stash_gradients
         self._stash: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
@@ -116,10 +141,10 @@ class SemiSyncPipeline(Pipeline):
         self._dense_params = steps.dense_params(optimizer)
 
     def schedules(self) -> list[Schedule]:
-        return [SCHEDULE, SCHEDULE_WARMUP]
+        return [self.schedule, self._warmup_schedule]
 
     def schedule_for(self, batch: InFlight) -> Schedule:
-        return SCHEDULE if batch.index >= self.start_batch else SCHEDULE_WARMUP
+        return self.schedule if batch.index >= self.start_batch else self._warmup_schedule
 
     def step_function(self, name: str):
         own = {"backward_dense": backward_dense, "backward_emb": backward_emb, "optimizer": self._optimizer_step}

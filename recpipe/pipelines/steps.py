@@ -86,6 +86,14 @@ def lookup(pipe: "Pipeline", b: "InFlight") -> None:
         del b.dist_in[fqn]
 
 
+def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
+    """Wait for the early lookups' output all-to-alls on this step's stream (dist).
+    torchrec drops the all-to-all's input (the lookup's output) once it is waited, so
+    the allocator can reuse it as soon as the all-to-all is done on the GPU."""
+    for fqn in list(b.emb):
+        b.emb_ready[fqn] = b.emb.pop(fqn).wait()
+
+
 def prefetch(pipe: "Pipeline", b: "InFlight") -> None:
     """FBGEMM UVM-cache prefetch of batch b on the prefetch stream.
 
@@ -152,6 +160,10 @@ def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> A
     distributed input and run ``compute_and_output_dist`` on the compute stream.
     """
     compute = pipe.streams.compute
+    if fqn in b.emb_ready:  # waited on the dist stream by output_dist_wait
+        pooled = b.emb_ready.pop(fqn)
+        pipe.streams.hand_over(pooled, pipe.step_stream(b, "output_dist_wait"), compute)
+        return pooled
     if fqn in b.emb:
         src = pipe.step_stream(b, "lookup")
         with use_stream(src, pipe._on):
@@ -205,6 +217,7 @@ STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {
     "input_dist_wait": input_dist_wait,
     "lookup": lookup,
     "prefetch": prefetch,
+    "output_dist_wait": output_dist_wait,
     "zero_grad": zero_grad,
     "forward": forward,
     "backward": backward,

@@ -274,6 +274,10 @@ class SemiSyncPipelineConfig(_PipelineCommon):
 
 class PrefetchPipelineConfig(_PipelineCommon):
     name: Literal["prefetch"]
+    # Where the host waits for batch i+1's splits: "before_forward" (TorchRec's order: the
+    # tensors all-to-all and so the prefetch of i+1 start early) or "after_forward" (the
+    # GPU runs forward(i) while the host waits, as in sparse_dist).
+    input_dist_wait: Literal["before_forward", "after_forward"] = "before_forward"
 
 
 PipelineConfig = Annotated[

@@ -30,6 +30,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup": "after_optimizer", "emb_lookup_stream": "new"}),
     ("fused_sparse_dist", {"emb_lookup_stream": "current"}),
     ("prefetch", {}),
+    ("prefetch", {"input_dist_wait": "after_forward"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 

@@ -22,6 +22,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup_stream": "new"}),
     ("fused_sparse_dist", {"emb_lookup_stream": "current", "emb_lookup": "after_optimizer"}),
     ("prefetch", {}),
+    ("prefetch", {"input_dist_wait": "after_forward"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 
@@ -66,8 +67,10 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
     start = {k: v for k, v in build(hbm_cfg, device).model.state_dict().items()}
     hbm = train(hbm_cfg, "base", batches, device=device, init_from=start)
     for segments in ([10], [4, 6]):  # [4, 6]: a drain (and an eval, below) in the middle
-        cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments)
-        assert_same(hbm, cached, f"prefetch with a small UVM cache, segments {segments}")
+        for wait in ("before_forward", "after_forward"):
+            cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
+                           input_dist_wait=wait)
+            assert_same(hbm, cached, f"prefetch ({wait}) with a small UVM cache, segments {segments}")
     _eval_releases_locks(cached_cfg, batches, device, start)
 
 

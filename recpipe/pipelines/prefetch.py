@@ -49,6 +49,24 @@ SCHEDULE = Schedule(
     doc="Prefetch of batch i+1 after forward(i), before backward(i); forward(i+1) waits for it.",
 ).validate()
 
+# input_dist_wait="after_forward": the host sync on batch i+1's splits comes after
+# forward(i) is queued, so the GPU has forward(i) to run while the host waits (as in
+# sparse_dist); the tensors all-to-all of i+1, and so its prefetch, start later.
+SCHEDULE_WAIT_AFTER_FORWARD = Schedule(
+    "prefetch_wait_after_forward",
+    (
+        Step("zero_grad", "compute", 0),
+        Step("h2d", "memcpy", 2),
+        Step("forward", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
+        Step("input_dist_wait", "dist", 1),
+        Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
+        Step("backward", "compute", 0),
+        Step("optimizer", "compute", 0),
+        Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
+    ),
+    doc="Variant: host sync on batch i+1's splits after forward(i) is queued; prefetch(i+1) still before backward(i).",
+).validate()
+
 
 def _cached_tbes(model: torch.nn.Module) -> list:
     """FBGEMM TBEs with a UVM cache and cache-line locking. torchrec hides them from
@@ -74,7 +92,11 @@ class PrefetchPipeline(Pipeline):
     name = "prefetch"
     schedule = SCHEDULE
 
-    def __init__(self, model, optimizer, device, **options) -> None:
+    def __init__(self, model, optimizer, device, *, input_dist_wait: str = "before_forward", **options) -> None:
+        variants = {"before_forward": SCHEDULE, "after_forward": SCHEDULE_WAIT_AFTER_FORWARD}
+        if input_dist_wait not in variants:
+            raise ValueError(f"input_dist_wait={input_dist_wait!r}: choose one of {sorted(variants)}")
+        self.schedule = variants[input_dist_wait]
         super().__init__(model, optimizer, device, **options)
         if not _cached_tbes(model):
             warnings.warn(

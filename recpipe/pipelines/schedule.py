@@ -140,7 +140,7 @@ def all_schedules() -> dict[str, list[Schedule]]:
         "fused_sparse_dist": [fused_sparse_dist.SCHEDULE, fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER],
         "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP, semi_sync.SCHEDULE_WAIT_IN_FORWARD,
                       semi_sync.SCHEDULE_WAIT_IN_FORWARD_WARMUP],
-        "prefetch": [prefetch.SCHEDULE],
+        "prefetch": [prefetch.SCHEDULE, prefetch.SCHEDULE_WAIT_AFTER_FORWARD],
     }
 
 

@@ -56,7 +56,7 @@ from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
 from recpipe.bench.run import gather
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines.prefetch import _cached_tbes  # the one finder of lock-cached TBEs (torchrec hides them)
 from recpipe.pipelines.sharded import find_sharded_modules
 from recpipe.pipelines.steps import dense_params
@@ -277,7 +277,7 @@ def _chain(m: _Bench, host: Batch, split: bool) -> tuple[dict[str, float], dict[
 # ------------------------------------------------------------------ per rank
 def _build(cfg: RecpipeConfig, device: torch.device) -> _Bench:
     torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(build_model(cfg.model), cfg, device)
+    sharded = shard_model(make_model(cfg), cfg, device)
     model = sharded.model
     ddp = next((x for x in model.modules() if isinstance(x, DistributedDataParallel)), None)
     cached = _cached_tbes(model) if device.type == "cuda" else []

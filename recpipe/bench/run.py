@@ -25,7 +25,7 @@ from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, pipelined_module_count
 from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import PipelineError, make_pipeline
 from recpipe.sharding import shard_model
 
@@ -132,7 +132,7 @@ def run_local(
     try:
         built = time.perf_counter()
         torch.manual_seed(cfg.train.seed)
-        sharded = shard_model(build_model(cfg.model), cfg, device)
+        sharded = shard_model(make_model(cfg), cfg, device)
         if impl == "recpipe":
             try:
                 build = probe.build if probe is not None else make_pipeline

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import init_process_group, shutdown_process_group
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, load_checkpoint, save_checkpoint
@@ -78,7 +78,7 @@ class Trainer:
         self.started = time.perf_counter()
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
         torch.manual_seed(cfg.train.seed)
-        self.sharded = shard_model(build_model(cfg.model), cfg, device)
+        self.sharded = shard_model(make_model(cfg), cfg, device)
         self._say(plan_table(self.sharded.plan, cfg))
         self.position = self._resume()
         self.start_step = self.position.step

@@ -23,8 +23,9 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from recpipe.bench.measure import summarize_ms
+from recpipe.bench.measure import mean_leaves, summarize_ms
 from recpipe.bench.report import Row, grid
+from recpipe.bench.trace import merge_rounds as merge_traces
 
 __all__ = ["TARGETS", "check_targets", "merge_rounds", "paired", "round_order", "sign_test_p"]
 
@@ -77,6 +78,13 @@ def merge_rounds(rounds: list[Row], global_batch: int) -> Row:
     row.samples_per_s_wall = global_batch * row.steps / row.wall_s if row.wall_s else None
     row.build_s = max(r.build_s or 0.0 for r in rounds)
     row.memory = _merge_memory([r.memory for r in rounds])
+    if first.trace:
+        row.trace = merge_traces([r.trace for r in rounds])
+        row.gpu_busy_ms = row.trace.get("gpu_busy_ms")
+        row.x_busy = row.step_ms["p50"] / row.gpu_busy_ms if row.gpu_busy_ms else None
+    if first.cache:
+        with_numbers = all(r.cache.get("hit_rate") is not None for r in rounds)
+        row.cache = dict(mean_leaves([r.cache for r in rounds]), rounds=len(rounds)) if with_numbers else first.cache
     return row
 
 

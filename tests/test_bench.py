@@ -109,7 +109,7 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     grid = record["cache_sweep"]
     assert (grid["status"], grid["cache_load_factors"], grid["zipf_alphas"]) == ("skipped", [0.1, 0.3], [0.8])
     assert "needs CUDA" in grid["reason"] and "fused_uvm_caching" in grid["reason"] and "points" not in grid
-    assert "Not measured (load factors [0.1, 0.3], Zipf alphas [0.8]): needs fused_uvm_caching" in md
+    assert "Not measured (load factors [0.1, 0.3], Zipf alphas [0.8]): needs a fused_uvm_caching" in md
     # plots: step time (with the bound), no memory plot on CPU, no sweep plots
     assert record["plots"]["written"] == [STEP_TIME] and MEMORY in record["plots"]["reason"]
     assert CACHE_SWEEP in record["plots"]["reason"] and not (out / CACHE_SWEEP).exists()

@@ -104,6 +104,9 @@ def test_two_rounds_end_to_end_on_cpu(tmp_path: Path):
     for row in record["rows"]:
         assert row["status"] == "ok", row
         assert row["steps"] == 6 and len(row["step_ms_per_step"]) == 6 and len(row["round_p50_ms"]) == 2
+        trace = row["trace"]  # the profiled steps of both rounds, averaged; CPU: no busy time in either
+        assert trace["status"] == "ok" and trace["rounds"] == 2 and trace["gpu_busy_ms_per_round"] == [None, None]
+        assert trace["host_ms_p50"] > 0 and all(v is not None for v in trace["phases_ms"].values())
     targets = {(c["target"], c["pipeline"]) for c in record["targets"]}
     assert {("vs_torchrec", "base"), ("vs_torchrec", "sparse_dist"), ("vs_base", "sparse_dist")} <= targets
     pair = next(c["paired"] for c in record["targets"] if c["target"] == "vs_torchrec")

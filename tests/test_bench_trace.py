@@ -141,8 +141,9 @@ def test_combine_ranks_and_rounds():
     assert [p["gpu_busy_ms"] for p in row["per_rank"]] == [4.0, 5.0]
     failed = combine_ranks([rank(4.0, 2.0, 1.0), {"status": "failed", "reason": "boom"}])
     assert failed == {"status": "failed", "reason": "rank 1: boom"}
-    merged = merge_rounds([combine_ranks([rank(4.0, 2.0, 1.0)]), combine_ranks([rank(6.0, 2.0, 3.0)])])
-    assert merged["gpu_busy_ms"] == 5.0 and merged["phases_ms"] == {"forward": 2.0}
+    second = dict(rank(6.0, 2.0, 3.0), phases_ms={"forward": 3.0, "load batch": 1.0})
+    merged = merge_rounds([combine_ranks([rank(4.0, 2.0, 1.0)]), combine_ranks([second])])
+    assert merged["gpu_busy_ms"] == 5.0 and merged["phases_ms"] == {"forward": 2.0, "load batch": 0.5}
     assert merged["rounds"] == 2 and merged["gpu_busy_ms_per_round"] == [4.0, 6.0]
     cpu = [dict(rank(4.0, 2.0, 1.0), gpu_busy_ms=None), rank(6.0, 2.0, 1.0)]
     assert mean_leaves(cpu)["gpu_busy_ms"] is None  # one round without: no mean

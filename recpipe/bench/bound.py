@@ -54,6 +54,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
 from recpipe.bench.run import gather
+from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
 from recpipe.models import make_model
@@ -379,7 +380,7 @@ def _rate(per_rank: list[dict[str, Any]], stage: str, count: str, bytes_per: flo
 def _na(cfg: RecpipeConfig, stage: str, ran_prefetch: bool) -> str:
     if stage != "prefetch":
         return "not run"
-    cached = [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
+    cached = cached_tables(cfg)
     if not cached:
         return "n/a: no fused_uvm_caching table"
     if not cfg.sharding.prefetch_pipeline:

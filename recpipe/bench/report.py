@@ -215,6 +215,7 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"- command: `{header['command']}`",
         f"- steps: {bench['steps']} timed after {bench['warmup']} warm-up (+{bench['drain']} untimed to drain); "
         f"global batch {bench['global_batch']}; timing: {bench['timing']}",
+        f"- precision: {cfg.train.precision} (train.precision; the same model for recpipe's and TorchRec's pipelines)",
         f"- host batches: {bench['batches_per_rank']} per rank, generated in {bench['batch_generation_s']:.2f} s "
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",

@@ -25,7 +25,7 @@ from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory,
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
-from recpipe.bench.uvm_cache import cache_metrics, cached_tables, counter_delta, read_counters, stats_fused_params, unavailable
+from recpipe.bench.uvm_cache import cache_metrics, counter_delta, prefetch_unavailable, read_counters, stats_fused_params, unavailable
 from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model
@@ -64,12 +64,8 @@ def config_for_pipeline(cfg: RecpipeConfig, name: str) -> tuple[RecpipeConfig | 
     """(config to run ``name`` with, its overrides versus ``cfg``, skip reason or '')."""
     raw = cfg.model_dump(mode="json")
     overrides: dict[str, Any] = {}
-    cached = cached_tables(cfg)
-    if name == "prefetch" and not (cached and cfg.sharding.prefetch_pipeline):
-        return None, overrides, (
-            "needs a fused_uvm_caching table and sharding.prefetch_pipeline=true "
-            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})"
-        )
+    if name == "prefetch" and prefetch_unavailable(cfg):
+        return None, overrides, prefetch_unavailable(cfg)
     if name != cfg.pipeline.name:
         common = {k: v for k, v in raw["pipeline"].items() if k in BasePipelineConfig.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}

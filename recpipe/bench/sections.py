@@ -275,6 +275,11 @@ def _row_name(r: Any) -> list[str]:
     return [r.pipeline, r.impl]
 
 
+def _unmeasured(r: Any, header: tuple[str, ...], note: str) -> list[str]:
+    """A row's cells when the section has no numbers for it: dashes and the reason."""
+    return _row_name(r) + ["-"] * (len(header) - 3) + [note]
+
+
 def busy_md(rows: list[Any]) -> list[str]:
     traced = [r for r in rows if r.status == "ok" and r.trace]
     if not traced:
@@ -290,7 +295,7 @@ def busy_md(rows: list[Any]) -> list[str]:
     for r in traced:
         t = r.trace
         if t.get("status") != "ok":
-            body.append(_row_name(r) + ["-"] * (len(header) - 3) + [f"trace {t.get('status')}: {t.get('reason')}"])
+            body.append(_unmeasured(r, header, f"trace {t.get('status')}: {t.get('reason')}"))
             continue
         streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in (t.get("streams_busy_ms") or {}).items())
         body.append(_row_name(r) + [
@@ -318,7 +323,7 @@ def phases_md(rows: list[Any]) -> list[str]:
         header = ("pipeline", "host ms/call", *names, "outside phases", "TorchRec module ranges, ms", "note")
         body = [[r.pipeline, _f(r.trace.get("host_ms_p50"), ".3f"),
                  *(_f(r.trace["phases_ms"].get(p), ".3f") for p in names), _f(r.trace.get("outside_phases_ms"), ".3f"),
-                 "; ".join(f"{k} {v:.3f}" for k, v in list(r.trace.get("library_ms", {}).items())[:4]),
+                 "; ".join(f"{k} {_f(v, '.3f')}" for k, v in list(r.trace.get("library_ms", {}).items())[:4]),
                  r.trace.get("phases_reason", "")] for r in mine]
         lines += [f"{impl}:", "", grid(header, body, markdown=True), ""]
     return lines
@@ -341,7 +346,7 @@ def cache_md(rows: list[Any]) -> list[str]:
     for r in cached:
         c = r.cache
         if "hit_rate" not in c:
-            body.append(_row_name(r) + ["-"] * (len(header) - 3) + [c.get("reason", "")])
+            body.append(_unmeasured(r, header, c.get("reason", "")))
             continue
         body.append(_row_name(r) + [
             _f(c["hit_rate"], ".3f"), _f(c.get("rows_fetched_per_step"), ",.0f"),

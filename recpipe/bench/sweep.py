@@ -47,7 +47,7 @@ from recpipe.bench.run import (
     traced_steps,
     untimed_steps,
 )
-from recpipe.bench.uvm_cache import cached_tables, counter_delta, read_counters, unavailable
+from recpipe.bench.uvm_cache import cached_tables, counter_delta, prefetch_unavailable, read_counters, unavailable
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.pipelines.prefetch import _cached_tbes
@@ -80,9 +80,8 @@ def parse_grid(text: str | None, flag: str, low: float, high: float, low_open: b
 def skip_reason(cfg: RecpipeConfig, device: torch.device) -> str:
     """Why the sweep cannot run here ('' if it can)."""
     why = []
-    if not cached_tables(cfg) or not cfg.sharding.prefetch_pipeline:
-        why.append("needs fused_uvm_caching tables and sharding.prefetch_pipeline=true (cached tables: "
-                   f"{cached_tables(cfg) or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})")
+    if prefetch_unavailable(cfg):
+        why.append(prefetch_unavailable(cfg))
     if device.type != "cuda":
         why.append(f"the UVM cache needs CUDA (device is {device.type}): there is no cache here, so no hit rate "
                    "and no prefetch to measure")

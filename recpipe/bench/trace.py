@@ -330,4 +330,10 @@ def merge_rounds(traces: list[dict[str, Any]]) -> dict[str, Any]:
     bad = next((t for t in traces if t.get("status") != "ok"), None)
     if bad is not None or len(traces) == 1:
         return bad or traces[0]
-    return dict(mean_leaves(traces), rounds=len(traces), gpu_busy_ms_per_round=[t.get("gpu_busy_ms") for t in traces])
+    # ms by name: a name a round did not see (a phase that did not occur) spent 0 ms there
+    filled = [dict(t) for t in traces]
+    for key in ("phases_ms", "library_ms", "streams_busy_ms"):
+        names = list(dict.fromkeys(n for t in traces for n in t.get(key) or {}))
+        for t in filled:
+            t[key] = {n: (t.get(key) or {}).get(n, 0.0) for n in names}
+    return dict(mean_leaves(filled), rounds=len(traces), gpu_busy_ms_per_round=[t.get("gpu_busy_ms") for t in traces])

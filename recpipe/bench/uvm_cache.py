@@ -39,7 +39,8 @@ import torch
 from recpipe.config import RecpipeConfig
 from recpipe.pipelines.prefetch import _cached_tbes  # the one finder of FBGEMM's cached TBEs
 
-__all__ = ["COUNTERS", "cache_metrics", "cached_tables", "read_counters", "stats_fused_params", "unavailable"]
+__all__ = ["COUNTERS", "cache_metrics", "cached_tables", "prefetch_unavailable", "read_counters", "stats_fused_params",
+           "unavailable"]
 
 # UVMCacheStatsIndex order (fbgemm_gpu.split_table_batched_embeddings_ops_training)
 COUNTERS = ("calls", "requested", "unique", "unique_misses", "conflict_unique_misses", "conflict_misses")
@@ -49,6 +50,15 @@ GB = 1e9
 def cached_tables(cfg: RecpipeConfig) -> list[str]:
     """Tables with a UVM cache (``fused_uvm_caching``)."""
     return [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
+
+
+def prefetch_unavailable(cfg: RecpipeConfig) -> str:
+    """Why the prefetch pipeline cannot run on ``cfg``'s tables ('' if it can)."""
+    cached = cached_tables(cfg)
+    if cached and cfg.sharding.prefetch_pipeline:
+        return ""
+    return ("needs a fused_uvm_caching table and sharding.prefetch_pipeline=true "
+            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})")
 
 
 def stats_fused_params(cfg: RecpipeConfig) -> dict[str, Any]:

@@ -213,11 +213,13 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     cache_ranges = [r for r in trace.ranges if r.cat == "cpu_op" and _CACHE_OP.match(r.name)]
     if not cache_ranges or not trace.device_ops:
         return None
-    owner: dict[int, str] = {}  # correlation -> the innermost cache op whose range holds the launch
+    # correlation -> the outermost cache op whose range holds the launch (the op the
+    # Python code called: lru_cache_populate, not what it may call through the dispatcher)
+    owner: dict[int, str] = {}
     for corr, (tid, t) in trace.launches.items():
         holding = [r for r in cache_ranges if r.tid == tid and r.start <= t <= r.end]
         if holding:
-            owner[corr] = min(holding, key=lambda r: r.end - r.start).name
+            owner[corr] = max(holding, key=lambda r: r.end - r.start).name
     mine = [op for op in trace.device_ops if op.correlation in owner]
     if not mine:
         return None

@@ -47,7 +47,7 @@ def _check_row(row) -> None:
     assert row.x_busy == pytest.approx(row.step_ms["p50"] / row.gpu_busy_ms) and row.x_busy > 0.8
     assert sum(t["streams_busy_ms"].values()) >= t["gpu_busy_ms"] * 0.999  # a union is at most the sum
     c = row.cache
-    assert 0.0 <= c["hit_rate"] <= 1.0
+    assert 0.0 <= c["hit_rate"] <= 1.0 and 0.0 < c["occupancy"] <= 1.0 and c["evicted_per_step"] >= 0
     assert c["rows_fetched_per_step"] > 0 and c["bytes_fetched_per_step"] == pytest.approx(
         c["rows_fetched_per_step"] * DIM * 4)
     assert c["requested_per_step"] >= c["unique_per_step"] >= c["rows_fetched_per_step"]
@@ -69,6 +69,9 @@ def test_hit_rate_rises_with_a_larger_cache():
     large = _rows(_cached(lf=0.5), ("sparse_dist",))["sparse_dist"].cache
     assert small["hit_rate"] < large["hit_rate"]
     assert small["rows_fetched_per_step"] > large["rows_fetched_per_step"]
+    # 1 % of the rows is far less than a step's distinct ids: full, evicting every step
+    assert small["occupancy"] > 0.5 and small["evicted_per_step"] > 0
+    assert 0 < large["occupancy"] <= 1 and large["evicted_per_step"] >= 0
 
 
 def test_sweep_measures_its_grid(tmp_path):

@@ -69,6 +69,7 @@ def test_segments_on_one_model_on_cpu():
 
 def _side(p50: float, hit: float, exposed: float) -> dict:
     return {"status": "ok", "step_ms": {"p50": p50}, "hit_rate": hit, "rows_fetched_per_step": 1000 * (1 - hit),
+            "occupancy": 1.0,
             "cache_gpu_ms": exposed + 0.5, "cache_exposed_ms": exposed}
 
 
@@ -105,7 +106,7 @@ def test_recommendation_from_the_grid():
 def test_sweep_markdown_and_plot(tmp_path):
     sweep = _sweep()
     md = "\n".join(sweep_md(sweep))
-    assert "| 0.05 | 0.6 | 8.00 | 10.00 | 0.800 | 0.300 | 700 | 0.60 (0.10) | 2.50 (2.00) | 20.0% | prefetch |" in md
+    assert "| 0.05 | 0.6 | 8.00 | 10.00 | 0.800 | 0.300 | 700 | 100.0% | 0.60 (0.10) | 2.50 (2.00) | 20.0% | prefetch |" in md
     assert "| 0.2 | 0.6 | failed | 10.00 | - |" in md
     assert "**use sparse_dist**" in md and "**not met**" in md and "**met** at 1 points" in md
     skipped = {"status": "skipped", "reason": "the UVM cache needs CUDA", "cache_load_factors": [0.1],

@@ -150,16 +150,16 @@ def test_combine_ranks_and_rounds():
 
 
 def _counters(**kw) -> dict:
-    return {**dict.fromkeys(COUNTERS, 0), "row_bytes": 512, **kw}
+    return {**dict.fromkeys(COUNTERS, 0), "occupied": 0, "filled": 0, "slots": 1000, "row_bytes": 512, **kw}
 
 
 def test_cache_metrics_arithmetic():
-    before = [_counters(calls=10, requested=1000, unique=400, unique_misses=100)]
+    before = [_counters(calls=10, requested=1000, unique=400, unique_misses=100, occupied=100)]
     after = [_counters(calls=14, requested=1800, unique=800, unique_misses=260, conflict_unique_misses=20,
-                       conflict_misses=30)]
+                       conflict_misses=30, occupied=200)]
     delta = counter_delta(before, after)
     assert delta == [_counters(calls=4, requested=800, unique=400, unique_misses=160, conflict_unique_misses=20,
-                               conflict_misses=30)]
+                               conflict_misses=30, occupied=200, filled=100)]
     other = [_counters(unique=100, unique_misses=10, row_bytes=256), _counters(unique=100, unique_misses=30)]
     work = {"gpu_ms": 0.5, "overlap_ms": 0.4, "exposed_ms": 0.1, "overlap_fraction": 0.8, "insert_kernels_ms": 0.1,
             "by_op_ms": {"fbgemm::lru_cache_populate": 0.4, "fbgemm::linearize_cache_indices": 0.05}}
@@ -168,6 +168,8 @@ def test_cache_metrics_arithmetic():
     # rank 0 fetches (160 - 20) x 512 B in 4 steps: more than rank 1 (10 x 256 + 30 x 512)
     assert m["rows_fetched_per_step"] == 35 and m["bytes_fetched_per_step"] == 35 * 512
     assert m["uvm_lookups_per_step"] == 7.5 and m["unique_per_step"] == 100 and m["requested_per_step"] == 200
+    # 140 rows fetched, 100 slots newly filled: 40 evictions in 4 steps; 200 of 1000 slots hold a row
+    assert m["evicted_per_step"] == 10 and m["occupancy"] == 0.2
     assert m["h2d_GB_per_s_populate"] == pytest.approx(35 * 512 / 0.4e-3 / 1e9)
     assert m["h2d_GB_per_s_insert"] == pytest.approx(35 * 512 / 0.1e-3 / 1e9)
     assert m["overlap_fraction"] == 0.8 and len(m["per_rank"]) == 2

@@ -199,10 +199,12 @@ def sweep_md(sweep: dict[str, Any]) -> list[str]:
         return lines + [f"Not measured ({values}): {sweep.get('reason')}", ""]
     lines += [f"{values}; {sweep['segments']}. Hit rate and rows fetched per step: sparse_dist's (the cache's "
               "behaviour on these ids; prefetch's in bench.json). Miss share: sparse_dist's exposed cache work / its "
-              "P50. Use: prefetch where it is at least 2 % faster.", ""]
+              "P50. Cache full: share of slots holding a row at the end of the timed steps; below 100 % nothing was "
+              "evicted and the load factor did not matter yet (raise --warmup to reach a full cache). Use: prefetch "
+              "where it is at least 2 % faster.", ""]
     header = ("load factor", "Zipf", "prefetch P50 ms", "sparse_dist P50 ms", "prefetch / sparse_dist", "hit rate",
-              "rows fetched/step", "prefetch cache work ms (exposed)", "sparse_dist cache work ms (exposed)",
-              "miss share", "use")
+              "rows fetched/step", "cache full", "prefetch cache work ms (exposed)",
+              "sparse_dist cache work ms (exposed)", "miss share", "use")
     body = []
     for p in sweep["points"]:
         pf, sd = p["prefetch"], p["sparse_dist"]
@@ -214,7 +216,7 @@ def sweep_md(sweep: dict[str, Any]) -> list[str]:
                      _f((pf.get("step_ms") or {}).get("p50"), ".2f") if pf["status"] == "ok" else pf["status"],
                      _f((sd.get("step_ms") or {}).get("p50"), ".2f") if sd["status"] == "ok" else sd["status"],
                      _f(p.get("prefetch_over_sparse_dist"), ".3f"), _f(sd.get("hit_rate"), ".3f"),
-                     _f(sd.get("rows_fetched_per_step"), ",.0f"), work(pf), work(sd),
+                     _f(sd.get("rows_fetched_per_step"), ",.0f"), _pct(sd.get("occupancy")), work(pf), work(sd),
                      _pct(p.get("sparse_dist_miss_share")), p.get("winner", "-")])
     return lines + [grid(header, body, markdown=True), ""] + _recommendation_md(sweep["recommendation"])
 
@@ -336,12 +338,14 @@ def cache_md(rows: list[Any]) -> list[str]:
     lines = ["## UVM cache (prefetch and the same cached tables without it)", "",
              "FBGEMM's cache counters over the timed steps (`recpipe/bench/uvm_cache.py`): hit rate = 1 - unique "
              "misses / unique ids; rows fetched = rows copied into the cache per step; UVM lookups = ids read from "
-             "host memory (no free cache slot). Cache work = device time of FBGEMM's cache ops in the profiled "
+             "host memory (no free cache slot). Cache full: share of slots holding a row after the timed steps (a "
+             "cache that is not full evicts nothing: its size does not matter yet). Cache work = device time of FBGEMM's cache ops in the profiled "
              "steps, overlapped with other device work or alone (exposed). H2D GB/s = bytes fetched / GPU time of "
              "lru_cache_populate (all its kernels), or of its insert kernels (the copy). Per rank: the rank that "
              "fetches most.", ""]
     header = ("pipeline", "impl", "hit rate", "rows fetched/step", "MB fetched/step", "UVM lookups/step",
-              "cache work ms", "overlapped ms", "exposed ms", "H2D GB/s (populate)", "H2D GB/s (insert)", "note")
+              "cache full", "evicted/step", "cache work ms", "overlapped ms", "exposed ms", "H2D GB/s (populate)",
+              "H2D GB/s (insert)", "note")
     body = []
     for r in cached:
         c = r.cache
@@ -351,7 +355,7 @@ def cache_md(rows: list[Any]) -> list[str]:
         body.append(_row_name(r) + [
             _f(c["hit_rate"], ".3f"), _f(c.get("rows_fetched_per_step"), ",.0f"),
             _f(c["bytes_fetched_per_step"] / 1e6, ",.2f"), _f(c.get("uvm_lookups_per_step"), ",.0f"),
-            _f(c.get("gpu_ms"), ".3f"), _f(c.get("overlap_ms"), ".3f"), _f(c.get("exposed_ms"), ".3f"),
+            _pct(c.get("occupancy")), _f(c.get("evicted_per_step"), ",.0f"), _f(c.get("gpu_ms"), ".3f"), _f(c.get("overlap_ms"), ".3f"), _f(c.get("exposed_ms"), ".3f"),
             _f(c.get("h2d_GB_per_s_populate"), ",.1f"), _f(c.get("h2d_GB_per_s_insert"), ",.1f"),
             "" if "gpu_ms" in c else "no cache work in the trace"])
     return lines + [grid(header, body, markdown=True), ""]

@@ -185,7 +185,8 @@ def _summary(row: Row) -> dict[str, Any]:
     return {
         "status": "ok", "step_ms": row.step_ms, "round_p50_ms": row.round_p50_ms, "gpu_busy_ms": row.gpu_busy_ms,
         "x_busy": row.x_busy, "hit_rate": c.get("hit_rate"), "rows_fetched_per_step": c.get("rows_fetched_per_step"),
-        "bytes_fetched_per_step": c.get("bytes_fetched_per_step"), "cache_gpu_ms": c.get("gpu_ms"),
+        "bytes_fetched_per_step": c.get("bytes_fetched_per_step"), "occupancy": c.get("occupancy"),
+        "evicted_per_step": c.get("evicted_per_step"), "cache_gpu_ms": c.get("gpu_ms"),
         "cache_exposed_ms": c.get("exposed_ms"), "cache_overlap_ms": c.get("overlap_ms"),
         **({"cache_reason": c["reason"]} if "reason" in c else {}),
     }

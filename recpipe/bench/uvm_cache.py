@@ -16,7 +16,13 @@ lookup itself). The bench reads them after the warm-up and after the timed steps
   asks for that are already in HBM;
 * ``rows_fetched_per_step`` = unique misses - conflict unique misses (rows copied
   into the cache), ``bytes_fetched_per_step`` = those x the cache row's bytes;
-* ``uvm_lookups_per_step``: requested ids read from host memory (conflict misses).
+* ``uvm_lookups_per_step``: requested ids read from host memory (conflict misses);
+* ``occupancy``: the share of cache slots holding a row after the timed steps
+  (``lxu_cache_state >= 0``), and ``evicted_per_step`` = rows fetched minus the slots
+  that got filled. A cache that is not full evicts nothing, and then its size does
+  not matter yet: a fresh model's cache fills only after as many distinct rows as it
+  has slots, which on large tables takes far more steps than a bench runs (the sweep
+  reports it per point).
 
 Counters are summed over the cached TBEs of a rank and over ranks; per-step
 numbers are per rank (the rank that fetches most). The prefetch pipeline fetches
@@ -80,20 +86,26 @@ def read_counters(model: torch.nn.Module) -> list[dict[str, int]]:
     out = []
     for tbe in _cached_tbes(model, locked=False):
         stats = tbe.get_uvm_cache_stats().tolist()
-        weights = tbe.lxu_cache_weights
-        out.append({**dict(zip(COUNTERS, stats)), "row_bytes": weights.shape[1] * weights.element_size()})
+        weights, state = tbe.lxu_cache_weights, tbe.lxu_cache_state
+        out.append({**dict(zip(COUNTERS, stats)), "occupied": int((state >= 0).sum()), "slots": state.numel(),
+                    "row_bytes": weights.shape[1] * weights.element_size()})
     return out
 
 
 def counter_delta(before: list[dict[str, int]], after: list[dict[str, int]]) -> list[dict[str, int]]:
-    """Per TBE, what the counters grew by (row bytes kept)."""
-    return [{**{k: a[k] - b[k] for k in COUNTERS}, "row_bytes": a["row_bytes"]} for b, a in zip(before, after)]
+    """Per TBE, what the counters and the occupied slots grew by (slots and row bytes
+    as after; ``occupied`` = the slots holding a row at the end)."""
+    return [{**{k: a[k] - b[k] for k in COUNTERS}, "filled": a["occupied"] - b["occupied"], "occupied": a["occupied"],
+             "slots": a["slots"], "row_bytes": a["row_bytes"]} for b, a in zip(before, after)]
 
 
 def _rank_numbers(delta: list[dict[str, int]], steps: int) -> dict[str, float]:
     fetched = sum(d["unique_misses"] - d["conflict_unique_misses"] for d in delta)
     nbytes = sum((d["unique_misses"] - d["conflict_unique_misses"]) * d["row_bytes"] for d in delta)
+    slots = sum(d["slots"] for d in delta)
     return {"rows_fetched_per_step": fetched / steps, "bytes_fetched_per_step": nbytes / steps,
+            "occupancy": sum(d["occupied"] for d in delta) / slots if slots else None,
+            "evicted_per_step": (fetched - sum(d["filled"] for d in delta)) / steps,
             "uvm_lookups_per_step": sum(d["conflict_misses"] for d in delta) / steps,
             "requested_per_step": sum(d["requested"] for d in delta) / steps,
             "unique_per_step": sum(d["unique"] for d in delta) / steps}

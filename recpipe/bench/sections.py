@@ -182,6 +182,10 @@ def _recommendation_md(rec: dict[str, Any]) -> list[str]:
         lines.append(f"- **For this config** (load factor {mine['cache_load_factor']}, Zipf {mine['zipf_alpha']}): "
                      f"nearest point {mine['nearest_point']}: **use {mine['pipeline']}** (prefetch / sparse_dist "
                      f"{mine['prefetch_over_sparse_dist']:.3f}, hit rate {_f(mine['hit_rate'], '.3f')}).")
+        if mine.get("occupancy") is not None and mine["occupancy"] < 0.99:
+            lines.append(f"- That point's cache was {mine['occupancy']:.0%} full after the timed steps: a long run "
+                         "fills it and keeps more rows, so its hit rate is higher; compare training's own hit rate "
+                         "(FBGEMM's uvm cache stats) with the hit rates above.")
     never, heavy = rec["targets"]["never_slower_by_2pct"], rec["targets"]["faster_by_10pct_where_misses_cost_15pct"]
     lines.append(f"- Target: prefetch never more than 2 % slower: {'**met**' if never['met'] else '**not met**'} "
                  f"(worst {never['worst']:.3f} at load factor, Zipf = {never['at']}).")

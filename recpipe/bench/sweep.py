@@ -271,7 +271,8 @@ def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> d
         out["for_this_config"] = {"cache_load_factor": lf, "zipf_alpha": alpha,
                                   "nearest_point": (near["cache_load_factor"], near["zipf_alpha"]),
                                   "pipeline": near["winner"], "prefetch_over_sparse_dist": near["prefetch_over_sparse_dist"],
-                                  "hit_rate": near["sparse_dist"].get("hit_rate")}
+                                  "hit_rate": near["sparse_dist"].get("hit_rate"),
+                                  "occupancy": near["sparse_dist"].get("occupancy")}
     worst = max(measured, key=lambda p: p["prefetch_over_sparse_dist"])
     heavy = [p for p in measured if (p.get("sparse_dist_miss_share") or 0) >= MISS_SHARE]
     out["targets"] = {

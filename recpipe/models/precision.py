@@ -82,7 +82,9 @@ class _Numerics:
             if torch.get_float32_matmul_precision() != want:
                 torch.set_float32_matmul_precision(want)
         if self.precision == "bf16":
-            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+            # No cast cache: each forward casts each weight once anyway (DLRM uses each once),
+            # and CUDA graph capture of autocast regions needs it off (make_graphed_callables).
+            return torch.autocast(self.device_type, dtype=torch.bfloat16, cache_enabled=False)
         return _NULL
 
     def _warn_once(self) -> None:

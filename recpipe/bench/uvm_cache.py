@@ -10,7 +10,10 @@ in the cache before the prefetch: the rows to fetch), unique misses that found n
 free slot (``conflict``: with cache-line locking every slot of a set can be taken)
 and requested ids still missing after the prefetch (read from host memory by the
 lookup itself). The bench reads them after the warm-up and after the timed steps
-(host syncs, outside the timed region), so per step:
+(host syncs, outside the timed region), so per step (cost: the counting itself, a few
+atomics in FBGEMM's cache kernels, on every row of a cached config, recpipe's and
+TorchRec's alike; and FBGEMM logs the counters with a host sync at its own steps 100,
+200, ..., 1000, 2000, ...: one step of a run, which P50 does not see):
 
 * ``hit_rate`` = 1 - unique misses / unique ids: the share of distinct rows a step
   asks for that are already in HBM;

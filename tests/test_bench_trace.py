@@ -95,6 +95,7 @@ def test_summary_of_a_gpu_trace():
     assert s["library_ms"] == {"KJTListAwaitable wait()": pytest.approx(0.004)}
     cache = s["cache"]
     assert cache["gpu_ms"] == pytest.approx(0.02) and cache["overlap_ms"] == pytest.approx(0.015)  # gemm + memcpy
+    assert cache["overlap_compute_ms"] == pytest.approx(0.010)  # the gemm only: not the memcpy
     assert cache["exposed_ms"] == pytest.approx(0.005) and cache["overlap_fraction"] == pytest.approx(0.75)
     assert cache["by_op_ms"] == {"fbgemm::lru_cache_populate": pytest.approx(0.02)}
     assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["streams"] == [9]

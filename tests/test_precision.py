@@ -187,7 +187,8 @@ def test_tf32_and_bf16_on_cuda():
     seen = []
     for precision in ("tf32", "fp32", "bf16", "tf32"):
         model = build_model(MODEL, device=device, precision=precision).to(device)
-        model.model.over_arch.register_forward_hook(lambda m, i, o: seen.append((torch.get_float32_matmul_precision(), o.dtype)))
+        model.model.over_arch.register_forward_hook(
+            lambda m, i, o: seen.append((torch.get_float32_matmul_precision(), o.dtype)))
         loss, _ = model(b)
         loss.backward()
         assert loss.dtype == torch.float32 and torch.isfinite(loss)

@@ -25,7 +25,14 @@ from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory,
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
-from recpipe.bench.uvm_cache import cache_metrics, counter_delta, prefetch_unavailable, read_counters, stats_fused_params, unavailable
+from recpipe.bench.uvm_cache import (
+    cache_metrics,
+    counter_delta,
+    prefetch_unavailable,
+    read_counters,
+    stats_fused_params,
+    unavailable,
+)
 from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model

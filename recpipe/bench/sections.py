@@ -343,12 +343,13 @@ def cache_md(rows: list[Any]) -> list[str]:
              "FBGEMM's cache counters over the timed steps (`recpipe/bench/uvm_cache.py`): hit rate = 1 - unique "
              "misses / unique ids; rows fetched = rows copied into the cache per step; UVM lookups = ids read from "
              "host memory (no free cache slot). Cache full: share of slots holding a row after the timed steps (a "
-             "cache that is not full evicts nothing: its size does not matter yet). Cache work = device time of FBGEMM's cache ops in the profiled "
-             "steps, overlapped with other device work or alone (exposed). H2D GB/s = bytes fetched / GPU time of "
-             "lru_cache_populate (all its kernels), or of its insert kernels (the copy). Per rank: the rank that "
-             "fetches most.", ""]
+             "cache that is not full evicts nothing: its size does not matter yet). Cache work = device time of "
+             "FBGEMM's cache ops in the profiled steps, overlapped with other device work (in brackets: with "
+             "compute kernels) or alone (exposed). H2D GB/s = bytes fetched / GPU time of lru_cache_populate (all "
+             "its kernels), or of its insert kernels (the copy). Per rank: the rank that fetches most.", ""]
     header = ("pipeline", "impl", "hit rate", "rows fetched/step", "MB fetched/step", "UVM lookups/step",
-              "cache full", "evicted/step", "cache work ms", "overlapped ms", "exposed ms", "H2D GB/s (populate)",
+              "cache full", "evicted/step", "cache work ms", "overlapped ms (with compute)", "exposed ms",
+              "H2D GB/s (populate)",
               "H2D GB/s (insert)", "note")
     body = []
     for r in cached:
@@ -359,7 +360,8 @@ def cache_md(rows: list[Any]) -> list[str]:
         body.append(_row_name(r) + [
             _f(c["hit_rate"], ".3f"), _f(c.get("rows_fetched_per_step"), ",.0f"),
             _f(c["bytes_fetched_per_step"] / 1e6, ",.2f"), _f(c.get("uvm_lookups_per_step"), ",.0f"),
-            _pct(c.get("occupancy")), _f(c.get("evicted_per_step"), ",.0f"), _f(c.get("gpu_ms"), ".3f"), _f(c.get("overlap_ms"), ".3f"), _f(c.get("exposed_ms"), ".3f"),
+            _pct(c.get("occupancy")), _f(c.get("evicted_per_step"), ",.0f"), _f(c.get("gpu_ms"), ".3f"),
+            f"{_f(c.get('overlap_ms'), '.3f')} ({_f(c.get('overlap_compute_ms'), '.3f')})", _f(c.get("exposed_ms"), ".3f"),
             _f(c.get("h2d_GB_per_s_populate"), ",.1f"), _f(c.get("h2d_GB_per_s_insert"), ",.1f"),
             "" if "gpu_ms" in c else "no cache work in the trace"])
     return lines + [grid(header, body, markdown=True), ""]

@@ -258,7 +258,9 @@ def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> d
         return {"reason": "no point has both pipelines measured"}
     for p in measured:
         p["winner"] = "prefetch" if p["prefetch_over_sparse_dist"] <= 1 - WIN_MARGIN else "sparse_dist"
-    hits = lambda ps: [p["sparse_dist"]["hit_rate"] for p in ps if p["sparse_dist"].get("hit_rate") is not None]  # noqa: E731
+    def hits(ps: list[dict[str, Any]]) -> list[float]:
+        return [p["sparse_dist"]["hit_rate"] for p in ps if p["sparse_dist"].get("hit_rate") is not None]
+
     wins = [p for p in measured if p["winner"] == "prefetch"]
     losses = [p for p in measured if p["winner"] == "sparse_dist"]
     out: dict[str, Any] = {"prefetch_wins": len(wins), "points": len(measured), "margin": WIN_MARGIN}
@@ -270,7 +272,8 @@ def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> d
         near = min(measured, key=lambda p: abs(math.log(p["cache_load_factor"] / lf)) + abs(p["zipf_alpha"] - alpha))
         out["for_this_config"] = {"cache_load_factor": lf, "zipf_alpha": alpha,
                                   "nearest_point": (near["cache_load_factor"], near["zipf_alpha"]),
-                                  "pipeline": near["winner"], "prefetch_over_sparse_dist": near["prefetch_over_sparse_dist"],
+                                  "pipeline": near["winner"],
+                                  "prefetch_over_sparse_dist": near["prefetch_over_sparse_dist"],
                                   "hit_rate": near["sparse_dist"].get("hit_rate"),
                                   "occupancy": near["sparse_dist"].get("occupancy")}
     worst = max(measured, key=lambda p: p["prefetch_over_sparse_dist"])

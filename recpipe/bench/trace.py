@@ -29,8 +29,9 @@ exported Chrome trace, per step:
   cache ops launched (CPU ops ``fbgemm::*cache*``: linearize, populate = find
   uncached + sort + insert, lookup, locking-counter updates), matched to their
   launch through the CUDA runtime call's correlation id and thread: its GPU time
-  per op, and how much of it overlaps other device work (``overlap_ms``) or runs
-  alone (``exposed_ms``).
+  per op, and how much of it overlaps other device work (``overlap_ms``; with compute
+  kernels alone, not copies or NCCL: ``overlap_compute_ms``) or runs alone
+  (``exposed_ms``).
 
 ``step / GPU busy`` (``x_busy`` on the row) is the headline ratio: 1.0 means the
 GPU never idles within a step.
@@ -104,6 +105,12 @@ class DeviceOp:
     stream: int
     correlation: int | None
     name: str
+    kind: str = "kernel"  # kernel | gpu_memcpy | gpu_memset
+
+    @property
+    def compute(self) -> bool:
+        """A kernel that computes (not a copy, a memset or an NCCL collective)."""
+        return self.kind == "kernel" and not self.name.startswith("nccl")
 
 
 @dataclass(frozen=True)
@@ -134,7 +141,7 @@ def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
         if cat in DEVICE_CATS:
             stream = args.get("stream", e.get("tid"))
             out.device_ops.append(DeviceOp(start, end, int(stream) if str(stream).isdigit() else -1,
-                                           args.get("correlation"), str(e.get("name", ""))))
+                                           args.get("correlation"), str(e.get("name", "")), cat))
         elif cat in LAUNCH_CATS and args.get("correlation") is not None:
             out.launches[int(args["correlation"])] = (e.get("tid"), start)
         elif cat in ("user_annotation", "cpu_op"):
@@ -224,6 +231,7 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     if not mine:
         return None
     others = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner]
+    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and op.compute]
     spans = [(op.start, op.end) for op in mine]
     by_op: dict[str, list[Interval]] = {}
     for op in mine:
@@ -233,6 +241,7 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     return {
         "gpu_ms": _per_step(gpu, steps),
         "overlap_ms": _per_step(overlap, steps),
+        "overlap_compute_ms": _per_step(intersection_length(spans, compute), steps),
         "exposed_ms": _per_step(gpu - overlap, steps),
         "overlap_fraction": overlap / gpu if gpu else None,
         "by_op_ms": {name: _per_step(union_length(iv), steps) for name, iv in sorted(by_op.items())},

@@ -130,6 +130,7 @@ def cache_metrics(deltas: list[list[dict[str, int]]], steps: int,
         if work:
             populate = work["by_op_ms"].get("fbgemm::lru_cache_populate")
             numbers.update(gpu_ms=work["gpu_ms"], overlap_ms=work["overlap_ms"], exposed_ms=work["exposed_ms"],
+                           overlap_compute_ms=work.get("overlap_compute_ms"),
                            overlap_fraction=work["overlap_fraction"], by_op_ms=work["by_op_ms"],
                            h2d_GB_per_s_populate=_bandwidth(numbers["bytes_fetched_per_step"], populate),
                            h2d_GB_per_s_insert=_bandwidth(numbers["bytes_fetched_per_step"],

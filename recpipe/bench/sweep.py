@@ -250,6 +250,10 @@ def _config_lf(cfg: RecpipeConfig) -> float | None:
     return max((_lf(cfg, t) for t in cached_tables(cfg)), default=None)
 
 
+def _hit_rates(points: list[dict[str, Any]]) -> list[float]:
+    return [p["sparse_dist"]["hit_rate"] for p in points if p["sparse_dist"].get("hit_rate") is not None]
+
+
 def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> dict[str, Any]:
     """Which pipeline to use, from the measured grid (see the module docstring); marks
     each measured point's ``winner``."""
@@ -258,9 +262,7 @@ def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> d
         return {"reason": "no point has both pipelines measured"}
     for p in measured:
         p["winner"] = "prefetch" if p["prefetch_over_sparse_dist"] <= 1 - WIN_MARGIN else "sparse_dist"
-    def hits(ps: list[dict[str, Any]]) -> list[float]:
-        return [p["sparse_dist"]["hit_rate"] for p in ps if p["sparse_dist"].get("hit_rate") is not None]
-
+    hits = _hit_rates
     wins = [p for p in measured if p["winner"] == "prefetch"]
     losses = [p for p in measured if p["winner"] == "sparse_dist"]
     out: dict[str, Any] = {"prefetch_wins": len(wins), "points": len(measured), "margin": WIN_MARGIN}

@@ -53,7 +53,8 @@ def _check_row(row) -> None:
     assert c["requested_per_step"] >= c["unique_per_step"] >= c["rows_fetched_per_step"]
     assert c["gpu_ms"] > 0 and 0.0 <= c["overlap_fraction"] <= 1.0
     assert c["exposed_ms"] == pytest.approx(c["gpu_ms"] - c["overlap_ms"])
-    assert "fbgemm::lru_cache_populate" in c["by_op_ms"]
+    assert "fbgemm::lru_cache_populate" in c["by_op_ms"], c["by_op_ms"]
+    assert c["h2d_GB_per_s_insert"] is not None, "no kernel named *insert* launched by FBGEMM's cache ops"
     assert 0 < c["h2d_GB_per_s_populate"] <= c["h2d_GB_per_s_insert"] < 5000
 
 

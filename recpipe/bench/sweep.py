@@ -111,6 +111,8 @@ def point_config(cfg: RecpipeConfig, name: str, lf: float, alpha: float) -> tupl
 def _empty_cache(model: torch.nn.Module) -> None:
     """Write dirty cache lines back to host memory and empty every UVM cache. Only
     with no batch in flight (after a drain: no line is locked)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # host sync: the drain's work on every stream is done before the flush
     for tbe in _cached_tbes(model, locked=False):
         tbe.flush()
         tbe.reset_cache_states()

@@ -135,7 +135,8 @@ def _check_cpu_trace(key: tuple[str, str], r: dict) -> None:
         assert t["phase_source"] == "recpipe" and set(phases) <= steps and "forward" in phases
     else:
         assert "opens none" in t["phases_reason"]
-    assert sum(phases.values()) + t["outside_phases_ms"] >= t["host_ms_p50"] * 0.5
+    # phases (rank 0's) + outside cover rank 0's calls: their mean, >= 3/5 of the median of 5 calls
+    assert sum(phases.values()) + t["outside_phases_ms"] >= t["per_rank"][0]["host_ms_p50"] * 0.6 * 0.999
 
 
 def _check_bound(bound: dict) -> None:

@@ -127,7 +127,8 @@ def test_profile_progress_on_cpu_reads_phases_from_a_real_trace(tmp_path):
     assert s["steps"] == 3 and len(s["host_ms_per_call"]) == 3 and s["gpu_busy_ms"] is None
     assert set(s["phases_ms"]) == {"forward", "backward"} and s["phase_source"] == "recpipe"
     assert all(v > 0 for v in s["phases_ms"].values())
-    assert sum(s["phases_ms"].values()) <= s["host_ms_p50"] * 3 * 1.001
+    # per step, phase time (nested in the calls, disjoint here) is at most the calls' mean
+    assert sum(s["phases_ms"].values()) <= sum(s["host_ms_per_call"]) / 3 * 1.001
     assert "aten::mm" in (tmp_path / "p.txt").read_text()
 
 

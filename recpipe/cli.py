@@ -56,11 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--multipass", default=None, metavar="P1,P2,...", help="sweep FBGEMM prefetch passes (UVM-caching configs)"
     )
+    bench.add_argument("--sweep-cache", default=None, metavar="LF1,LF2,...",
+                       help="prefetch vs sparse_dist at these cache load factors of the UVM-cached tables (CUDA)")
+    bench.add_argument("--sweep-zipf", default=None, metavar="A1,A2,...",
+                       help="... and at these Zipf alphas of the synthetic ids; with a recommendation of the pipeline")
     bench.add_argument("--baseline", default=None, metavar="BENCH_JSON", help="a bench.json from fewer GPUs: weak-scaling columns")
     bench.add_argument("--rounds", type=int, default=1,
                        help="repeat every run R times, interleaved; P50/P90 over all rounds, paired ratios per round")
     bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
-    bench.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last 5 warm-up steps -> OUT/profile.txt")
+    bench.add_argument("--trace-steps", type=int, default=5,
+                       help="profile N more steps after the timed ones: GPU busy time, step / GPU busy, host time by "
+                            "phase, cache work (0 = off)")
+    bench.add_argument("--profile", action="store_true", help="also write the traced steps' op tables -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
     return parser
 

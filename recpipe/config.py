@@ -301,6 +301,12 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32
+    # tensors, TF32 tensor-core matmuls on CUDA (no TF32 on CPU: fp32 there, with a warning).
+    # bf16: the dense forward/backward under torch.autocast(bfloat16) with float32 master
+    # weights and optimizer state, float32 loss, float32 embedding tables and lookups.
+    # `recpipe bench` gives TorchRec's pipelines the same model, so the same numerics.
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",

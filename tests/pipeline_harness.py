@@ -12,7 +12,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.config import RecpipeConfig, load_config
 from recpipe.data.batch import Batch
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import PIPELINES
 from recpipe.sharding import shard_model
 
@@ -76,7 +76,7 @@ def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def build(cfg: RecpipeConfig, device: torch.device):
     torch.manual_seed(cfg.train.seed)
-    return shard_model(build_model(cfg.model), cfg, device)
+    return shard_model(make_model(cfg), cfg, device)
 
 
 def train(

@@ -20,14 +20,15 @@ from recpipe.bench.multipass import (
     prefetch_memory_target,
     sweep_config,
 )
-from recpipe.bench.plots import MEMORY, MULTIPASS, STEP_TIME, write_plots
+from recpipe.bench.plots import CACHE_SWEEP, MEMORY, MULTIPASS, STEP_TIME, write_plots
 from recpipe.bench.report import Row, format_table
-from recpipe.bench.runner import DRAIN, config_for_pipeline
+from recpipe.bench.runner import DRAIN, TRACE_STEPS, config_for_pipeline
 from recpipe.bench.sections import bound_md, multipass_md
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
 from recpipe.pipelines import PIPELINES
+from recpipe.pipelines.schedule import all_schedules
 
 CONFIGS = Path(__file__).parent.parent / "configs" / "bench"
 SMOKE = str(CONFIGS / "smoke_cpu.yaml")
@@ -57,7 +58,7 @@ def _main_table(md: str) -> list[str]:
 def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     out = tmp_path / "bench"
     code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--with-torchrec", "--bound",
-                 "--multipass", "1,2", "--out", str(out)])
+                 "--multipass", "1,2", "--sweep-cache", "0.1,0.3", "--sweep-zipf", "0.8", "--out", str(out)])
     assert code == 0
     record = json.loads((out / "bench.json").read_text())
 
@@ -68,7 +69,8 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     assert record["versions"]["torch"] and record["versions"]["fbgemm_gpu"] != "unknown"
     assert record["gpu"]["name"] and record["world_size"] == 2
     bench = record["bench"]
-    assert (bench["steps"], bench["warmup"], bench["batches_per_rank"]) == (3, 1, 3 + 1 + DRAIN)
+    assert (bench["steps"], bench["warmup"], bench["batches_per_rank"]) == (3, 1, 3 + 1 + TRACE_STEPS + DRAIN)
+    assert bench["trace_steps"] == TRACE_STEPS
     assert bench["global_batch"] == 2 * load_config(SMOKE).data.batch_size
 
     rows = {(r["pipeline"], r["impl"]): r for r in record["rows"]}
@@ -82,6 +84,7 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
         assert r["samples_per_s_per_gpu"] == pytest.approx(r["samples_per_s"] / 2)
         assert r["x_bound"] == pytest.approx(r["step_ms"]["p50"] / record["bound"]["bound_ms"])
         assert r["memory"] == {}  # CPU: no allocator numbers
+        _check_cpu_trace(key, r)
     for impl in ("recpipe", "torchrec"):
         assert rows["prefetch", impl]["status"] == "skipped"
         assert "fused_uvm_caching" in rows["prefetch", impl]["reason"]
@@ -94,18 +97,46 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
 
     md = (out / "bench.md").read_text()
     for needle in ("torch ", "fbgemm-gpu ", "torchrec ", "CUDA ", "GPU:", "world size 2", "## Resolved config",
-                   "## Hardware bound", "**Bound: ", "## Multi-pass prefetch sweep", "## Weak scaling"):
+                   "## Stages timed alone", "**Stages alone: ", "## Multi-pass prefetch sweep", "## Weak scaling",
+                   "## GPU busy time and host time", "## Host time by phase", "n/a: CPU run"):
         assert needle in md
     assert len(_main_table(md)) == len(rows)
     _check_bound(record["bound"])
     # the sweep needs a UVM cache: skipped with the reason, in the JSON and in the report
     assert record["multipass"]["status"] == "skipped" and record["multipass"]["passes"] == [1, 2]
     assert "fused_uvm_caching" in record["multipass"]["reason"] and "fused_uvm_caching" in md
-    # plots: step time (with the bound), no memory plot on CPU, no sweep plot
+    # the cache sweep: no UVM cache on CPU (nor in this config), said so, nothing measured
+    grid = record["cache_sweep"]
+    assert (grid["status"], grid["cache_load_factors"], grid["zipf_alphas"]) == ("skipped", [0.1, 0.3], [0.8])
+    assert "needs CUDA" in grid["reason"] and "fused_uvm_caching" in grid["reason"] and "points" not in grid
+    assert "Not measured (load factors [0.1, 0.3], Zipf alphas [0.8]): needs a fused_uvm_caching" in md
+    # plots: step time (with the bound), no memory plot on CPU, no sweep plots
     assert record["plots"]["written"] == [STEP_TIME] and MEMORY in record["plots"]["reason"]
+    assert CACHE_SWEEP in record["plots"]["reason"] and not (out / CACHE_SWEEP).exists()
     assert (out / STEP_TIME).read_bytes().startswith(PNG_MAGIC)
     assert not (out / MEMORY).exists() and not (out / MULTIPASS).exists()
     _second_run_against_baseline(tmp_path, out / "bench.json", rows)
+
+
+def _check_cpu_trace(key: tuple[str, str], r: dict) -> None:
+    """The profiled steps on CPU: host times and phases, no GPU busy time (n/a, not 0)."""
+    t = r["trace"]
+    assert t["status"] == "ok", (key, t)
+    assert t["steps"] == TRACE_STEPS and t["gpu_busy_ms"] is None and r["gpu_busy_ms"] is None and r["x_busy"] is None
+    assert t["gpu_busy_reason"].startswith("n/a: CPU run")
+    assert 0 < t["host_ms_p50"] and 0 <= t["outside_phases_ms"] <= t["window_ms"] * 1.01
+    assert len(t["per_rank"]) == 2 and t["host_ms_p50"] == max(p["host_ms_p50"] for p in t["per_rank"])
+    assert r["cache"] == {}  # no UVM-cached table in the smoke config
+    phases = t["phases_ms"]
+    if key[1] == "torchrec":  # TorchRec's own ## forward ## ranges, batch index dropped
+        assert t["phase_source"] == "torchrec" and "forward" in phases and phases["forward"] > 0
+    elif phases:  # the engine's recpipe.<step> ranges, where the engine opens them
+        steps = {s.name for schedules in all_schedules().values() for sch in schedules for s in sch.steps}
+        assert t["phase_source"] == "recpipe" and set(phases) <= steps and "forward" in phases
+    else:
+        assert "opens none" in t["phases_reason"]
+    # phases (rank 0's) + outside cover rank 0's calls: their mean, >= 3/5 of the median of 5 calls
+    assert sum(phases.values()) + t["outside_phases_ms"] >= t["per_rank"][0]["host_ms_p50"] * 0.6 * 0.999
 
 
 def _check_bound(bound: dict) -> None:
@@ -147,7 +178,7 @@ def _second_run_against_baseline(tmp_path: Path, baseline: Path, first_rows: dic
     md = (out / "bench.md").read_text()
     assert "| efficiency |" in md and "baseline samples/s/GPU" in md
     header = next(line for line in md.splitlines() if line.startswith("| pipeline | impl | P50 ms"))
-    assert "samples/s/GPU" in header and "x bound" not in header  # no --bound: no column
+    assert "samples/s/GPU" in header and "x GPU busy" in header and "x stages alone" not in header  # no --bound
 
 
 def test_bad_bench_arguments_exit_2(capsys, tmp_path: Path):

@@ -78,6 +78,7 @@ def test_check_targets_reports_measured_values_and_misses():
         _row("semi_sync", "recpipe", [9.5], alloc=10.3, reserved=11.0, step_alloc=0.60),
     ]
     rows[2].x_bound = 1.10
+    rows[4].x_busy = 1.20  # semi_sync, recpipe's fastest (9.5 ms)
     checks = check_targets(rows, {"bound_resource": "compute"})
     by = {(c["target"], c["pipeline"]): c for c in checks}
     assert by[("vs_torchrec", "base")]["met"] and by[("vs_torchrec", "base")]["value"] == pytest.approx(10 / 10.5)
@@ -88,6 +89,9 @@ def test_check_targets_reports_measured_values_and_misses():
     assert by[("reserved_over_alloc", "semi_sync")]["met"] is False  # 11.0 / 10.3
     assert by[("semi_sync_extra_peak", "semi_sync")]["value"] == pytest.approx(0.03)
     assert by[("semi_sync_extra_peak", "semi_sync (step only)")]["value"] == pytest.approx(0.5)
+    fastest = by[("fastest_vs_torchrec", "semi_sync vs TorchRec sparse_dist")]
+    assert fastest["value"] == pytest.approx(9.5 / 9.8) and fastest["met"] is False  # 1.5 x needs <= 0.667
+    assert by[("x_gpu_busy", "semi_sync")]["value"] == 1.20 and by[("x_gpu_busy", "semi_sync")]["met"]
     md = "\n".join(targets_md(checks, rounds=1))
     assert "| P50 at or below TorchRec's | sparse_dist | 1.031 | 1.00 | **no** |" in md
     assert "+50.0%" in md and "checks met." in md
@@ -104,6 +108,9 @@ def test_two_rounds_end_to_end_on_cpu(tmp_path: Path):
     for row in record["rows"]:
         assert row["status"] == "ok", row
         assert row["steps"] == 6 and len(row["step_ms_per_step"]) == 6 and len(row["round_p50_ms"]) == 2
+        trace = row["trace"]  # the profiled steps of both rounds, averaged; CPU: no busy time in either
+        assert trace["status"] == "ok" and trace["rounds"] == 2 and trace["gpu_busy_ms_per_round"] == [None, None]
+        assert trace["host_ms_p50"] > 0 and all(v is not None for v in trace["phases_ms"].values())
     targets = {(c["target"], c["pipeline"]) for c in record["targets"]}
     assert {("vs_torchrec", "base"), ("vs_torchrec", "sparse_dist"), ("vs_base", "sparse_dist")} <= targets
     pair = next(c["paired"] for c in record["targets"] if c["target"] == "vs_torchrec")

@@ -43,5 +43,5 @@ def test_bench_summary_renders_the_published_numbers(tmp_path: Path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert rep.returncode == 0, rep.stderr[-2000:]
     text = out.read_text()
-    assert record["command"] in text and "### Targets" in text and "### Hardware bound" in text
-    assert f"**Bound: {record['bound']['bound_ms']:.3f} ms per step" in text
+    assert record["command"] in text and "### Targets" in text and "### Stages timed alone" in text
+    assert f"**Stages alone: {record['bound']['bound_ms']:.3f} ms per step" in text

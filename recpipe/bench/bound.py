@@ -54,9 +54,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
 from recpipe.bench.run import gather
+from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines.prefetch import _cached_tbes  # the one finder of lock-cached TBEs (torchrec hides them)
 from recpipe.pipelines.sharded import find_sharded_modules
 from recpipe.pipelines.steps import dense_params
@@ -277,7 +278,7 @@ def _chain(m: _Bench, host: Batch, split: bool) -> tuple[dict[str, float], dict[
 # ------------------------------------------------------------------ per rank
 def _build(cfg: RecpipeConfig, device: torch.device) -> _Bench:
     torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(build_model(cfg.model), cfg, device)
+    sharded = shard_model(make_model(cfg), cfg, device)
     model = sharded.model
     ddp = next((x for x in model.modules() if isinstance(x, DistributedDataParallel)), None)
     cached = _cached_tbes(model) if device.type == "cuda" else []
@@ -379,7 +380,7 @@ def _rate(per_rank: list[dict[str, Any]], stage: str, count: str, bytes_per: flo
 def _na(cfg: RecpipeConfig, stage: str, ran_prefetch: bool) -> str:
     if stage != "prefetch":
         return "not run"
-    cached = [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
+    cached = cached_tables(cfg)
     if not cached:
         return "n/a: no fused_uvm_caching table"
     if not cfg.sharding.prefetch_pipeline:

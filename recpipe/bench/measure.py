@@ -26,13 +26,14 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import torch
 
 T = TypeVar("T")
 
-__all__ = ["MemorySnapshot", "StepClock", "percentile", "summarize_ms", "free_device_memory", "time_stage"]
+__all__ = ["MemorySnapshot", "StepClock", "mean_leaves", "percentile", "summarize_ms", "free_device_memory",
+           "time_stage"]
 
 _GIB = 2**30
 
@@ -55,6 +56,21 @@ def summarize_ms(values: list[float]) -> dict[str, float]:
         "min": min(values) if values else math.nan,
         "max": max(values) if values else math.nan,
     }
+
+
+def mean_leaves(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key by key over dicts of the same shape (one per round): the mean of numbers
+    (None if any round has None), recursively for dicts, else the first round's."""
+    out: dict[str, Any] = {}
+    for key, first in dicts[0].items():
+        values = [d.get(key) for d in dicts]
+        if isinstance(first, bool) or not all(isinstance(v, (int, float, dict)) for v in values):
+            out[key] = None if any(v is None for v in values) and isinstance(first, (int, float)) else first
+        elif all(isinstance(v, dict) for v in values):
+            out[key] = mean_leaves(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
 
 
 class StepClock:

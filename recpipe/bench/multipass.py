@@ -38,6 +38,7 @@ from recpipe.bench.bound import measure_prefetch_memory
 from recpipe.bench.measure import StepClock, summarize_ms
 from recpipe.bench.report import Row
 from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local
+from recpipe.bench.uvm_cache import prefetch_unavailable
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.pipelines import PrefetchPipeline
@@ -97,10 +98,8 @@ class _PrefetchProbe:
 
 def sweep_skip_reason(cfg: RecpipeConfig, device: torch.device) -> str:
     """Why the sweep cannot run on this config and machine ('' if it can)."""
-    cached = [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
-    if not cached or not cfg.sharding.prefetch_pipeline:
-        return ("needs fused_uvm_caching tables and sharding.prefetch_pipeline=true "
-                f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})")
+    if prefetch_unavailable(cfg):
+        return prefetch_unavailable(cfg)
     if device.type != "cuda":
         return "the UVM cache needs CUDA (device is cpu)"
     return ""

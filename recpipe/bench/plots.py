@@ -1,16 +1,23 @@
 """PNG plots of a bench record (matplotlib, Agg backend; rank 0 only).
 
-At most three files, because a GPU machine returns few files per run:
+At most three files per run, unless it also sweeps the cache (a GPU machine returns few files per run):
 
 * ``bench_step_time.png``: P50 step time per pipeline, recpipe beside TorchRec, with
-  a whisker up to P90, each round's P50 as a dot (``--rounds``), and the hardware
-  bound as a horizontal line when measured;
+  a whisker up to P90, each round's P50 as a dot (``--rounds``), the GPU busy time
+  per step as a black line across each bar (the lower bound, from the profiled
+  steps), the host time per call as a triangle, and the sum of the stages timed
+  alone (``--bound``) as a dashed line;
 * ``bench_memory.png``: peak allocated vs reserved per pipeline and implementation
   (not on CPU, where the allocator has no numbers);
 * ``multipass.png``: the multi-pass sweep vs passes: the prefetch's own peak memory
   measured alone (allocated; the prefetch stream's reserved) beside the planner's
   prediction, measured step memory beside the planner's per-step terms, and the
   prefetch (in the pipeline and alone) and step times.
+
+* ``cache_sweep.png`` (``--sweep-cache`` / ``--sweep-zipf``): step time of prefetch
+  (solid) and sparse_dist (dashed) against Zipf alpha, one colour per cache load
+  factor, each point labelled with its hit rate; and prefetch / sparse_dist against
+  the hit rate (below 1: prefetch pays).
 
 Plotting never fails the bench: errors (matplotlib missing, ...) become the reason
 recorded in the ``plots`` section.
@@ -21,9 +28,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MEMORY", "MULTIPASS", "STEP_TIME", "write_plots"]
+__all__ = ["CACHE_SWEEP", "MEMORY", "MULTIPASS", "STEP_TIME", "write_plots"]
 
-STEP_TIME, MEMORY, MULTIPASS = "bench_step_time.png", "bench_memory.png", "multipass.png"
+STEP_TIME, MEMORY, MULTIPASS, CACHE_SWEEP = "bench_step_time.png", "bench_memory.png", "multipass.png", "cache_sweep.png"
 _COLORS = {"recpipe": "tab:blue", "torchrec": "tab:orange"}
 
 
@@ -45,14 +52,22 @@ def _step_time(plt: Any, path: Path, rows: list[Any], bound: dict[str, Any] | No
             ax.bar(pos, p50, width, color=_COLORS[impl], yerr=[[0.0], [p90 - p50]], capsize=3,
                    label=None if impl in labeled else impl)
             labeled.add(impl)
+            if row.gpu_busy_ms:  # the lower bound: the step cannot be shorter than its GPU busy time
+                ax.hlines(row.gpu_busy_ms, pos - width / 2, pos + width / 2, colors="black", linewidth=2.5,
+                          label=None if "busy" in labeled else "GPU busy per step (profiled)")
+                labeled.add("busy")
+            if row.host_ms.get("p50"):
+                ax.scatter([pos], [row.host_ms["p50"]], marker="v", s=25, color="dimgray", zorder=3,
+                           label=None if "host" in labeled else "host ms per progress() call")
+                labeled.add("host")
             rounds = getattr(row, "round_p50_ms", None) or []
             if len(rounds) > 1:  # each round's own P50 (``--rounds``): the spread behind the bar
                 ax.scatter([pos] * len(rounds), rounds, s=12, color="black", zorder=3,
                            label=None if "rounds" in labeled else "P50 of each round")
                 labeled.add("rounds")
     if bound and bound.get("status") == "ok":
-        ax.axhline(bound["bound_ms"], color="black", linestyle="--",
-                   label=f"hardware bound {bound['bound_ms']:.2f} ms ({bound['bound_resource']})")
+        ax.axhline(bound["bound_ms"], color="gray", linestyle="--",
+                   label=f"stages alone (--bound) {bound['bound_ms']:.2f} ms: an estimate, not a bound")
     ax.set_xticks(range(len(pipelines)), pipelines)
     ax.set_ylabel("step time, ms (bar P50, whisker P90)")
     ax.set_title("recpipe bench: step time per pipeline")
@@ -145,6 +160,39 @@ def _multipass(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     return path.name
 
 
+def _cache_sweep(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
+    fig, (time_ax, ratio_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, lf in enumerate(sweep["cache_load_factors"]):
+        color = colors[k % len(colors)]
+        points = [p for p in sweep["points"] if p["cache_load_factor"] == lf]
+        for name, style in (("prefetch", "-"), ("sparse_dist", "--")):
+            xy = [(p["zipf_alpha"], p[name]["step_ms"]["p50"], p[name].get("hit_rate")) for p in points
+                  if p[name]["status"] == "ok"]
+            if not xy:
+                continue
+            time_ax.plot([x for x, _, _ in xy], [y for _, y, _ in xy], linestyle=style, marker="o", color=color,
+                         label=f"{name}, load factor {lf}")
+            for x, y, hit in xy if name == "sparse_dist" else []:
+                if hit is not None:
+                    time_ax.annotate(f"{hit:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), fontsize=7,
+                                     ha="center", color=color)
+        ratio = [(p["sparse_dist"].get("hit_rate"), p["prefetch_over_sparse_dist"]) for p in points
+                 if p.get("prefetch_over_sparse_dist") is not None and p["sparse_dist"].get("hit_rate") is not None]
+        if ratio:
+            ratio_ax.scatter(*zip(*ratio), color=color, label=f"load factor {lf}")
+    time_ax.set(xlabel="Zipf alpha of the ids", ylabel="step time P50, ms",
+                title="prefetch (solid) vs sparse_dist (dashed); labels: hit rate")
+    ratio_ax.axhline(1.0, color="gray", linestyle="--")
+    ratio_ax.set(xlabel="cache hit rate (sparse_dist, unique ids)", ylabel="prefetch P50 / sparse_dist P50",
+                 title="below 1: prefetch pays")
+    for ax in (time_ax, ratio_ax):
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path.name
+
+
 def write_plots(out_dir: str | Path, rows: list[Any], sections: dict[str, Any]) -> dict[str, Any]:
     """Write the plots that have data; returns ``{"written": [...], "reason": ...}``."""
     try:
@@ -170,6 +218,11 @@ def write_plots(out_dir: str | Path, rows: list[Any], sections: dict[str, Any]) 
             written.append(_multipass(plt, out / MULTIPASS, sweep))
         elif sweep:
             skipped.append(f"{MULTIPASS}: no sweep point was measured")
+        grid = sections.get("cache_sweep")
+        if grid and grid.get("status") == "ok" and any("prefetch_over_sparse_dist" in p for p in grid["points"]):
+            written.append(_cache_sweep(plt, out / CACHE_SWEEP, grid))
+        elif grid:
+            skipped.append(f"{CACHE_SWEEP}: " + (grid.get("reason") or "no point measured both pipelines"))
     except Exception as err:  # noqa: BLE001 - plots must not lose the measurements
         skipped.append(f"plotting failed: {type(err).__name__}: {err}")
     finally:

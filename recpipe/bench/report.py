@@ -54,7 +54,13 @@ class Row:
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
-    x_bound: float | None = None  # P50 / hardware bound (``--bound``); 1.0 = perfect overlap
+    x_bound: float | None = None  # P50 / stages-alone estimate (``--bound``); not a bound (it can exceed P50)
+    # From the profiled steps (trace.py): GPU busy time per step (union of device intervals over all
+    # streams, the slowest rank's) and P50 as a multiple of it, the headline ratio (1.0 = GPU never idle).
+    gpu_busy_ms: float | None = None
+    x_busy: float | None = None
+    trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
+    cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (uvm_cache.py), or {"reason": ...}
     weak_scaling: dict[str, Any] = field(default_factory=dict)  # baseline comparison / prediction
 
     def to_dict(self) -> dict[str, Any]:
@@ -112,9 +118,10 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
 
 
 # ------------------------------------------------------------------ table
-_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "samples/s", "samples/s/GPU", "x bound", "peak alloc GiB",
-            "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
-_X_BOUND = _COLUMNS.index("x bound")
+_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "host ms/call", "samples/s",
+            "samples/s/GPU", "x stages alone", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB",
+            "note")
+_X_BOUND = _COLUMNS.index("x stages alone")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -131,6 +138,9 @@ def _cells(row: Row) -> list[str]:
         row.impl,
         _num(row.step_ms.get("p50"), ".2f"),
         _num(row.step_ms.get("p90"), ".2f"),
+        _num(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-"),
+        _num(row.x_busy, ".2f"),
+        _num(row.host_ms.get("p50"), ".2f"),
         _num(row.samples_per_s, ",.0f"),
         _num(row.samples_per_s_per_gpu, ",.0f"),
         _num(row.x_bound, ".2f"),
@@ -157,7 +167,7 @@ def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: b
 
 
 def format_table(rows: list[Row], markdown: bool = False) -> str:
-    """The main table; the "x bound" column only when the bound was measured."""
+    """The main table; the "x stages alone" column only when ``--bound`` measured them."""
     keep = [i for i in range(len(_COLUMNS)) if i != _X_BOUND or any(r.x_bound is not None for r in rows)]
     body = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
     return grid([_COLUMNS[i] for i in keep], body, markdown)
@@ -205,13 +215,17 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"- command: `{header['command']}`",
         f"- steps: {bench['steps']} timed after {bench['warmup']} warm-up (+{bench['drain']} untimed to drain); "
         f"global batch {bench['global_batch']}; timing: {bench['timing']}",
+        f"- precision: {cfg.train.precision} (train.precision; the same model for recpipe's and TorchRec's pipelines)",
         f"- host batches: {bench['batches_per_rank']} per rank, generated in {bench['batch_generation_s']:.2f} s "
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",
-        "P50/P90: percentiles over timed steps of the slowest rank's step time; samples/s = global batch / P50;",
-        "samples/s/GPU = samples/s / world size; x bound = P50 / hardware bound (`--bound`, below);",
-        "peak alloc/reserved: whole run incl. model (max over ranks); step +GiB: step-only peak above the",
-        "post-build allocation.",
+        "P50/P90: percentiles over timed steps of the slowest rank's step time; GPU busy: the union of kernel,",
+        "memcpy and memset intervals over all streams per step, from a torch.profiler trace of the steps after",
+        "the timed ones (slowest rank; n/a on CPU); **x GPU busy = P50 / GPU busy**: 1.00 = the GPU never idles,",
+        "the step cannot go below it; host ms/call: host time inside progress() (P50, no profiler);",
+        "samples/s = global batch / P50; samples/s/GPU = samples/s / world size; x stages alone = P50 / the sum of",
+        "stages timed alone (`--bound`, below: an estimate, not a bound); peak alloc/reserved: whole run incl.",
+        "model (max over ranks); step +GiB: step-only peak above the post-build allocation.",
         "",
         format_table(rows, markdown=True),
         "",

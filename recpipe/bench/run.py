@@ -2,9 +2,11 @@
 
 ``run_local`` is what every row of ``recpipe bench`` and every point of the multi-pass
 sweep runs: free what the previous run left, build a fresh sharded model from
-``train.seed``, build the pipeline (recpipe's, TorchRec's, or a ``RunProbe``'s), feed
-it fresh copies of the same host batches (warm-up, timed steps, drain), and return a
-plain dict that ``combine`` turns into a ``Row`` once every rank's dict is gathered.
+``train.seed`` (with FBGEMM's cache counters where tables are UVM-cached:
+``uvm_cache``), build the pipeline (recpipe's, TorchRec's, or a ``RunProbe``'s), feed
+it fresh copies of the same host batches (warm-up, timed steps, profiled steps:
+``trace``, drain), and return a plain dict that ``combine`` turns into a ``Row``
+once every rank's dict is gathered.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import copy
 import dataclasses
 import time
 import traceback
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
@@ -23,19 +24,26 @@ from tqdm import tqdm
 from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, summarize_ms
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, pipelined_module_count
+from recpipe.bench.trace import combine_ranks, profile_progress
+from recpipe.bench.uvm_cache import (
+    cache_metrics,
+    counter_delta,
+    prefetch_unavailable,
+    read_counters,
+    stats_fused_params,
+    unavailable,
+)
 from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
-from recpipe.models import build_model
+from recpipe.models import make_model
 from recpipe.pipelines import PipelineError, make_pipeline
 from recpipe.sharding import shard_model
 
 if TYPE_CHECKING:
     from recpipe.bench.runner import BenchOptions
 
-__all__ = ["RunProbe", "combine", "config_for_pipeline", "fresh_batches", "gather", "run_local"]
-
-PROFILED_STEPS = 5
-
+__all__ = ["RunProbe", "build_run", "combine", "config_for_pipeline", "fresh_batches", "gather", "run_local",
+           "timed_steps", "traced_steps", "untimed_steps"]
 
 class RunProbe(Protocol):
     """Builds the recpipe pipeline of a run instead of ``make_pipeline`` (e.g. a
@@ -63,12 +71,8 @@ def config_for_pipeline(cfg: RecpipeConfig, name: str) -> tuple[RecpipeConfig | 
     """(config to run ``name`` with, its overrides versus ``cfg``, skip reason or '')."""
     raw = cfg.model_dump(mode="json")
     overrides: dict[str, Any] = {}
-    cached = [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
-    if name == "prefetch" and not (cached and cfg.sharding.prefetch_pipeline):
-        return None, overrides, (
-            "needs a fused_uvm_caching table and sharding.prefetch_pipeline=true "
-            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})"
-        )
+    if name == "prefetch" and prefetch_unavailable(cfg):
+        return None, overrides, prefetch_unavailable(cfg)
     if name != cfg.pipeline.name:
         common = {k: v for k, v in raw["pipeline"].items() if k in BasePipelineConfig.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}
@@ -84,27 +88,7 @@ def config_for_pipeline(cfg: RecpipeConfig, name: str) -> tuple[RecpipeConfig | 
         return None, overrides, str(err).replace("\n", " ")
 
 
-def profile_steps(pipe: Any, it: Iterator[Batch], n: int, device: torch.device, path: str, title: str) -> int:
-    """Run ``n`` steps under torch.profiler; rank 0 appends the op table (by self
-    CPU time: host overhead is what separates pipelines at equal GPU work) to ``path``."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        for _ in range(n):
-            pipe.progress(it)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    if dist.get_rank() == 0:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        gpu = prof.key_averages().table(sort_by="self_device_time_total", row_limit=15) if device.type == "cuda" else ""
-        with open(path, "a") as f:
-            f.write(f"\n===== {title}: {n} steps =====\n{table}\n{gpu}\n")
-    return n
-
-
-def _untimed(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> int:
+def untimed_steps(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> int:
     """``n`` untimed steps (None: until StopIteration, the drain); returns how many ran."""
     done = 0
     while n is None or done < n:
@@ -119,57 +103,86 @@ def _untimed(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) ->
     return done
 
 
+def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, probe: RunProbe | None,
+           out: dict[str, Any]) -> tuple[Any, Any]:
+    """(sharded model, pipeline) on a fresh model from ``train.seed``; (model, None)
+    with ``out`` marked skipped when the recpipe pipeline refuses the config."""
+    torch.manual_seed(cfg.train.seed)
+    sharded = shard_model(make_model(cfg), cfg, device, extra_fused_params=stats_fused_params(cfg))
+    if impl == "recpipe":
+        try:
+            build = probe.build if probe is not None else make_pipeline
+            pipe = build(cfg, sharded.model, sharded.optimizer, device)
+        except PipelineError as err:
+            out.update(status="skipped", reason=str(err))
+            return sharded, None
+        out["options"] = cfg.pipeline.model_dump(exclude={"name"})
+    else:
+        pipe, out["options"], out["notes"] = build_torchrec_pipeline(cfg, sharded.model, sharded.optimizer, device)
+    out["cls"] = f"{type(pipe).__module__}.{type(pipe).__name__}"
+    return sharded, pipe
+
+
+def timed_steps(pipe: Any, it: Iterator[Batch], steps: int, device: torch.device, bar: tqdm, out: dict[str, Any]) -> None:
+    clock = StepClock(device)
+    wall = time.perf_counter()  # after the warm-up's synchronize (phase_done)
+    for _ in range(steps):
+        clock.start()
+        pipe.progress(it)
+        clock.stop()
+        bar.update(1)
+    out["times_ms"] = clock.times_ms()  # synchronizes
+    out["host_ms"] = clock.host_ms()
+    out["wall_s"] = time.perf_counter() - wall
+
+
+def traced_steps(pipe: Any, it: Iterator[Batch], opts: "BenchOptions", device: torch.device, title: str) -> dict[str, Any]:
+    """``trace.profile_progress`` of ``opts.trace_steps`` calls; a failure of the
+    profiler or of reading its trace is the trace's reason, not the run's."""
+    tables = (opts.profile, title) if opts.profile else None
+    try:
+        return {"status": "ok", **profile_progress(pipe, it, opts.trace_steps, device, tables)}
+    except Exception as err:  # noqa: BLE001 - a broken pipeline fails again in the drain
+        return {"status": "failed", "reason": f"{type(err).__name__}: {str(err).strip()[:300]}"}
+
+
 def run_local(
     cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: "BenchOptions", device: torch.device, bar: tqdm,
     probe: RunProbe | None = None,
 ) -> dict[str, Any]:
-    """This rank's run; never raises (the error goes into the result)."""
+    """This rank's run: warm-up, timed steps (cache counters read around them),
+    traced steps, drain. Never raises (the error goes into the result)."""
     out: dict[str, Any] = {"status": "ok", "reason": "", "notes": [], "options": {}, "cls": ""}
-    calls = 0
     pipe = sharded = None
+    bar_end = bar.n + len(batches)  # every batch of the run ticks the bar once, whatever happens
     free_device_memory(device)
     memory = MemorySnapshot.begin(device)
     try:
         built = time.perf_counter()
-        torch.manual_seed(cfg.train.seed)
-        sharded = shard_model(build_model(cfg.model), cfg, device)
-        if impl == "recpipe":
-            try:
-                build = probe.build if probe is not None else make_pipeline
-                pipe = build(cfg, sharded.model, sharded.optimizer, device)
-            except PipelineError as err:
-                out.update(status="skipped", reason=str(err))
-                return out
-            out["options"] = cfg.pipeline.model_dump(exclude={"name"})
-        else:
-            pipe, out["options"], out["notes"] = build_torchrec_pipeline(cfg, sharded.model, sharded.optimizer, device)
-        out["cls"] = f"{type(pipe).__module__}.{type(pipe).__name__}"
+        sharded, pipe = build_run(cfg, impl, device, probe, out)
+        if pipe is None:
+            return out
         memory.built()
         out["build_s"] = time.perf_counter() - built
         it = fresh_batches(batches)
-        profiled = PROFILED_STEPS if opts.profile and opts.warmup > PROFILED_STEPS else 0
-        calls += _untimed(pipe, it, bar, opts.warmup - profiled)
-        if profiled:
-            calls += profile_steps(pipe, it, profiled, device, opts.profile, f"{cfg.pipeline.name}/{impl}")
-            bar.update(profiled)
+        untimed_steps(pipe, it, bar, opts.warmup)
         memory.phase_done("warmup")
         if impl == "torchrec":
             out["pipelined"] = pipelined_module_count(pipe)
-        clock = StepClock(device)
-        wall = time.perf_counter()  # after the warm-up's synchronize (phase_done)
-        for _ in range(opts.steps):
-            clock.start()
-            pipe.progress(it)
-            clock.stop()
-            calls += 1
-            bar.update(1)
-        out["times_ms"] = clock.times_ms()  # synchronizes
-        out["host_ms"] = clock.host_ms()
-        out["wall_s"] = time.perf_counter() - wall
+        why = unavailable(cfg, device)
+        counters = read_counters(sharded.model) if not why else None
+        if why and cfg.pipeline.name == "prefetch":
+            out["cache_reason"] = why
+        timed_steps(pipe, it, opts.steps, device, bar, out)
+        if counters is not None:
+            out["cache_counters"] = counter_delta(counters, read_counters(sharded.model))
         memory.phase_done("timed")
         if probe is not None:
             out["probe"] = probe.collect(pipe)
-        calls += _untimed(pipe, it, bar)
+        if opts.trace_steps:
+            out["trace"] = traced_steps(pipe, it, opts, device, f"{cfg.pipeline.name}/{impl}")
+            bar.update(opts.trace_steps)
+        untimed_steps(pipe, it, bar)
     except Exception as err:  # noqa: BLE001 - recorded on the row; recpipe failures also fail the exit code
         first = (str(err).strip().splitlines() or [""])[0]
         out.update(status="failed", reason=f"{type(err).__name__}: {first[:300]}")
@@ -177,7 +190,7 @@ def run_local(
             traceback.print_exc()
     finally:
         out["memory"] = memory.as_gib()
-        bar.update(max(len(batches) - calls, 0))
+        bar.update(max(bar_end - bar.n, 0))
         del pipe, sharded
         free_device_memory(device)
     return out
@@ -213,6 +226,15 @@ def combine(row: Row, per_rank: list[dict[str, Any]], global_batch: int, steps: 
     if mems[0]:
         row.memory = {k: max(m[k] for m in mems) if mems[0][k] is not None else None for k in mems[0]}
         row.memory["per_rank"] = mems
+    if "trace" in first:
+        row.trace = combine_ranks([r.get("trace") for r in per_rank])
+        row.gpu_busy_ms = row.trace.get("gpu_busy_ms")
+        row.x_busy = row.step_ms["p50"] / row.gpu_busy_ms if row.gpu_busy_ms else None
+    if "cache_counters" in first:
+        row.cache = cache_metrics([r["cache_counters"] for r in per_rank], steps,
+                                  [(r.get("trace") or {}).get("cache") for r in per_rank])
+    elif first.get("cache_reason"):
+        row.cache = {"reason": first["cache_reason"]}
     if "pipelined" in first:
         row.torchrec_pipelined_modules = first["pipelined"]
         if first["pipelined"] == 0:

@@ -1,6 +1,6 @@
 """``recpipe bench``: time every pipeline on the same batches, recpipe's and TorchRec's.
 
-Per rank, once: make ``warmup + steps + DRAIN`` host batches with ``make_dataloader``
+Per rank, once: make ``warmup + steps + trace_steps + DRAIN`` host batches with ``make_dataloader``
 (pinned on CUDA). Then for each (pipeline, implementation), one after the other in
 the same process group:
 
@@ -9,9 +9,11 @@ the same process group:
 2. build a fresh sharded model from ``train.seed`` and its optimizer, then the
    pipeline (recpipe's class, or TorchRec's counterpart: see ``torchrec_impl``);
 3. feed it a fresh iterator over (shallow copies of) the same host batches: ``warmup``
-   untimed steps, ``steps`` timed steps (``measure.StepClock``), then untimed steps
-   until StopIteration. The ``DRAIN`` extra batches keep every timed step in steady
-   state (TorchRec's SemiSync fetches three batches ahead);
+   untimed steps, ``steps`` timed steps (``measure.StepClock``; UVM-cache counters read
+   around them, ``uvm_cache``), ``trace_steps`` steps under torch.profiler (GPU busy
+   time, host time by phase, cache work: ``trace``), then untimed steps until
+   StopIteration. The ``DRAIN`` extra batches keep every timed and traced step in
+   steady state (TorchRec's SemiSync fetches three batches ahead);
 4. gather every rank's numbers: a step's time is the slowest rank's.
 
 Which config each pipeline runs: the given config with ``pipeline.name`` set to that
@@ -26,12 +28,14 @@ FusedSparseDist, SemiSync and Prefetch pipelines do not run on CPU). An exceptio
 that only some ranks hit leaves the others in a collective until its timeout.
 
 After the runs, optional sections, each collective and on fresh models:
-``--bound`` (``bound``: every stage alone, the hardware bound, each row's P50 as a
-multiple of it), ``--multipass`` (``multipass``: the prefetch pipeline at several
-``sharding.prefetch_passes``). Always: samples/s per GPU on every row and the
-planner's weak-scaling prediction; ``--baseline`` adds efficiency versus an earlier
-``bench.json`` (``weak_scaling``). Then rank 0 writes ``bench.json``, ``bench.md``
-and, unless ``--no-plots``, up to three PNGs (``plots``).
+``--bound`` (``bound``: every stage timed alone, summed per resource: an estimate,
+each row's P50 as a multiple of it), ``--multipass`` (``multipass``: the prefetch
+pipeline at several ``sharding.prefetch_passes``), ``--sweep-cache`` / ``--sweep-zipf``
+(``sweep``: prefetch vs sparse_dist over cache load factor and Zipf alpha, and which
+to use). Always: samples/s per GPU on every row and the planner's weak-scaling
+prediction; ``--baseline`` adds efficiency versus an earlier ``bench.json``
+(``weak_scaling``). Then rank 0 writes ``bench.json``, ``bench.md`` and, unless
+``--no-plots``, the PNGs (``plots``).
 
 Exit codes: 0, 1 when a rank died or a recpipe pipeline failed, 2 for bad arguments.
 """
@@ -64,7 +68,8 @@ from recpipe.bench.multipass import describe_point, run_multipass
 from recpipe.bench.plots import write_plots
 from recpipe.bench.report import Row, environment, format_table, write_outputs
 from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local
-from recpipe.bench.sections import render_sections
+from recpipe.bench.sections import render_sections, rows_md
+from recpipe.bench.sweep import parse_grid, run_sweep
 from recpipe.bench.weak_scaling import load_baseline, weak_scaling
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.data import Batch, make_dataloader, num_batches
@@ -73,7 +78,8 @@ from recpipe.pipelines import PIPELINES
 
 __all__ = ["BenchOptions", "DRAIN", "config_for_pipeline", "main_bench", "run_worker"]
 
-DRAIN = 3  # untimed batches after the timed ones
+DRAIN = 3  # untimed batches after the timed (and traced) ones
+TRACE_STEPS = 5  # default --trace-steps
 IMPLS = ("recpipe", "torchrec")
 EXIT_FAILED = 1
 
@@ -86,16 +92,23 @@ class BenchOptions:
     warmup: int
     out: str
     command: str = ""  # the bench invocation, for the record
-    profile: str | None = None  # file for torch.profiler op tables of the last warm-up steps
+    profile: str | None = None  # file for torch.profiler op tables of the traced steps
     bound: bool = False  # time every stage alone: the hardware bound
     multipass: tuple[int, ...] = ()  # sharding.prefetch_passes values to sweep
     baseline: str | None = None  # an earlier bench.json: weak-scaling efficiency
     plots: bool = True
     rounds: int = 1  # every run repeated, interleaved (compare.round_order)
+    trace_steps: int = TRACE_STEPS  # profiled steps after the timed ones (trace.py); 0 = none
+    sweep_cache: tuple[float, ...] = ()  # cache load factors of the prefetch sweep (sweep.py)
+    sweep_zipf: tuple[float, ...] = ()  # Zipf alphas of the prefetch sweep
+
+    @property
+    def sweep(self) -> bool:
+        return bool(self.sweep_cache or self.sweep_zipf)
 
     @property
     def batches_per_run(self) -> int:
-        return self.warmup + self.steps + DRAIN
+        return self.warmup + self.steps + self.trace_steps + DRAIN
 
 
 # ----------------------------------------------------------------- CLI entry
@@ -112,6 +125,13 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
     rounds = int(getattr(args, "rounds", 1))
     if rounds < 1:
         raise ConfigError(f"--rounds={rounds} must be >= 1")
+    trace_steps = int(getattr(args, "trace_steps", TRACE_STEPS))
+    if trace_steps < 0:
+        raise ConfigError(f"--trace-steps={trace_steps} must be >= 0")
+    if getattr(args, "profile", False) and not trace_steps:
+        raise ConfigError("--profile writes the op tables of the traced steps: it needs --trace-steps >= 1")
+    sweep_cache = parse_grid(getattr(args, "sweep_cache", None), "--sweep-cache", 0.0, 1.0, low_open=True)
+    sweep_zipf = parse_grid(getattr(args, "sweep_zipf", None), "--sweep-zipf", 0.0, 10.0, low_open=False)
     out = args.out or cfg.logging.run_dir
     bound, plots = bool(getattr(args, "bound", False)), bool(getattr(args, "plots", True))
     passes = _passes(getattr(args, "multipass", None))
@@ -121,20 +141,24 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
     flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--bound", bound),
                                    (f"--multipass {','.join(map(str, passes))}", passes),
                                    (f"--baseline {baseline}", baseline), ("--no-plots", not plots),
-                                   (f"--rounds {rounds}", rounds > 1)) if on]
+                                   (f"--rounds {rounds}", rounds > 1),
+                                   (f"--trace-steps {trace_steps}", trace_steps != TRACE_STEPS),
+                                   (f"--sweep-cache {','.join(map(str, sweep_cache))}", sweep_cache),
+                                   (f"--sweep-zipf {','.join(map(str, sweep_zipf))}", sweep_zipf)) if on]
     command = " ".join(
         ["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
          f"--pipelines {','.join(names)}", *flags, f"--steps {args.steps} --warmup {args.warmup} --out {out}"]
     )
     profile = str(Path(out) / "profile.txt") if getattr(args, "profile", False) else None
     opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command, profile,
-                        bound=bound, multipass=passes, baseline=baseline, plots=plots, rounds=rounds)
+                        bound=bound, multipass=passes, baseline=baseline, plots=plots, rounds=rounds,
+                        trace_steps=trace_steps, sweep_cache=sweep_cache, sweep_zipf=sweep_zipf)
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
     short = [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]
     if short:
         raise ConfigError(
-            f"the bench needs warmup + steps + {DRAIN} = {opts.batches_per_run} batches per rank but "
+            f"the bench needs warmup + steps + trace steps + {DRAIN} = {opts.batches_per_run} batches per rank but "
             f"(rank, batches) {short} have fewer; raise data.synthetic.num_batches or lower --steps/--warmup"
         )
     return opts
@@ -283,6 +307,9 @@ def _header(
         "rounds": opts.rounds,
         "runs": "sequential in one process group; fresh model (train.seed) per run"
                 + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else ""),
+        "trace_steps": opts.trace_steps,
+        "sweep_cache": list(opts.sweep_cache),
+        "sweep_zipf": list(opts.sweep_zipf),
         "bound": opts.bound,
         "multipass": list(opts.multipass),
         "baseline": opts.baseline,
@@ -294,8 +321,9 @@ def _optional_sections(
     cfg: RecpipeConfig, opts: BenchOptions, rows: list[Row], batches: list[Batch], device: torch.device, bar: tqdm,
     gpu_name: str,
 ) -> dict[str, Any]:
-    """Collective: ``--bound`` and ``--multipass``, after every run (each builds its
-    own fresh models, so the runs above saw the same memory as without them)."""
+    """Collective: ``--bound``, ``--multipass`` and the cache sweep, after every run
+    (each builds its own fresh models, so the runs above saw the same memory as
+    without them)."""
     sections: dict[str, Any] = {}
     rank0 = dist.get_rank() == 0
     if opts.bound:
@@ -311,6 +339,14 @@ def _optional_sections(
             tqdm.write(f"recpipe bench: multipass sweep skipped: {sweep['reason']}")
         for p in sweep.get("points", []) if rank0 else []:
             tqdm.write(f"recpipe bench: {describe_point(p)}")
+    if opts.sweep:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        grid = sections["cache_sweep"] = run_sweep(
+            cfg, opts, opts.sweep_cache, opts.sweep_zipf,
+            lambda c: pregenerate(c, rank, world, opts.batches_per_run, device), device, bar)
+        if rank0:
+            tqdm.write(f"recpipe bench: cache sweep {grid['status']}" + (
+                f": {grid['reason']}" if grid["status"] != "ok" else f", {len(grid['points'])} points"))
     return sections
 
 
@@ -323,7 +359,7 @@ def _write(
     sections["targets"] = check_targets(rows, sections.get("bound"))
     if opts.plots:
         sections["plots"] = write_plots(opts.out, rows, sections)
-    markdown = targets_md(sections["targets"], opts.rounds) + render_sections(sections)
+    markdown = rows_md(rows) + targets_md(sections["targets"], opts.rounds) + render_sections(sections)
     path = write_outputs(opts.out, cfg, header, rows, sections, markdown)
     print(format_table(rows))
     for p in sections.get("plots", {}).get("written", []):

@@ -1,6 +1,8 @@
-"""Markdown of the optional sections of a bench record: the hardware bound
-(``--bound``), the multi-pass prefetch sweep (``--multipass``), weak scaling
-(always: the planner's prediction; with ``--baseline``: efficiency), plots.
+"""Markdown of a bench record beyond the main table: per row, GPU busy time, host
+time by phase and UVM-cache metrics (``rows_md``); the optional sections: stages
+timed alone (``--bound``), the multi-pass prefetch sweep (``--multipass``), the
+cache sweep (``--sweep-cache``), weak scaling (always: the planner's prediction;
+with ``--baseline``: efficiency), plots.
 Each renderer reads the section's JSON dict, so ``bench.md`` never says more than
 ``bench.json`` holds. Missing numbers print as '-' with the reason beside them."""
 
@@ -10,7 +12,7 @@ from typing import Any
 
 from recpipe.bench.report import grid
 
-__all__ = ["render_sections"]
+__all__ = ["render_sections", "rows_md"]
 
 MiB = float(1 << 20)
 
@@ -57,7 +59,10 @@ def _prefetch_memory_line(pm: dict[str, Any]) -> str:
 
 
 def bound_md(bound: dict[str, Any]) -> list[str]:
-    lines = ["## Hardware bound: each stage alone", ""]
+    lines = ["## Stages timed alone (`--bound`): an estimate, not a bound", "",
+             "Each stage is timed alone and the stages are summed per resource; a pipeline can step faster than "
+             "this sum (stages run faster together than drained one by one), so it bounds nothing. The lower "
+             "bound is the GPU busy time above.", ""]
     if bound.get("status") != "ok":
         return lines + [f"failed: {bound.get('reason')}", ""]
     chains = bound["chains"]
@@ -71,8 +76,8 @@ def bound_md(bound: dict[str, Any]) -> list[str]:
     lines += [grid(("stage", "resource", "P50 ms", "P90 ms", "what"), body, markdown=True), ""]
     body = [[name, f"{r['ms']:.3f}", " + ".join(r["stages"])] for name, r in bound["resources"].items()]
     lines += [grid(("resource", "ms (sum of P50s)", "stages"), body, markdown=True), ""]
-    lines += [f"**Bound: {bound['bound_ms']:.3f} ms per step, {bound['bound_resource']}-bound** "
-              "(the main table's *x bound* = P50 / this).", ""]
+    lines += [f"**Stages alone: {bound['bound_ms']:.3f} ms per step, largest on {bound['bound_resource']}** "
+              "(the main table's *x stages alone* = P50 / this).", ""]
     bw = bound["bandwidth"]
     lines += ["Achieved bandwidth (decimal GB/s, at the stage's P50, on the rank where it is slowest):", ""]
     lines.append(_rate_line("H2D copy of a batch", bw.get("h2d")))
@@ -160,6 +165,66 @@ def _prefetch_alone_md(sweep: dict[str, Any]) -> list[str]:
     return lines + [line, ""]
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _recommendation_md(rec: dict[str, Any]) -> list[str]:
+    if "reason" in rec:
+        return [f"- recommendation: none ({rec['reason']})", ""]
+    lines = [f"- prefetch was at least {rec['margin']:.0%} faster than sparse_dist at {rec['prefetch_wins']} of "
+             f"{rec['points']} points" + (f", at sparse_dist hit rates up to {rec['prefetch_won_up_to_hit_rate']:.3f}"
+                                          if "prefetch_won_up_to_hit_rate" in rec else "")
+             + (f"; sparse_dist was as fast or faster from hit rate {rec['sparse_dist_won_from_hit_rate']:.3f}"
+                if "sparse_dist_won_from_hit_rate" in rec else "") + "."]
+    mine = rec.get("for_this_config")
+    if mine:
+        lines.append(f"- **For this config** (load factor {mine['cache_load_factor']}, Zipf {mine['zipf_alpha']}): "
+                     f"nearest point {mine['nearest_point']}: **use {mine['pipeline']}** (prefetch / sparse_dist "
+                     f"{mine['prefetch_over_sparse_dist']:.3f}, hit rate {_f(mine['hit_rate'], '.3f')}).")
+        if mine.get("occupancy") is not None and mine["occupancy"] < 0.99:
+            lines.append(f"- That point's cache was {mine['occupancy']:.0%} full after the timed steps: a long run "
+                         "fills it and keeps more rows, so its hit rate is higher; compare training's own hit rate "
+                         "(FBGEMM's uvm cache stats) with the hit rates above.")
+    never, heavy = rec["targets"]["never_slower_by_2pct"], rec["targets"]["faster_by_10pct_where_misses_cost_15pct"]
+    lines.append(f"- Target: prefetch never more than 2 % slower: {'**met**' if never['met'] else '**not met**'} "
+                 f"(worst {never['worst']:.3f} at load factor, Zipf = {never['at']}).")
+    verdict = "no point has cache work >= 15 % of sparse_dist's step" if heavy["met"] is None else (
+        ("**met**" if heavy["met"] else "**not met**") + f" at {heavy['points']} points (ratios "
+        + ", ".join(f"{r:.3f}" for r in heavy["ratios"]) + ")")
+    lines.append(f"- Target: prefetch at least 10 % faster where cache misses cost sparse_dist >= 15 %: {verdict}.")
+    return lines + [""]
+
+
+def sweep_md(sweep: dict[str, Any]) -> list[str]:
+    lines = ["## Prefetch vs sparse_dist over cache load factor and Zipf alpha", ""]
+    values = f"load factors {sweep['cache_load_factors']}, Zipf alphas {sweep['zipf_alphas']}"
+    if sweep.get("status") != "ok":
+        return lines + [f"Not measured ({values}): {sweep.get('reason')}", ""]
+    lines += [f"{values}; {sweep['segments']}. Hit rate and rows fetched per step: sparse_dist's (the cache's "
+              "behaviour on these ids; prefetch's in bench.json). Miss share: sparse_dist's exposed cache work / its "
+              "P50. Cache full: share of slots holding a row at the end of the timed steps; below 100 % nothing was "
+              "evicted and the load factor did not matter yet (raise --warmup to reach a full cache). Use: prefetch "
+              "where it is at least 2 % faster.", ""]
+    header = ("load factor", "Zipf", "prefetch P50 ms", "sparse_dist P50 ms", "prefetch / sparse_dist", "hit rate",
+              "rows fetched/step", "cache full", "prefetch cache work ms (exposed)",
+              "sparse_dist cache work ms (exposed)", "miss share", "use")
+    body = []
+    for p in sweep["points"]:
+        pf, sd = p["prefetch"], p["sparse_dist"]
+
+        def work(x: dict[str, Any]) -> str:
+            return f"{_f(x.get('cache_gpu_ms'), '.2f')} ({_f(x.get('cache_exposed_ms'), '.2f')})"
+
+        body.append([str(p["cache_load_factor"]), str(p["zipf_alpha"]),
+                     _f((pf.get("step_ms") or {}).get("p50"), ".2f") if pf["status"] == "ok" else pf["status"],
+                     _f((sd.get("step_ms") or {}).get("p50"), ".2f") if sd["status"] == "ok" else sd["status"],
+                     _f(p.get("prefetch_over_sparse_dist"), ".3f"), _f(sd.get("hit_rate"), ".3f"),
+                     _f(sd.get("rows_fetched_per_step"), ",.0f"), _pct(sd.get("occupancy")), work(pf), work(sd),
+                     _pct(p.get("sparse_dist_miss_share")), p.get("winner", "-")])
+    return lines + [grid(header, body, markdown=True), ""] + _recommendation_md(sweep["recommendation"])
+
+
 def weak_scaling_md(ws: dict[str, Any]) -> list[str]:
     lines = ["## Weak scaling", ""]
     pred = ws.get("prediction", {})
@@ -200,6 +265,8 @@ def render_sections(sections: dict[str, Any]) -> list[str]:
         lines += bound_md(sections["bound"])
     if "multipass" in sections:
         lines += multipass_md(sections["multipass"])
+    if "cache_sweep" in sections:
+        lines += sweep_md(sections["cache_sweep"])
     if "weak_scaling" in sections:
         lines += weak_scaling_md(sections["weak_scaling"])
     plots = sections.get("plots")
@@ -207,3 +274,99 @@ def render_sections(sections: dict[str, Any]) -> list[str]:
         written = ", ".join(f"`{p}`" for p in plots.get("written", [])) or "none"
         lines += [f"Plots: {written}" + (f" ({plots['reason']})" if plots.get("reason") else ""), ""]
     return lines
+
+
+# ------------------------------------------------------------------ per row
+def _row_name(r: Any) -> list[str]:
+    return [r.pipeline, r.impl]
+
+
+def _unmeasured(r: Any, header: tuple[str, ...], note: str) -> list[str]:
+    """A row's cells when the section has no numbers for it: dashes and the reason."""
+    return _row_name(r) + ["-"] * (len(header) - 3) + [note]
+
+
+def busy_md(rows: list[Any]) -> list[str]:
+    traced = [r for r in rows if r.status == "ok" and r.trace]
+    if not traced:
+        return []
+    lines = ["## GPU busy time and host time (profiled steps)", "",
+             "Per step, from a torch.profiler trace of the steps after the timed ones (`recpipe/bench/trace.py`): "
+             "GPU busy = union of kernel/memcpy/memset intervals over all streams (NCCL kernels count while they "
+             "wait); x GPU busy = P50 / GPU busy; host ms/call under the profiler beside the timed one; "
+             "window = first call start to last kernel end, per step.", ""]
+    header = ("pipeline", "impl", "P50 ms", "GPU busy ms", "x GPU busy", "NCCL busy ms", "device ops/step",
+              "host ms/call (profiled)", "host ms/call (timed)", "window ms", "busy ms by stream", "note")
+    body = []
+    for r in traced:
+        t = r.trace
+        if t.get("status") != "ok":
+            body.append(_unmeasured(r, header, f"trace {t.get('status')}: {t.get('reason')}"))
+            continue
+        streams = ", ".join(f"{s}: {ms:.2f}" for s, ms in (t.get("streams_busy_ms") or {}).items())
+        body.append(_row_name(r) + [
+            _f(r.step_ms.get("p50"), ".2f"), _f(t.get("gpu_busy_ms"), ".2f"), _f(r.x_busy, ".2f"),
+            _f(t.get("nccl_busy_ms"), ".2f"), _f(t.get("device_ops_per_step"), ".0f"), _f(t.get("host_ms_p50"), ".2f"),
+            _f(r.host_ms.get("p50"), ".2f"), _f(t.get("window_ms"), ".2f"), streams or "-",
+            t.get("gpu_busy_reason", "")])
+    return lines + [grid(header, body, markdown=True), ""]
+
+
+def phases_md(rows: list[Any]) -> list[str]:
+    """Host ms per step by phase, one table per implementation (their phases differ)."""
+    lines: list[str] = []
+    for impl in dict.fromkeys(r.impl for r in rows):
+        mine = [r for r in rows if r.impl == impl and r.status == "ok" and r.trace.get("status") == "ok"]
+        names = list(dict.fromkeys(p for r in mine for p in r.trace.get("phases_ms", {})))
+        if not mine:
+            continue
+        if not lines:
+            lines = ["## Host time by phase (profiled steps)", "",
+                     "Host ms per step inside each phase's ranges (recpipe: `recpipe.<step>`; TorchRec: its train "
+                     "pipelines' `## name ##` ranges). Phases can nest, so they may add up to more than the call. "
+                     "Last column: the largest ranges TorchRec's sharded modules open (under both implementations).",
+                     ""]
+        header = ("pipeline", "host ms/call", *names, "outside phases", "TorchRec module ranges, ms", "note")
+        body = [[r.pipeline, _f(r.trace.get("host_ms_p50"), ".3f"),
+                 *(_f(r.trace["phases_ms"].get(p), ".3f") for p in names), _f(r.trace.get("outside_phases_ms"), ".3f"),
+                 "; ".join(f"{k} {_f(v, '.3f')}" for k, v in list(r.trace.get("library_ms", {}).items())[:4]),
+                 r.trace.get("phases_reason", "")] for r in mine]
+        lines += [f"{impl}:", "", grid(header, body, markdown=True), ""]
+    return lines
+
+
+def cache_md(rows: list[Any]) -> list[str]:
+    cached = [r for r in rows if r.status == "ok" and r.cache]
+    if not cached:
+        return []
+    lines = ["## UVM cache (prefetch and the same cached tables without it)", "",
+             "FBGEMM's cache counters over the timed steps (`recpipe/bench/uvm_cache.py`): hit rate = 1 - unique "
+             "misses / unique ids; rows fetched = rows copied into the cache per step; UVM lookups = ids read from "
+             "host memory (no free cache slot). Cache full: share of slots holding a row after the timed steps (a "
+             "cache that is not full evicts nothing: its size does not matter yet). Cache work = device time of "
+             "FBGEMM's cache ops in the profiled steps, overlapped with other device work (in brackets: with "
+             "compute kernels) or alone (exposed). H2D GB/s = bytes fetched / GPU time of lru_cache_populate (all "
+             "its kernels), or of its insert kernels (the copy). Per rank: the rank that fetches most.", ""]
+    header = ("pipeline", "impl", "hit rate", "rows fetched/step", "MB fetched/step", "UVM lookups/step",
+              "cache full", "evicted/step", "cache work ms", "overlapped ms (with compute)", "exposed ms",
+              "H2D GB/s (populate)",
+              "H2D GB/s (insert)", "note")
+    body = []
+    for r in cached:
+        c = r.cache
+        if "hit_rate" not in c:
+            body.append(_unmeasured(r, header, c.get("reason", "")))
+            continue
+        body.append(_row_name(r) + [
+            _f(c["hit_rate"], ".3f"), _f(c.get("rows_fetched_per_step"), ",.0f"),
+            _f(c["bytes_fetched_per_step"] / 1e6, ",.2f"), _f(c.get("uvm_lookups_per_step"), ",.0f"),
+            _pct(c.get("occupancy")), _f(c.get("evicted_per_step"), ",.0f"), _f(c.get("gpu_ms"), ".3f"),
+            f"{_f(c.get('overlap_ms'), '.3f')} ({_f(c.get('overlap_compute_ms'), '.3f')})", _f(c.get("exposed_ms"), ".3f"),
+            _f(c.get("h2d_GB_per_s_populate"), ",.1f"), _f(c.get("h2d_GB_per_s_insert"), ",.1f"),
+            "" if "gpu_ms" in c else "no cache work in the trace"])
+    return lines + [grid(header, body, markdown=True), ""]
+
+
+def rows_md(rows: list[Any]) -> list[str]:
+    """The per-row sections that follow the main table."""
+    return busy_md(rows) + phases_md(rows) + cache_md(rows)

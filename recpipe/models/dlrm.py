@@ -4,7 +4,8 @@
 labels, weights))``, the contract of TorchRec's train pipelines (``(loss, output)``;
 ``torch.sum(loss).backward()`` is valid) with the output layout of TorchRec's
 DLRMTrain plus the per-sample loss weights, so the same module runs under recpipe's
-pipelines and TorchRec's, and the trainer's metrics read it (docs/models.md).
+pipelines and TorchRec's, and the trainer's metrics read it (docs/models.md), with the same
+numerics for both (``train.precision``, :mod:`recpipe.models.precision`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch
 
 from recpipe.config import ModelConfig
 from recpipe.data.batch import Batch
+from recpipe.models.precision import _Numerics, precision_context
 
 
 def embedding_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
@@ -41,9 +43,10 @@ class DenseHead(nn.Module):
     sort-based ``index_put`` that cost 12 % of an 8192-sample step's GPU time.
     """
 
-    def __init__(self, inter_arch: nn.Module, over_arch: nn.Module) -> None:
+    def __init__(self, inter_arch: nn.Module, over_arch: nn.Module, owner: nn.Module) -> None:
         super().__init__()
         self.inter_arch, self.over_arch = inter_arch, over_arch
+        object.__setattr__(self, "owner", owner)  # the RecModel whose precision applies (not a child)
 
     def interact(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         arch = self.inter_arch
@@ -58,7 +61,9 @@ class DenseHead(nn.Module):
     def forward(
         self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self.over_arch(self.interact(dense, sparse)).squeeze(-1)
+        with precision_context(self.owner):
+            logits = self.over_arch(self.interact(dense, sparse)).squeeze(-1)
+        logits = logits.float()
         per_sample = nn.functional.binary_cross_entropy_with_logits(logits, labels, reduction="none")
         loss = (per_sample * weights).sum() / labels.numel()
         return loss, logits
@@ -74,16 +79,30 @@ class RecModel(nn.Module):
     ``cuda_graph_modules()`` offers for capture. The head shares the DLRM's
     ``inter_arch``/``over_arch``; it is kept out of the module tree, so parameters and
     checkpoint keys are the DLRM's own.
+
+    ``precision`` (``train.precision``): the dense arch and the head's interaction and
+    over arch run under :func:`~recpipe.models.precision.precision_context` (autocast
+    for bf16); the logits are cast to float32 before the loss, which is computed
+    outside autocast. In fp32 that cast returns the same tensor.
     """
 
-    def __init__(self, dlrm: nn.Module) -> None:
+    def __init__(self, dlrm: nn.Module, precision: str = "fp32") -> None:
         super().__init__()
         self.model = dlrm
-        object.__setattr__(self, "head", DenseHead(dlrm.inter_arch, dlrm.over_arch))  # not a registered child
+        self._numerics = _Numerics(precision)
+        object.__setattr__(self, "head", DenseHead(dlrm.inter_arch, dlrm.over_arch, self))  # not a registered child
+
+    @property
+    def precision(self) -> str:
+        return self._numerics.precision
+
+    def extra_repr(self) -> str:
+        return f"precision={self.precision!r}"
 
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        dense = self.model.dense_arch(batch.dense_features)
-        sparse = self.model.sparse_arch(batch.sparse_features)  # [B, F, D]
+        with precision_context(self):
+            dense = self.model.dense_arch(batch.dense_features)
+        sparse = self.model.sparse_arch(batch.sparse_features)  # [B, F, D], fp32
         # .forward, not a module call: the head is not in the module tree, and TorchRec's
         # FX tracer only follows calls of registered modules (CUDA graphs replace .forward).
         loss, logits = self.head.forward(dense, sparse, batch.labels, batch.weights)
@@ -93,9 +112,10 @@ class RecModel(nn.Module):
         return {"dense_arch": self.model.dense_arch, "head": self.head}
 
 
-def build_model(cfg: ModelConfig, device: torch.device = torch.device("meta")) -> RecModel:
+def build_model(cfg: ModelConfig, device: torch.device = torch.device("meta"), precision: str = "fp32") -> RecModel:
     """The unsharded model. Embedding tables go on ``device`` (meta by default:
-    DistributedModelParallel materializes only the shards each rank owns)."""
+    DistributedModelParallel materializes only the shards each rank owns);
+    ``precision`` is ``train.precision``."""
     ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=device)
     common = dict(
         embedding_bag_collection=ebc,
@@ -107,4 +127,4 @@ def build_model(cfg: ModelConfig, device: torch.device = torch.device("meta")) -
         dlrm: nn.Module = DLRM(**common)
     else:
         dlrm = DLRM_DCN(**common, dcn_num_layers=cfg.dcn_num_layers, dcn_low_rank_dim=cfg.dcn_low_rank_dim)
-    return RecModel(dlrm)
+    return RecModel(dlrm, precision)

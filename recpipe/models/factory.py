@@ -44,15 +44,18 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
 
 def make_model(cfg: RecpipeConfig) -> nn.Module:
     """The unsharded model: ``model.factory(cfg)`` if set, else the built-in DLRM/DCNv2
-    (embedding tables on the meta device; DistributedModelParallel materializes the shards)."""
+    (embedding tables on the meta device; DistributedModelParallel materializes the shards).
+    Either runs at ``train.precision`` (:mod:`recpipe.models.precision`)."""
     if cfg.model.factory is None:
         from recpipe.models.dlrm import build_model
 
-        return build_model(cfg.model)
+        return build_model(cfg.model, precision=cfg.train.precision)
     model = load_callable(cfg.model.factory, "model.factory")(cfg)
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.factory={cfg.model.factory!r} returned {type(model).__name__}; it must return a torch.nn.Module "
             "whose forward(batch) returns (loss, output)"
         )
-    return model
+    from recpipe.models.precision import with_precision
+
+    return with_precision(model, cfg.train.precision)

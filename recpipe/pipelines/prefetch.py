@@ -68,17 +68,19 @@ SCHEDULE_WAIT_AFTER_FORWARD = Schedule(
 ).validate()
 
 
-def _cached_tbes(model: torch.nn.Module) -> list:
-    """FBGEMM TBEs with a UVM cache and cache-line locking. torchrec hides them from
-    ``named_modules`` (its sharded modules keep their lookups in a plain list), so
-    walk registered children and lists of modules."""
+def _cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
+    """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
+    TBE with a UVM cache; the bench reads their cache statistics). torchrec hides
+    them from ``named_modules`` (its sharded modules keep their lookups in a plain
+    list), so walk registered children and lists of modules."""
+    marker = "lxu_cache_locking_counter" if locked else "lxu_cache_weights"
     found, seen, todo = [], set(), [model]
     while todo:
         module = todo.pop()
         if id(module) in seen:
             continue
         seen.add(id(module))
-        counter = getattr(module, "lxu_cache_locking_counter", None)
+        counter = getattr(module, marker, None)
         if isinstance(counter, torch.Tensor) and counter.numel() > 0:
             found.append(module)
         todo.extend(m for m in module._modules.values() if m is not None)

@@ -207,8 +207,8 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
 def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, int, str]]]:
     """Transients of each phase of a step: (term, bytes, stream)."""
     B = inputs.batch_size
-    act_dense = 4 * B * inputs.dense.dense_arch_floats
-    act_top = 4 * B * inputs.dense.top_floats
+    act_dense = B * inputs.dense.dense_arch_bytes  # at the model's precision (spec.activation_bytes)
+    act_top = B * inputs.dense.top_bytes
     emb = _lookup_stream(inputs)
     phases = {
         "forward_lookup": [("pooled_lookup", io.lookup, emb), ("pooled_embeddings", io.pooled, "main"),

@@ -164,7 +164,7 @@ def compute_ms(inputs: PlannerInputs, rank: int, gpu: GpuSpec, interaction_flops
     d = inputs.dense
     flops = (6 * d.num_params + 3 * interaction_flops) * B
     stream = 4 * _OPT_TENSORS[inputs.dense_optimizer] * _replicated_params(inputs)
-    stream += 3 * 4 * B * (d.dense_arch_floats + d.top_floats)
+    stream += 3 * B * (d.dense_arch_bytes + d.top_bytes)
     return {
         "emb_ms": 1e3 * (hbm_gather / (gpu.hbm_bytes_per_s * gpu.hbm_gather_efficiency)
                          + pcie / (gpu.pcie_bytes_per_s * gpu.pcie_efficiency)),

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+    from recpipe.config import ModelConfig, RecpipeConfig
 
 GiB = 1 << 30
 DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
@@ -69,14 +69,14 @@ class ShardSpec:
 class DenseSpec:
     """The dense (data-parallel) part of the model.
 
-    ``activation_floats_per_sample`` counts the fp32 activations autograd saves per
-    sample in the dense arch (``dense_arch_floats``) and in the interaction + over
-    arch (``top_floats``); see :func:`dense_spec_from_config`."""
+    ``dense_arch_bytes`` and ``top_bytes`` are the bytes of the activations autograd
+    saves per sample in the dense arch and in the interaction + over arch, at the
+    model's precision (``train.precision``); see :func:`dense_spec_from_config`."""
 
     num_params: int
     buffer_bytes: int = 0
-    dense_arch_floats: int = 0
-    top_floats: int = 0
+    dense_arch_bytes: int = 0
+    top_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -212,8 +212,8 @@ def shards_from_plan(plan, tables: tuple[TableSpec, ...]) -> tuple[ShardSpec, ..
 
 # ------------------------------------------------------------------ config
 def dense_spec_from_config(cfg: "RecpipeConfig") -> DenseSpec:
-    """Count the dense parameters exactly (model built on meta) and the saved
-    activations per sample (formula: approximate, see docs/planner.md)."""
+    """Count the dense parameters exactly (model built on meta) and the activation
+    bytes saved per sample (formula: see :func:`activation_bytes`)."""
     import torch
 
     from recpipe.models.dlrm import build_model
@@ -223,21 +223,41 @@ def dense_spec_from_config(cfg: "RecpipeConfig") -> DenseSpec:
     ebc = "embedding_bag_collection"
     params = sum(p.numel() for n, p in model.named_parameters() if ebc not in n)
     buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ebc not in n)
-    m = cfg.model
+    dense, top = activation_bytes(cfg.model, cfg.train.precision)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top)
+
+
+def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, int]:
+    """Bytes autograd saves per sample: (dense arch, interaction + over arch).
+
+    fp32 / tf32 (4 bytes per float; approximate for DCNv2, see docs/planner.md): each
+    Linear saves its input and each ReLU its output, which is the next Linear's
+    input: one activation per layer (the first input is the batch's dense features).
+    DLRM's interaction keeps the cat of dense + F pooled embeddings (saved by bmm)
+    and the [dense, pairs] concat (the over arch's input); bmm output and gather are
+    freed. DCNv2: x0, and per layer V x, U(V x), x0 * (...).
+
+    bf16 (autocast; measured with saved-tensor hooks in tests/test_planner_precision.py):
+    autocast saves a bf16 copy of every Linear/bmm input, also of the batch's dense
+    features. DLRM: the cat of the bf16 dense output and the fp32 pooled embeddings
+    promotes to fp32, and bmm saves a bf16 copy of it *and* of its transpose (autocast
+    casts each argument), so the interaction costs what it does in fp32; the rest is
+    bf16. DCNv2: x0 stays fp32; per layer a bf16 copy of x_l, V x_l in bf16, and
+    U(V x_l) + bias in fp32 (the fp32 bias promotes it), saved by the product with x0;
+    the over arch saves a bf16 copy of the fp32 x_L. The bf16 weight copies autocast
+    keeps for backward (2 bytes per dense parameter, not per sample) are left out:
+    well under 0.1 % of a plan at GPU batch sizes."""
     F, D = m.num_sparse_features, m.embedding_dim
-    # Each Linear saves its input and each ReLU its output, which is the next Linear's
-    # input: one activation per layer (the first input is the batch's dense features).
-    dense_floats = sum(m.dense_arch_layer_sizes)
+    dense, over = sum(m.dense_arch_layer_sizes), sum(m.over_arch_layer_sizes)
+    width, rank, layers = (F + 1) * D, m.dcn_low_rank_dim, m.dcn_num_layers
+    pairs = (F + 1) * F // 2
+    if precision != "bf16":
+        inter = width + (D + pairs) if m.arch == "dlrm" else width + layers * (3 * width + rank)
+        return 4 * dense, 4 * (inter + over)
+    dense_bytes = 2 * (m.num_dense_features + dense)
     if m.arch == "dlrm":
-        pairs = (F + 1) * F // 2
-        # the cat of dense + F pooled embeddings (saved by bmm), the [dense, pairs]
-        # concat (the over arch's input); bmm output and gather are freed
-        inter = (F + 1) * D + (D + pairs)
-    else:  # DCNv2: x0, and per layer V x, U(V x), x0 * (...) kept for backward
-        width = (F + 1) * D
-        inter = width + m.dcn_num_layers * (3 * width + m.dcn_low_rank_dim)
-    top_floats = inter + sum(m.over_arch_layer_sizes)
-    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_floats=dense_floats, top_floats=top_floats)
+        return dense_bytes, 2 * 2 * width + 2 * (D + pairs) + 2 * over
+    return dense_bytes, 4 * width + layers * (2 * width + 2 * rank + 4 * width) + 2 * width + 2 * over
 
 
 def fbgemm_version() -> tuple[int, int]:

@@ -136,8 +136,11 @@ def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device)
     return box[0]
 
 
-def make_sharder(cfg: RecpipeConfig) -> EmbeddingBagCollectionSharder:
-    return EmbeddingBagCollectionSharder(fused_params=embedding_fused_params(cfg.optimizer.embedding, cfg))
+def make_sharder(cfg: RecpipeConfig, extra_fused_params: dict | None = None) -> EmbeddingBagCollectionSharder:
+    """``extra_fused_params``: more TBE keyword arguments (the bench turns on FBGEMM's
+    cache statistics, ``gather_uvm_cache_stats``)."""
+    params = {**embedding_fused_params(cfg.optimizer.embedding, cfg), **(extra_fused_params or {})}
+    return EmbeddingBagCollectionSharder(fused_params=params)
 
 
 def dense_optimizer(model: nn.Module, opt: DenseOptimizerConfig) -> KeyedOptimizer:
@@ -162,16 +165,18 @@ class ShardedModel:
 
 
 def shard_model(
-    model: RecModel, cfg: RecpipeConfig, device: torch.device, pg: dist.ProcessGroup | None = None
+    model: RecModel, cfg: RecpipeConfig, device: torch.device, pg: dist.ProcessGroup | None = None,
+    extra_fused_params: dict | None = None,
 ) -> ShardedModel:
-    """Shard ``model`` (embedding tables on meta) over the default process group."""
+    """Shard ``model`` (embedding tables on meta) over the default process group;
+    ``extra_fused_params`` reach every FBGEMM TBE (``make_sharder``)."""
     world_size = dist.get_world_size(pg)
     if cfg.sharding.placement == "planner":
         plan = planner_placement(cfg, world_size, device)
     else:
         plan = sharding_plan(model, cfg, world_size, device.type)
     dmp = DistributedModelParallel(
-        module=model, device=device, plan=plan, sharders=[make_sharder(cfg)], env=None
+        module=model, device=device, plan=plan, sharders=[make_sharder(cfg, extra_fused_params)], env=None
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])
     return ShardedModel(model=dmp, optimizer=optimizer, plan=plan)

@@ -1,0 +1,350 @@
+"""What a torch.profiler trace of a few steady-state steps says about one bench row.
+
+After the timed steps, every run profiles ``--trace-steps`` more ``progress()``
+calls (default 5; the timed steps themselves are never profiled), each inside a
+``bench.progress`` range, then synchronizes and stops the profiler. From the
+exported Chrome trace, per step:
+
+* **GPU busy time**: the union of the device intervals of every kernel, memcpy and
+  memset, over all streams, divided by the steps. Work launched before the profiler
+  started is not in the trace, and everything launched in the window is (the
+  synchronize), so this is the GPU work of the profiled calls. It bounds the step
+  from below: a step cannot be shorter than the time its GPU is busy, whatever the
+  overlap. NCCL kernels count while they wait for a peer, so on several GPUs it is
+  an upper estimate of the compute; their share is reported (``nccl_busy_ms``).
+  On CPU there are no device events: busy time is None with the reason, never 0.
+* **host time per call**: the ``bench.progress`` ranges (profiler overhead
+  included; the unprofiled host time per call is on the row as ``host_ms``).
+* **host time by phase**: recpipe's engine opens a ``recpipe.<step>`` range around
+  each schedule step while a profiler runs; TorchRec's pipelines open ``## <name> ##``
+  ranges (``## forward ##``, ``## wait_sparse_data_dist 12 ##``). Which ``##`` names
+  are TorchRec's pipeline phases is read from the installed TorchRec's
+  ``train_pipeline`` sources (their ``record_function`` templates, the batch index
+  dropped: ``wait_sparse_data_dist``), so it follows the version. Per phase the
+  union of its ranges inside the calls; phases may nest (TorchRec's do), so they can
+  sum to more than the call; ``outside phases`` is the host time of the calls in no
+  phase. The other ``##`` ranges come from TorchRec's sharded modules, under both
+  implementations (awaitable waits, all-to-all launches): ``library_ms``, the largest.
+* **cache work** (UVM-cached tables only): the device intervals of the work FBGEMM's
+  cache ops launched (CPU ops ``fbgemm::*cache*``: linearize, populate = find
+  uncached + sort + insert, lookup, locking-counter updates), matched to their
+  launch through the CUDA runtime call's correlation id and thread: its GPU time
+  per op, and how much of it overlaps other device work (``overlap_ms``; with compute
+  kernels alone, not copies or NCCL: ``overlap_compute_ms``) or runs alone
+  (``exposed_ms``).
+
+``step / GPU busy`` (``x_busy`` on the row) is the headline ratio: 1.0 means the
+GPU never idles within a step.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from recpipe.bench.measure import mean_leaves, percentile
+
+__all__ = ["PROGRESS_RANGE", "Trace", "combine_ranks", "intersection_length", "merge_intervals", "merge_rounds",
+           "parse_chrome_trace", "phase_name", "profile_progress", "summarize_trace", "union_length"]
+
+PROGRESS_RANGE = "bench.progress"
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_RANGE = re.compile(r"^## (.+) ##$")
+_RECORD_FUNCTION = re.compile(r'record_function\(\s*f?"(## .*? ##)"', re.DOTALL)
+LIBRARY_TOP = 8  # library ranges kept per row
+_CACHE_OP = re.compile(r"^fbgemm::.*cache")
+
+Interval = tuple[float, float]
+
+
+# ------------------------------------------------------------------ intervals
+def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering the same points (touching ones merged)."""
+    out: list[list[float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], end)
+        else:
+            out.append([start, end])
+    return [(a, b) for a, b in out]
+
+
+def union_length(intervals: Iterable[Interval]) -> float:
+    return sum(b - a for a, b in merge_intervals(intervals))
+
+
+def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
+    """Length of the points in both unions (two-pointer walk over the merged lists)."""
+    x, y = merge_intervals(a), merge_intervals(b)
+    i = j = 0
+    total = 0.0
+    while i < len(x) and j < len(y):
+        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        total += max(0.0, hi - lo)
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+# ------------------------------------------------------------------ parsing
+@dataclass(frozen=True)
+class DeviceOp:
+    start: float  # microseconds, the trace's clock
+    end: float
+    stream: int
+    correlation: int | None
+    name: str
+    kind: str = "kernel"  # kernel | gpu_memcpy | gpu_memset
+
+    @property
+    def compute(self) -> bool:
+        """A kernel that computes (not a copy, a memset or an NCCL collective)."""
+        return self.kind == "kernel" and not self.name.startswith("nccl")
+
+
+@dataclass(frozen=True)
+class HostRange:
+    name: str
+    start: float
+    end: float
+    tid: Any
+    cat: str
+
+
+@dataclass
+class Trace:
+    device_ops: list[DeviceOp] = field(default_factory=list)
+    launches: dict[int, tuple[Any, float]] = field(default_factory=dict)  # correlation -> (host thread, time)
+    ranges: list[HostRange] = field(default_factory=list)  # user annotations and CPU ops
+
+
+def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
+    """The events this module reads from a Chrome trace (``export_chrome_trace``)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    out = Trace()
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
+        if cat in DEVICE_CATS:
+            stream = args.get("stream", e.get("tid"))
+            out.device_ops.append(DeviceOp(start, end, int(stream) if str(stream).isdigit() else -1,
+                                           args.get("correlation"), str(e.get("name", "")), cat))
+        elif cat in LAUNCH_CATS and args.get("correlation") is not None:
+            out.launches[int(args["correlation"])] = (e.get("tid"), start)
+        elif cat in ("user_annotation", "cpu_op"):
+            out.ranges.append(HostRange(str(e.get("name", "")), start, end, e.get("tid"), cat))
+    return out
+
+
+def _template(template: str) -> tuple[re.Pattern[str], str]:
+    """A ``record_function`` f-string template as (regex of its names, phase name):
+    ``## forward {self.contexts[0].index} ##`` -> (``## forward .+? ##``, ``forward``)."""
+    parts = re.split(r"\{[^}]*\}", template)
+    pattern = re.compile(".+?".join(re.escape(p) for p in parts) + "$")
+    name = re.sub(r"\s+", " ", "".join(parts).strip("# ")).replace(" :", ":").strip(" :")
+    return pattern, name
+
+
+@functools.lru_cache(maxsize=1)
+def torchrec_phase_templates() -> tuple[tuple[re.Pattern[str], str], ...]:
+    """The ``## ... ##`` ranges TorchRec's train pipelines open, from its sources."""
+    spec = importlib.util.find_spec("torchrec.distributed.train_pipeline")
+    found: dict[str, None] = {}
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        for path in sorted(Path(folder).glob("*.py")):
+            found.update(dict.fromkeys(_RECORD_FUNCTION.findall(path.read_text())))
+    # literal names before templates with placeholders (``## backward ##`` before ``## backward {i} ##``)
+    return tuple(_template(t) for t in sorted(found, key=lambda t: "{" in t))
+
+
+def phase_name(name: str) -> tuple[str, str] | None:
+    """(source, phase) of a host range that names a pipeline phase, else None:
+    ("recpipe", step) for ``recpipe.<step>``, ("torchrec", phase) for a range of
+    TorchRec's train pipelines, ("library", name) for another ``## name ##`` range."""
+    if name.startswith("recpipe."):
+        return "recpipe", name[len("recpipe."):]
+    if not _RANGE.match(name):
+        return None
+    for pattern, phase in torchrec_phase_templates():
+        if pattern.match(name):
+            return "torchrec", phase
+    return "library", re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", _RANGE.match(name).group(1))).strip()
+
+
+# ------------------------------------------------------------------ summary
+def _per_step(x: float, steps: int) -> float:
+    return x / 1e3 / steps  # microseconds in the trace -> milliseconds per step
+
+
+def _phases(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
+    by_phase: dict[str, list[Interval]] = {}
+    library: dict[str, list[Interval]] = {}
+    sources: set[str] = set()
+    for r in trace.ranges:
+        named = phase_name(r.name) if r.cat == "user_annotation" else None
+        if named:
+            target = library if named[0] == "library" else by_phase
+            sources.update({named[0]} - {"library"})
+            target.setdefault(named[1], []).append((r.start, r.end))
+
+    def per_step(ranges: dict[str, list[Interval]]) -> dict[str, float]:
+        ms = {p: _per_step(intersection_length(iv, calls), steps) for p, iv in ranges.items()}
+        return dict(sorted(ms.items(), key=lambda kv: -kv[1]))
+
+    in_any = intersection_length([i for iv in by_phase.values() for i in iv], calls)
+    out: dict[str, Any] = {"phases_ms": per_step(by_phase),
+                           "outside_phases_ms": _per_step(union_length(calls) - in_any, steps),
+                           "library_ms": dict(list(per_step(library).items())[:LIBRARY_TOP])}
+    if not by_phase:
+        out["phases_reason"] = ("no phase ranges in the trace (recpipe.<step> or TorchRec's pipeline ## name ##): "
+                                "the pipeline opens none")
+    out["phase_source"] = ", ".join(sorted(sources)) or None
+    return out
+
+
+def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
+    """Device work launched inside FBGEMM's cache ops, by op, and its overlap."""
+    cache_ranges = [r for r in trace.ranges if r.cat == "cpu_op" and _CACHE_OP.match(r.name)]
+    if not cache_ranges or not trace.device_ops:
+        return None
+    # correlation -> the outermost cache op whose range holds the launch (the op the
+    # Python code called: lru_cache_populate, not what it may call through the dispatcher)
+    owner: dict[int, str] = {}
+    for corr, (tid, t) in trace.launches.items():
+        holding = [r for r in cache_ranges if r.tid == tid and r.start <= t <= r.end]
+        if holding:
+            owner[corr] = max(holding, key=lambda r: r.end - r.start).name
+    mine = [op for op in trace.device_ops if op.correlation in owner]
+    if not mine:
+        return None
+    others = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner]
+    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and op.compute]
+    spans = [(op.start, op.end) for op in mine]
+    by_op: dict[str, list[Interval]] = {}
+    for op in mine:
+        by_op.setdefault(owner[op.correlation], []).append((op.start, op.end))
+    gpu = union_length(spans)
+    overlap = intersection_length(spans, others)
+    return {
+        "gpu_ms": _per_step(gpu, steps),
+        "overlap_ms": _per_step(overlap, steps),
+        "overlap_compute_ms": _per_step(intersection_length(spans, compute), steps),
+        "exposed_ms": _per_step(gpu - overlap, steps),
+        "overlap_fraction": overlap / gpu if gpu else None,
+        "by_op_ms": {name: _per_step(union_length(iv), steps) for name, iv in sorted(by_op.items())},
+        "insert_kernels_ms": _per_step(union_length((op.start, op.end) for op in mine if "insert" in op.name), steps),
+        "kernels_per_step": len(mine) / steps,
+        "streams": sorted({op.stream for op in mine}),
+    }
+
+
+def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any]:
+    """Per-step numbers of one rank's trace of ``steps`` calls (module docstring)."""
+    calls = [(r.start, r.end) for r in trace.ranges if r.name == PROGRESS_RANGE]
+    if len(calls) != steps:
+        raise ValueError(f"expected {steps} {PROGRESS_RANGE!r} ranges in the trace, found {len(calls)}")
+    host = [(b - a) / 1e3 for a, b in calls]
+    out: dict[str, Any] = {
+        "steps": steps,
+        "host_ms_per_call": host,
+        "host_ms_p50": percentile(host, 50),
+        "window_ms": _per_step(max([b for _, b in calls] + [op.end for op in trace.device_ops])
+                               - min(a for a, _ in calls), steps),
+        **_phases(trace, calls, steps),
+    }
+    ops = trace.device_ops
+    if not ops:
+        reason = ("n/a: CPU run (no device kernels in the trace)" if device_type != "cuda"
+                  else "n/a: no kernel in the trace (CUDA activity not recorded)")
+        return dict(out, gpu_busy_ms=None, gpu_busy_reason=reason)
+    streams: dict[int, list[Interval]] = {}
+    for op in ops:
+        streams.setdefault(op.stream, []).append((op.start, op.end))
+    out.update(
+        gpu_busy_ms=_per_step(union_length((op.start, op.end) for op in ops), steps),
+        nccl_busy_ms=_per_step(union_length((op.start, op.end) for op in ops if op.name.startswith("nccl")), steps),
+        device_ops_per_step=len(ops) / steps,
+        streams_busy_ms={str(s): _per_step(union_length(iv), steps) for s, iv in sorted(streams.items())},
+        cache=_cache_work(trace, steps),
+    )
+    return out
+
+
+# ------------------------------------------------------------------ profiling
+def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.device,
+                     op_tables: tuple[str, str] | None = None) -> dict[str, Any]:
+    """Run ``steps`` calls of ``pipe.progress(it)`` under torch.profiler and return
+    :func:`summarize_trace` of them. ``op_tables`` = (file, title): also append the
+    profiler's op tables (by self CPU time; on CUDA also by device time) to file."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            with record_function(PROGRESS_RANGE):
+                pipe.progress(it)
+        if cuda:
+            torch.cuda.synchronize()  # host sync: every launched kernel ends inside the window
+    if op_tables is not None:
+        path, title = op_tables
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        averages = prof.key_averages()
+        tables = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+        if cuda:
+            tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=15)
+        with open(path, "a") as f:
+            f.write(f"\n===== {title}: {steps} steps =====\n{tables}\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        trace = parse_chrome_trace(json.loads(path.read_text()))
+    return summarize_trace(trace, steps, device.type)
+
+
+# ------------------------------------------------------------------ ranks, rounds
+_SLOWEST = ("gpu_busy_ms", "host_ms_p50", "window_ms")  # per row: the slowest rank's
+
+
+def combine_ranks(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """The row's trace: busy time, host time per call and window of the slowest rank
+    (the one that sets the step); phases, streams and cache work of rank 0; each
+    rank's headline numbers under ``per_rank``."""
+    bad = [f"rank {r}: {t.get('reason', '?') if t else 'no trace'}" for r, t in enumerate(per_rank)
+           if not t or t.get("status") != "ok"]
+    if bad:
+        return {"status": "failed", "reason": " | ".join(bad)}
+    out = {k: v for k, v in per_rank[0].items() if k != "host_ms_per_call"}
+    for key in _SLOWEST:
+        values = [t[key] for t in per_rank if t.get(key) is not None]
+        out[key] = max(values) if values else None
+    out["per_rank"] = [{k: t.get(k) for k in (*_SLOWEST, "nccl_busy_ms", "device_ops_per_step")} for t in per_rank]
+    return out
+
+
+def merge_rounds(traces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One trace section from the rounds of a row: every number the mean over rounds
+    (``gpu_busy_ms_per_round`` keeps each); a round without a trace makes it that round's."""
+    bad = next((t for t in traces if t.get("status") != "ok"), None)
+    if bad is not None or len(traces) == 1:
+        return bad or traces[0]
+    # ms by name: a name a round did not see (a phase that did not occur) spent 0 ms there
+    filled = [dict(t) for t in traces]
+    for key in ("phases_ms", "library_ms", "streams_busy_ms"):
+        names = list(dict.fromkeys(n for t in traces for n in t.get(key) or {}))
+        for t in filled:
+            t[key] = {n: (t.get(key) or {}).get(n, 0.0) for n in names}
+    return dict(mean_leaves(filled), rounds=len(traces), gpu_busy_ms_per_round=[t.get("gpu_busy_ms") for t in traces])

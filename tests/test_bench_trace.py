@@ -1,0 +1,179 @@
+"""The bench's profiled-step numbers (recpipe.bench.trace) and UVM-cache metrics
+(recpipe.bench.uvm_cache): interval arithmetic on synthetic intervals, a synthetic
+GPU trace (two streams, a memcpy, FBGEMM cache ops), a real CPU profile of a fake
+pipeline with phase ranges, combining ranks and rounds, the cache counters' math."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import record_function
+
+from recpipe.bench.measure import mean_leaves
+from recpipe.bench.trace import (
+    combine_ranks,
+    intersection_length,
+    merge_intervals,
+    merge_rounds,
+    parse_chrome_trace,
+    phase_name,
+    profile_progress,
+    summarize_trace,
+    union_length,
+)
+from recpipe.bench.uvm_cache import COUNTERS, cache_metrics, counter_delta
+
+
+def test_union_of_intervals():
+    assert union_length([]) == 0.0
+    assert union_length([(0, 1)]) == 1.0
+    assert union_length([(0, 2), (1, 3)]) == 3.0  # overlap counted once
+    assert union_length([(5, 6), (0, 1), (0.5, 2), (1.5, 1.7)]) == 3.0  # unsorted, nested
+    assert union_length([(0, 1), (1, 2)]) == 2.0  # touching
+    assert union_length([(3, 3), (4, 2)]) == 0.0  # empty and reversed intervals add nothing
+    assert merge_intervals([(2, 3), (0, 1), (0.5, 1.5), (1, 1.2)]) == [(0, 1.5), (2, 3)]
+
+
+def test_intersection_of_unions():
+    assert intersection_length([(0, 10)], [(2, 3), (5, 7)]) == 3.0
+    assert intersection_length([(0, 2), (4, 6)], [(1, 5)]) == 2.0
+    assert intersection_length([(0, 1)], [(1, 2)]) == 0.0
+    assert intersection_length([(0, 4), (1, 3)], [(2, 8), (2, 5)]) == 2.0  # each side merged first
+    assert intersection_length([], [(0, 1)]) == 0.0
+
+
+def test_phase_names():
+    assert phase_name("recpipe.input_dist_wait") == ("recpipe", "input_dist_wait")
+    assert phase_name("## forward ##") == ("torchrec", "forward")
+    assert phase_name("## wait_sparse_data_dist 12 ##") == ("torchrec", "wait_sparse_data_dist")
+    assert phase_name("## sharded_module_prefetch 3 ##") == ("torchrec", "sharded_module_prefetch")
+    assert phase_name("## load batch 5 from dataloader (host) ##") == ("torchrec", "load batch from dataloader (host)")
+    assert phase_name("## KJTListAwaitable wait() ##") == ("library", "KJTListAwaitable wait()")
+    assert phase_name("aten::mm") is None and phase_name("bench.progress") is None
+
+
+def _x(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+
+def _gpu_trace() -> dict:
+    """Two steps of 100 us: compute kernels on stream 7, a cache prefetch on stream 9
+    (launched inside fbgemm::lru_cache_populate), a memcpy on stream 8, an NCCL kernel."""
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "python"}}]
+    corr = iter(range(1, 100))
+    for step in range(2):
+        t0 = 1000.0 + 100 * step
+        events.append(_x("user_annotation", "bench.progress", t0, 60))
+        events.append(_x("user_annotation", "recpipe.forward", t0 + 5, 20))
+        events.append(_x("user_annotation", "recpipe.prefetch", t0 + 30, 20))
+        events.append(_x("user_annotation", "## KJTListAwaitable wait() ##", t0 + 52, 4))
+        events.append(_x("cpu_op", "fbgemm::lru_cache_populate", t0 + 31, 10))
+        for kind, launch, start, dur, stream, name in (
+            ("kernel", t0 + 6, t0 + 10, 30, 7, "gemm"),  # compute 10..40
+            ("kernel", t0 + 32, t0 + 30, 20, 9, "lru_cache_insert_kernel"),  # cache 30..50: 10 us overlapped
+            ("gpu_memcpy", t0 + 8, t0 + 45, 10, 8, "Memcpy HtoD"),  # 45..55
+            ("kernel", t0 + 9, t0 + 70, 10, 10, "ncclDevKernel_AllToAll"),  # 70..80
+        ):
+            c = next(corr)
+            events.append(_x("cuda_runtime", "cudaLaunchKernel", launch, 1, correlation=c))
+            events.append(_x(kind, name, start, dur, tid=stream, stream=stream, correlation=c))
+    return {"traceEvents": events}
+
+
+def test_summary_of_a_gpu_trace():
+    s = summarize_trace(parse_chrome_trace(_gpu_trace()), steps=2, device_type="cuda")
+    # per step: union of 10..55 (compute, cache, memcpy) and 70..80 (NCCL) = 55 us
+    assert s["gpu_busy_ms"] == pytest.approx(0.055)
+    assert s["nccl_busy_ms"] == pytest.approx(0.010)
+    assert s["device_ops_per_step"] == 4
+    assert s["streams_busy_ms"] == {"7": pytest.approx(0.03), "8": pytest.approx(0.01), "9": pytest.approx(0.02),
+                                    "10": pytest.approx(0.01)}
+    assert s["host_ms_per_call"] == [0.06, 0.06] and s["host_ms_p50"] == pytest.approx(0.06)
+    assert s["window_ms"] == pytest.approx((1180 - 1000) / 2 / 1e3)  # first call to the last kernel's end
+    assert s["phases_ms"] == {"forward": pytest.approx(0.02), "prefetch": pytest.approx(0.02)}
+    assert s["phase_source"] == "recpipe" and s["outside_phases_ms"] == pytest.approx(0.02)
+    assert s["library_ms"] == {"KJTListAwaitable wait()": pytest.approx(0.004)}
+    cache = s["cache"]
+    assert cache["gpu_ms"] == pytest.approx(0.02) and cache["overlap_ms"] == pytest.approx(0.015)  # gemm + memcpy
+    assert cache["overlap_compute_ms"] == pytest.approx(0.010)  # the gemm only: not the memcpy
+    assert cache["exposed_ms"] == pytest.approx(0.005) and cache["overlap_fraction"] == pytest.approx(0.75)
+    assert cache["by_op_ms"] == {"fbgemm::lru_cache_populate": pytest.approx(0.02)}
+    assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["streams"] == [9]
+
+
+def test_a_cpu_trace_has_no_busy_time_and_a_bad_trace_is_refused():
+    events = _gpu_trace()["traceEvents"]
+    cpu = [e for e in events if e.get("cat") not in ("kernel", "gpu_memcpy", "cuda_runtime")]
+    s = summarize_trace(parse_chrome_trace(cpu), steps=2, device_type="cpu")
+    assert s["gpu_busy_ms"] is None and s["gpu_busy_reason"].startswith("n/a: CPU run") and "cache" not in s
+    with pytest.raises(ValueError, match="expected 3 'bench.progress' ranges"):
+        summarize_trace(parse_chrome_trace(cpu), steps=3, device_type="cpu")
+
+
+class _FakePipeline:
+    """progress() with recpipe.<step> ranges, as the engine opens them under a profiler."""
+
+    def progress(self, it):
+        x = next(it)
+        with record_function("recpipe.forward"):
+            y = x @ x
+        with record_function("recpipe.backward"):
+            y.sum().item()
+
+
+def test_profile_progress_on_cpu_reads_phases_from_a_real_trace(tmp_path):
+    it = iter([torch.randn(64, 64) for _ in range(3)])
+    s = profile_progress(_FakePipeline(), it, 3, torch.device("cpu"), op_tables=(str(tmp_path / "p.txt"), "fake"))
+    assert s["steps"] == 3 and len(s["host_ms_per_call"]) == 3 and s["gpu_busy_ms"] is None
+    assert set(s["phases_ms"]) == {"forward", "backward"} and s["phase_source"] == "recpipe"
+    assert all(v > 0 for v in s["phases_ms"].values())
+    # per step, phase time (nested in the calls, disjoint here) is at most the calls' mean
+    assert sum(s["phases_ms"].values()) <= sum(s["host_ms_per_call"]) / 3 * 1.001
+    assert "aten::mm" in (tmp_path / "p.txt").read_text()
+
+
+def test_combine_ranks_and_rounds():
+    def rank(busy, host, phase):
+        return {"status": "ok", "steps": 5, "gpu_busy_ms": busy, "host_ms_p50": host, "window_ms": 10.0,
+                "host_ms_per_call": [host] * 5, "phases_ms": {"forward": phase}, "nccl_busy_ms": 1.0}
+
+    row = combine_ranks([rank(4.0, 2.0, 1.0), rank(5.0, 1.0, 3.0)])
+    assert (row["gpu_busy_ms"], row["host_ms_p50"]) == (5.0, 2.0)  # the slowest rank's
+    assert row["phases_ms"] == {"forward": 1.0} and "host_ms_per_call" not in row  # rank 0's details
+    assert [p["gpu_busy_ms"] for p in row["per_rank"]] == [4.0, 5.0]
+    failed = combine_ranks([rank(4.0, 2.0, 1.0), {"status": "failed", "reason": "boom"}])
+    assert failed == {"status": "failed", "reason": "rank 1: boom"}
+    second = dict(rank(6.0, 2.0, 3.0), phases_ms={"forward": 3.0, "load batch": 1.0})
+    merged = merge_rounds([combine_ranks([rank(4.0, 2.0, 1.0)]), combine_ranks([second])])
+    assert merged["gpu_busy_ms"] == 5.0 and merged["phases_ms"] == {"forward": 2.0, "load batch": 0.5}
+    assert merged["rounds"] == 2 and merged["gpu_busy_ms_per_round"] == [4.0, 6.0]
+    cpu = [dict(rank(4.0, 2.0, 1.0), gpu_busy_ms=None), rank(6.0, 2.0, 1.0)]
+    assert mean_leaves(cpu)["gpu_busy_ms"] is None  # one round without: no mean
+
+
+def _counters(**kw) -> dict:
+    return {**dict.fromkeys(COUNTERS, 0), "occupied": 0, "filled": 0, "slots": 1000, "row_bytes": 512, **kw}
+
+
+def test_cache_metrics_arithmetic():
+    before = [_counters(calls=10, requested=1000, unique=400, unique_misses=100, occupied=100)]
+    after = [_counters(calls=14, requested=1800, unique=800, unique_misses=260, conflict_unique_misses=20,
+                       conflict_misses=30, occupied=200)]
+    delta = counter_delta(before, after)
+    assert delta == [_counters(calls=4, requested=800, unique=400, unique_misses=160, conflict_unique_misses=20,
+                               conflict_misses=30, occupied=200, filled=100)]
+    other = [_counters(unique=100, unique_misses=10, row_bytes=256), _counters(unique=100, unique_misses=30)]
+    work = {"gpu_ms": 0.5, "overlap_ms": 0.4, "exposed_ms": 0.1, "overlap_fraction": 0.8, "insert_kernels_ms": 0.1,
+            "by_op_ms": {"fbgemm::lru_cache_populate": 0.4, "fbgemm::linearize_cache_indices": 0.05}}
+    m = cache_metrics([delta, other], steps=4, traced=[work, None])
+    assert m["hit_rate"] == pytest.approx(1 - (160 + 40) / (400 + 200))  # over TBEs and ranks
+    # rank 0 fetches (160 - 20) x 512 B in 4 steps: more than rank 1 (10 x 256 + 30 x 512)
+    assert m["rows_fetched_per_step"] == 35 and m["bytes_fetched_per_step"] == 35 * 512
+    assert m["uvm_lookups_per_step"] == 7.5 and m["unique_per_step"] == 100 and m["requested_per_step"] == 200
+    # 140 rows fetched, 100 slots newly filled: 40 evictions in 4 steps; 200 of 1000 slots hold a row
+    assert m["evicted_per_step"] == 10 and m["occupancy"] == 0.2
+    assert m["h2d_GB_per_s_populate"] == pytest.approx(35 * 512 / 0.4e-3 / 1e9)
+    assert m["h2d_GB_per_s_insert"] == pytest.approx(35 * 512 / 0.1e-3 / 1e9)
+    assert m["overlap_fraction"] == 0.8 and len(m["per_rank"]) == 2
+    assert m["per_rank"][1]["bytes_fetched_per_step"] == (10 * 256 + 30 * 512) / 4 and "gpu_ms" not in m["per_rank"][1]
+    assert cache_metrics([[_counters()]], steps=1, traced=[None])["hit_rate"] is None  # nothing looked up

@@ -88,6 +88,9 @@ SCHEDULE_WAIT_IN_FORWARD_WARMUP = Schedule(
 ).validate()
 
 
+_PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_IN_FORWARD, SCHEDULE_WAIT_IN_FORWARD_WARMUP))
+
+
 def backward_dense(pipe: Pipeline, b: InFlight) -> None:
     assert b.loss is not None
     torch.sum(b.loss).backward()
@@ -123,10 +126,10 @@ class SemiSyncPipeline(Pipeline):
     ) -> None:
         if start_batch < 0:
             raise ValueError(f"start_batch={start_batch} must be >= 0")
-        variants = {"early": (SCHEDULE, SCHEDULE_WARMUP), "in_forward": (SCHEDULE_WAIT_IN_FORWARD, SCHEDULE_WAIT_IN_FORWARD_WARMUP)}
+        variants = {"early": SCHEDULE, "in_forward": SCHEDULE_WAIT_IN_FORWARD}
         if output_dist_wait not in variants:
             raise ValueError(f"output_dist_wait={output_dist_wait!r}: choose one of {sorted(variants)}")
-        self.schedule, self._warmup_schedule = variants[output_dist_wait]
+        self.schedule = variants[output_dist_wait]
         self.start_batch = start_batch
         self.stash_gradients = stash_gradients
         self._stash: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
@@ -141,10 +144,12 @@ class SemiSyncPipeline(Pipeline):
         self._dense_params = steps.dense_params(optimizer)
 
     def schedules(self) -> list[Schedule]:
-        return [self.schedule, self._warmup_schedule]
+        """The main schedule and its warm-up (the pair ``self.schedule`` belongs to)."""
+        return next(list(pair) for pair in _PAIRS if self.schedule in pair)
 
     def schedule_for(self, batch: InFlight) -> Schedule:
-        return self.schedule if batch.index >= self.start_batch else self._warmup_schedule
+        main, warmup = self.schedules()
+        return main if batch.index >= self.start_batch else warmup
 
     def step_function(self, name: str):
         own = {"backward_dense": backward_dense, "backward_emb": backward_emb, "optimizer": self._optimizer_step}

@@ -5,9 +5,25 @@ rank-local batches in index order (synthetic click log, Criteo TSV, or a binary
 dataset made by ``recpipe data convert``, by ``data.source``); ``num_batches`` says
 how many a rank has (None for TSV); ``check_data`` checks the configured files
 before any process starts.
+
+The names are imported on first use, so that ``recpipe.data.binary_format`` (numpy
+only) can be imported without torch and torchrec.
 """
 
-from recpipe.data.batch import Batch
-from recpipe.data.loader import check_data, make_dataloader, num_batches
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["Batch", "check_data", "make_dataloader", "num_batches"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Batch":
+        from recpipe.data.batch import Batch
+
+        return Batch
+    if name in ("check_data", "make_dataloader", "num_batches"):
+        from recpipe.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'recpipe.data' has no attribute {name!r}")

@@ -19,6 +19,7 @@ thread is raised by the consumer at that batch's turn.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable, Iterator
@@ -60,53 +61,86 @@ class BatchStream:
         return _Threads(self)
 
 
-class _Threads:
+class _Producers:
+    """The threads and their queues. Only this object is shared with the threads, so
+    dropping the consumer's iterator (a trainer leaves the epoch early) runs its
+    ``__del__``, which stops them. At exit every producer still running is stopped
+    and joined while the interpreter is whole: a daemon thread that is inside a
+    torch op when the interpreter finalizes is ended by ``pthread_exit``, which
+    aborts the process ("terminate called without an active exception")."""
+
+    running: list["_Producers"] = []  # strong references until every thread has ended
+
     def __init__(self, stream: BatchStream) -> None:
-        self.start, self.next_index, self.stop = stream.start, stream.start, stream.stop
-        self.closed = threading.Event()
         k = stream.workers
+        self.closed = threading.Event()
         self.queues: list[queue.Queue] = [queue.Queue(_PREFETCH_PER_THREAD) for _ in range(k)]
         self.threads = [
-            threading.Thread(target=self._produce, args=(stream, w, k), name=f"recpipe-batches-{w}", daemon=True)
+            threading.Thread(target=_produce, args=(self.closed, self.queues[w], stream, w, k),
+                             name=f"recpipe-batches-{w}", daemon=True)
             for w in range(k)
         ]
+        _Producers.running[:] = [p for p in _Producers.running if any(t.is_alive() for t in p.threads)] + [self]
         for t in self.threads:
             t.start()
 
-    def _produce(self, stream: BatchStream, w: int, k: int) -> None:
-        # One intra-op thread: k producers beside the training loop must not each
-        # start a full OpenMP team (the setting is per thread in torch's OpenMP build).
-        torch.set_num_threads(1)
-        if stream.pin_device is not None:
-            torch.cuda.set_device(stream.pin_device)
-        out = self.queues[w]
-        for index in range(stream.start + w, stream.stop, k):
-            if self.closed.is_set():
-                return
-            try:
-                item = stream.make(index)
-            except BaseException as err:  # handed to the consumer, raised there
-                item = _Failed(err)
-            if not self._put(out, item) or isinstance(item, _Failed):
-                return
+    def stop(self, join: bool) -> None:
+        self.closed.set()
+        if join:
+            for t in self.threads:
+                if t is not threading.current_thread():
+                    t.join()
 
-    def _put(self, out: queue.Queue, item: Any) -> bool:
-        while not self.closed.is_set():
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+
+@atexit.register
+def _stop_all_producers() -> None:
+    for producers in _Producers.running:
+        producers.stop(join=True)
+
+
+def _produce(closed: threading.Event, out: queue.Queue, stream: BatchStream, w: int, k: int) -> None:
+    # One intra-op thread: k producers beside the training loop must not each
+    # start a full OpenMP team (the setting is per thread in torch's OpenMP build).
+    torch.set_num_threads(1)
+    if stream.pin_device is not None:
+        torch.cuda.set_device(stream.pin_device)
+    for index in range(stream.start + w, stream.stop, k):
+        if closed.is_set():
+            return
+        try:
+            item = stream.make(index)
+        except BaseException as err:  # handed to the consumer, raised there
+            item = _Failed(err)
+        if not _put(closed, out, item) or isinstance(item, _Failed):
+            return
+
+
+def _put(closed: threading.Event, out: queue.Queue, item: Any) -> bool:
+    while not closed.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
+class _Threads:
+    """The consumer's iterator: batches in index order from the producers' queues."""
+
+    def __init__(self, stream: BatchStream) -> None:
+        self.start, self.next_index, self.stop = stream.start, stream.start, stream.stop
+        self.producers = _Producers(stream)
 
     def __iter__(self) -> "_Threads":
         return self
 
     def __next__(self) -> Any:
-        if self.next_index >= self.stop or self.closed.is_set():
+        if self.next_index >= self.stop or self.producers.closed.is_set():
             self.close()
             raise StopIteration
-        item = self.queues[(self.next_index - self.start) % len(self.queues)].get()
+        queues = self.producers.queues
+        item = queues[(self.next_index - self.start) % len(queues)].get()
         if isinstance(item, _Failed):
             self.close()
             raise item.error
@@ -114,8 +148,8 @@ class _Threads:
         return item
 
     def close(self) -> None:
-        """Stop the producers (they exit at their next batch or full queue)."""
-        self.closed.set()
+        """Stop the producers and wait for them (each finishes the batch it is making)."""
+        self.producers.stop(join=True)
 
     def __del__(self) -> None:
-        self.closed.set()
+        self.producers.stop(join=False)

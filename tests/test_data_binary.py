@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import os
 import random
 from pathlib import Path
@@ -306,3 +307,74 @@ def test_data_bench_prints_samples_per_second_last(tmp_path, tsv_files, source, 
     last = capsys.readouterr().out.strip().splitlines()[-1]
     number, unit = last.split(" ")
     assert unit == "samples/s" and float(number) > 0
+
+
+# ----------------------------------------------------------------- training
+TRAIN = [
+    "model.embedding_dim=8",
+    "model.dense_arch_layer_sizes=[16, 8]",
+    "model.over_arch_layer_sizes=[16, 1]",
+    "sharding.tables={t_cat_3: {type: row_wise}}",
+    "train.eval_every=0",
+    "train.progress=false",
+    "train.log_every=2",
+    "distributed.nproc=2",
+    "distributed.backend=gloo",
+    "train.device=cpu",
+    "checkpoint.keep=1",
+]
+
+
+def _train(tmp_path: Path, run: str, data: list[str], steps: int, every: int = 0) -> Path:
+    cfg_file = tmp_path / "train.yaml"
+    cfg_file.write_text(f"# test\nmodel: {{num_embeddings_per_feature: {ROWS}}}\ndata: {{batch_size: 16}}\n")
+    sets = TRAIN + data + [f"train.steps={steps}", f"checkpoint.dir={tmp_path / run / 'ckpt'}",
+                           f"checkpoint.every={every}", f"logging.run_dir={tmp_path / run}"]
+    args = ["train", "--config", str(cfg_file)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == EXIT_OK
+    return tmp_path / run
+
+
+def _final_state(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    from test_checkpoint import _full_state
+
+    (step,) = (run / "ckpt").iterdir()
+    return _full_state(step, tmp_path)
+
+
+def _assert_same_state(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys()
+    assert sum(k.startswith("model.") and "embedding_bags" in k for k in a) == 4  # every table, shards reassembled
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{what}: {different}"
+
+
+@pytest.mark.slow
+def test_two_ranks_train_bit_identically_from_tsv_and_binary(tmp_path, tsv_files):
+    out, _ = converted(tmp_path, tsv_files)
+    files = ",".join(map(str, tsv_files))
+    # 83 rows, 2 ranks x 16: 3 batches per rank and epoch, the last one part padding.
+    common = ["train.epochs=2"]
+    tsv = _train(tmp_path, "tsv", common + ["data.source=criteo_tsv", f"data.criteo.train_files=[{files}]",
+                                            f"data.criteo.eval_files=[{tsv_files[0]}]", "data.num_workers=1"], 100)
+    binary = _train(tmp_path, "binary", common + ["data.source=binary", f"data.binary.train_dir={out}",
+                                                  f"data.binary.eval_dir={converted(tmp_path / 'ev', tsv_files[:1])[0]}",
+                                                  "data.num_workers=2"], 100)
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (tsv, binary)]
+    assert summaries[0]["steps"] == summaries[1]["steps"] == 6
+    for key in ("loss", "eval_auc", "eval_loss"):
+        assert summaries[0][key] == summaries[1][key], key
+    _assert_same_state(_final_state(tsv, tmp_path), _final_state(binary, tmp_path), "binary vs TSV")
+
+
+@pytest.mark.slow
+def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files):
+    out, _ = converted(tmp_path, tsv_files)
+    data = ["data.source=binary", f"data.binary.train_dir={out}", "data.shuffle=true", "data.shuffle_block_rows=4",
+            "train.epochs=3"]
+    straight = _train(tmp_path, "straight", data, 8)
+    _train(tmp_path, "resumed", data, 4, every=4)  # "interrupted" inside epoch 1 (3 steps per epoch)
+    resumed = _train(tmp_path, "resumed", data, 8, every=4)
+    _assert_same_state(_final_state(straight, tmp_path), _final_state(resumed, tmp_path), "resumed vs straight")

@@ -19,7 +19,8 @@ from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
 from recpipe.data.binary_format import BinaryDataError, Layout, column_path, read_manifest
 from recpipe.data.convert import convert
-from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
+from test_checkpoint import _full_state  # every tensor of a DCP checkpoint, shards reassembled
 
 ROWS = [7, 300, 1, 50000]  # a one-row table and one with ids beyond int16
 HOT = [2, 1, 1, 3]
@@ -338,8 +339,6 @@ def _train(tmp_path: Path, run: str, data: list[str], steps: int, every: int = 0
 
 
 def _final_state(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    from test_checkpoint import _full_state
-
     (step,) = (run / "ckpt").iterdir()
     return _full_state(step, tmp_path)
 
@@ -371,10 +370,35 @@ def test_two_ranks_train_bit_identically_from_tsv_and_binary(tmp_path, tsv_files
 
 @pytest.mark.slow
 def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files):
+    import shutil
+
     out, _ = converted(tmp_path, tsv_files)
     data = ["data.source=binary", f"data.binary.train_dir={out}", "data.shuffle=true", "data.shuffle_block_rows=4",
-            "train.epochs=3"]
-    straight = _train(tmp_path, "straight", data, 8)
-    _train(tmp_path, "resumed", data, 4, every=4)  # "interrupted" inside epoch 1 (3 steps per epoch)
+            "train.epochs=3", "checkpoint.keep=2"]
+    straight = _train(tmp_path, "straight", data, 8, every=4)  # saves steps 4 and 8
+    # Resume from the straight run's step 4: inside epoch 1 (3 steps per epoch), batch 1.
+    (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
+    shutil.copytree(straight / "ckpt" / "step_00000004", tmp_path / "resumed" / "ckpt" / "step_00000004")
+    meta = json.loads((straight / "ckpt" / "step_00000004" / "metadata.json").read_text())
+    assert (meta["epoch"], meta["batch"]) == (1, 1)
     resumed = _train(tmp_path, "resumed", data, 8, every=4)
-    _assert_same_state(_final_state(straight, tmp_path), _final_state(resumed, tmp_path), "resumed vs straight")
+    a = _full_state(straight / "ckpt" / "step_00000008", tmp_path)
+    b = _full_state(resumed / "ckpt" / "step_00000008", tmp_path)
+    _assert_same_state(a, b, "resumed vs straight")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("source", ["synthetic", "binary"])
+def test_cuda_batches_are_pinned_by_the_producer_threads_and_copy_exactly(tmp_path, tsv_files, source):
+    out, _ = converted(tmp_path, tsv_files)
+    directory = out if source == "binary" else None
+    cfg = config(source, "data.num_workers=2", "data.pin_memory=true", "data.synthetic.num_batches=5", directory=directory)
+    plain = config(source, "data.pin_memory=false", "data.synthetic.num_batches=5", directory=directory)
+    for pinned, host in zip(batches(cfg), batches(plain)):
+        tensors = [pinned.dense_features, pinned.labels, pinned.weights, pinned.sparse_features.values(),
+                   pinned.sparse_features.lengths()]
+        assert all(t.is_pinned() for t in tensors)
+        on_gpu = pinned.to(torch.device("cuda"), non_blocking=True)
+        torch.cuda.synchronize()
+        assert_same_batches([on_gpu.to(torch.device("cpu"))], [host])

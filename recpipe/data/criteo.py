@@ -1,11 +1,13 @@
 """Criteo click-log TSV reader, split across ranks by batch.
 
-Files are plain or gzip-compressed. Line format (Criteo Kaggle / Terabyte): ``label \\t D integer columns \\t F hex
-columns`` with D = ``model.num_dense_features`` and F = ``len(model.
-num_embeddings_per_feature)`` (13 and 26 for Criteo: 40 columns).
+Files are plain or gzip-compressed (told apart by their first bytes). Line format
+(Criteo Kaggle / Terabyte): ``label \\t D integer columns \\t F hex columns`` with
+D = ``model.num_dense_features`` and F = ``len(model.num_embeddings_per_feature)``
+(13 and 26 for Criteo: 40 columns).
 
 * label: ``0`` or ``1``.
-* dense: empty -> 0; value ``log(1 + max(x, 0))`` (Criteo has -1/-2 counts).
+* dense: empty -> 0; value ``log(1 + max(x, 0))`` (Criteo has -1/-2 counts),
+  computed by ``recpipe.data.columns`` as for binary data.
 * categorical: every sample has exactly one id per feature (length 1). Id 0 of
   each table is reserved for an empty field; a hex value ``v`` maps to
   ``1 + v mod (rows - 1)`` (all to 0 for a one-row table), so "missing" never

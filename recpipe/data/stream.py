@@ -62,9 +62,9 @@ class BatchStream:
 
 
 class _Producers:
-    """The threads and their queues. Only this object is shared with the threads, so
-    dropping the consumer's iterator (a trainer leaves the epoch early) runs its
-    ``__del__``, which stops them. At exit every producer still running is stopped
+    """The threads and their queues. The threads hold the stop event, their queue and
+    the stream, never the consumer's iterator, so dropping the iterator (a trainer
+    leaves an epoch early) runs its ``__del__``, which stops them. At exit every producer still running is stopped
     and joined while the interpreter is whole: a daemon thread that is inside a
     torch op when the interpreter finalizes is ended by ``pthread_exit``, which
     aborts the process ("terminate called without an active exception")."""

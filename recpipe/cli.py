@@ -1,7 +1,8 @@
-"""``recpipe`` command line: train, plan, schedule, bench.
+"""``recpipe`` command line: train, plan, schedule, bench, data.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
-``recpipe.planner.cli``, ``recpipe.pipelines.schedule``); this file only parses.
+``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``);
+this file only parses.
 Exit codes: ``recpipe.exit_codes``.
 """
 
@@ -11,7 +12,8 @@ import argparse
 import sys
 
 from recpipe.config import ConfigError
-from recpipe.exit_codes import EXIT_BAD_CONFIG
+from recpipe.data.binary_format import BinaryDataError
+from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -69,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "phase, cache work (0 = off)")
     bench.add_argument("--profile", action="store_true", help="also write the traced steps' op tables -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
+
+    from recpipe.data.cli import add_data_parser
+
+    add_data_parser(sub, _add_config_args)
     return parser
 
 
@@ -91,9 +97,16 @@ def main(argv: list[str] | None = None) -> int:
             from recpipe.bench.runner import main_bench
 
             return main_bench(args)
+        if args.command == "data":
+            from recpipe.data.cli import main_data
+
+            return main_data(args)
     except ConfigError as err:
         print(f"recpipe {args.command}: {err}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except BinaryDataError as err:
+        print(f"recpipe {args.command}: {err}", file=sys.stderr)
+        return EXIT_BAD_DATA
     raise AssertionError(f"unhandled command {args.command}")
 
 

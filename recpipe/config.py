@@ -133,6 +133,13 @@ class CriteoConfig(_Section):
     eval_files: list[str] = Field(default_factory=list)
 
 
+class BinaryConfig(_Section):
+    # Directories written by ``recpipe data convert`` (recpipe/data/binary_format.py):
+    # one set of fixed-width arrays per converted TSV file plus manifest.json.
+    train_dir: str | None = None
+    eval_dir: str | None = None  # None = no evaluation data
+
+
 class DataConfig(_Section):
     # User batches instead of a built-in source: "package.module:function", a
     # function(cfg, *, rank, world_size, split, epoch, start_batch) -> Iterable[batch]
@@ -140,12 +147,27 @@ class DataConfig(_Section):
     # ``record_stream``). Settings for it go in ``data.options``.
     factory: FactorySpec = None
     options: dict[str, Any] = Field(default_factory=dict)
-    source: Literal["synthetic", "criteo_tsv"] = "synthetic"
+    # synthetic: generated clicks; criteo_tsv: parse TSV files while training;
+    # binary: memory-mapped arrays made once from TSV by ``recpipe data convert``.
+    source: Literal["synthetic", "criteo_tsv", "binary"] = "synthetic"
     batch_size: int = Field(512, gt=0, description="samples per rank and step")
+    # Parallel batch makers per rank. synthetic and binary: threads inside the
+    # training process (no copies between processes; 0 = made in the training loop
+    # itself). criteo_tsv: forked worker processes (parsing holds the GIL).
     num_workers: int = Field(1, ge=0)
     pin_memory: bool = True
+    # binary only: a new row order every epoch, deterministic in (train.seed, epoch):
+    # blocks of ``shuffle_block_rows`` consecutive rows are permuted, then the rows
+    # inside each batch. The eval split is never shuffled.
+    shuffle: bool = False
+    shuffle_block_rows: int = Field(1024, gt=0)
+    # Ids per sample of each sparse feature in criteo_tsv / binary data (one entry
+    # per feature; None = one id each, the Criteo layout). A TSV field then holds
+    # exactly that many comma-separated hex ids, or is empty (that many id 0).
+    multi_hot_sizes: list[Annotated[int, Field(gt=0)]] | None = None
     synthetic: SyntheticConfig = SyntheticConfig()
     criteo: CriteoConfig = CriteoConfig()
+    binary: BinaryConfig = BinaryConfig()
 
     @model_validator(mode="after")
     def _files(self) -> "DataConfig":
@@ -153,6 +175,16 @@ class DataConfig(_Section):
             raise ValueError(f"data.factory={self.factory!r} and data.source={self.source!r} both name the data; set one")
         if self.source == "criteo_tsv" and not self.criteo.train_files:
             raise ValueError("data.criteo.train_files is empty but data.source='criteo_tsv'")
+        if self.source == "binary" and self.binary.train_dir is None:
+            raise ValueError("data.binary.train_dir is not set but data.source='binary' (a directory made by "
+                             "`recpipe data convert`)")
+        if self.shuffle and self.source != "binary":
+            raise ValueError(f"data.shuffle=true needs data.source='binary' (got data.source={self.source!r}): "
+                             "only memory-mapped data can be read in a shuffled order; convert TSV files with "
+                             "`recpipe data convert`")
+        if self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None:
+            raise ValueError("data.multi_hot_sizes describes criteo_tsv / binary data, but data.source='synthetic' "
+                             "(its ids per sample come from data.synthetic.mean_pooling_factors)")
         return self
 
 
@@ -442,6 +474,12 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
         problems.append(
             f"data.synthetic.mean_pooling_factors has {len(syn.mean_pooling_factors)} entries but "
             f"model.num_embeddings_per_feature has {cfg.model.num_sparse_features} features"
+        )
+    hot = cfg.data.multi_hot_sizes
+    if cfg.model.factory is None and hot is not None and len(hot) != cfg.model.num_sparse_features:
+        problems.append(
+            f"data.multi_hot_sizes has {len(hot)} entries but model.num_embeddings_per_feature has "
+            f"{cfg.model.num_sparse_features} features"
         )
     if syn.num_batches_per_rank is not None and len(syn.num_batches_per_rank) != cfg.distributed.nproc:
         problems.append(

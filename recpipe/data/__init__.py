@@ -1,11 +1,29 @@
-"""Input data: the :class:`Batch` type and DataLoaders that yield it.
+"""Input data: the :class:`Batch` type and loaders that yield it.
 
 ``make_dataloader(cfg, rank=, world_size=, split=, epoch=, start_batch=)`` yields
-rank-local batches in index order (synthetic click log or Criteo TSV, by
-``data.source``); ``num_batches`` says how many a rank has (None for TSV).
+rank-local batches in index order (synthetic click log, Criteo TSV, or a binary
+dataset made by ``recpipe data convert``, by ``data.source``); ``num_batches`` says
+how many a rank has (None for TSV); ``check_data`` checks the configured files
+before any process starts.
+
+The names are imported on first use, so that ``recpipe.data.binary_format`` (numpy
+only) can be imported without torch and torchrec.
 """
 
-from recpipe.data.batch import Batch
-from recpipe.data.loader import make_dataloader, num_batches
+from __future__ import annotations
 
-__all__ = ["Batch", "make_dataloader", "num_batches"]
+from typing import Any
+
+__all__ = ["Batch", "check_data", "make_dataloader", "num_batches"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Batch":
+        from recpipe.data.batch import Batch
+
+        return Batch
+    if name in ("check_data", "make_dataloader", "num_batches"):
+        from recpipe.data import loader
+
+        return getattr(loader, name)
+    raise AttributeError(f"module 'recpipe.data' has no attribute {name!r}")

@@ -1,15 +1,20 @@
 """Criteo click-log TSV reader, split across ranks by batch.
 
-Line format (Criteo Kaggle / Terabyte): ``label \\t D integer columns \\t F hex
-columns`` with D = ``model.num_dense_features`` and F = ``len(model.
-num_embeddings_per_feature)`` (13 and 26 for Criteo: 40 columns).
+Files are plain or gzip-compressed (told apart by their first bytes). Line format
+(Criteo Kaggle / Terabyte): ``label \\t D integer columns \\t F hex columns`` with
+D = ``model.num_dense_features`` and F = ``len(model.num_embeddings_per_feature)``
+(13 and 26 for Criteo: 40 columns).
 
 * label: ``0`` or ``1``.
-* dense: empty -> 0; value ``log(1 + max(x, 0))`` (Criteo has -1/-2 counts).
+* dense: empty -> 0; value ``log(1 + max(x, 0))`` (Criteo has -1/-2 counts),
+  computed by ``recpipe.data.columns`` as for binary data.
 * categorical: every sample has exactly one id per feature (length 1). Id 0 of
   each table is reserved for an empty field; a hex value ``v`` maps to
   ``1 + v mod (rows - 1)`` (all to 0 for a one-row table), so "missing" never
   shares a row with a real value.
+* multi-hot (``data.multi_hot_sizes``, ``h_f`` ids for feature f, as in the MLPerf
+  DLRM-DCNv2 data): a categorical field holds exactly ``h_f`` comma-separated hex
+  values, each mapped as above, or is empty (``h_f`` times id 0).
 * A malformed line raises ``ValueError("<file>:<line>: <what is wrong>")`` with the
   1-based line number in that file.
 
@@ -26,25 +31,56 @@ not change the data (no shuffling).
 
 from __future__ import annotations
 
+import gzip
+import io
 from itertools import islice
 from typing import Iterable, Iterator
 
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+import numpy as np
 
 from recpipe.config import RecpipeConfig
 from recpipe.data.batch import Batch
+from recpipe.data.columns import ColumnLayout
 
-__all__ = ["CriteoTsvReader", "parse_line"]
+__all__ = ["CriteoTsvReader", "hotness_of", "open_lines", "parse_line"]
 
 _Line = tuple[str, int, bytes]  # (file, 1-based line number, raw line)
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
+_INT64_MAX = 2**63 - 1
+
+
+def open_lines(path: str, raw: io.RawIOBase | None = None) -> io.BufferedReader:
+    """The lines of a plain or gzip file (told apart by gzip's magic bytes, not the
+    name). ``raw``: read the file's bytes through this stream instead of opening it."""
+    with open(path, "rb") as fh:
+        gzipped = fh.read(2) == b"\x1f\x8b"
+    stream = raw if raw is not None else io.FileIO(path, "rb")
+    if gzipped:
+        stream = gzip.GzipFile(fileobj=io.BufferedReader(stream, 1 << 20), mode="rb")
+    return io.BufferedReader(stream, 1 << 20)
+
+
+def hotness_of(cfg: RecpipeConfig) -> list[int]:
+    """Ids per sample of each sparse feature (``data.multi_hot_sizes``, else all 1)."""
+    hot = cfg.data.multi_hot_sizes
+    return list(hot) if hot is not None else [1] * cfg.model.num_sparse_features
+
+
+def _hex_id(field: bytes, rows: int, f: int, num_dense: int, where: str) -> int:
+    if field.lstrip(_HEX_DIGITS):  # stricter than int(x, 16): no sign, space or "_"
+        raise ValueError(
+            f"{where}: categorical column {f} (column {f + 2 + num_dense}) is not hex: "
+            f"{field.decode(errors='replace')!r}"
+        )
+    return 1 + int(field, 16) % (rows - 1) if rows > 1 else 0
 
 
 def parse_line(
-    raw: bytes, rows: list[int], num_dense: int, where: str
+    raw: bytes, rows: list[int], num_dense: int, where: str, hotness: list[int] | None = None
 ) -> tuple[float, list[int], list[int]]:
-    """(label, dense ints clamped at 0, ids per feature) of one line; ``where`` = "file:line"."""
+    """(label, dense ints clamped at 0, ids) of one line; ``where`` = "file:line".
+
+    ``ids`` holds ``hotness[f]`` ids of feature f (default 1 each), features in order."""
     fields = raw.rstrip(b"\r\n").split(b"\t")
     expected = 1 + num_dense + len(rows)
     if len(fields) != expected:
@@ -63,18 +99,21 @@ def parse_line(
                 f"{where}: dense column {j} (column {j + 2}) is not an integer: "
                 f"{field.decode(errors='replace')!r}"
             ) from None
-    ids = []
+    ids: list[int] = []
     for f, field in enumerate(fields[1 + num_dense :]):
+        h = 1 if hotness is None else hotness[f]
         if not field:
-            ids.append(0)
-            continue
-        if field.lstrip(_HEX_DIGITS):  # stricter than int(x, 16): no sign, space or "_"
-            raise ValueError(
-                f"{where}: categorical column {f} (column {f + 2 + num_dense}) is not hex: "
-                f"{field.decode(errors='replace')!r}"
-            )
-        value = int(field, 16)
-        ids.append(1 + value % (rows[f] - 1) if rows[f] > 1 else 0)
+            ids.extend([0] * h)
+        elif h == 1:
+            ids.append(_hex_id(field, rows[f], f, num_dense, where))
+        else:
+            parts = field.split(b",")
+            if len(parts) != h:
+                raise ValueError(
+                    f"{where}: categorical column {f} (column {f + 2 + num_dense}) has {len(parts)} ids, "
+                    f"data.multi_hot_sizes[{f}]={h}"
+                )
+            ids.extend(_hex_id(part, rows[f], f, num_dense, where) for part in parts)
     return float(fields[0] == b"1"), dense, ids
 
 
@@ -89,7 +128,7 @@ class _LineCursor:
     @staticmethod
     def _iter(files: list[str]) -> Iterator[_Line]:
         for path in files:
-            with open(path, "rb") as fh:
+            with open_lines(path) as fh:
                 for lineno, raw in enumerate(fh, start=1):
                     yield path, lineno, raw
 
@@ -126,7 +165,8 @@ class CriteoTsvReader:
         self.batch_size = cfg.data.batch_size
         self.rows = list(cfg.model.num_embeddings_per_feature)
         self.num_dense = cfg.model.num_dense_features
-        self.keys = cfg.model.feature_names
+        self.hotness = hotness_of(cfg)
+        self.layout = ColumnLayout(cfg.model.feature_names, self.hotness, self.num_dense)
 
     def batches(self, indices: Iterable[int]) -> Iterator[Batch]:
         """Batches at increasing ``indices``; stops at the first index past the data."""
@@ -142,24 +182,16 @@ class CriteoTsvReader:
             yield self._parse(lines)
 
     def _parse(self, lines: list[_Line]) -> Batch:
-        bs, num_features = self.batch_size, len(self.rows)
-        labels = [0.0] * bs
-        dense = [[0] * self.num_dense for _ in range(bs)]
-        ids = [[0] * bs for _ in range(num_features)]  # feature-major, like the KJT
-        for s, (path, lineno, raw) in enumerate(lines):
-            labels[s], dense[s], sample_ids = parse_line(raw, self.rows, self.num_dense, f"{path}:{lineno}")
-            for f in range(num_features):
-                ids[f][s] = sample_ids[f]
-        weights = torch.zeros(bs)
-        weights[: len(lines)] = 1.0
-        kjt = KeyedJaggedTensor(
-            keys=self.keys,
-            values=torch.tensor(ids, dtype=torch.int64).flatten(),
-            lengths=torch.ones(num_features * bs, dtype=torch.int32),
-        )
-        return Batch(
-            dense_features=torch.tensor(dense, dtype=torch.float64).log1p_().float(),
-            sparse_features=kjt,
-            labels=torch.tensor(labels),
-            weights=weights,
-        )
+        rows = []  # per line: label, dense counts, ids
+        for path, lineno, raw in lines:
+            label, dense, ids = parse_line(raw, self.rows, self.num_dense, f"{path}:{lineno}", self.hotness)
+            if dense and max(dense) > _INT64_MAX:
+                raise ValueError(f"{path}:{lineno}: a dense count exceeds {_INT64_MAX} (int64): {max(dense)}")
+            rows.append([int(label), *dense, *ids])
+        n = len(rows)
+        table = np.array(rows, dtype=np.int64).reshape(n, 1 + self.num_dense + self.layout.ids_per_sample)
+        start, columns = 1 + self.num_dense, []
+        for h in self.hotness:
+            columns.append(table[:, start : start + h])
+            start += h
+        return self.layout.build(table[:, 0], table[:, 1 : 1 + self.num_dense], columns, n, self.batch_size)

@@ -1,28 +1,43 @@
-"""DataLoaders of whole :class:`Batch` objects, for the synthetic log or Criteo TSV.
+"""Loaders of whole :class:`Batch` objects: synthetic log, Criteo TSV or binary.
 
 Contract of :func:`make_dataloader`: iterating yields ``Batch`` objects in
 batch-index order ``start_batch, start_batch + 1, ...`` of ``rank``'s ``split``
-stream, bit-for-bit identical whatever ``data.num_workers`` is. Worker ``w`` of
-``n`` makes batch indices ``start_batch + w, start_batch + w + n, ...`` and torch's
-DataLoader takes one result from each worker in turn, which restores the order.
-Everything handed to workers is a module-level class or function, so the loader
-also works inside ``torch.multiprocessing.spawn``-ed trainers.
+stream, bit-for-bit identical whatever ``data.num_workers`` is.
+
+* synthetic, binary: a :class:`~recpipe.data.stream.BatchStream`, whose
+  ``data.num_workers`` threads make the batches inside the training process (in
+  pinned memory on CUDA when ``data.pin_memory``); see ``stream`` for why not
+  worker processes.
+* criteo_tsv: a torch DataLoader with ``data.num_workers`` *forked* worker
+  processes (parsing is pure Python, so threads would share one core). Worker ``w``
+  of ``n`` makes batch indices ``start_batch + w, start_batch + w + n, ...`` and the
+  DataLoader takes one result from each worker in turn, which restores the order.
+  Forked, not spawned: a spawned worker would import torch, torchrec and fbgemm
+  again (seconds, and fbgemm's import warnings) before its first batch; the
+  workers never touch CUDA. Everything handed to workers is module-level, so the
+  loader also works where only spawn exists.
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
+import os
+from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from recpipe.config import RecpipeConfig
+from recpipe.config import ConfigError, RecpipeConfig
 from recpipe.data.batch import Batch
+from recpipe.data.binary import BinaryDataset
+from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
 from recpipe.data.criteo import CriteoTsvReader
+from recpipe.data.stream import BatchStream
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
-__all__ = ["make_dataloader", "num_batches"]
+__all__ = ["check_data", "make_dataloader", "num_batches"]
 
 
 def _check(cfg: RecpipeConfig, rank: int, world_size: int, split: str) -> None:
@@ -37,17 +52,64 @@ def _tsv_files(cfg: RecpipeConfig, split: str) -> list[str]:
     return list(crit.train_files if split == "train" else crit.eval_files)
 
 
+def _binary_dir(cfg: RecpipeConfig, split: str) -> str | None:
+    b = cfg.data.binary
+    return b.train_dir if split == "train" else b.eval_dir
+
+
 def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> int | None:
     """Batches ``rank`` has in ``split`` per epoch; None when only reading would tell (TSV).
 
-    A TSV split without files has 0 batches. TSV ranks always have equal counts.
-    """
+    A TSV or binary split without data has 0 batches; all TSV and binary ranks have
+    equal counts."""
     _check(cfg, rank, world_size, split)
     if cfg.data.factory is not None:
         return None
     if cfg.data.source == "synthetic":
         return num_synthetic_batches(cfg, rank=rank, split=split)
+    if cfg.data.source == "binary":
+        directory = _binary_dir(cfg, split)
+        if directory is None:
+            return 0
+        rows = read_manifest(directory).num_rows
+        return -(-rows // (world_size * cfg.data.batch_size))
     return None if _tsv_files(cfg, split) else 0
+
+
+def check_data(cfg: RecpipeConfig) -> None:
+    """Before any process starts: the TSV files exist; a binary dataset is complete,
+    of the config's layout, and every file has its manifest size. Raises
+    ``BinaryDataError`` naming the file (``ConfigError`` for missing TSV files)."""
+    if cfg.data.factory is not None:
+        return
+    if cfg.data.source == "criteo_tsv":
+        crit = cfg.data.criteo
+        for key, files in (("train_files", crit.train_files), ("eval_files", crit.eval_files)):
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise ConfigError(f"data.criteo.{key}: no such file(s) {missing}")
+    if cfg.data.source == "binary":
+        for split in ("train", "eval"):
+            if _binary_dir(cfg, split) is not None:
+                _binary_dataset(cfg, rank=0, world_size=1, split=split)
+
+
+def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:
+    directory = _binary_dir(cfg, split)
+    assert directory is not None
+    if not Path(directory).is_dir():
+        raise BinaryDataError(f"data.binary.{split}_dir={directory!r} is not a directory")
+    return BinaryDataset(
+        directory,
+        Layout.from_config(cfg),
+        cfg.model.feature_names,
+        batch_size=cfg.data.batch_size,
+        rank=rank,
+        world_size=world_size,
+        shuffle=cfg.data.shuffle and split == "train",
+        block_rows=cfg.data.shuffle_block_rows,
+        seed=cfg.train.seed,
+    )
 
 
 def _worker_slice(start: int, stop: int | None) -> Iterator[int]:
@@ -55,23 +117,6 @@ def _worker_slice(start: int, stop: int | None) -> Iterator[int]:
     info = get_worker_info()
     worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
     return itertools.islice(itertools.count(start), worker, None if stop is None else max(stop - start, 0), workers)
-
-
-class SyntheticDataset(IterableDataset):
-    """Batches ``start_batch ..`` of one rank's synthetic split."""
-
-    def __init__(self, cfg: RecpipeConfig, *, rank: int, split: str, epoch: int, start_batch: int) -> None:
-        self.log = SyntheticClickLog(cfg)
-        self.rank, self.split, self.epoch = rank, split, epoch
-        self.start = start_batch
-        self.stop = num_synthetic_batches(cfg, rank=rank, split=split)
-
-    def __len__(self) -> int:
-        return max(self.stop - self.start, 0)
-
-    def __iter__(self) -> Iterator[Batch]:
-        for index in _worker_slice(self.start, self.stop):
-            yield self.log.batch(rank=self.rank, split=self.split, epoch=self.epoch, index=index)
 
 
 class CriteoTsvDataset(IterableDataset):
@@ -92,7 +137,6 @@ class CriteoTsvDataset(IterableDataset):
 def user_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int) -> Iterable[Any]:
     """``data.factory(cfg, rank=, world_size=, split=, epoch=, start_batch=)``: the
     user's batches (None = no batches for this split, e.g. no eval data)."""
-    from recpipe.config import ConfigError
     from recpipe.models.factory import load_callable
 
     fn = load_callable(cfg.data.factory, "data.factory")
@@ -117,6 +161,17 @@ def init_worker(worker_id: int) -> None:
     torch.set_num_threads(1)
 
 
+class _SyntheticBatch:
+    """``index -> batch`` of one rank's synthetic split (pinned when ``pin``)."""
+
+    def __init__(self, cfg: RecpipeConfig, rank: int, split: str, epoch: int, pin: bool) -> None:
+        self.log, self.rank, self.split, self.epoch, self.pin = SyntheticClickLog(cfg), rank, split, epoch, pin
+
+    def __call__(self, index: int) -> Batch:
+        batch = self.log.batch(rank=self.rank, split=self.split, epoch=self.epoch, index=index)
+        return batch.pin_memory() if self.pin else batch
+
+
 def make_dataloader(
     cfg: RecpipeConfig,
     *,
@@ -126,26 +181,35 @@ def make_dataloader(
     epoch: int = 0,
     start_batch: int = 0,
 ) -> Iterable[Any]:
-    """A DataLoader over ``rank``'s ``split`` batches from index ``start_batch`` on
+    """An iterable over ``rank``'s ``split`` batches from index ``start_batch`` on
     (with ``data.factory``: whatever the user's function returns for the same arguments)."""
     _check(cfg, rank, world_size, split)
     if start_batch < 0:
         raise ValueError(f"start_batch must be >= 0, got {start_batch}")
     if cfg.data.factory is not None:
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
-    dataset: IterableDataset
-    if cfg.data.source == "synthetic":
-        dataset = SyntheticDataset(cfg, rank=rank, split=split, epoch=epoch, start_batch=start_batch)
-    else:
-        reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
-        dataset = CriteoTsvDataset(reader, start_batch=start_batch)
+    pin = cfg.data.pin_memory and torch.cuda.is_available()
+    pin_device = torch.device("cuda", torch.cuda.current_device()) if pin else None
     workers = cfg.data.num_workers
+    if cfg.data.source == "synthetic":
+        stop = num_synthetic_batches(cfg, rank=rank, split=split)
+        return BatchStream(_SyntheticBatch(cfg, rank, split, epoch, pin), start_batch, stop, workers, pin_device)
+    if cfg.data.source == "binary":
+        if _binary_dir(cfg, split) is None:
+            return []
+        dataset = _binary_dataset(cfg, rank=rank, world_size=world_size, split=split)
+        order = dataset.block_order(epoch)
+        make = lambda i: dataset.batch(i, order, epoch, pin=pin)  # noqa: E731  (threads: no pickling)
+        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device)
+    reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
+    fork = "fork" in multiprocessing.get_all_start_methods()
     return DataLoader(
-        dataset,
+        CriteoTsvDataset(reader, start_batch=start_batch),
         batch_size=None,
         num_workers=workers,
         collate_fn=identity_collate,
-        pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
+        pin_memory=pin,
         worker_init_fn=init_worker if workers > 0 else None,
+        multiprocessing_context=("fork" if fork else None) if workers > 0 else None,
         persistent_workers=False,
     )

@@ -86,18 +86,45 @@ def _hash_unit(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _srl(z, 11).double() * 2.0**-53
 
 
-def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Inverse CDF of density ∝ x^-alpha on [0.5, rows + 0.5] at ``u``, rounded: ranks 0..rows-1."""
+def _zipf_scale(rows: torch.Tensor, alpha: float) -> torch.Tensor | None:
+    """Per-table constant of :func:`_zipf_ranks` (float64 [F]); None for the uniform law."""
     if alpha == 0.0:
-        return torch.floor(u * rows).long().clamp_(max=rows.long() - 1)
+        return None
     b = 1.0 - alpha
     if abs(b) < 1e-6:  # alpha == 1: the power form degenerates into the log form
-        x = 0.5 * torch.exp(u * torch.log((rows + 0.5) / 0.5))
+        return torch.log((rows + 0.5) / 0.5)
+    return (rows + 0.5) ** b - 0.5**b
+
+
+def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse CDF of density ∝ x^-alpha on [0.5, rows + 0.5] at ``u``, rounded: ranks 0..rows-1.
+
+    ``rows`` (float64) and ``scale`` (``_zipf_scale`` of ``rows``, computed here when
+    None) are per element of ``u``."""
+    if alpha == 0.0:
+        return torch.floor(u * rows).long().clamp_(max=rows.long() - 1)
+    if scale is None:
+        scale = _zipf_scale(rows, alpha)
+    b = 1.0 - alpha
+    if abs(b) < 1e-6:
+        x = 0.5 * torch.exp(u * scale)
     else:
-        lo, hi = 0.5**b, (rows + 0.5) ** b
-        x = (lo + u * (hi - lo)) ** (1.0 / b)
+        x = (0.5**b + u * scale) ** (1.0 / b)
     ranks = torch.floor(x + 0.5).long() - 1
     return torch.minimum(ranks.clamp_(min=0), rows.long() - 1)
+
+
+def _same_on_every_path(fn, values: torch.Tensor) -> torch.Tensor | None:
+    """``fn(values)`` (elementwise) if every element gets the same result whether
+    torch's CPU kernel takes its vectorised body (Sleef) or its scalar tail (libm);
+    else None. A per-table constant computed once then equals what an elementwise
+    computation over any batch would give at any position, whatever the batch size
+    and thread count."""
+    vector = fn(values.repeat_interleave(64))  # 64 copies: all in the vector body
+    scalar = torch.cat([fn(values[i : i + 1]) for i in range(values.numel())])  # one element: the scalar loop
+    if torch.equal(vector.view(-1, 64), scalar.unsqueeze(1).expand(-1, 64)):
+        return scalar
+    return None
 
 
 class SyntheticClickLog:
@@ -132,6 +159,14 @@ class SyntheticClickLog:
         self.mult = torch.tensor(mult, dtype=torch.int64)
         self.offset = torch.tensor(offset, dtype=torch.int64)
         self.hash_keys = torch.tensor([_signed(_seed("planted", seed, f)) for f in range(num_features)])
+        # Per-table integers, repeated per id in one call: rows, mult, offset, hash key.
+        self.table_ints = torch.stack([self.rows, self.mult, self.offset, self.hash_keys])
+        # The Zipf constant per table, when that is exact (else computed per id, as it was).
+        self.zipf_scale = None
+        if self.alpha != 0.0:
+            self.zipf_scale = _same_on_every_path(lambda r: _zipf_scale(r, self.alpha), self.rows.double())
+        # Features whose lengths are drawn (mean > 1); Poisson(0) draws nothing from the generator.
+        self.drawn = (self.mean_pooling > 1.0).nonzero().flatten()
 
         g = torch.Generator().manual_seed(_seed("dense", seed))
         num_dense = model.num_dense_features
@@ -142,41 +177,57 @@ class SyntheticClickLog:
         self.bias = 0.0  # planted_logits subtracts it; calibrated on the raw logits
         self.bias = self._calibrate_bias(_seed("calibration", seed))
 
-    def _features(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, KeyedJaggedTensor]:
-        """Dense [size, D] and the KJT; draws dense, lengths, ids from ``g`` in that order."""
+    def _features(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+        """Dense [size, D], the KJT, and each id's table hash key (broadcastable to the
+        ids); draws dense, lengths, ids from ``g`` in that order."""
         z = torch.randn(size, self.dense_mu.numel(), generator=g)
         dense = torch.floor(torch.exp(self.dense_mu + self.dense_sigma * z)).log1p_()
-        rates = (self.mean_pooling - 1.0).unsqueeze(1).expand(-1, size).contiguous()
-        lengths = (torch.poisson(rates, generator=g) + 1).to(torch.int32)  # [F, size]
-        per_feature = lengths.sum(dim=1)
-        total = int(per_feature.sum())
-        rows = self.rows.repeat_interleave(per_feature, output_size=total)
-        u = torch.rand(total, generator=g, dtype=torch.float64)
-        ranks = _zipf_ranks(u, rows.double(), self.alpha)
-        mult = self.mult.repeat_interleave(per_feature, output_size=total)
-        offset = self.offset.repeat_interleave(per_feature, output_size=total)
-        ids = (ranks * mult + offset) % rows
+        num_features = len(self.keys)
+        lengths = torch.ones(num_features, size, dtype=torch.int32)
+        if self.drawn.numel():  # some bags hold several ids: per-table constants repeated per id
+            rates = (self.mean_pooling[self.drawn] - 1.0).unsqueeze(1).expand(-1, size).contiguous()
+            lengths[self.drawn] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
+            per_feature = lengths.sum(dim=1)
+            total = int(per_feature.sum())
+            shape: tuple[int, ...] = (total,)
+            per_id = lambda t: t.repeat_interleave(per_feature, dim=-1, output_size=total)  # noqa: E731
+        else:  # one id per sample and feature: ids as [F, size], per-table constants broadcast
+            shape = (num_features, size)
+            per_id = lambda t: t.unsqueeze(-1)  # noqa: E731
+        rows, mult, offset, hash_keys = per_id(self.table_ints)
+        u = torch.rand(shape, generator=g, dtype=torch.float64)  # the same draws for either shape
+        scale = None if self.zipf_scale is None else per_id(self.zipf_scale)
+        ranks = _zipf_ranks(u, rows.double(), self.alpha, scale)
+        ids = ((ranks * mult + offset) % rows).flatten()
         kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten())
-        return dense, kjt
+        return dense, kjt, hash_keys
 
-    def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        """The ground-truth click logit of each sample (float64 [B])."""
+    def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, hash_keys: torch.Tensor | None = None) -> torch.Tensor:
+        """The ground-truth click logit of each sample (float64 [B]); ``hash_keys``: each
+        id's table key as ``_features`` returns it, if the caller has them."""
         size = dense.shape[0]
         std = (dense.double() - self.dense_mu.double()) / self.dense_sigma.double()
         logit = std @ self.dense_w
         lengths = sparse.lengths().long()
-        per_feature = lengths.view(-1, size).sum(dim=1)
         values = sparse.values()
-        keys = self.hash_keys.repeat_interleave(per_feature, output_size=values.numel())
-        h = (2.0 * _hash_unit(values, keys) - 1.0) * math.sqrt(3.0)  # unit variance
-        sample = torch.arange(lengths.numel()).repeat_interleave(lengths, output_size=values.numel()) % size
-        logit.index_add_(0, sample, h)
+        if hash_keys is None:
+            per_feature = lengths.view(-1, size).sum(dim=1)
+            hash_keys = self.hash_keys.repeat_interleave(per_feature, output_size=values.numel())
+        if hash_keys.dim() == 2:  # [F, 1]: one id per sample and feature
+            h = (2.0 * _hash_unit(values.view(-1, size), hash_keys) - 1.0) * math.sqrt(3.0)
+            for h_f in h:  # each sample's terms added in feature order, as index_add_ below does
+                logit += h_f
+        else:
+            h = (2.0 * _hash_unit(values, hash_keys) - 1.0) * math.sqrt(3.0)  # unit variance
+            # The sample of each id: samples 0..size-1 once per feature, each repeated by its length.
+            sample = torch.arange(size).repeat(lengths.numel() // size).repeat_interleave(lengths, output_size=values.numel())
+            logit.index_add_(0, sample, h)
         return self.scale * logit - self.bias
 
     def _calibrate_bias(self, seed: int) -> float:
         """Bias giving a ~30% positive rate, by bisection on a fixed calibration sample."""
-        dense, kjt = self._features(torch.Generator().manual_seed(seed), _CALIBRATION_SAMPLES)
-        raw = self.planted_logits(dense, kjt)
+        dense, kjt, hash_keys = self._features(torch.Generator().manual_seed(seed), _CALIBRATION_SAMPLES)
+        raw = self.planted_logits(dense, kjt, hash_keys)
         lo, hi = -50.0, 50.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
@@ -190,8 +241,8 @@ class SyntheticClickLog:
         """Batch ``index`` of ``rank``'s ``split`` stream; eval ignores ``epoch``."""
         stream_epoch = 0 if split == "eval" else epoch
         g = torch.Generator().manual_seed(_seed("batch", self.seed, rank, split, stream_epoch, index))
-        dense, kjt = self._features(g, self.batch_size)
-        p = torch.sigmoid(self.planted_logits(dense, kjt))
+        dense, kjt, hash_keys = self._features(g, self.batch_size)
+        p = torch.sigmoid(self.planted_logits(dense, kjt, hash_keys))
         labels = (torch.rand(self.batch_size, generator=g, dtype=torch.float64) < p).float()
         return Batch(
             dense_features=dense,

@@ -1,0 +1,324 @@
+"""``recpipe data convert``: Criteo-layout TSV files (plain or gzip) -> a binary dataset.
+
+Each input file becomes one part (``binary_format``), converted by one process of a
+pool (``--workers``, default one per core); rows keep the order of the lines, and
+parts the order of the files on the command line, so the dataset's row stream is
+the TSV reader's line stream. Lines are parsed by the TSV reader's own
+``parse_line`` (same validation, same id hashing).
+
+Restartable: the first run writes the manifest with the list of sources; each part's
+entry is added when the part is complete. A later run with the same files skips the
+finished parts (after checking that their sources did not change and that their
+files still have the manifest's sizes) and redoes the others. Column files are
+written under temporary names, fsynced, renamed, and only then recorded.
+
+Malformed lines raise ``ValueError("<file>:<line>: ...")``; with ``skip_malformed=N``
+up to N malformed lines *per file* are skipped, counted and listed in the manifest
+and in the report. A dense count must also fit the format's int32.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import multiprocessing
+import os
+import queue
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from tqdm import tqdm
+
+from recpipe.data.binary_format import (
+    BinaryDataError,
+    Layout,
+    Manifest,
+    check_part_files,
+    column_path,
+    fsync_dir,
+    part_name,
+    read_manifest,
+)
+from recpipe.data.criteo import open_lines, parse_line
+
+__all__ = ["ConvertReport", "convert"]
+
+_INT32_MAX = 2**31 - 1
+_CHUNK_ROWS = 1 << 16  # rows parsed before they are written out
+_EXAMPLES = 5  # skipped lines listed per file
+
+
+@dataclass
+class ConvertReport:
+    directory: Path
+    converted: list[str] = field(default_factory=list)  # parts converted by this run
+    already: list[str] = field(default_factory=list)  # parts finished before
+    rows: int = 0  # rows of the whole dataset
+    skipped: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> {"count", "examples"}
+
+    def lines(self) -> list[str]:
+        out = [f"{self.directory}: {self.rows:,} rows in {len(self.converted) + len(self.already)} parts "
+               f"({len(self.converted)} converted now, {len(self.already)} already converted)"]
+        total = sum(s["count"] for s in self.skipped.values())
+        if total:
+            out.append(f"skipped {total:,} malformed lines (--skip-malformed):")
+            for source, s in self.skipped.items():
+                out.append(f"  {source}: {s['count']:,}, e.g.")
+                out.extend(f"    {example}" for example in s["examples"])
+        return out
+
+
+# ------------------------------------------------------------------- one part
+class _HashingReader(io.RawIOBase):
+    """The raw bytes of a file, hashed (SHA-256) and counted as they are read."""
+
+    def __init__(self, path: str, on_bytes: Callable[[int], None]) -> None:
+        self._fh = open(path, "rb")
+        self.sha256 = hashlib.sha256()
+        self._on_bytes = on_bytes
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._fh.readinto(buffer)
+        if n:
+            self.sha256.update(memoryview(buffer)[:n])
+            self._on_bytes(n)
+        return n
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
+class _PartWriter:
+    """Column files of one part under temporary names, with a SHA-256 each."""
+
+    def __init__(self, directory: Path, part: str, layout: Layout) -> None:
+        self.layout, self.rows = layout, 0
+        self.final = {c: column_path(directory, part, c) for c in layout.columns()}
+        self.tmp = {c: p.with_name(f".{p.name}.tmp-{os.getpid()}") for c, p in self.final.items()}
+        self.files = {c: open(p, "wb") for c, p in self.tmp.items()}
+        self.hashes = {c: hashlib.sha256() for c in self.final}
+
+    def write(self, table: np.ndarray) -> None:
+        """``table``: int64 rows of label, D dense counts, then the ids of every feature."""
+        start = 0
+        for column, (dtype, width) in self.layout.columns().items():
+            data = np.ascontiguousarray(table[:, start : start + width], dtype=dtype).tobytes()
+            self.files[column].write(data)
+            self.hashes[column].update(data)
+            start += width
+        self.rows += len(table)
+
+    def commit(self) -> dict[str, Any]:
+        for fh in self.files.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        for column, tmp in self.tmp.items():
+            os.replace(tmp, self.final[column])
+        fsync_dir(next(iter(self.final.values())).parent)
+        return {c: {"bytes": self.final[c].stat().st_size, "sha256": h.hexdigest()} for c, h in self.hashes.items()}
+
+    def abort(self) -> None:
+        for column, fh in self.files.items():
+            fh.close()
+            self.tmp[column].unlink(missing_ok=True)
+
+
+def _parse(raw: bytes, layout: Layout, where: str) -> list[int]:
+    label, dense, ids = parse_line(raw, list(layout.table_sizes), layout.num_dense, where, list(layout.hotness))
+    for j, value in enumerate(dense):
+        if value > _INT32_MAX:
+            raise ValueError(f"{where}: dense column {j} (column {j + 2}) is {value}, beyond the binary format's "
+                             f"int32 range (max {_INT32_MAX})")
+    return [int(label), *dense, *ids]
+
+
+@dataclass(frozen=True)
+class _Task:
+    source: str
+    part: str
+    directory: Path
+    layout: Layout
+    skip_malformed: int
+
+
+def convert_file(task: _Task, on_bytes: Callable[[int], None]) -> dict[str, Any]:
+    """Convert one TSV file into one finished part; returns its manifest entry."""
+    stat = os.stat(task.source)
+    raw = _HashingReader(task.source, on_bytes)
+    writer = _PartWriter(task.directory, task.part, task.layout)
+    skipped, examples, rows = 0, [], []
+    try:
+        with open_lines(task.source, raw) as lines:
+            for lineno, line in enumerate(lines, start=1):
+                try:
+                    rows.append(_parse(line, task.layout, f"{task.source}:{lineno}"))
+                except ValueError as err:
+                    if skipped >= task.skip_malformed:
+                        if task.skip_malformed:
+                            raise ValueError(f"{err} (more than --skip-malformed={task.skip_malformed} "
+                                             f"malformed lines in {task.source})") from None
+                        raise
+                    skipped += 1
+                    if len(examples) < _EXAMPLES:
+                        examples.append(str(err))
+                if len(rows) == _CHUNK_ROWS:
+                    writer.write(np.array(rows, dtype=np.int64))
+                    rows = []
+        if rows:
+            writer.write(np.array(rows, dtype=np.int64))
+        files = writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    return {
+        "rows": writer.rows,
+        "source": {"path": task.source, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                   "sha256": raw.sha256.hexdigest()},
+        "skipped_malformed": skipped,
+        "skipped_examples": examples,
+        "files": files,
+    }
+
+
+# ------------------------------------------------------------ the whole run
+_progress: Any = None  # the pool workers' progress queue (set by _init_worker)
+
+
+def _init_worker(progress: Any) -> None:
+    global _progress
+    _progress = progress
+
+
+def _convert_in_worker(task: _Task) -> tuple[str, dict[str, Any]]:
+    return task.part, convert_file(task, _progress.put)
+
+
+def _open_manifest(out: Path, layout: Layout, sources: list[dict[str, str]]) -> Manifest:
+    if not (out / "manifest.json").exists():
+        manifest = Manifest(out, layout, sources, {})
+        manifest.save()
+        return manifest
+    manifest = read_manifest(out)
+    problems = manifest.layout.differences(layout)
+    if [s["path"] for s in manifest.sources] != [s["path"] for s in sources]:
+        problems.append(f"sources {[s['path'] for s in manifest.sources]}, this run converts "
+                        f"{[s['path'] for s in sources]} (same files in the same order to resume)")
+    if problems:
+        raise BinaryDataError(f"{out} holds another conversion: its manifest has " + "; ".join(problems) +
+                              ". Use another --out, or delete the directory")
+    return manifest
+
+
+def _pending(manifest: Manifest) -> list[str]:
+    """Parts to convert; finished parts whose files are damaged are redone (with a warning)."""
+    todo = []
+    for s in manifest.sources:
+        entry = manifest.parts.get(s["part"])
+        if entry is None:
+            todo.append(s["part"])
+            continue
+        stat = os.stat(s["path"])
+        recorded = entry["source"]
+        if (stat.st_size, stat.st_mtime_ns) != (recorded["size"], recorded["mtime_ns"]):
+            raise BinaryDataError(
+                f"{s['path']} changed since it was converted into {s['part']} (size {recorded['size']} -> "
+                f"{stat.st_size}, mtime_ns {recorded['mtime_ns']} -> {stat.st_mtime_ns}); use another --out"
+            )
+        damaged = check_part_files(manifest, s["part"])
+        if damaged:
+            warnings.warn(f"converting {s['path']} again: " + "; ".join(damaged), stacklevel=2)
+            del manifest.parts[s["part"]]
+            manifest.save()
+            todo.append(s["part"])
+    return todo
+
+
+def _lock(out: Path) -> int:
+    fd = os.open(out / ".convert.lock", os.O_CREAT | os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise BinaryDataError(f"{out}: another `recpipe data convert` is writing this directory") from None
+    return fd
+
+
+def convert(
+    layout: Layout,
+    files: list[str],
+    out: str | Path,
+    *,
+    workers: int | None = None,
+    skip_malformed: int = 0,
+    progress: bool = True,
+) -> ConvertReport:
+    """Convert ``files`` into the dataset directory ``out`` (created if needed)."""
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing:
+        raise FileNotFoundError(f"input files not found: {missing}")
+    if len({os.path.abspath(f) for f in files}) != len(files):
+        raise ValueError(f"an input file is named twice: {files}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = _lock(out)
+    try:
+        for stale in out.glob(".*.tmp-*"):  # left by an interrupted run; the lock says none is running
+            stale.unlink()
+        sources = [{"path": os.path.abspath(f), "part": part_name(i, f)} for i, f in enumerate(files)]
+        manifest = _open_manifest(out, layout, sources)
+        todo = set(_pending(manifest))
+        report = ConvertReport(out, already=[s["part"] for s in sources if s["part"] not in todo])
+        tasks = [_Task(s["path"], s["part"], out, layout, skip_malformed) for s in sources if s["part"] in todo]
+        total = sum(os.stat(t.source).st_size for t in tasks)
+        with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress else True) as bar:
+            for part, entry in _run(tasks, workers or os.cpu_count() or 1, bar.update):
+                manifest.parts[part] = entry
+                manifest.save()  # the entry last: the part now counts as finished
+                report.converted.append(part)
+    finally:
+        os.close(lock)
+    report.rows = manifest.num_rows
+    for s in manifest.sources:
+        entry = manifest.parts[s["part"]]
+        if entry["skipped_malformed"]:
+            report.skipped[s["path"]] = {"count": entry["skipped_malformed"], "examples": entry["skipped_examples"]}
+    return report
+
+
+def _run(tasks: list[_Task], workers: int, on_bytes: Callable[[int], None]):
+    """(part, entry) per task as they finish: in this process for one worker, else a pool."""
+    if workers == 1 or len(tasks) <= 1:
+        for task in tasks:
+            yield task.part, convert_file(task, on_bytes)
+        return
+    # fork: the workers need no fresh interpreter (nothing to import again).
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    progress = ctx.Queue()
+    with ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(progress,)) as pool:
+        results = pool.imap_unordered(_convert_in_worker, tasks)
+        remaining = len(tasks)
+        while remaining:
+            _drain(progress, on_bytes)
+            try:
+                yield results.next(timeout=0.2)
+            except multiprocessing.TimeoutError:
+                continue
+            remaining -= 1
+        _drain(progress, on_bytes)
+
+
+def _drain(progress: Any, on_bytes: Callable[[int], None]) -> None:
+    while True:
+        try:
+            on_bytes(progress.get_nowait())
+        except queue.Empty:
+            return

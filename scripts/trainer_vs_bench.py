@@ -1,0 +1,175 @@
+"""Does ``recpipe train`` keep up with ``recpipe bench``? Samples/s of both, and the time
+from the built model to the first trained step.
+
+    python3 scripts/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb
+    python3 scripts/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb_bin \\
+        --binary-rows 4000000
+
+1. ``recpipe bench`` (subprocess) times the pipeline on pre-generated pinned batches:
+   its wall-clock samples/s over the timed steps (``samples_per_s_wall`` in bench.json).
+2. The trainer runs as ``recpipe train`` does (``distributed.nproc`` local processes,
+   the config's loader, metrics and logging; ``train.eval_every=0`` so no evaluation
+   falls inside the window). Two hooks time it without changing what it does: the
+   moment ``shard_model`` returns (the model is built), and every ``progress()``
+   call; at step 1 and every ``sync_every`` steps (a multiple of ``train.log_every``,
+   where the trainer synchronizes anyway) the device is synchronized and the clock
+   read. Steady samples/s = samples between the first mark at or after ``--steady-from``
+   and the last mark, over the wall time between them (metrics and logging included).
+3. ``--binary-rows N``: first write N synthetic Criteo-layout TSV lines
+   (scripts/synthetic_tsv.py) in one file per core, convert them with ``recpipe data
+   convert`` into OUT/data, and run both on ``data.source=binary`` (shuffled).
+
+Prints both rates, their ratio and the first-step time (targets: ratio >= 0.95,
+first step <= 10 s), and writes OUT/trainer_vs_bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recpipe.config import RecpipeConfig, load_config  # noqa: E402
+from recpipe.distributed import init_process_group, launch_local, shutdown_process_group  # noqa: E402
+
+
+def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
+    """Synthetic TSV -> binary dataset in OUT/data; returns the --set overrides that use it."""
+    from recpipe.data.binary_format import Layout
+    from recpipe.data.convert import convert
+
+    files = os.cpu_count() or 1
+    tsv = out / "tsv"
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "synthetic_tsv.py"), "--config", args.config,
+                    *sum((["--set", s] for s in args.overrides), []), "--out", str(tsv),
+                    "--lines", str(args.binary_rows), "--files", str(files)], check=True)
+    cfg = load_config(args.config, args.overrides)
+    started = time.perf_counter()
+    report = convert(Layout.from_config(cfg), [str(tsv / f"day_{i}.tsv") for i in range(files)], out / "data",
+                     progress=False)
+    print("\n".join(report.lines()) + f" ({time.perf_counter() - started:.1f} s)", flush=True)
+    return ["data.source=binary", f"data.binary.train_dir={out / 'data'}", "data.shuffle=true"]
+
+
+def run_bench(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "recpipe", "bench", "--config", args.config, "--pipelines", args.pipeline,
+           "--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup), "--no-plots", "--out", str(out / "bench")]
+    for s in overrides:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    record = json.loads((out / "bench" / "bench.json").read_text())
+    row = next(r for r in record["rows"] if r["pipeline"] == args.pipeline and r["impl"] == "recpipe")
+    if row["status"] != "ok":
+        raise SystemExit(f"the bench of {args.pipeline} did not run: {row['status']} {row['reason']}")
+    return {"samples_per_s_wall": row["samples_per_s_wall"], "samples_per_s_p50": row["samples_per_s"],
+            "step_ms_p50": row["step_ms"]["p50"], "steps": row["steps"]}
+
+
+def train_worker(cfg: RecpipeConfig, out: str, sync_every: int) -> None:
+    """One rank of ``recpipe train`` with two clocks attached (see the module docstring)."""
+    import torch.distributed as dist
+
+    from recpipe.train import trainer as trainer_module
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")  # as recpipe train does
+    device = init_process_group(cfg)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    built: list[float] = []
+    shard_model = trainer_module.shard_model
+
+    def timed_shard_model(*a, **k):
+        sharded = shard_model(*a, **k)
+        sync()
+        built.append(time.perf_counter())
+        return sharded
+
+    trainer_module.shard_model = timed_shard_model
+    try:
+        trainer = trainer_module.Trainer(cfg, device)
+    finally:
+        trainer_module.shard_model = shard_model
+    marks: list[tuple[int, float]] = []  # (steps trained, synchronized clock)
+    progress = trainer.pipeline.progress
+    steps = 0
+
+    def timed_progress(batches):
+        nonlocal steps
+        output = progress(batches)  # StopIteration at a segment's end passes through
+        steps += 1
+        if steps == 1 or steps % sync_every == 0:
+            sync()
+            marks.append((steps, time.perf_counter()))
+        return output
+
+    trainer.pipeline.progress = timed_progress
+    trainer.fit()
+    if dist.get_rank() == 0:
+        record = {"built": built[0], "marks": marks, "global_batch": cfg.data.batch_size * dist.get_world_size(),
+                  "trainer_summary": trainer.summary()}
+        Path(out, "train_marks.json").write_text(json.dumps(record))
+    shutdown_process_group()
+
+
+def steady(record: dict, steady_from: int) -> dict:
+    marks = record["marks"]
+    start = next((m for m in marks if m[0] >= steady_from and m[0] > 1), None)
+    end = marks[-1]
+    if start is None or end[0] <= start[0]:
+        raise SystemExit(f"too few steps for a steady window from step {steady_from}: marks at {[m[0] for m in marks]}")
+    rate = (end[0] - start[0]) * record["global_batch"] / (end[1] - start[1])
+    return {"samples_per_s_wall": rate, "window_steps": [start[0], end[0]],
+            "first_step_s": marks[0][1] - record["built"],
+            "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--pipeline", default="sparse_dist")
+    parser.add_argument("--steps", type=int, default=800, help="trainer steps")
+    parser.add_argument("--steady-from", type=int, default=200, help="first step of the trainer's steady window")
+    parser.add_argument("--bench-steps", type=int, default=300)
+    parser.add_argument("--bench-warmup", type=int, default=20)
+    parser.add_argument("--binary-rows", type=int, default=0, help="train on a binary dataset of this many rows")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [*args.overrides, f"pipeline.name={args.pipeline}"]
+    if args.binary_rows:
+        overrides += make_binary_data(args, out)
+    bench = run_bench(args, overrides, out)
+    cfg = load_config(args.config, [*overrides, f"train.steps={args.steps}", "train.eval_every=0",
+                                    "checkpoint.dir=null", f"logging.run_dir={out / 'train'}"])
+    sync_every = cfg.train.log_every * math.ceil(50 / cfg.train.log_every)
+    launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), sync_every)
+    train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
+    ratio = train["samples_per_s_wall"] / bench["samples_per_s_wall"]
+    result = {"config": args.config, "overrides": overrides, "pipeline": args.pipeline, "bench": bench,
+              "train": train, "ratio": ratio,
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    (out / "trainer_vs_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"bench   {args.pipeline}: {bench['samples_per_s_wall']:,.0f} samples/s (wall, {bench['steps']} steps on "
+          f"pre-generated batches; P50 step {bench['step_ms_p50']:.2f} ms)")
+    print(f"trainer {args.pipeline}: {train['samples_per_s_wall']:,.0f} samples/s (wall, steps "
+          f"{train['window_steps'][0]}-{train['window_steps'][1]}, loader, metrics and logging included; "
+          f"the trainer's own figure, which leaves out metrics: {train['trainer_reported_samples_per_s']:,.0f})")
+    print(f"ratio {ratio:.3f} (target >= 0.95); first trained step {train['first_step_s']:.1f} s after the model was "
+          f"built (target <= 10 s); {out / 'trainer_vs_bench.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from recpipe.planner.memory import LOCATION_BYTES, OUTPUT_BYTES, estimate_memory, received_kjt_bytes
 from recpipe.planner.spec import PlannerInputs, ShardSpec, TableSpec, inputs_from_config
 from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, tbe_static
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharder
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -42,7 +43,7 @@ def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel:
                   pooling_factor: float | None = None) -> tuple[int, int]:
     """(hbm, ddr) bytes of one shard of ``size`` [rows, cols] as recpipe estimates it."""
     base = inputs.table(table)
-    clf = cache_load_factor if cache_load_factor is not None else (base.cache_load_factor or 0.2)
+    clf = cache_load_factor if cache_load_factor is not None else (base.cache_load_factor or DEFAULT_CACHE_LOAD_FACTOR)
     t = TableSpec(table, base.rows, base.dim, pooling_factor if pooling_factor is not None else base.pooling_factor,
                   sharding_type, kernel, clf if kernel == "fused_uvm_caching" else None)
     s = ShardSpec(table, 0, int(size[0]), int(size[1]))
@@ -128,8 +129,6 @@ def constraints_from_config(cfg: "RecpipeConfig", world_size: int | None = None)
     pooling factor and cache params as the config says (placement left to torchrec)."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    from recpipe.sharding.build import _cache_params
-
     W = world_size or cfg.distributed.nproc
     inputs_pf = cfg.data.synthetic.mean_pooling_factors
     pfs = inputs_pf if isinstance(inputs_pf, list) else [inputs_pf] * cfg.model.num_sparse_features
@@ -138,7 +137,7 @@ def constraints_from_config(cfg: "RecpipeConfig", world_size: int | None = None)
         out[name] = ParameterConstraints(
             sharding_types=[t.type], compute_kernels=[t.kernel], pooling_factors=[float(pf)],
             min_partition=cfg.model.embedding_dim // W if t.type == "column_wise" else None,
-            cache_params=_cache_params(t, cfg),
+            cache_params=cache_params(t, cfg),
         )
     return out
 
@@ -188,7 +187,6 @@ def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
 def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
     """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates."""
     from recpipe.models.dlrm import build_model
-    from recpipe.sharding.build import make_sharder
 
     with _quiet():
         planner = torchrec_planner(cfg, inputs)
@@ -218,7 +216,6 @@ def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_awa
     from torchrec.distributed.types import PipelineType
 
     from recpipe.models.dlrm import build_model
-    from recpipe.sharding.build import make_sharder
 
     topology = _topology(inputs)
     constraints = constraints_from_config(cfg, inputs.world_size)

@@ -12,7 +12,7 @@ Shards follow torchrec's own rules so that the estimate is of the run that reall
 happens (``tests/test_planner.py`` checks them against
 ``construct_module_sharding_plan``):
 
-* table_wise: one shard, on ``recpipe.sharding.build.table_wise_ranks``'s rank;
+* table_wise: one shard, on ``recpipe.torchrec_args.table_wise_ranks``'s rank;
 * row_wise: ``ceil(rows / W)`` rows per rank, the last non-empty shard takes the
   rest, later ranks get 0 rows (torchrec ``_calculate_rw_shard_sizes_and_offsets``);
 * column_wise: ``dim / W`` columns on each rank (``sharding_plan.column_wise(ranks=...)``);
@@ -25,12 +25,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, table_wise_ranks
+
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
 
 GiB = 1 << 30
 DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
-DEFAULT_CACHE_LOAD_FACTOR = 0.2  # recpipe.sharding.build._cache_params and FBGEMM's default
 
 CACHED = "fused_uvm_caching"
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
@@ -169,7 +170,7 @@ def rw_shard_rows(rows: int, world_size: int) -> list[int]:
 
 
 def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: dict[str, int]) -> tuple[ShardSpec, ...]:
-    """Shards of every table, as ``recpipe.sharding.build.sharding_plan`` places them."""
+    """Shards of every table, as ``recpipe.sharding.sharding_plan`` places them."""
     out: list[ShardSpec] = []
     for t in tables:
         if t.sharding_type == "table_wise":
@@ -266,8 +267,6 @@ def inputs_from_config(
     shards: tuple[ShardSpec, ...] | None = None,
 ) -> PlannerInputs:
     """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``)."""
-    from recpipe.sharding.build import table_wise_ranks
-
     W = world_size or cfg.distributed.nproc
     m = cfg.model
     pf = cfg.data.synthetic.mean_pooling_factors

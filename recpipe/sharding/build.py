@@ -3,8 +3,11 @@
 The plan is explicit (``construct_module_sharding_plan``), one entry per table from
 ``sharding.default`` / ``sharding.tables``: recpipe does not search for a plan, it
 places what the config says, so the same YAML gives the same placement on CPU
-(where torchrec's planner offers no row-wise) and on GPU. The planner issue plugs
-its estimates in on top of this.
+(where torchrec's planner offers no row-wise) and on GPU. With
+``sharding.placement: planner`` torchrec's partitioner places the shards on the
+memory planner's estimates instead. What each config value becomes in torchrec and
+FBGEMM (kernels, fused params, cache params, sharders, table_wise ranks) lives in
+:mod:`recpipe.torchrec_args`, which the memory planner shares.
 """
 
 from __future__ import annotations
@@ -13,103 +16,27 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.sharding_plan import (
-    column_wise,
-    construct_module_sharding_plan,
-    data_parallel,
-    row_wise,
-    table_wise,
-)
-from torchrec.distributed.types import CacheParams, ShardingPlan
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recpipe.config import DenseOptimizerConfig, EmbeddingOptimizerConfig, RecpipeConfig, TableSharding
+from recpipe.config import DenseOptimizerConfig, RecpipeConfig
 from recpipe.models import RecModel
+from recpipe.torchrec_args import cache_params, make_sharder, parameter_sharding_generator, table_wise_ranks
 
 # Path of the EmbeddingBagCollection inside RecModel (RecModel.model = DLRM).
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
-
-_KERNEL = {"fused": "fused", "fused_uvm": "fused_uvm", "fused_uvm_caching": "fused_uvm_caching", "dense": "dense"}
-_EMB_OPT = {
-    "sgd": EmbOptimType.EXACT_SGD,
-    "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-    "adam": EmbOptimType.ADAM,
-}
-
-
-def embedding_fused_params(opt: EmbeddingOptimizerConfig, cfg: RecpipeConfig) -> dict:
-    """Keyword arguments that reach every FBGEMM TBE (optimizer fused into backward)."""
-    params: dict = {
-        "optimizer": _EMB_OPT[opt.name],
-        "learning_rate": opt.lr,
-        "eps": opt.eps,
-        "weight_decay": opt.weight_decay,
-    }
-    if opt.name == "adam":
-        params.update(beta1=opt.beta1, beta2=opt.beta2)
-    if cfg.sharding.uvm_host_mapped:
-        params["uvm_host_mapped"] = True
-    return params
-
-
-def table_wise_ranks(cfg: RecpipeConfig, world_size: int) -> dict[str, int]:
-    """Rank of each table_wise table: the configured one, else the least-loaded rank
-    (largest tables first, load = rows x dim), so placement is deterministic."""
-    loads = [0] * world_size
-    placed: dict[str, int] = {}
-    tables = cfg.table_sharding()
-    rows = dict(zip(cfg.model.table_names, cfg.model.num_embeddings_per_feature))
-    for name, t in tables.items():
-        if t.type == "table_wise" and t.rank is not None:
-            placed[name] = t.rank
-            loads[t.rank] += rows[name]
-    free = [n for n, t in tables.items() if t.type == "table_wise" and t.rank is None]
-    for name in sorted(free, key=lambda n: (-rows[n], n)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        placed[name] = rank
-        loads[rank] += rows[name]
-    return placed
-
-
-def _cache_params(t: TableSharding, cfg: RecpipeConfig) -> CacheParams | None:
-    if t.kernel != "fused_uvm_caching":
-        return None
-    # Both live here in fbgemm-gpu 1.6 and 1.8 (1.8 also has fbgemm_gpu.tbe.cache).
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, MultiPassPrefetchConfig
-
-    multipass = None
-    if cfg.sharding.prefetch_passes > 1:
-        multipass = MultiPassPrefetchConfig(
-            num_passes=cfg.sharding.prefetch_passes,
-            min_splitable_pass_size=cfg.sharding.prefetch_min_pass_size,
-        )
-    return CacheParams(
-        algorithm=CacheAlgorithm.LRU,
-        load_factor=t.cache_load_factor if t.cache_load_factor is not None else 0.2,
-        prefetch_pipeline=cfg.sharding.prefetch_pipeline,
-        multipass_prefetch_config=multipass,
-    )
 
 
 def sharding_plan(model: RecModel, cfg: RecpipeConfig, world_size: int, device_type: str) -> ShardingPlan:
     ebc = model.get_submodule(EBC_PATH)
     ranks = table_wise_ranks(cfg, world_size)
-    generators = {}
-    for name, t in cfg.table_sharding().items():
-        kernel = _KERNEL[t.kernel]
-        if t.type == "table_wise":
-            generators[name] = table_wise(rank=ranks[name], compute_kernel=kernel)
-        elif t.type == "row_wise":
-            generators[name] = row_wise(compute_kernel=kernel)
-        elif t.type == "column_wise":
-            generators[name] = column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
-        else:
-            generators[name] = data_parallel()
+    generators = {
+        name: parameter_sharding_generator(t, ranks.get(name), world_size) for name, t in cfg.table_sharding().items()
+    }
     module_plan = construct_module_sharding_plan(
         ebc,
         per_param_sharding=generators,
@@ -119,7 +46,7 @@ def sharding_plan(model: RecModel, cfg: RecpipeConfig, world_size: int, device_t
         device_type=device_type,
     )
     for name, t in cfg.table_sharding().items():
-        module_plan[name].cache_params = _cache_params(t, cfg)
+        module_plan[name].cache_params = cache_params(t, cfg)
     return ShardingPlan({EBC_PATH: module_plan})
 
 
@@ -134,10 +61,6 @@ def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device)
     box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size)) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def make_sharder(cfg: RecpipeConfig) -> EmbeddingBagCollectionSharder:
-    return EmbeddingBagCollectionSharder(fused_params=embedding_fused_params(cfg.optimizer.embedding, cfg))
 
 
 def dense_optimizer(model: nn.Module, opt: DenseOptimizerConfig) -> KeyedOptimizer:

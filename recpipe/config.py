@@ -174,7 +174,8 @@ class TableSharding(_Section):
 
 class ShardingConfig(_Section):
     default: TableSharding = TableSharding()
-    # Per-table overrides keyed by table name (t_cat_0 ...); each replaces the default.
+    # Per-table overrides keyed by table name (t_cat_0 ..., or the names of a
+    # model.factory model's tables, checked once it is built); each replaces the default.
     tables: dict[str, TableSharding] = Field(default_factory=dict)
     # FBGEMM UVM-cache prefetch pipeline (cache-line locking). Needs a
     # fused_uvm_caching table; the `prefetch` pipeline needs it on.
@@ -191,6 +192,11 @@ class ShardingConfig(_Section):
     # their `rank`, else the least-loaded rank); "planner" = torchrec's partitioner
     # sized by recpipe's memory estimates (sharding types and kernels still from here).
     placement: Literal["config", "planner"] = "config"
+    # Memory planner only: mean ids per sample for each feature of a table, by table
+    # name. Unlisted tables take data.synthetic.mean_pooling_factors (built-in model)
+    # or 1.0 (model.factory models; the plan warns which). For an EmbeddingCollection
+    # table it is the mean sequence length.
+    mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
@@ -329,7 +335,12 @@ class RecpipeConfig(_Section):
         return self
 
     def table_sharding(self) -> dict[str, TableSharding]:
-        """Resolved sharding of every table, by table name."""
+        """Resolved sharding of every table, by table name. A ``model.factory`` model's
+        tables are known only once it is built: then the configured tables plus
+        ``sharding.default`` (under that key), which is what config-time rules can
+        check; ``recpipe.embedding_tables.validated_tables`` checks the real ones."""
+        if self.model.factory is not None:
+            return {**self.sharding.tables, "sharding.default": self.sharding.default}
         return {name: self.sharding.for_table(name) for name in self.model.table_names}
 
     def to_yaml(self) -> str:
@@ -341,12 +352,13 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     sh = cfg.sharding
     known = set(cfg.model.table_names)
     # A factory model's tables are known once it is built: recpipe.sharding checks them then.
-    for name in sh.tables if cfg.model.factory is None else ():
-        if name not in known:
-            problems.append(
-                f"sharding.tables.{name}: no such table; tables are t_cat_0 .. "
-                f"t_cat_{cfg.model.num_sparse_features - 1}"
-            )
+    for key in ("tables", "mean_pooling_factors"):
+        for name in getattr(sh, key) if cfg.model.factory is None else ():
+            if name not in known:
+                problems.append(
+                    f"sharding.{key}.{name}: no such table; tables are t_cat_0 .. "
+                    f"t_cat_{cfg.model.num_sparse_features - 1}"
+                )
     resolved = {"default": sh.default, **{f"tables.{k}": v for k, v in sh.tables.items()}}
     for where, t in resolved.items():
         key = f"sharding.{where}"
@@ -371,7 +383,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.rank={t.rank} but distributed.nproc={cfg.distributed.nproc} "
                 f"(ranks are 0..{cfg.distributed.nproc - 1})"
             )
-        if t.type == "column_wise" and cfg.model.embedding_dim % cfg.distributed.nproc:
+        if t.type == "column_wise" and cfg.model.factory is None and cfg.model.embedding_dim % cfg.distributed.nproc:
             problems.append(
                 f"{key}.type='column_wise' splits model.embedding_dim={cfg.model.embedding_dim} "
                 f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"

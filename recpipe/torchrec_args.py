@@ -14,21 +14,27 @@ cheap to import.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from recpipe.embedding_tables import EBC, EC, FPEBC
 
 if TYPE_CHECKING:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.types import CacheParams
+    from torchrec.distributed.types import CacheParams, ModuleSharder
 
     from recpipe.config import EmbeddingOptimizerConfig, RecpipeConfig, TableSharding
+    from recpipe.embedding_tables import TableInfo
 
 __all__ = [
     "DEFAULT_CACHE_LOAD_FACTOR",
     "KERNELS",
     "cache_params",
+    "check_sharding_support",
     "embedding_fused_params",
     "make_sharder",
+    "make_sharders",
     "parameter_sharding_generator",
+    "supported_sharding_types",
     "table_wise_ranks",
 ]
 
@@ -60,23 +66,83 @@ def embedding_fused_params(opt: "EmbeddingOptimizerConfig", cfg: "RecpipeConfig"
 
 
 def make_sharder(cfg: "RecpipeConfig") -> "EmbeddingBagCollectionSharder":
+    """The EmbeddingBagCollection sharder (what the built-in DLRM needs)."""
+    return make_sharders(cfg)[EBC]
+
+
+def make_sharders(cfg: "RecpipeConfig") -> dict[str, "ModuleSharder"]:
+    """One torchrec sharder per module type recpipe shards (keys: the type names of
+    :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params.
+    Each gets its own dict: torchrec's lookups may add keys to the one they hold."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 
-    return EmbeddingBagCollectionSharder(fused_params=embedding_fused_params(cfg.optimizer.embedding, cfg))
+    def fused() -> dict:
+        return embedding_fused_params(cfg.optimizer.embedding, cfg)
+
+    return {
+        EBC: EmbeddingBagCollectionSharder(fused_params=fused()),
+        EC: EmbeddingCollectionSharder(fused_params=fused()),
+        FPEBC: FeatureProcessedEmbeddingBagCollectionSharder(
+            ebc_sharder=EmbeddingBagCollectionSharder(fused_params=fused())
+        ),
+    }
 
 
-def table_wise_ranks(cfg: "RecpipeConfig", world_size: int) -> dict[str, int]:
-    """Rank of each table_wise table: the configured one, else the least-loaded rank
-    (largest tables first, load = rows), so placement is deterministic."""
+# (module type, sharding type) -> why it cannot run on CPU, though torchrec lists it.
+_NOT_ON_CPU = {
+    (EC, "data_parallel"): "FBGEMM's CPU dense kernel pools the ids despite PoolingMode.NONE (fbgemm-gpu 1.8), so "
+                           "sequence embeddings come out one per sample",
+}
+
+
+def supported_sharding_types(sharder: "ModuleSharder", module_type: str, device_type: str) -> list[str]:
+    """recpipe's sharding types that torchrec's ``sharder`` accepts, as torchrec lists
+    them for CUDA (recpipe also runs row_wise on CPU, which torchrec's CPU list
+    omits), less the ones known not to run on ``device_type``."""
+    from recpipe.config import SHARDING_TYPES
+
+    offered = set(sharder.sharding_types("cuda"))
+    return [t for t in SHARDING_TYPES if t in offered
+            and not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
+
+
+def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str = "cuda") -> None:
+    """Every table's configured sharding type is one its module's sharder supports
+    on ``device_type``; ``ConfigError`` naming the key, the table, its module and the
+    allowed types otherwise."""
+    from recpipe.config import ConfigError
+
+    sharders = make_sharders(cfg)
+    problems = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        allowed = supported_sharding_types(sharders[t.module_type], t.module_type, device_type)
+        if ts.type not in allowed:
+            key = f"sharding.tables.{t.name}" if t.name in cfg.sharding.tables else "sharding.default"
+            why = _NOT_ON_CPU.get((t.module_type, ts.type))
+            problems.append(
+                f"  {key}.type={ts.type!r}: table {t.name!r} is in {t.module_type} {t.module or '<model>'!r}, "
+                f"which recpipe shards on {device_type} only as {', '.join(allowed)}" + (f" ({why})" if why else "")
+            )
+    if problems:
+        raise ConfigError("invalid config for this model:\n" + "\n".join(problems))
+
+
+def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
+    """Rank of each table_wise table of ``tables`` (the model's, in model order): the
+    configured one, else the least-loaded rank (largest tables first, load = rows),
+    so placement is deterministic."""
     loads = [0] * world_size
     placed: dict[str, int] = {}
-    tables = cfg.table_sharding()
-    rows = dict(zip(cfg.model.table_names, cfg.model.num_embeddings_per_feature))
-    for name, t in tables.items():
+    resolved = {t.name: cfg.sharding.for_table(t.name) for t in tables}
+    rows = {t.name: t.rows for t in tables}
+    for name, t in resolved.items():
         if t.type == "table_wise" and t.rank is not None:
             placed[name] = t.rank
             loads[t.rank] += rows[name]
-    free = [n for n, t in tables.items() if t.type == "table_wise" and t.rank is None]
+    free = [n for n, t in resolved.items() if t.type == "table_wise" and t.rank is None]
     for name in sorted(free, key=lambda n: (-rows[n], n)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         placed[name] = rank

@@ -58,8 +58,8 @@ TERM_DOC: dict[str, str] = {
     "cache_locations": "int32 cache slot per index of the batch in training (lxu_cache_locations)",
     "prefetch_cache_locations": "int32 cache slot per index, batch i (autograd) and i+1 (prefetched)",
     # per step, phase transients
-    "pooled_lookup": "TBE outputs before the output all-to-all / reduce-scatter",
-    "pooled_embeddings": "pooled embeddings after the output dist (B x sum of dims)",
+    "pooled_lookup": "TBE outputs before the output all-to-all / reduce-scatter (a row per bag; per id for sequence tables)",
+    "pooled_embeddings": "embeddings after the output dist (B x sum of dims; ids x dim for sequence tables)",
     "pooled_embedding_grads": "gradients of the pooled embeddings, both sides of the output dist",
     "dense_arch_activations": "activations the dense arch saves for backward",
     "top_activations": "activations of the interaction and over arch saved for backward",

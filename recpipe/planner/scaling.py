@@ -56,10 +56,10 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from recpipe.planner.memory import LENGTH_BYTES, OUTPUT_BYTES, batch_bytes
+from recpipe.planner.memory import LENGTH_BYTES, OUTPUT_BYTES, WEIGHT_BYTES, batch_bytes
 from recpipe.planner.plan import _grid, fmt_bytes
 from recpipe.planner.spec import DEFAULT_HBM_GB_WITHOUT_GPU, GiB, PlannerInputs, inputs_from_config
-from recpipe.planner.tbe import INDEX_BYTES, shard_bags, shard_indices
+from recpipe.planner.tbe import INDEX_BYTES, shard_indices, shard_output_rows
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -115,11 +115,15 @@ def a2a_bytes(inputs: PlannerInputs) -> dict[str, list[tuple[float, float]]]:
         if t.sharding_type == "data_parallel":
             continue
         share = sh.rows / t.rows if t.sharding_type == "row_wise" else 1.0
+        id_bytes = INDEX_BYTES + (WEIGHT_BYTES if t.weighted else 0)
+        # pooled: one row per sample and feature; sequence: one per id (RW: the
+        # shard's ids only, sent back by an all-to-all, not reduce-scattered)
+        rows = B * t.num_features if t.pooled else B * t.ids_per_sample * share
         for r in range(W):
-            send(kjt, r, sh.rank, B * (LENGTH_BYTES + INDEX_BYTES * t.pooling_factor * share))
-            if t.sharding_type != "row_wise":
-                send(out, sh.rank, r, B * sh.cols * OUTPUT_BYTES)
-    rw_dims = sum(t.dim for t in inputs.tables if t.sharding_type == "row_wise")
+            send(kjt, r, sh.rank, B * t.num_features * (LENGTH_BYTES + id_bytes * t.pooling_factor * share))
+            if t.sharding_type != "row_wise" or not t.pooled:
+                send(out, sh.rank, r, rows * sh.cols * OUTPUT_BYTES)
+    rw_dims = sum(t.dim * t.num_features for t in inputs.tables if t.sharding_type == "row_wise" and t.pooled)
     ring_rs = (W - 1) * B * rw_dims * OUTPUT_BYTES  # RW reduce-scatter, ring
     ring_ar = 2 * (W - 1) / W * 4 * _replicated_params(inputs)
     return {
@@ -155,7 +159,7 @@ def compute_ms(inputs: PlannerInputs, rank: int, gpu: GpuSpec, interaction_flops
     wb, B = inputs.weight_bytes, inputs.batch_size
     hbm_gather, pcie = 0.0, 0.0
     for s in inputs.shards_on(rank):
-        n, b = shard_indices(inputs, s), shard_bags(inputs, s)
+        n, b = shard_indices(inputs, s), shard_output_rows(inputs, s)
         nbytes = (3 * n + 2 * b) * s.cols * wb
         if inputs.table(s.table).kernel == "fused_uvm":
             pcie += nbytes
@@ -179,6 +183,8 @@ def interaction_flops_per_sample(cfg: "RecpipeConfig") -> float:
     features with themselves): ``2 * (F + 1)^2 * D``. DCN's cross layers have
     parameters, so ``6 * params`` already counts them: 0."""
     m = cfg.model
+    if m.factory is not None:  # unknown; a user model's parameter-free layers are not modeled
+        return 0.0
     return 2.0 * (m.num_sparse_features + 1) ** 2 * m.embedding_dim if m.arch == "dlrm" else 0.0
 
 

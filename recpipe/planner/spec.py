@@ -1,5 +1,6 @@
 """What the planner is asked about: frozen input dataclasses, and their construction
-from a :class:`~recpipe.config.RecpipeConfig`.
+from a :class:`~recpipe.config.RecpipeConfig` (the model's side:
+:mod:`recpipe.planner.model_spec`).
 
 ``PlannerInputs`` holds everything :func:`recpipe.planner.memory.estimate_memory`
 reads: tables, their shards (where each shard lives), the dense model, the
@@ -15,7 +16,10 @@ happens (``tests/test_planner.py`` checks them against
 * table_wise: one shard, on ``recpipe.torchrec_args.table_wise_ranks``'s rank;
 * row_wise: ``ceil(rows / W)`` rows per rank, the last non-empty shard takes the
   rest, later ranks get 0 rows (torchrec ``_calculate_rw_shard_sizes_and_offsets``);
-* column_wise: ``dim / W`` columns on each rank (``sharding_plan.column_wise(ranks=...)``);
+* column_wise: blocks of the smallest multiple of 4 columns that is at least
+  ``dim / W`` and divides ``dim`` (else all of ``dim``), on ranks 0, 1, ...
+  (``sharding_plan.column_wise(ranks=...)`` and ``_find_base_dim``): dim 16 over 8
+  ranks is 4 shards of 4 columns, dim 12 over 2 ranks one shard of 12;
 * data_parallel: the whole table on every rank.
 """
 
@@ -25,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, table_wise_ranks
+from recpipe.torchrec_args import table_wise_ranks
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -39,19 +43,41 @@ UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table with one feature (recpipe's Criteo layout)."""
+    """One embedding table, model-agnostic: what its module looks up per sample.
+
+    ``pooling_factor`` is the mean ids per sample of *each* of its ``num_features``
+    features. A pooled table (EmbeddingBagCollection) outputs one row per bag
+    (sample and feature); a sequence table (EmbeddingCollection, ``pooled=False``)
+    one row per id. ``weighted``: its input KJT carries an fp32 weight per id;
+    ``feature_processed``: a feature processor creates those weights after the
+    input all-to-all. ``module``: the embedding module's path; torchrec builds
+    TBEs per module, so tables of different modules never share one."""
 
     name: str
     rows: int
     dim: int
-    pooling_factor: float  # mean ids per sample of its feature
+    pooling_factor: float  # mean ids per sample of each of its features
     sharding_type: str  # table_wise | row_wise | column_wise | data_parallel
     kernel: str  # fused | fused_uvm | fused_uvm_caching | dense
     cache_load_factor: float | None = None  # fused_uvm_caching only
+    module: str = ""
+    num_features: int = 1
+    pooled: bool = True
+    weighted: bool = False
+    feature_processed: bool = False
 
     @property
     def cached(self) -> bool:
         return self.kernel == CACHED
+
+    @property
+    def ids_per_sample(self) -> float:
+        return self.pooling_factor * self.num_features
+
+    @property
+    def has_id_weights(self) -> bool:
+        """Per-id fp32 weights reach the TBE (weighted input or a feature processor)."""
+        return self.weighted or self.feature_processed
 
 
 @dataclass(frozen=True)
@@ -72,7 +98,7 @@ class DenseSpec:
 
     ``activation_floats_per_sample`` counts the fp32 activations autograd saves per
     sample in the dense arch (``dense_arch_floats``) and in the interaction + over
-    arch (``top_floats``); see :func:`dense_spec_from_config`."""
+    arch (``top_floats``); see :func:`recpipe.planner.model_spec.dense_spec`."""
 
     num_params: int
     buffer_bytes: int = 0
@@ -150,6 +176,10 @@ class PlannerInputs:
     fbgemm_version: tuple[int, int] = (1, 8)
     weight_bytes: int = 4  # fp32 tables (recpipe trains fp32)
     tw_ranks: tuple[tuple[str, int], ...] = field(default=())
+    # False for a model.factory model: its batch's dense part is unknown, only the
+    # KJTs are counted (num_dense_features is then unused).
+    dense_batch: bool = True
+    notes: tuple[str, ...] = ()  # what the estimate could not know about the model (shown as warnings)
 
     def table(self, name: str) -> TableSpec:
         for t in self.tables:
@@ -169,6 +199,13 @@ def rw_shard_rows(rows: int, world_size: int) -> list[int]:
     return [block if r < last_rank else (rows - block * last_rank if r == last_rank else 0) for r in range(world_size)]
 
 
+def cw_block_cols(dim: int, world_size: int) -> int:
+    """Columns per column_wise shard, as torchrec's ``column_wise(ranks=range(W))``
+    computes them (``_find_base_dim(dim // W, dim)``: FBGEMM wants multiples of 4)."""
+    lower = dim // world_size
+    return next((i for i in range(lower, dim) if dim % i == 0 and i % 4 == 0), dim)
+
+
 def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: dict[str, int]) -> tuple[ShardSpec, ...]:
     """Shards of every table, as ``recpipe.sharding.sharding_plan`` places them."""
     out: list[ShardSpec] = []
@@ -183,8 +220,8 @@ def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: 
         elif t.sharding_type == "column_wise":
             if t.dim % world_size:
                 raise ValueError(f"{t.name}: dim {t.dim} does not split over {world_size} ranks")
-            cols = t.dim // world_size
-            out += [ShardSpec(t.name, r, t.rows, cols, col_offset=r * cols) for r in range(world_size)]
+            cols = cw_block_cols(t.dim, world_size)
+            out += [ShardSpec(t.name, r, t.rows, cols, col_offset=r * cols) for r in range(t.dim // cols)]
         elif t.sharding_type == "data_parallel":
             out += [ShardSpec(t.name, r, t.rows, t.dim) for r in range(world_size)]
         else:
@@ -212,35 +249,6 @@ def shards_from_plan(plan, tables: tuple[TableSpec, ...]) -> tuple[ShardSpec, ..
 
 
 # ------------------------------------------------------------------ config
-def dense_spec_from_config(cfg: "RecpipeConfig") -> DenseSpec:
-    """Count the dense parameters exactly (model built on meta) and the saved
-    activations per sample (formula: approximate, see docs/planner.md)."""
-    import torch
-
-    from recpipe.models.dlrm import build_model
-
-    with torch.device("meta"):
-        model = build_model(cfg.model, device=torch.device("meta"))
-    ebc = "embedding_bag_collection"
-    params = sum(p.numel() for n, p in model.named_parameters() if ebc not in n)
-    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ebc not in n)
-    m = cfg.model
-    F, D = m.num_sparse_features, m.embedding_dim
-    # Each Linear saves its input and each ReLU its output, which is the next Linear's
-    # input: one activation per layer (the first input is the batch's dense features).
-    dense_floats = sum(m.dense_arch_layer_sizes)
-    if m.arch == "dlrm":
-        pairs = (F + 1) * F // 2
-        # the cat of dense + F pooled embeddings (saved by bmm), the [dense, pairs]
-        # concat (the over arch's input); bmm output and gather are freed
-        inter = (F + 1) * D + (D + pairs)
-    else:  # DCNv2: x0, and per layer V x, U(V x), x0 * (...) kept for backward
-        width = (F + 1) * D
-        inter = width + m.dcn_num_layers * (3 * width + m.dcn_low_rank_dim)
-    top_floats = inter + sum(m.over_arch_layer_sizes)
-    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_floats=dense_floats, top_floats=top_floats)
-
-
 def fbgemm_version() -> tuple[int, int]:
     """(major, minor) of the installed fbgemm_gpu."""
     import fbgemm_gpu
@@ -266,20 +274,19 @@ def inputs_from_config(
     fbgemm: tuple[int, int] | None = None,
     shards: tuple[ShardSpec, ...] | None = None,
 ) -> PlannerInputs:
-    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``)."""
+    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``):
+    the model is built on meta (``recpipe.models.make_model``, so a ``model.factory``
+    model too) and its tables checked against the config (``ConfigError``)."""
+    from recpipe.embedding_tables import model_on_meta, validated_tables
+    from recpipe.planner.model_spec import dense_spec, model_notes, pooling_factors, table_specs
+
     W = world_size or cfg.distributed.nproc
     m = cfg.model
-    pf = cfg.data.synthetic.mean_pooling_factors
-    pfs = list(pf) if isinstance(pf, list) else [float(pf)] * m.num_sparse_features
-    tables = []
-    for name, rows, p in zip(m.table_names, m.num_embeddings_per_feature, pfs):
-        ts = cfg.sharding.for_table(name)
-        clf = None
-        if ts.kernel == CACHED:
-            clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
-        tables.append(TableSpec(name, rows, m.embedding_dim, float(p), ts.type, ts.kernel, clf))
-    tables_t = tuple(tables)
-    tw = table_wise_ranks(cfg, W)
+    model = model_on_meta(cfg)
+    infos = validated_tables(cfg, model)
+    pfs, assumed = pooling_factors(cfg, infos)
+    tables_t = table_specs(cfg, infos, pfs)
+    tw = table_wise_ranks(cfg, W, infos)
     if shards is None:
         shards = shards_for_tables(tables_t, W, tw)
     if hbm_capacity_bytes is None:
@@ -296,7 +303,7 @@ def inputs_from_config(
         world_size=W,
         batch_size=cfg.data.batch_size,
         num_dense_features=m.num_dense_features,
-        dense=dense_spec_from_config(cfg),
+        dense=dense_spec(cfg, model, infos),
         embedding_optimizer=cfg.optimizer.embedding.name,
         dense_optimizer=cfg.optimizer.dense.name,
         pipeline=pipe,
@@ -307,4 +314,6 @@ def inputs_from_config(
         uvm_host_mapped=cfg.sharding.uvm_host_mapped,
         fbgemm_version=fbgemm or fbgemm_version(),
         tw_ranks=tuple(sorted(tw.items())),
+        dense_batch=m.factory is None,
+        notes=model_notes(cfg, assumed),
     )

@@ -4,8 +4,8 @@ statically, and the temporaries of its prefetch and backward.
 Source references are to ``fbgemm_gpu/split_table_batched_embeddings_ops_training.py``
 (fbgemm-gpu 1.8.0; 1.6.0 has the same logic) and to torchrec 1.8.0 / 1.6.1:
 
-* grouping: ``torchrec/distributed/embedding_sharding.py::group_tables``. One lookup
-  per (sharding type, device) (``embeddingbag.py::create_sharding_infos_by_sharding_device_group``),
+* grouping: ``torchrec/distributed/embedding_sharding.py::group_tables``. Per
+  embedding module, one lookup per (sharding type, device) (``embeddingbag.py::create_sharding_infos_by_sharding_device_group``),
   then per rank one TBE per grouping key: fused, fused_uvm and fused_uvm_caching map to
   the same kernel type, but the cache tables carry cache keys in their fused params
   (``utils.py::add_params_from_parameter_sharding``), so cached tables form their own
@@ -63,11 +63,13 @@ class Tbe:
     dim_bucket: int | None
     shards: tuple[ShardSpec, ...]
     tables: tuple[TableSpec, ...]  # the table of each shard
+    module: str = ""  # in the name when the model has several embedding modules
 
     @property
     def name(self) -> str:
         kind = "cached" if self.cached else ("dense" if self.kernel_class == "dense" else "fused")
-        return f"{self.sharding_type}/{kind}" + (f"/d{self.dim_bucket}" if self.dim_bucket else "")
+        name = f"{self.sharding_type}/{kind}" + (f"/d{self.dim_bucket}" if self.dim_bucket else "")
+        return f"{self.module}:{name}" if self.module else name
 
     @property
     def cache_rows(self) -> int:
@@ -106,21 +108,29 @@ class Tbe:
 def shard_indices(inputs: PlannerInputs, shard: ShardSpec) -> float:
     """Expected indices per batch that reach this shard's TBE (after input dist).
 
-    TW / CW: the feature's ids of all W ranks; RW: the share of those ids in the
+    TW / CW: the table's ids of all W ranks; RW: the share of those ids in the
     shard's row block (ids are spread over the table); DP: the rank's own ids."""
     t = inputs.table(shard.table)
     B, W = inputs.batch_size, inputs.world_size
     if t.sharding_type in ("table_wise", "column_wise"):
-        return W * B * t.pooling_factor
+        return W * B * t.ids_per_sample
     if t.sharding_type == "row_wise":
-        return W * B * t.pooling_factor * shard.rows / t.rows
-    return B * t.pooling_factor
+        return W * B * t.ids_per_sample * shard.rows / t.rows
+    return B * t.ids_per_sample
 
 
 def shard_bags(inputs: PlannerInputs, shard: ShardSpec) -> int:
-    """Bags (lengths entries, pooled output rows) of this shard per batch."""
+    """Bags (lengths entries; pooled output rows of a pooled table) of this shard
+    per batch: one per sample and feature."""
     t = inputs.table(shard.table)
-    return inputs.batch_size if t.sharding_type == "data_parallel" else inputs.world_size * inputs.batch_size
+    samples = inputs.batch_size if t.sharding_type == "data_parallel" else inputs.world_size * inputs.batch_size
+    return samples * t.num_features
+
+
+def shard_output_rows(inputs: PlannerInputs, shard: ShardSpec) -> float:
+    """Rows of this shard's TBE output per batch: one per bag for a pooled table,
+    one per id for a sequence table (EmbeddingCollection)."""
+    return shard_bags(inputs, shard) if inputs.table(shard.table).pooled else shard_indices(inputs, shard)
 
 
 def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
@@ -131,16 +141,19 @@ def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
         t = inputs.table(shard.table)
         kernel_class = "dense" if t.kernel == "dense" else "fused"
         bucket = shard.cols if (t.cached and inputs.prefetch_pipeline) else None
-        key = (t.sharding_type, kernel_class, t.cached, bucket)
+        # Each embedding module has its own lookups (one per sharding type), so
+        # tables of different modules never share a TBE.
+        key = (t.module, t.sharding_type, kernel_class, t.cached, bucket)
         if key not in members:
             keys.append(key)
             members[key] = []
         members[key].append((shard, t))
+    several = len({t.module for t in inputs.tables}) > 1
     out = []
     for key in keys:
-        st, kc, cached, bucket = key
+        module, st, kc, cached, bucket = key
         shards, tables = zip(*members[key])
-        out.append(Tbe(rank, st, kc, cached, bucket, tuple(shards), tuple(tables)))
+        out.append(Tbe(rank, st, kc, cached, bucket, tuple(shards), tuple(tables), module if several else ""))
     return out
 
 
@@ -194,7 +207,7 @@ def shard_static(inputs: PlannerInputs, tbe: Tbe, index: int) -> list[tuple[str,
     index map, and its share of the TBE's cache (by cached rows; the last cached
     shard takes the rounding), so shard sums equal the TBE's totals."""
     one = Tbe(tbe.rank, tbe.sharding_type, tbe.kernel_class, tbe.cached, tbe.dim_bucket,
-              (tbe.shards[index],), (tbe.tables[index],))
+              (tbe.shards[index],), (tbe.tables[index],), tbe.module)
     own = [x for x in tbe_static(inputs, one) if not x[0].startswith("uvm_cache_") and x[0] != "tbe_metadata"]
     shard, table = tbe.shards[index], tbe.tables[index]
     if not (tbe.cached and table.cached):

@@ -24,33 +24,47 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recpipe.config import DenseOptimizerConfig, RecpipeConfig
-from recpipe.models import RecModel
-from recpipe.torchrec_args import cache_params, make_sharder, parameter_sharding_generator, table_wise_ranks
+from recpipe.embedding_tables import TableInfo, find_embedding_modules, validated_tables
+from recpipe.torchrec_args import cache_params, make_sharders, parameter_sharding_generator, table_wise_ranks
+from recpipe.torchrec_args import make_sharder  # noqa: F401  (re-exported: recpipe.sharding.build.make_sharder)
 
-# Path of the EmbeddingBagCollection inside RecModel (RecModel.model = DLRM).
+# Path of the EmbeddingBagCollection inside the built-in model (RecModel.model = DLRM).
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
 
 
-def sharding_plan(model: RecModel, cfg: RecpipeConfig, world_size: int, device_type: str) -> ShardingPlan:
-    ebc = model.get_submodule(EBC_PATH)
-    ranks = table_wise_ranks(cfg, world_size)
-    generators = {
-        name: parameter_sharding_generator(t, ranks.get(name), world_size) for name, t in cfg.table_sharding().items()
-    }
-    module_plan = construct_module_sharding_plan(
-        ebc,
-        per_param_sharding=generators,
-        sharder=make_sharder(cfg),
-        local_size=world_size,
-        world_size=world_size,
-        device_type=device_type,
-    )
-    for name, t in cfg.table_sharding().items():
-        module_plan[name].cache_params = cache_params(t, cfg)
-    return ShardingPlan({EBC_PATH: module_plan})
+def sharding_plan(
+    model: nn.Module, cfg: RecpipeConfig, world_size: int, device_type: str,
+    tables: tuple[TableInfo, ...] | None = None,
+) -> ShardingPlan:
+    """One module plan per embedding module of ``model`` (found by type), one entry
+    per table from ``sharding.default`` / ``sharding.tables``; table_wise tables are
+    balanced over all of the model's tables together. ``tables``: the model's
+    (:func:`recpipe.embedding_tables.validated_tables`), computed when not given."""
+    tables = validated_tables(cfg, model) if tables is None else tables
+    ranks = table_wise_ranks(cfg, world_size, tables)
+    sharders = make_sharders(cfg)
+    plan = {}
+    for fqn, module in find_embedding_modules(model).items():
+        mine = [t for t in tables if t.module == fqn]
+        generators = {
+            t.name: parameter_sharding_generator(cfg.sharding.for_table(t.name), ranks.get(t.name), world_size)
+            for t in mine
+        }
+        module_plan = construct_module_sharding_plan(
+            module,
+            per_param_sharding=generators,
+            sharder=sharders[mine[0].module_type],
+            local_size=world_size,
+            world_size=world_size,
+            device_type=device_type,
+        )
+        for t in mine:
+            module_plan[t.name].cache_params = cache_params(cfg.sharding.for_table(t.name), cfg)
+        plan[fqn] = module_plan
+    return ShardingPlan(plan)
 
 
-def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device) -> ShardingPlan:
+def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device, model: nn.Module) -> ShardingPlan:
     """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
     planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
     from recpipe.planner.estimator import plan_with_torchrec
@@ -58,7 +72,8 @@ def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device)
 
     if device.type != "cuda":
         raise ValueError("sharding.placement='planner' places shards on GPUs; use placement 'config' on CPU")
-    box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size)) if dist.get_rank() == 0 else None]
+    box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size), model)
+           if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -82,39 +97,47 @@ class ShardedModel:
     model: DistributedModelParallel
     optimizer: CombinedOptimizer  # fused embedding optimizer + dense optimizer
     plan: ShardingPlan
+    tables: tuple[TableInfo, ...]  # the model's embedding tables, in module order
 
 
 def shard_model(
-    model: RecModel, cfg: RecpipeConfig, device: torch.device, pg: dist.ProcessGroup | None = None
+    model: nn.Module, cfg: RecpipeConfig, device: torch.device, pg: dist.ProcessGroup | None = None
 ) -> ShardedModel:
-    """Shard ``model`` (embedding tables on meta) over the default process group."""
+    """Shard ``model`` (any module holding torchrec EmbeddingBagCollection,
+    EmbeddingCollection or FeatureProcessedEmbeddingBagCollection modules, tables on
+    meta) over the default process group; the rest of the model is replicated (DDP)."""
     world_size = dist.get_world_size(pg)
+    tables = validated_tables(cfg, model, device.type)
     if cfg.sharding.placement == "planner":
-        plan = planner_placement(cfg, world_size, device)
+        plan = planner_placement(cfg, world_size, device, model)
     else:
-        plan = sharding_plan(model, cfg, world_size, device.type)
+        plan = sharding_plan(model, cfg, world_size, device.type, tables)
     dmp = DistributedModelParallel(
-        module=model, device=device, plan=plan, sharders=[make_sharder(cfg)], env=None
+        module=model, device=device, plan=plan, sharders=list(make_sharders(cfg).values()), env=None
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])
-    return ShardedModel(model=dmp, optimizer=optimizer, plan=plan)
+    return ShardedModel(model=dmp, optimizer=optimizer, plan=plan, tables=tables)
 
 
-def plan_table(plan: ShardingPlan, cfg: RecpipeConfig) -> str:
-    """The resolved placement as a fixed-width table, one row per table."""
-    module_plan = plan.plan[EBC_PATH]
-    rows = dict(zip(cfg.model.table_names, cfg.model.num_embeddings_per_feature))
+def plan_table(plan: ShardingPlan, cfg: RecpipeConfig, tables: tuple[TableInfo, ...] | None = None) -> str:
+    """The resolved placement as a fixed-width table, one row per table of every
+    embedding module (``tables``: ``ShardedModel.tables``; rebuilt from ``cfg`` on
+    meta when not given). A ``module`` column appears when the model has several."""
+    tables = validated_tables(cfg) if tables is None else tables
+    several = len({t.module for t in tables}) > 1
     header = ("table", "rows", "dim", "sharding", "kernel", "ranks", "shards (rows x cols)", "cache")
+    header = (("module",) + header) if several else header
     lines = []
-    for name in cfg.model.table_names:
-        ps = module_plan[name]
+    for t in tables:
+        ps = plan.plan[t.module][t.name]
         shards = ps.sharding_spec.shards if ps.sharding_spec is not None else []
         sizes = ",".join(f"{s.shard_sizes[0]}x{s.shard_sizes[1]}" for s in shards) or "replicated"
         ranks = ",".join(str(r) for r in (ps.ranks or [])) or "all"
         cache = f"lf={ps.cache_params.load_factor}" if ps.cache_params is not None else "-"
         if ps.cache_params is not None and ps.cache_params.prefetch_pipeline:
             cache += " prefetch"
-        lines.append((name, str(rows[name]), str(cfg.model.embedding_dim), ps.sharding_type, ps.compute_kernel, ranks, sizes, cache))
+        row = (t.name, str(t.rows), str(t.dim), ps.sharding_type, ps.compute_kernel, ranks, sizes, cache)
+        lines.append(((f"{t.module or '<model>'} ({t.module_type})",) + row) if several else row)
     widths = [max(len(h), *(len(r[i]) for r in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     out = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]

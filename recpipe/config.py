@@ -170,6 +170,26 @@ class TableSharding(_Section):
     cache_load_factor: float | None = Field(None, gt=0.0, le=1.0)
     # table_wise only: which rank holds the table (default: round-robin).
     rank: int | None = Field(None, ge=0)
+    # Embedding weights in the TBE: fp32 or fp16 (half the memory; FBGEMM updates
+    # fp16 rows with stochastic rounding). null = the table config's own data_type
+    # (fp32 in the built-in model). bf16 is refused: FBGEMM's training kernels
+    # (fbgemm-gpu 1.6, 1.8) have no bf16 weights, nor int8 ones.
+    weights_precision: Literal["fp32", "fp16", "bf16"] | None = None
+    # fused_uvm_caching only: precision of the HBM cache rows (fp32 | fp16);
+    # null = weights_precision. FBGEMM's caches have no bf16 rows.
+    cache_precision: Literal["fp32", "fp16", "bf16"] | None = None
+    # Stochastic rounding of fp16 weight updates; null = on (FBGEMM's default).
+    # FBGEMM's CPU kernels round to nearest either way.
+    stochastic_rounding: bool | None = None
+
+
+class CommPrecision(_Section):
+    # Precision of the pooled / sequence embeddings on the wire (output all-to-all
+    # and reduce-scatter) and of their gradients: torchrec's quantized comms
+    # (QCommsConfig + get_qcomm_codecs_registry). Values are sent in this precision
+    # and decoded back to fp32. On CPU (Gloo) torchrec sends bf16 as fp16.
+    forward: Literal["fp32", "fp16", "bf16"] = "fp32"
+    backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
 class ShardingConfig(_Section):
@@ -197,6 +217,7 @@ class ShardingConfig(_Section):
     # or 1.0 (model.factory models; the plan warns which). For an EmbeddingCollection
     # table it is the mean sequence length.
     mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+    comm_precision: CommPrecision = CommPrecision()
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
@@ -374,6 +395,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.cache_load_factor={t.cache_load_factor} needs kernel 'fused_uvm_caching' "
                 f"(got kernel={t.kernel!r})"
             )
+        problems += _precision_problems(key, t)
         if t.rank is not None and t.type != "table_wise":
             problems.append(f"{key}.rank={t.rank} is only for type 'table_wise' (got type={t.type!r})")
         if t.rank is not None and sh.placement == "planner":
@@ -436,6 +458,25 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             f"data.synthetic.num_batches_per_rank has {len(syn.num_batches_per_rank)} entries but "
             f"distributed.nproc={cfg.distributed.nproc}"
         )
+    return problems
+
+
+def _precision_problems(key: str, t: TableSharding) -> list[str]:
+    """Precisions FBGEMM cannot train (its dispatch: weights fp32 / fp16 (/ fp8),
+    cache rows fp32 / fp16; fbgemm-gpu 1.6 and 1.8, CPU and CUDA)."""
+    problems = []
+    if t.weights_precision == "bf16":
+        problems.append(f"{key}.weights_precision='bf16': FBGEMM's training kernels have no bf16 weights (they "
+                        "train fp32 and fp16); use 'fp16'")
+    if t.cache_precision == "bf16":
+        problems.append(f"{key}.cache_precision='bf16': FBGEMM's UVM caches hold fp32 or fp16 rows; use 'fp16'")
+    if t.cache_precision is not None and t.kernel != "fused_uvm_caching":
+        problems.append(f"{key}.cache_precision={t.cache_precision!r} needs kernel 'fused_uvm_caching' "
+                        f"(got kernel={t.kernel!r})")
+    if t.type == "data_parallel" and t.weights_precision not in (None, "fp32"):
+        problems.append(f"{key}.weights_precision={t.weights_precision!r} with type 'data_parallel': the dense "
+                        "optimizer would update the replicated fp16 weights in place, without stochastic rounding; "
+                        "use a sharded type or fp32")
     return problems
 
 

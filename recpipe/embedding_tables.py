@@ -180,11 +180,12 @@ def validated_tables(
     sharding rule that needs the real tables checked: names under
     ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type
     is one its module supports on ``device_type``, column_wise dims split over the
-    ranks, the prefetch pipeline has a cached table. ``recpipe train`` (with the
+    ranks, the prefetch pipeline has a cached table, every table's precision (its
+    own data_type included) is one FBGEMM trains. ``recpipe train`` (with the
     run's device type) and ``recpipe plan`` (GPUs) call it before any process
     starts; every problem is a ``ConfigError`` (exit code 2)."""
     from recpipe.config import ConfigError
-    from recpipe.torchrec_args import check_sharding_support
+    from recpipe.torchrec_args import check_precisions, check_sharding_support
 
     if model is None:
         model = model_on_meta(cfg)
@@ -207,6 +208,7 @@ def validated_tables(
         "ranks; it must divide evenly"
         for t in tables if cfg.sharding.for_table(t.name).type == "column_wise" and t.dim % W
     ]
+    problems += check_precisions(cfg, tables)
     if cfg.sharding.prefetch_pipeline and not any(
             cfg.sharding.for_table(t.name).kernel == "fused_uvm_caching" for t in tables):
         problems.append("  sharding.prefetch_pipeline=true needs at least one table with kernel 'fused_uvm_caching'; "

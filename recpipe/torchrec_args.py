@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from recpipe.embedding_tables import EBC, EC, FPEBC
 
 if TYPE_CHECKING:
+    from torch import nn
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.types import CacheParams, ModuleSharder
 
@@ -28,14 +29,22 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_CACHE_LOAD_FACTOR",
     "KERNELS",
+    "PRECISION_BYTES",
+    "apply_weights_precision",
     "cache_params",
+    "cache_precision",
+    "check_precisions",
     "check_sharding_support",
     "embedding_fused_params",
     "make_sharder",
     "make_sharders",
     "parameter_sharding_generator",
+    "precision_warnings",
+    "qcomm_codecs_registry",
+    "stochastic_rounding",
     "supported_sharding_types",
     "table_wise_ranks",
+    "weights_precision",
 ]
 
 # Fraction of rows an HBM cache holds when sharding.*.cache_load_factor is unset
@@ -65,15 +74,17 @@ def embedding_fused_params(opt: "EmbeddingOptimizerConfig", cfg: "RecpipeConfig"
     return params
 
 
-def make_sharder(cfg: "RecpipeConfig") -> "EmbeddingBagCollectionSharder":
+def make_sharder(cfg: "RecpipeConfig", device_type: str = "cuda") -> "EmbeddingBagCollectionSharder":
     """The EmbeddingBagCollection sharder (what the built-in DLRM needs)."""
-    return make_sharders(cfg)[EBC]
+    return make_sharders(cfg, device_type)[EBC]
 
 
-def make_sharders(cfg: "RecpipeConfig") -> dict[str, "ModuleSharder"]:
+def make_sharders(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict[str, "ModuleSharder"]:
     """One torchrec sharder per module type recpipe shards (keys: the type names of
-    :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params.
-    Each gets its own dict: torchrec's lookups may add keys to the one they hold."""
+    :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params
+    and the same quantized-comm codecs (``sharding.comm_precision``; none when both
+    directions are fp32). Each gets its own fused-params dict: torchrec's lookups
+    may add keys to the one they hold."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
@@ -81,13 +92,119 @@ def make_sharders(cfg: "RecpipeConfig") -> dict[str, "ModuleSharder"]:
     def fused() -> dict:
         return embedding_fused_params(cfg.optimizer.embedding, cfg)
 
+    codecs = qcomm_codecs_registry(cfg, device_type)
     return {
-        EBC: EmbeddingBagCollectionSharder(fused_params=fused()),
-        EC: EmbeddingCollectionSharder(fused_params=fused()),
+        EBC: EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
+        EC: EmbeddingCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
         FPEBC: FeatureProcessedEmbeddingBagCollectionSharder(
-            ebc_sharder=EmbeddingBagCollectionSharder(fused_params=fused())
+            ebc_sharder=EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
+            qcomm_codecs_registry=codecs,
         ),
     }
+
+
+def qcomm_codecs_registry(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict | None:
+    """torchrec's quantized-comm codecs for ``sharding.comm_precision`` (pooled and
+    sequence all-to-alls, reduce-scatter), or None when both directions are fp32.
+    On CPU torchrec replaces bf16 by fp16 (Gloo); :func:`precision_warnings` says so."""
+    comm = cfg.sharding.comm_precision
+    if comm.forward == "fp32" and comm.backward == "fp32":
+        return None
+    import torch
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    config = QCommsConfig(forward_precision=CommType(comm.forward), backward_precision=CommType(comm.backward))
+    return get_qcomm_codecs_registry(config, device=torch.device(device_type))
+
+
+# ------------------------------------------------------------------ precision
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+TRAINABLE_WEIGHTS = ("fp32", "fp16")  # FBGEMM's training dispatch (fp8 aside), CPU and CUDA
+
+
+def weights_precision(cfg: "RecpipeConfig", t: "TableInfo") -> str:
+    """The table's weight precision: configured, else its table config's data_type."""
+    return cfg.sharding.for_table(t.name).weights_precision or t.data_type
+
+
+def cache_precision(cfg: "RecpipeConfig", t: "TableInfo") -> str | None:
+    """The HBM cache rows' precision of a fused_uvm_caching table (None otherwise)."""
+    ts = cfg.sharding.for_table(t.name)
+    if ts.kernel != "fused_uvm_caching":
+        return None
+    return ts.cache_precision or weights_precision(cfg, t)
+
+
+def stochastic_rounding(cfg: "RecpipeConfig", t: "TableInfo") -> bool | None:
+    """What recpipe passes to FBGEMM for this table: None for fp32 weights (nothing
+    to round; FBGEMM's default applies), else the configured value, on by default."""
+    if weights_precision(cfg, t) == "fp32":
+        return None
+    configured = cfg.sharding.for_table(t.name).stochastic_rounding
+    return True if configured is None else configured
+
+
+def check_precisions(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]") -> list[str]:
+    """Problems with the tables' resolved precisions (a model's own data_type
+    included): FBGEMM trains fp32 and fp16 weights only, and replicated
+    (data_parallel) tables stay fp32."""
+    problems = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        wp = weights_precision(cfg, t)
+        where = f"{_key(cfg, t.name)}.weights_precision" if ts.weights_precision else \
+            f"table {t.name!r} ({t.module or '<model>'}): its config's data_type"
+        if wp not in TRAINABLE_WEIGHTS:
+            problems.append(f"  {where} is {wp!r}; FBGEMM trains fp32 and fp16 embedding weights only")
+        elif ts.type == "data_parallel" and wp != "fp32":
+            problems.append(f"  {where} is {wp!r} but {_key(cfg, t.name)}.type='data_parallel': replicated tables "
+                            "are updated by the dense optimizer and stay fp32")
+    return problems
+
+
+def precision_warnings(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str) -> list[str]:
+    """Configured precision options that will not take effect, one line each."""
+    out = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        if ts.stochastic_rounding is not None and weights_precision(cfg, t) == "fp32":
+            out.append(f"{_key(cfg, t.name)}.stochastic_rounding={ts.stochastic_rounding} is ignored for table "
+                       f"{t.name!r}: its weights are fp32")
+        elif ts.stochastic_rounding and device_type != "cuda":
+            out.append(f"{_key(cfg, t.name)}.stochastic_rounding=true is ignored for table {t.name!r} on CPU: "
+                       "FBGEMM's CPU kernels round fp16 updates to nearest")
+    comm = cfg.sharding.comm_precision
+    for direction in ("forward", "backward"):
+        if device_type != "cuda" and getattr(comm, direction) == "bf16":
+            out.append(f"sharding.comm_precision.{direction}='bf16' runs as fp16 on CPU: torchrec's quantized comms "
+                       "have no bf16 over Gloo")
+    return out
+
+
+def apply_weights_precision(cfg: "RecpipeConfig", model: "nn.Module", tables: "Sequence[TableInfo]") -> None:
+    """Set each table's torchrec config ``data_type`` (what the sharded TBE's
+    ``weights_precision`` comes from) and the unsharded weight's dtype to the
+    resolved precision, before DistributedModelParallel builds the TBEs."""
+    import torch
+    from torchrec.types import DataType
+
+    from recpipe.embedding_tables import find_embedding_modules, table_configs
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16}
+    modules = find_embedding_modules(model)
+    for t in tables:
+        wp = weights_precision(cfg, t)
+        if wp == t.data_type:
+            continue
+        (config,) = [c for c in table_configs(modules[t.module]) if c.name == t.name]
+        config.data_type = DataType(wp.upper())
+        for name, param in modules[t.module].named_parameters():
+            if name.endswith(f".{t.name}.weight"):
+                param.data = param.data.to(dtypes[wp])
+
+
+def _key(cfg: "RecpipeConfig", name: str) -> str:
+    return f"sharding.tables.{name}" if name in cfg.sharding.tables else "sharding.default"
 
 
 # (module type, sharding type) -> why it cannot run on CPU, though torchrec lists it.
@@ -120,7 +237,7 @@ def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", 
         ts = cfg.sharding.for_table(t.name)
         allowed = supported_sharding_types(sharders[t.module_type], t.module_type, device_type)
         if ts.type not in allowed:
-            key = f"sharding.tables.{t.name}" if t.name in cfg.sharding.tables else "sharding.default"
+            key = _key(cfg, t.name)
             why = _NOT_ON_CPU.get((t.module_type, ts.type))
             problems.append(
                 f"  {key}.type={ts.type!r}: table {t.name!r} is in {t.module_type} {t.module or '<model>'!r}, "
@@ -178,9 +295,15 @@ def cache_params(t: "TableSharding", cfg: "RecpipeConfig") -> "CacheParams | Non
             num_passes=cfg.sharding.prefetch_passes,
             min_splitable_pass_size=cfg.sharding.prefetch_min_pass_size,
         )
+    precision = None
+    if t.cache_precision is not None:  # else torchrec's default: the weights' precision
+        from torchrec.types import DataType
+
+        precision = DataType(t.cache_precision.upper())
     return CacheParams(
         algorithm=CacheAlgorithm.LRU,
         load_factor=t.cache_load_factor if t.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR,
+        precision=precision,
         prefetch_pipeline=cfg.sharding.prefetch_pipeline,
         multipass_prefetch_config=multipass,
     )

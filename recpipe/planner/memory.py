@@ -32,7 +32,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from recpipe.planner.plan import MemoryPlan, PrefetchSavings, RankMemory, ShardMemory, TbeGroupInfo, Term, fmt_bytes
+from recpipe.planner.plan import (
+    MemoryPlan,
+    PrecisionSavings,
+    PrefetchSavings,
+    RankMemory,
+    ShardMemory,
+    TbeGroupInfo,
+    Term,
+    fmt_bytes,
+)
 from recpipe.planner.spec import PlannerInputs, TableSpec
 from recpipe.planner.tbe import (
     INDEX_BYTES,
@@ -259,7 +268,28 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     if io.inline_scratch:
         phases["inline_prefetch"] = [("prefetch_scratch_inline", io.inline_scratch, "main"),
                                      ("dense_arch_activations", act_dense, "main")]
+    if inputs.world_size > 1:  # the output dist's backward: see quantized_output_grad_bytes
+        phases["backward_output_dist"] = [("pooled_output_grads", 2 * io.pooled, "main"),
+                                          ("output_dist_quantized_grads", quantized_output_grad_bytes(inputs, io), "main"),
+                                          ("dense_arch_activations", act_dense, "main")]
     return phases
+
+
+def quantized_output_grad_bytes(inputs: PlannerInputs, io: RankIO) -> int:
+    """Quantized comms (torchrec's qcomm codecs) change what the output dist holds:
+
+    * forward: the TBE outputs are encoded and sent at ``p`` bytes per value and
+      decoded into fp32 on arrival. The send and receive buffers replace fp32 ones
+      of twice the size while the decoded copy adds one, so the forward peak (the
+      fp32 outputs, their send copy or received values, and the output) does not grow;
+    * backward (the ``backward_output_dist`` phase, any precision, W > 1): the
+      gradient of the embeddings and its per-rank regrouped copy (fp32, 2 x pooled)
+      are alive while the copy is sent; a quantized backward encodes it first:
+      ``p`` x pooled more, returned here. Its all-to-all then moves half the bytes.
+
+    0 at world size 1 (torchrec's all-to-alls return their input) or fp32 gradients."""
+    p = inputs.comm_bytes[1]
+    return 0 if inputs.world_size == 1 or p >= OUTPUT_BYTES else int(p * io.pooled / OUTPUT_BYTES)
 
 
 def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term], list[Term], str, dict[str, int]]:
@@ -361,5 +391,12 @@ def estimate_memory(inputs: PlannerInputs) -> MemoryPlan:
     return MemoryPlan(
         ranks=tuple(ranks), shards=tuple(shards), pipeline=inputs.pipeline.name, world_size=inputs.world_size,
         batch_size=inputs.batch_size, fbgemm_version=tuple(inputs.fbgemm_version), prefetch=tuple(savings),
-        warnings=tuple(_warnings(inputs, ranks, infos)),
+        warnings=tuple(_warnings(inputs, ranks, infos)), precision=precision_savings(inputs, ranks),
     )
+
+
+def precision_savings(inputs: PlannerInputs, ranks: list[RankMemory]) -> tuple[PrecisionSavings, ...]:
+    from recpipe.planner.precision import precision_savings as savings  # it estimates with this module
+
+    return savings(inputs, ranks)
+

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recpipe.planner.spec import CACHED, DenseSpec, TableSpec
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
     from torch import nn
@@ -56,9 +56,13 @@ def table_specs(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict
         clf = None
         if ts.kernel == CACHED:
             clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
+        # the configured cache precision, not the resolved one: torchrec groups tables
+        # by it (an explicit value is a fused param, the default is not)
+        cp = ts.cache_precision if ts.kernel == CACHED else None
         out.append(TableSpec(
             t.name, t.rows, t.dim, pfs[t.name], ts.type, ts.kernel, clf, module=t.module,
             num_features=len(t.features), pooled=t.pooled, weighted=t.weighted, feature_processed=t.feature_processed,
+            weights_precision=weights_precision(cfg, t), cache_precision=cp, stochastic_rounding=stochastic_rounding(cfg, t),
         ))
     return tuple(out)
 

@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from recpipe.torchrec_args import table_wise_ranks
+from recpipe.torchrec_args import PRECISION_BYTES, table_wise_ranks
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -65,10 +65,21 @@ class TableSpec:
     pooled: bool = True
     weighted: bool = False
     feature_processed: bool = False
+    weights_precision: str = "fp32"  # fp32 | fp16: the TBE's weights (and its UVM rows)
+    cache_precision: str | None = None  # HBM cache rows of a cached table; None = weights_precision
+    stochastic_rounding: bool | None = None  # what recpipe passes to FBGEMM (a TBE grouping key)
 
     @property
     def cached(self) -> bool:
         return self.kernel == CACHED
+
+    @property
+    def weight_bytes(self) -> int:
+        return PRECISION_BYTES[self.weights_precision]
+
+    @property
+    def cache_bytes(self) -> int:
+        return PRECISION_BYTES[self.cache_precision or self.weights_precision]
 
     @property
     def ids_per_sample(self) -> float:
@@ -174,12 +185,17 @@ class PlannerInputs:
     prefetch_min_pass_size: int = 6 * 1024 * 1024
     uvm_host_mapped: bool = False
     fbgemm_version: tuple[int, int] = (1, 8)
-    weight_bytes: int = 4  # fp32 tables (recpipe trains fp32)
     tw_ranks: tuple[tuple[str, int], ...] = field(default=())
     # False for a model.factory model: its batch's dense part is unknown, only the
     # KJTs are counted (num_dense_features is then unused).
     dense_batch: bool = True
     notes: tuple[str, ...] = ()  # what the estimate could not know about the model (shown as warnings)
+    comm_precision: tuple[str, str] = ("fp32", "fp32")  # sharding.comm_precision (forward, backward)
+
+    @property
+    def comm_bytes(self) -> tuple[int, int]:
+        """Bytes per value of the output dist (forward) and of its gradient (backward)."""
+        return PRECISION_BYTES[self.comm_precision[0]], PRECISION_BYTES[self.comm_precision[1]]
 
     def table(self, name: str) -> TableSpec:
         for t in self.tables:
@@ -316,4 +332,5 @@ def inputs_from_config(
         tw_ranks=tuple(sorted(tw.items())),
         dense_batch=m.factory is None,
         notes=model_notes(cfg, assumed),
+        comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
     )

@@ -15,11 +15,14 @@ Source references are to ``fbgemm_gpu/split_table_batched_embeddings_ops_trainin
 * weights / states: ``construct_split_state`` + ``apply_split_helper``: DEVICE tables
   put weights and every state in HBM; MANAGED(_CACHING) tables put weights in UVM,
   row-wise states in HBM ("if optimizer state is rowwise, optimizer is on device")
-  and full states in UVM. States are fp32 (``momentum1_dtype``).
+  and full states in UVM. Weights are in the TBE's ``weights_precision`` (torchrec:
+  the tables' ``data_type``, one per TBE); states are fp32 (``momentum1_dtype``:
+  ``optimizer_state_dtypes`` exists only for partial row-wise Adam and ensemble
+  row-wise Adagrad, which recpipe does not offer).
 * cache: ``_apply_cache_state``: ``sets = (int(H * clf) + 31) // 32`` (at least 1),
-  ``slots = 32 * sets``; ``lxu_cache_weights`` [slots, max_D_cache],
-  ``lxu_cache_state`` and LRU ``lxu_state`` int64 [sets, 32], ``cache_index_table_map``
-  int32 [H]; ``_init_uvm_cache_counter``: ``lxu_cache_locking_counter`` int32 [sets, 32]
+  ``slots = 32 * sets``; ``lxu_cache_weights`` [slots, max_D_cache] in
+  ``cache_precision`` (by default the weights'), ``lxu_cache_state`` and LRU
+  ``lxu_state`` int64 [sets, 32], ``cache_index_table_map`` int32 [H]; ``_init_uvm_cache_counter``: ``lxu_cache_locking_counter`` int32 [sets, 32]
   when ``prefetch_pipeline``. The cache shrinks only if it exceeds the GPU's free
   memory at construction (we warn instead).
 * prefetch: ``_prefetch`` + ``get_prefetch_passes``; backward:
@@ -142,8 +145,11 @@ def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
         kernel_class = "dense" if t.kernel == "dense" else "fused"
         bucket = shard.cols if (t.cached and inputs.prefetch_pipeline) else None
         # Each embedding module has its own lookups (one per sharding type), so
-        # tables of different modules never share a TBE.
-        key = (t.module, t.sharding_type, kernel_class, t.cached, bucket)
+        # tables of different modules never share a TBE; torchrec's group_tables also
+        # keys on the data type and the per-table fused params (cache precision,
+        # stochastic rounding).
+        key = (t.module, t.sharding_type, kernel_class, t.cached, bucket,
+               t.weights_precision, t.cache_precision, t.stochastic_rounding)
         if key not in members:
             keys.append(key)
             members[key] = []
@@ -151,7 +157,7 @@ def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
     several = len({t.module for t in inputs.tables}) > 1
     out = []
     for key in keys:
-        module, st, kc, cached, bucket = key
+        module, st, kc, cached, bucket = key[:5]
         shards, tables = zip(*members[key])
         out.append(Tbe(rank, st, kc, cached, bucket, tuple(shards), tuple(tables), module if several else ""))
     return out
@@ -169,7 +175,7 @@ _DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # torch.optim state ten
 def tbe_static(inputs: PlannerInputs, tbe: Tbe) -> list[tuple[str, str, int, str]]:
     """(name, side, bytes, detail) of every static buffer of ``tbe`` that scales with
     the tables, plus ``tbe_metadata``. Equal byte for byte to the TBE's buffers."""
-    wb = inputs.weight_bytes
+    wb = tbe.tables[0].weight_bytes  # one data type per TBE (a grouping key)
     out: list[tuple[str, str, int, str]] = []
     if tbe.kernel_class == "dense":
         numel = sum(s.rows * s.cols for s in tbe.shards)
@@ -192,7 +198,8 @@ def tbe_static(inputs: PlannerInputs, tbe: Tbe) -> list[tuple[str, str, int, str
     if tbe.cached:
         slots, d, h = tbe.cache_slots, tbe.cache_dim, tbe.cache_rows
         detail = f"{slots} slots (H={h}, clf={tbe.cache_load_factor:.4g})"
-        out.append(("uvm_cache_weights", "hbm", slots * d * wb, f"{detail} x {d} x {wb} B"))
+        cb = next(t.cache_bytes for t in tbe.tables if t.cached)  # cache precision: a grouping key too
+        out.append(("uvm_cache_weights", "hbm", slots * d * cb, f"{detail} x {d} x {cb} B"))
         out.append(("uvm_cache_state", "hbm", slots * 8, detail))
         out.append(("uvm_cache_lru_state", "hbm", slots * 8, detail))
         out.append(("uvm_cache_index_map", "hbm", h * 4, f"{h} rows x int32"))

@@ -1,7 +1,7 @@
-from recpipe.embedding_tables import validated_tables as check_model_config
 from recpipe.sharding.build import (
     EBC_PATH,
     ShardedModel,
+    check_model_config,
     dense_optimizer,
     plan_table,
     shard_model,

@@ -12,6 +12,7 @@ FBGEMM (kernels, fused params, cache params, sharders, table_wise ranks) lives i
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,15 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recpipe.config import DenseOptimizerConfig, RecpipeConfig
 from recpipe.embedding_tables import TableInfo, find_embedding_modules, validated_tables
-from recpipe.torchrec_args import cache_params, make_sharders, parameter_sharding_generator, table_wise_ranks
+from recpipe.torchrec_args import (
+    apply_weights_precision,
+    cache_params,
+    make_sharders,
+    parameter_sharding_generator,
+    precision_warnings,
+    stochastic_rounding,
+    table_wise_ranks,
+)
 from recpipe.torchrec_args import make_sharder  # noqa: F401  (re-exported: recpipe.sharding.build.make_sharder)
 
 # Path of the EmbeddingBagCollection inside the built-in model (RecModel.model = DLRM).
@@ -40,9 +49,9 @@ def sharding_plan(
     per table from ``sharding.default`` / ``sharding.tables``; table_wise tables are
     balanced over all of the model's tables together. ``tables``: the model's
     (:func:`recpipe.embedding_tables.validated_tables`), computed when not given."""
-    tables = validated_tables(cfg, model) if tables is None else tables
+    tables = validated_tables(cfg, model, device_type) if tables is None else tables
     ranks = table_wise_ranks(cfg, world_size, tables)
-    sharders = make_sharders(cfg)
+    sharders = make_sharders(cfg, device_type)
     plan = {}
     for fqn, module in find_embedding_modules(model).items():
         mine = [t for t in tables if t.module == fqn]
@@ -60,11 +69,14 @@ def sharding_plan(
         )
         for t in mine:
             module_plan[t.name].cache_params = cache_params(cfg.sharding.for_table(t.name), cfg)
+            module_plan[t.name].stochastic_rounding = stochastic_rounding(cfg, t)
         plan[fqn] = module_plan
     return ShardingPlan(plan)
 
 
-def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device, model: nn.Module) -> ShardingPlan:
+def planner_placement(
+    cfg: RecpipeConfig, world_size: int, device: torch.device, model: nn.Module, tables: tuple[TableInfo, ...]
+) -> ShardingPlan:
     """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
     planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
     from recpipe.planner.estimator import plan_with_torchrec
@@ -75,7 +87,10 @@ def planner_placement(cfg: RecpipeConfig, world_size: int, device: torch.device,
     box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size), model)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    plan = box[0]
+    for t in tables:
+        plan.plan[t.module][t.name].stochastic_rounding = stochastic_rounding(cfg, t)
+    return plan
 
 
 def dense_optimizer(model: nn.Module, opt: DenseOptimizerConfig) -> KeyedOptimizer:
@@ -108,15 +123,27 @@ def shard_model(
     meta) over the default process group; the rest of the model is replicated (DDP)."""
     world_size = dist.get_world_size(pg)
     tables = validated_tables(cfg, model, device.type)
+    apply_weights_precision(cfg, model, tables)  # before DMP builds the TBEs from the table configs
     if cfg.sharding.placement == "planner":
-        plan = planner_placement(cfg, world_size, device, model)
+        plan = planner_placement(cfg, world_size, device, model, tables)
     else:
         plan = sharding_plan(model, cfg, world_size, device.type, tables)
     dmp = DistributedModelParallel(
-        module=model, device=device, plan=plan, sharders=list(make_sharders(cfg).values()), env=None
+        module=model, device=device, plan=plan, sharders=list(make_sharders(cfg, device.type).values()), env=None
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])
     return ShardedModel(model=dmp, optimizer=optimizer, plan=plan, tables=tables)
+
+
+def check_model_config(cfg: RecpipeConfig, model: nn.Module | None = None, device_type: str = "cuda") -> tuple[TableInfo, ...]:
+    """For the launcher, before any process starts: the model's tables (``cfg``'s
+    model built on meta unless given) with the config checked against them
+    (``ConfigError``, exit code 2), and a warning for every precision option that
+    will not take effect on ``device_type``."""
+    tables = validated_tables(cfg, model, device_type)
+    for line in precision_warnings(cfg, tables, device_type):
+        warnings.warn(line, stacklevel=2)
+    return tables
 
 
 def plan_table(plan: ShardingPlan, cfg: RecpipeConfig, tables: tuple[TableInfo, ...] | None = None) -> str:

@@ -14,6 +14,7 @@ cheap to import.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from recpipe.embedding_tables import EBC, EC, FPEBC
@@ -79,12 +80,13 @@ def make_sharder(cfg: "RecpipeConfig", device_type: str = "cuda") -> "EmbeddingB
     return make_sharders(cfg, device_type)[EBC]
 
 
-def make_sharders(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict[str, "ModuleSharder"]:
+def make_sharders(cfg: "RecpipeConfig", device_type: str = "cuda", *, comms: bool = True) -> dict[str, "ModuleSharder"]:
     """One torchrec sharder per module type recpipe shards (keys: the type names of
     :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params
     and the same quantized-comm codecs (``sharding.comm_precision``; none when both
-    directions are fp32). Each gets its own fused-params dict: torchrec's lookups
-    may add keys to the one they hold."""
+    directions are fp32; ``comms=False`` leaves them out, for checks that only ask
+    the sharders what they support). Each gets its own fused-params dict: torchrec's
+    lookups may add keys to the one they hold."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
@@ -92,7 +94,7 @@ def make_sharders(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict[str, 
     def fused() -> dict:
         return embedding_fused_params(cfg.optimizer.embedding, cfg)
 
-    codecs = qcomm_codecs_registry(cfg, device_type)
+    codecs = qcomm_codecs_registry(cfg, device_type) if comms else None
     return {
         EBC: EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
         EC: EmbeddingCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
@@ -114,7 +116,15 @@ def qcomm_codecs_registry(cfg: "RecpipeConfig", device_type: str = "cuda") -> di
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
 
     config = QCommsConfig(forward_precision=CommType(comm.forward), backward_precision=CommType(comm.backward))
-    return get_qcomm_codecs_registry(config, device=torch.device(device_type))
+    # torchrec logs its bf16 -> fp16 fallback on CPU to the root logger once per comm
+    # op and sharder; recpipe's launcher warns once instead (precision_warnings).
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        return get_qcomm_codecs_registry(config, device=torch.device(device_type))
+    finally:
+        root.setLevel(level)
 
 
 # ------------------------------------------------------------------ precision
@@ -163,16 +173,16 @@ def check_precisions(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]") -> lis
 
 
 def precision_warnings(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str) -> list[str]:
-    """Configured precision options that will not take effect, one line each."""
-    out = []
+    """Configured precision options that will not take effect, one line per key."""
+    ignored: dict[tuple[str, str], list[str]] = {}  # (setting, why) -> tables
     for t in tables:
         ts = cfg.sharding.for_table(t.name)
+        setting = f"{_key(cfg, t.name)}.stochastic_rounding={str(ts.stochastic_rounding).lower()}"
         if ts.stochastic_rounding is not None and weights_precision(cfg, t) == "fp32":
-            out.append(f"{_key(cfg, t.name)}.stochastic_rounding={ts.stochastic_rounding} is ignored for table "
-                       f"{t.name!r}: its weights are fp32")
+            ignored.setdefault((setting, "their weights are fp32"), []).append(t.name)
         elif ts.stochastic_rounding and device_type != "cuda":
-            out.append(f"{_key(cfg, t.name)}.stochastic_rounding=true is ignored for table {t.name!r} on CPU: "
-                       "FBGEMM's CPU kernels round fp16 updates to nearest")
+            ignored.setdefault((setting, "on CPU: FBGEMM's CPU kernels round fp16 updates to nearest"), []).append(t.name)
+    out = [f"{setting} is ignored for tables {', '.join(names)}: {why}" for (setting, why), names in ignored.items()]
     comm = cfg.sharding.comm_precision
     for direction in ("forward", "backward"):
         if device_type != "cuda" and getattr(comm, direction) == "bf16":
@@ -231,7 +241,7 @@ def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", 
     allowed types otherwise."""
     from recpipe.config import ConfigError
 
-    sharders = make_sharders(cfg)
+    sharders = make_sharders(cfg, device_type, comms=False)
     problems = []
     for t in tables:
         ts = cfg.sharding.for_table(t.name)

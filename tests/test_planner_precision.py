@@ -187,8 +187,9 @@ def test_ignored_precision_options_warn():
         warnings.simplefilter("always")
         check_model_config(cfg, device_type="cpu")
     text = "\n".join(str(w.message) for w in caught)
-    assert "sharding.tables.t_cat_0.stochastic_rounding=False is ignored" in text
-    assert "t_cat_1.stochastic_rounding=true is ignored for table 't_cat_1' on CPU" in text
+    assert "sharding.tables.t_cat_0.stochastic_rounding=false is ignored for tables t_cat_0: their weights are fp32" \
+        in text
+    assert "sharding.tables.t_cat_1.stochastic_rounding=true is ignored for tables t_cat_1: on CPU" in text
     assert "sharding.comm_precision.backward='bf16' runs as fp16 on CPU" in text
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

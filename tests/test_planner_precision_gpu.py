@@ -18,11 +18,12 @@ from __future__ import annotations
 import copy
 import gc
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from gpu_report import emit
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -156,11 +157,4 @@ def _report(rows: list[dict], world_size: int) -> None:
             f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}", f"{r['meas_reserved'] / gib:.3f}",
             f"{r['err_reserved']:+.1%}", f"{r['est_static'] / gib:.3f}", f"{r['meas_static'] / gib:.3f}", r["peak_phase"],
         ]) + " |")
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    out = os.environ.get("RECPIPE_REPORT_DIR")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / f"planner_precision_gpu_w{world_size}.md").write_text(text)
-        (Path(out) / f"planner_precision_gpu_w{world_size}.json").write_text(json.dumps({"versions": head, "rows": rows},
-                                                                                         indent=2))
+    emit(f"planner_precision_gpu_w{world_size}", "\n".join(lines) + "\n", {"versions": head, "rows": rows})

@@ -202,11 +202,32 @@ class TableSharding(_Section):
     cache_load_factor: float | None = Field(None, gt=0.0, le=1.0)
     # table_wise only: which rank holds the table (default: round-robin).
     rank: int | None = Field(None, ge=0)
+    # Embedding weights in the TBE: fp32 or fp16 (half the memory; FBGEMM updates
+    # fp16 rows with stochastic rounding). null = the table config's own data_type
+    # (fp32 in the built-in model). bf16 is refused: FBGEMM's training kernels
+    # (fbgemm-gpu 1.6, 1.8) have no bf16 weights, nor int8 ones.
+    weights_precision: Literal["fp32", "fp16", "bf16"] | None = None
+    # fused_uvm_caching only: precision of the HBM cache rows (fp32 | fp16);
+    # null = weights_precision. FBGEMM's caches have no bf16 rows.
+    cache_precision: Literal["fp32", "fp16", "bf16"] | None = None
+    # Stochastic rounding of fp16 weight updates; null = on (FBGEMM's default).
+    # FBGEMM's CPU kernels round to nearest either way.
+    stochastic_rounding: bool | None = None
+
+
+class CommPrecision(_Section):
+    # Precision of the pooled / sequence embeddings on the wire (output all-to-all
+    # and reduce-scatter) and of their gradients: torchrec's quantized comms
+    # (QCommsConfig + get_qcomm_codecs_registry). Values are sent in this precision
+    # and decoded back to fp32. On CPU (Gloo) torchrec sends bf16 as fp16.
+    forward: Literal["fp32", "fp16", "bf16"] = "fp32"
+    backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
 class ShardingConfig(_Section):
     default: TableSharding = TableSharding()
-    # Per-table overrides keyed by table name (t_cat_0 ...); each replaces the default.
+    # Per-table overrides keyed by table name (t_cat_0 ..., or the names of a
+    # model.factory model's tables, checked once it is built); each replaces the default.
     tables: dict[str, TableSharding] = Field(default_factory=dict)
     # FBGEMM UVM-cache prefetch pipeline (cache-line locking). Needs a
     # fused_uvm_caching table; the `prefetch` pipeline needs it on.
@@ -223,6 +244,12 @@ class ShardingConfig(_Section):
     # their `rank`, else the least-loaded rank); "planner" = torchrec's partitioner
     # sized by recpipe's memory estimates (sharding types and kernels still from here).
     placement: Literal["config", "planner"] = "config"
+    # Memory planner only: mean ids per sample for each feature of a table, by table
+    # name. Unlisted tables take data.synthetic.mean_pooling_factors (built-in model)
+    # or 1.0 (model.factory models; the plan warns which). For an EmbeddingCollection
+    # table it is the mean sequence length.
+    mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
+    comm_precision: CommPrecision = CommPrecision()
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
@@ -385,7 +412,12 @@ class RecpipeConfig(_Section):
         return self
 
     def table_sharding(self) -> dict[str, TableSharding]:
-        """Resolved sharding of every table, by table name."""
+        """Resolved sharding of every table, by table name. A ``model.factory`` model's
+        tables are known only once it is built: then the configured tables plus
+        ``sharding.default`` (under that key), which is what config-time rules can
+        check; ``recpipe.embedding_tables.validated_tables`` checks the real ones."""
+        if self.model.factory is not None:
+            return {**self.sharding.tables, "sharding.default": self.sharding.default}
         return {name: self.sharding.for_table(name) for name in self.model.table_names}
 
     def to_yaml(self) -> str:
@@ -397,12 +429,13 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     sh = cfg.sharding
     known = set(cfg.model.table_names)
     # A factory model's tables are known once it is built: recpipe.sharding checks them then.
-    for name in sh.tables if cfg.model.factory is None else ():
-        if name not in known:
-            problems.append(
-                f"sharding.tables.{name}: no such table; tables are t_cat_0 .. "
-                f"t_cat_{cfg.model.num_sparse_features - 1}"
-            )
+    for key in ("tables", "mean_pooling_factors"):
+        for name in getattr(sh, key) if cfg.model.factory is None else ():
+            if name not in known:
+                problems.append(
+                    f"sharding.{key}.{name}: no such table; tables are t_cat_0 .. "
+                    f"t_cat_{cfg.model.num_sparse_features - 1}"
+                )
     resolved = {"default": sh.default, **{f"tables.{k}": v for k, v in sh.tables.items()}}
     for where, t in resolved.items():
         key = f"sharding.{where}"
@@ -418,6 +451,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.cache_load_factor={t.cache_load_factor} needs kernel 'fused_uvm_caching' "
                 f"(got kernel={t.kernel!r})"
             )
+        problems += _precision_problems(key, t)
         if t.rank is not None and t.type != "table_wise":
             problems.append(f"{key}.rank={t.rank} is only for type 'table_wise' (got type={t.type!r})")
         if t.rank is not None and sh.placement == "planner":
@@ -427,7 +461,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.rank={t.rank} but distributed.nproc={cfg.distributed.nproc} "
                 f"(ranks are 0..{cfg.distributed.nproc - 1})"
             )
-        if t.type == "column_wise" and cfg.model.embedding_dim % cfg.distributed.nproc:
+        if t.type == "column_wise" and cfg.model.factory is None and cfg.model.embedding_dim % cfg.distributed.nproc:
             problems.append(
                 f"{key}.type='column_wise' splits model.embedding_dim={cfg.model.embedding_dim} "
                 f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"
@@ -486,6 +520,25 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             f"data.synthetic.num_batches_per_rank has {len(syn.num_batches_per_rank)} entries but "
             f"distributed.nproc={cfg.distributed.nproc}"
         )
+    return problems
+
+
+def _precision_problems(key: str, t: TableSharding) -> list[str]:
+    """Precisions FBGEMM cannot train (its dispatch: weights fp32 / fp16 (/ fp8),
+    cache rows fp32 / fp16; fbgemm-gpu 1.6 and 1.8, CPU and CUDA)."""
+    problems = []
+    if t.weights_precision == "bf16":
+        problems.append(f"{key}.weights_precision='bf16': FBGEMM's training kernels have no bf16 weights (they "
+                        "train fp32 and fp16); use 'fp16'")
+    if t.cache_precision == "bf16":
+        problems.append(f"{key}.cache_precision='bf16': FBGEMM's UVM caches hold fp32 or fp16 rows; use 'fp16'")
+    if t.cache_precision is not None and t.kernel != "fused_uvm_caching":
+        problems.append(f"{key}.cache_precision={t.cache_precision!r} needs kernel 'fused_uvm_caching' "
+                        f"(got kernel={t.kernel!r})")
+    if t.type == "data_parallel" and t.weights_precision not in (None, "fp32"):
+        problems.append(f"{key}.weights_precision={t.weights_precision!r} with type 'data_parallel': the dense "
+                        "optimizer would update the replicated fp16 weights in place, without stochastic rounding; "
+                        "use a sharded type or fp32")
     return problems
 
 

@@ -34,7 +34,8 @@ from torchrec.streamable import Pipelineable
 from pipeline_harness import RunResult, local_state
 from recpipe.config import load_config
 from recpipe.pipelines import PIPELINES
-from recpipe.sharding.build import dense_optimizer, embedding_fused_params
+from recpipe.sharding.build import dense_optimizer
+from recpipe.torchrec_args import embedding_fused_params
 
 _CFG = load_config(None, ["optimizer.embedding.lr=0.1", "optimizer.dense.lr=0.1"])
 _FUSED = embedding_fused_params(_CFG.optimizer.embedding, _CFG)

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
+
+from gpu_report import emit
 
 pytestmark = pytest.mark.gpu
 
@@ -188,10 +189,4 @@ def _write_report() -> None:
             f"{r['meas_reserved'] / gib:.3f}", f"{r['err_reserved']:+.1%}", f"{r['est_total'] / gib:.3f}",
             f"{r['meas_used'] / gib:.3f}", f"{r['torchrec_hbm'] / gib:.3f}", f"{r['err_torchrec_vs_reserved']:+.1%}",
         ]) + " |")
-    text = "\n".join(lines) + "\n"
-    print("\n" + text)
-    out = os.environ.get("RECPIPE_REPORT_DIR")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "planner_gpu.md").write_text(text)
-        (Path(out) / "planner_gpu.json").write_text(json.dumps({"versions": head, "rows": REPORT}, indent=2))
+    emit("planner_gpu", "\n".join(lines) + "\n", {"versions": head, "rows": REPORT})

@@ -51,7 +51,7 @@ from recpipe.bench.uvm_cache import cached_tables, counter_delta, prefetch_unava
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
 from recpipe.pipelines.prefetch import _cached_tbes
-from recpipe.planner.spec import DEFAULT_CACHE_LOAD_FACTOR
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR
 
 __all__ = ["SWEPT", "WIN_MARGIN", "parse_grid", "point_config", "recommend", "run_sweep", "skip_reason"]
 

@@ -27,9 +27,10 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
-from recpipe.planner.memory import LOCATION_BYTES, OUTPUT_BYTES, estimate_memory, received_kjt_bytes
-from recpipe.planner.spec import PlannerInputs, ShardSpec, TableSpec, inputs_from_config
-from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, tbe_static
+from recpipe.planner.memory import LOCATION_BYTES, OUTPUT_BYTES, estimate_memory, module_received_kjt_bytes
+from recpipe.planner.spec import PlannerInputs, ShardSpec, inputs_from_config
+from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, shard_output_rows, tbe_static
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharders
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -40,11 +41,14 @@ from torchrec.distributed.planner.types import ShardEstimator, Storage, StorageR
 def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel: str, size: list[int],
                   cache_load_factor: float | None = None, batch_size: int | None = None,
                   pooling_factor: float | None = None) -> tuple[int, int]:
-    """(hbm, ddr) bytes of one shard of ``size`` [rows, cols] as recpipe estimates it."""
+    """(hbm, ddr) bytes of one shard of ``size`` [rows, cols] as recpipe estimates it
+    (``pooling_factor``: ids per sample over all of the table's features, as torchrec
+    sums its input lengths)."""
     base = inputs.table(table)
-    clf = cache_load_factor if cache_load_factor is not None else (base.cache_load_factor or 0.2)
-    t = TableSpec(table, base.rows, base.dim, pooling_factor if pooling_factor is not None else base.pooling_factor,
-                  sharding_type, kernel, clf if kernel == "fused_uvm_caching" else None)
+    clf = cache_load_factor if cache_load_factor is not None else (base.cache_load_factor or DEFAULT_CACHE_LOAD_FACTOR)
+    pf = pooling_factor / base.num_features if pooling_factor is not None else base.pooling_factor
+    t = dataclasses.replace(base, pooling_factor=pf, sharding_type=sharding_type, kernel=kernel,
+                            cache_load_factor=clf if kernel == "fused_uvm_caching" else None)
     s = ShardSpec(table, 0, int(size[0]), int(size[1]))
     one = dataclasses.replace(inputs, tables=(t,), shards=(s,), batch_size=batch_size or inputs.batch_size)
     tbe = Tbe(0, sharding_type, "dense" if kernel == "dense" else "fused", t.cached,
@@ -56,11 +60,11 @@ def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel:
         hbm, ddr = (hbm + b, ddr) if side == "hbm" else (hbm, ddr + b)
     pipe = inputs.pipeline
     n, bags = shard_indices(one, s), shard_bags(one, s)
-    lookup = OUTPUT_BYTES * bags * s.cols
+    lookup = int(OUTPUT_BYTES * shard_output_rows(one, s) * s.cols)
     copies = 1 + int(pipe.early_pooled) + int(pipe.keeps_emb_graph)
     hbm += copies * lookup
     if sharding_type != "data_parallel":
-        hbm += pipe.dist_kjts_in_flight * received_kjt_bytes(n, bags, inputs.world_size)
+        hbm += pipe.dist_kjts_in_flight * module_received_kjt_bytes(t, n, bags, inputs.world_size)
     if t.cached:
         hbm += int((2 if pipe.prefetch else 1) * LOCATION_BYTES * n)
         passes = inputs.prefetch_passes if inputs.prefetch_pipeline else 1
@@ -123,22 +127,20 @@ class RecpipeStorageReservation(StorageReservation):
         return self._last
 
 
-def constraints_from_config(cfg: "RecpipeConfig", world_size: int | None = None) -> dict:
+def constraints_from_config(cfg: "RecpipeConfig", inputs: PlannerInputs) -> dict:
     """torchrec ``ParameterConstraints`` fixing each table's sharding type, kernel,
-    pooling factor and cache params as the config says (placement left to torchrec)."""
+    pooling factors (one per feature) and cache params as the config says
+    (placement left to torchrec)."""
     from torchrec.distributed.planner.types import ParameterConstraints
 
-    from recpipe.sharding.build import _cache_params
-
-    W = world_size or cfg.distributed.nproc
-    inputs_pf = cfg.data.synthetic.mean_pooling_factors
-    pfs = inputs_pf if isinstance(inputs_pf, list) else [inputs_pf] * cfg.model.num_sparse_features
+    W = inputs.world_size
     out = {}
-    for (name, t), pf in zip(cfg.table_sharding().items(), pfs):
-        out[name] = ParameterConstraints(
-            sharding_types=[t.type], compute_kernels=[t.kernel], pooling_factors=[float(pf)],
-            min_partition=cfg.model.embedding_dim // W if t.type == "column_wise" else None,
-            cache_params=_cache_params(t, cfg),
+    for t in inputs.tables:
+        out[t.name] = ParameterConstraints(
+            sharding_types=[t.sharding_type], compute_kernels=[t.kernel],
+            pooling_factors=[t.pooling_factor] * t.num_features,
+            min_partition=t.dim // W if t.sharding_type == "column_wise" else None,
+            cache_params=cache_params(cfg.sharding.for_table(t.name), cfg),
         )
     return out
 
@@ -174,7 +176,7 @@ def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
 
     inputs = inputs or inputs_from_config(cfg)
     topology = _topology(inputs)
-    constraints = constraints_from_config(cfg, inputs.world_size)
+    constraints = constraints_from_config(cfg, inputs)
     enumerator = EmbeddingEnumerator(
         topology=topology, batch_size=inputs.batch_size, constraints=constraints,
         estimator=[EmbeddingPerfEstimator(topology=topology, constraints=constraints), RecpipeStorageEstimator(inputs)],
@@ -185,14 +187,15 @@ def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
     )
 
 
-def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
-    """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates."""
-    from recpipe.models.dlrm import build_model
-    from recpipe.sharding.build import make_sharder
+def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None, model: Any = None):
+    """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates
+    (``model``: the unsharded model; ``cfg``'s, built on meta, when not given)."""
+    from recpipe.embedding_tables import model_on_meta
 
+    model = model_on_meta(cfg) if model is None else model
     with _quiet():
         planner = torchrec_planner(cfg, inputs)
-        return planner.plan(build_model(cfg.model), [make_sharder(cfg)])
+        return planner.plan(model, list(make_sharders(cfg).values()))
 
 
 _PIPELINE_TYPE = {"base": "TRAIN_BASE", "sparse_dist": "TRAIN_SPARSE_DIST", "fused_sparse_dist": "TRAIN_SPARSE_DIST",
@@ -217,16 +220,15 @@ def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_awa
     from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
     from torchrec.distributed.types import PipelineType
 
-    from recpipe.models.dlrm import build_model
-    from recpipe.sharding.build import make_sharder
+    from recpipe.embedding_tables import model_on_meta
 
     topology = _topology(inputs)
-    constraints = constraints_from_config(cfg, inputs.world_size)
+    constraints = constraints_from_config(cfg, inputs)
     ptype = getattr(PipelineType, _PIPELINE_TYPE[inputs.pipeline.name]) if pipeline_aware else PipelineType.NONE
     estimator = EmbeddingStorageEstimator(topology=topology, constraints=constraints, pipeline_type=ptype)
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=inputs.batch_size, constraints=constraints,
                                      estimator=[estimator])
-    model, sharders = build_model(cfg.model), [make_sharder(cfg)]
+    model, sharders = model_on_meta(cfg), list(make_sharders(cfg).values())
     options = {so.name: so for so in enumerator.enumerate(model, sharders)}
     reservation = HeuristicalStorageReservation(percentage=0.15)
     reservation.reserve(topology, inputs.batch_size, model, sharders, constraints)

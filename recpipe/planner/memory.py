@@ -32,8 +32,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from recpipe.planner.plan import MemoryPlan, PrefetchSavings, RankMemory, ShardMemory, TbeGroupInfo, Term, fmt_bytes
-from recpipe.planner.spec import PlannerInputs
+from recpipe.planner.plan import (
+    MemoryPlan,
+    PrecisionSavings,
+    PrefetchSavings,
+    RankMemory,
+    ShardMemory,
+    TbeGroupInfo,
+    Term,
+    fmt_bytes,
+)
+from recpipe.planner.spec import PlannerInputs, TableSpec
 from recpipe.planner.tbe import (
     INDEX_BYTES,
     LOCATION_BYTES,
@@ -45,6 +54,7 @@ from recpipe.planner.tbe import (
     prefetch_scratch_bytes,
     shard_bags,
     shard_indices,
+    shard_output_rows,
     shard_static,
     tbe_static,
 )
@@ -61,29 +71,62 @@ _DENSE_OPT = {"sgd": 0, "adagrad": 1, "adam": 2}
 
 
 # ------------------------------------------------------------------ batch sizes
+WEIGHT_BYTES = 4  # per-id KJT weights are fp32
+
+
 def local_ids(inputs: PlannerInputs) -> float:
-    return inputs.batch_size * sum(t.pooling_factor for t in inputs.tables)
+    return inputs.batch_size * sum(t.ids_per_sample for t in inputs.tables)
+
+
+def _local_weighted_ids(inputs: PlannerInputs) -> float:
+    return inputs.batch_size * sum(t.ids_per_sample for t in inputs.tables if t.weighted)
+
+
+def _num_features(inputs: PlannerInputs) -> int:
+    return sum(t.num_features for t in inputs.tables)
 
 
 def batch_bytes(inputs: PlannerInputs) -> int:
     """One input batch on the device: dense fp32 [B, nd], labels and weights fp32
-    [B], KJT int64 values, int32 lengths and offsets."""
-    B, F = inputs.batch_size, len(inputs.tables)
-    dense = 4 * B * (inputs.num_dense_features + 2)
-    return int(dense + INDEX_BYTES * local_ids(inputs) + LENGTH_BYTES * (2 * B * F + 1))
+    [B] (the built-in batch; unknown for a model.factory model, not counted), KJT
+    int64 values, fp32 per-id weights of weighted tables, int32 lengths and offsets."""
+    B, F = inputs.batch_size, _num_features(inputs)
+    dense = 4 * B * (inputs.num_dense_features + 2) if inputs.dense_batch else 0
+    kjt = INDEX_BYTES * local_ids(inputs) + WEIGHT_BYTES * _local_weighted_ids(inputs)
+    return int(dense + kjt + LENGTH_BYTES * (2 * B * F + 1))
 
 
 def local_sparse_bytes(inputs: PlannerInputs) -> int:
-    """The rank's own KJT (values + lengths): what input dist permutes/bucketizes."""
-    return int(INDEX_BYTES * local_ids(inputs) + LENGTH_BYTES * inputs.batch_size * len(inputs.tables))
+    """The rank's own KJT (values, weights, lengths): what input dist permutes/bucketizes."""
+    ids = INDEX_BYTES * local_ids(inputs) + WEIGHT_BYTES * _local_weighted_ids(inputs)
+    return int(ids + LENGTH_BYTES * inputs.batch_size * _num_features(inputs))
 
 
-def received_kjt_bytes(n: float, bags: int, world_size: int) -> int:
-    """A KJT after the input all-to-all (int64 values, int32 lengths) plus the int64
-    offsets the TBE builds from it. With one rank torchrec's all-to-all returns its
-    input (``KJTAllToAllTensorsAwaitable``: ``if self._workers == 1``): offsets only."""
-    received = INDEX_BYTES * n + LENGTH_BYTES * bags if world_size > 1 else 0
+def received_kjt_bytes(n: float, bags: int, world_size: int, weighted: bool = False) -> int:
+    """A KJT after the input all-to-all (int64 values, fp32 weights when
+    ``weighted``, int32 lengths) plus the int64 offsets the TBE builds from it. With
+    one rank torchrec's all-to-all returns its input (``KJTAllToAllTensorsAwaitable``:
+    ``if self._workers == 1``): offsets only."""
+    values = (INDEX_BYTES + (WEIGHT_BYTES if weighted else 0)) * n
+    received = values + LENGTH_BYTES * bags if world_size > 1 else 0
     return int(received + TBE_OFFSET_BYTES * (bags + 1))
+
+
+def module_received_kjt_bytes(t: TableSpec, n: float, bags: int, world_size: int) -> int:
+    """:func:`received_kjt_bytes` for ``n`` ids and ``bags`` bags of tables of
+    ``t``'s module (weightedness is per module); a feature processor's weights are
+    created after the all-to-all, beside the received ids."""
+    fp_weights = WEIGHT_BYTES * n if t.feature_processed else 0
+    return received_kjt_bytes(n, bags, world_size, t.weighted) + int(fp_weights)
+
+
+def pooled_output_bytes(inputs: PlannerInputs) -> int:
+    """Embeddings of this rank's own samples after the output dist, every table that
+    is not data parallel: [B, dim] per feature of a pooled table, [ids, dim] of a
+    sequence table."""
+    B = inputs.batch_size
+    rows = lambda t: B * t.num_features if t.pooled else B * t.ids_per_sample  # noqa: E731
+    return int(OUTPUT_BYTES * sum(rows(t) * t.dim for t in inputs.tables if t.sharding_type != "data_parallel"))
 
 
 @dataclass(frozen=True)
@@ -109,10 +152,10 @@ def rank_io(inputs: PlannerInputs, rank: int) -> RankIO:
     tbes = tuple(group_tbes(inputs, rank))
     ns = tuple(sum(shard_indices(inputs, s) for s in g.shards) for g in tbes)
     bags = tuple(sum(shard_bags(inputs, s) for s in g.shards) for g in tbes)
-    lookup = sum(OUTPUT_BYTES * shard_bags(inputs, s) * s.cols for g in tbes for s in g.shards)
-    sharded_dims = sum(t.dim for t in inputs.tables if t.sharding_type != "data_parallel")
-    pooled = OUTPUT_BYTES * B * sharded_dims if W > 1 else 0
-    received = sum(received_kjt_bytes(n, b, W) for g, n, b in zip(tbes, ns, bags) if g.sharding_type != "data_parallel")
+    lookup = int(sum(OUTPUT_BYTES * shard_output_rows(inputs, s) * s.cols for g in tbes for s in g.shards))
+    pooled = pooled_output_bytes(inputs) if W > 1 else 0
+    received = sum(module_received_kjt_bytes(g.tables[0], n, b, W)
+                   for g, n, b in zip(tbes, ns, bags) if g.sharding_type != "data_parallel")
     version, min_pass = inputs.fbgemm_version, inputs.prefetch_min_pass_size
     cached = [(g, n) for g, n in zip(tbes, ns) if g.cached]
     pf = inputs.prefetch_pipeline
@@ -162,11 +205,13 @@ def shard_memory(inputs: PlannerInputs, io: RankIO) -> list[ShardMemory]:
         for i, s in enumerate(g.shards):
             t = g.tables[i]
             terms = [Term(name, side, "static", b, d) for name, side, b, d in shard_static(inputs, g, i)]
-            n, bags = shard_indices(inputs, s), shard_bags(inputs, s)
+            n, out_rows = shard_indices(inputs, s), shard_output_rows(inputs, s)
             if t.sharding_type != "data_parallel":
-                kjt = pipe.dist_kjts_in_flight * received_kjt_bytes(n, bags, inputs.world_size)
+                kjt = pipe.dist_kjts_in_flight * module_received_kjt_bytes(t, n, shard_bags(inputs, s), inputs.world_size)
                 terms.append(Term("input_dist_kjts", "hbm", "per_step", kjt, f"{pipe.dist_kjts_in_flight} x {n:.0f} indices"))
-            terms.append(Term("pooled_lookup", "hbm", "per_step", OUTPUT_BYTES * bags * s.cols, f"{bags} bags x {s.cols}"))
+            rows_what = "bags" if t.pooled else "ids"
+            terms.append(Term("pooled_lookup", "hbm", "per_step", int(OUTPUT_BYTES * out_rows * s.cols),
+                              f"{out_rows:.0f} {rows_what} x {s.cols}"))
             if t.cached:
                 name = "prefetch_cache_locations" if pipe.prefetch else "cache_locations"
                 terms.append(Term(name, "hbm", "per_step", int(loc_batches * LOCATION_BYTES * n), f"{loc_batches} x {n:.0f} x int32"))
@@ -223,7 +268,28 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     if io.inline_scratch:
         phases["inline_prefetch"] = [("prefetch_scratch_inline", io.inline_scratch, "main"),
                                      ("dense_arch_activations", act_dense, "main")]
+    if inputs.world_size > 1:  # the output dist's backward: see quantized_output_grad_bytes
+        phases["backward_output_dist"] = [("pooled_output_grads", 2 * io.pooled, "main"),
+                                          ("output_dist_quantized_grads", quantized_output_grad_bytes(inputs, io), "main"),
+                                          ("dense_arch_activations", act_dense, "main")]
     return phases
+
+
+def quantized_output_grad_bytes(inputs: PlannerInputs, io: RankIO) -> int:
+    """Quantized comms (torchrec's qcomm codecs) change what the output dist holds:
+
+    * forward: the TBE outputs are encoded and sent at ``p`` bytes per value and
+      decoded into fp32 on arrival. The send and receive buffers replace fp32 ones
+      of twice the size while the decoded copy adds one, so the forward peak (the
+      fp32 outputs, their send copy or received values, and the output) does not grow;
+    * backward (the ``backward_output_dist`` phase, any precision, W > 1): the
+      gradient of the embeddings and its per-rank regrouped copy (fp32, 2 x pooled)
+      are alive while the copy is sent; a quantized backward encodes it first:
+      ``p`` x pooled more, returned here. Its all-to-all then moves half the bytes.
+
+    0 at world size 1 (torchrec's all-to-alls return their input) or fp32 gradients."""
+    p = inputs.comm_bytes[1]
+    return 0 if inputs.world_size == 1 or p >= OUTPUT_BYTES else int(p * io.pooled / OUTPUT_BYTES)
 
 
 def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term], list[Term], str, dict[str, int]]:
@@ -299,7 +365,7 @@ def _warnings(inputs: PlannerInputs, ranks: list[RankMemory], infos: list[RankIO
     for s in inputs.shards:
         if s.cols % 4:
             out.append(f"{s.table}: shard of {s.cols} columns; FBGEMM needs a multiple of 4")
-    return out
+    return out + list(inputs.notes)
 
 
 def _estimate(inputs: PlannerInputs) -> tuple[list[RankMemory], list[ShardMemory], list[RankIO]]:
@@ -325,5 +391,12 @@ def estimate_memory(inputs: PlannerInputs) -> MemoryPlan:
     return MemoryPlan(
         ranks=tuple(ranks), shards=tuple(shards), pipeline=inputs.pipeline.name, world_size=inputs.world_size,
         batch_size=inputs.batch_size, fbgemm_version=tuple(inputs.fbgemm_version), prefetch=tuple(savings),
-        warnings=tuple(_warnings(inputs, ranks, infos)),
+        warnings=tuple(_warnings(inputs, ranks, infos)), precision=precision_savings(inputs, ranks),
     )
+
+
+def precision_savings(inputs: PlannerInputs, ranks: list[RankMemory]) -> tuple[PrecisionSavings, ...]:
+    from recpipe.planner.precision import precision_savings as savings  # it estimates with this module
+
+    return savings(inputs, ranks)
+

@@ -58,14 +58,16 @@ TERM_DOC: dict[str, str] = {
     "cache_locations": "int32 cache slot per index of the batch in training (lxu_cache_locations)",
     "prefetch_cache_locations": "int32 cache slot per index, batch i (autograd) and i+1 (prefetched)",
     # per step, phase transients
-    "pooled_lookup": "TBE outputs before the output all-to-all / reduce-scatter",
-    "pooled_embeddings": "pooled embeddings after the output dist (B x sum of dims)",
+    "pooled_lookup": "TBE outputs before the output all-to-all / reduce-scatter (a row per bag; per id for sequence tables)",
+    "pooled_embeddings": "embeddings after the output dist (B x sum of dims; ids x dim for sequence tables)",
     "pooled_embedding_grads": "gradients of the pooled embeddings, both sides of the output dist",
     "dense_arch_activations": "activations the dense arch saves for backward",
     "top_activations": "activations of the interaction and over arch saved for backward",
     "sparse_backward_scratch": "TBE backward temporaries (transpose_embedding_input sort, ~36 B/index)",
     "prefetch_scratch": "prefetch-stream temporaries of the UVM cache prefetch at the passes that happen",
     "prefetch_scratch_inline": "temporaries of the in-forward cache prefetch (no prefetch pipeline, one pass)",
+    "pooled_output_grads": "gradient of the embeddings after the output dist and its copy regrouped per rank (W > 1)",
+    "output_dist_quantized_grads": "quantized comms: the regrouped gradient encoded to sharding.comm_precision.backward",
     # allocator
     "allocator_fragmentation": "reserved-over-allocated of the default stream's pool",
     "reserve_memcpy_stream": "memcpy stream pool: one batch freed late (record_stream)",
@@ -212,6 +214,30 @@ class PrefetchSavings:
 
 
 @dataclass(frozen=True)
+class PrecisionSavings:
+    """What the configured precisions (tables, caches, comms) save on one rank,
+    against the same plan with every precision fp32."""
+
+    rank: int
+    hbm_bytes: int
+    hbm_bytes_fp32: int
+    ddr_bytes: int
+    ddr_bytes_fp32: int
+    table_hbm_bytes: int  # weights + caches in HBM (emb_weights, uvm_cache_weights)
+    table_hbm_bytes_fp32: int
+    output_a2a_bytes: int  # output + backward all-to-all bytes per step, busier direction
+    output_a2a_bytes_fp32: int
+
+    @property
+    def saved_hbm_bytes(self) -> int:
+        return self.hbm_bytes_fp32 - self.hbm_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__, saved_hbm_bytes=self.saved_hbm_bytes,
+                    saved_ddr_bytes=self.ddr_bytes_fp32 - self.ddr_bytes)
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     ranks: tuple[RankMemory, ...]
     shards: tuple[ShardMemory, ...]
@@ -221,6 +247,7 @@ class MemoryPlan:
     fbgemm_version: tuple[int, int]
     prefetch: tuple[PrefetchSavings, ...] = ()
     warnings: tuple[str, ...] = field(default=())
+    precision: tuple[PrecisionSavings, ...] = ()  # only when some precision is not fp32
 
     @property
     def fits(self) -> bool:
@@ -238,6 +265,7 @@ class MemoryPlan:
             "shards": [s.to_json() for s in self.shards],
             "prefetch": [p.to_json() for p in self.prefetch],
             "warnings": list(self.warnings),
+            **({"precision": [p.to_json() for p in self.precision]} if self.precision else {}),
             "term_doc": {k: v for k, v in TERM_DOC.items()},
         }
 
@@ -324,6 +352,19 @@ def render_table(plan: MemoryPlan) -> str:
         ]
         header = ("rank", "passes", "passes that happen (TBE:passes)", "scratch", "scratch @1 pass", "HBM saved")
         out += ["  " + s for s in _grid(header, rows, right={3, 4, 5})]
+    if plan.precision:
+        out += ["", "precision (configured vs every precision fp32)"]
+        rows = [
+            (
+                str(p.rank), fmt_bytes(p.table_hbm_bytes), fmt_bytes(p.table_hbm_bytes_fp32), fmt_bytes(p.hbm_bytes),
+                fmt_bytes(p.hbm_bytes_fp32), fmt_bytes(p.saved_hbm_bytes), fmt_bytes(p.ddr_bytes_fp32 - p.ddr_bytes),
+                fmt_bytes(p.output_a2a_bytes), fmt_bytes(p.output_a2a_bytes_fp32),
+            )
+            for p in plan.precision
+        ]
+        header = ("rank", "tables+caches HBM", "@fp32", "HBM", "HBM @fp32", "HBM saved", "DDR saved",
+                  "output+bwd a2a/step", "@fp32")
+        out += ["  " + s for s in _grid(header, rows, right=set(range(1, 9)))]
     if plan.warnings:
         out += ["", "warnings"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)

@@ -13,11 +13,13 @@ share a rank keeps for itself never leaves it):
   and CW (every column shard's rank), ``rows_s / rows`` for RW (ids are spread over
   the table: recpipe's synthetic data permutes Zipf ranks over the rows). DP: none.
   So s receives that from each of the W - 1 others.
-* forward output dist of pooled fp32 embeddings. TW/CW shard of c columns on s:
-  s sends ``B * c * 4`` to each of the W - 1 others, each receives it from s. RW:
-  reduce-scatter of the [W*B, D] partial sums; ring: every rank sends and receives
-  ``(W - 1) * B * D * 4``.
-* backward: the gradients of the same tensors, the other way (sent <-> received).
+* forward output dist of pooled embeddings, ``p`` bytes per value
+  (``sharding.comm_precision.forward``: 4 fp32, 2 fp16 / bf16). TW/CW shard of c
+  columns on s: s sends ``B * c * p`` to each of the W - 1 others, each receives it
+  from s. RW: reduce-scatter of the [W*B, D] partial sums; ring: every rank sends
+  and receives ``(W - 1) * B * D * p``. Sequence tables send a row per id.
+* backward: the gradients of the same tensors, the other way (sent <-> received),
+  at ``sharding.comm_precision.backward``.
 * DDP all-reduce of dense gradients (+ data-parallel tables), ring:
   ``2 * (W - 1) / W * 4 * params`` sent and received by every rank.
 
@@ -31,9 +33,10 @@ and mean (``*_bytes_mean``). Times, per rank and step:
   all-reduce per 25 MiB DDP bucket; none at W = 1);
 * ``compute_ms`` = embedding HBM traffic / (HBM * gather efficiency)
   + dense FLOPs / (fp32 peak * efficiency) + streaming HBM traffic / (HBM * stream
-  efficiency), with, per shard, ids n, bags b, c columns (4-byte rows):
-  embedding bytes = ``(3 * n + 2 * b) * c * 4`` (forward reads n rows and writes b
-  pooled rows; the fused backward reads b gradient rows, reads and writes n rows);
+  efficiency), with, per shard, ids n, bags b, c columns:
+  embedding bytes = ``(3 * n * w + 2 * b * 4) * c`` (forward reads n rows of w-byte
+  weights and writes b fp32 pooled rows; the fused backward reads b gradient rows,
+  reads and writes n rows);
   dense FLOPs = ``6 * params * B`` (+ ``6 * (F + 1)^2 * D * B`` for the DLRM
   interaction bmm); streaming = the dense optimizer step (3 / 5 / 7 fp32 tensors of
   params touched for sgd / adagrad / adam) + ``3 * 4 * B`` per saved activation float.
@@ -56,10 +59,10 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from recpipe.planner.memory import LENGTH_BYTES, OUTPUT_BYTES, batch_bytes
+from recpipe.planner.memory import LENGTH_BYTES, OUTPUT_BYTES, WEIGHT_BYTES, batch_bytes
 from recpipe.planner.plan import _grid, fmt_bytes
 from recpipe.planner.spec import DEFAULT_HBM_GB_WITHOUT_GPU, GiB, PlannerInputs, inputs_from_config
-from recpipe.planner.tbe import INDEX_BYTES, shard_bags, shard_indices
+from recpipe.planner.tbe import INDEX_BYTES, shard_indices, shard_output_rows
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -103,7 +106,7 @@ def a2a_bytes(inputs: PlannerInputs) -> dict[str, list[tuple[float, float]]]:
     all-to-alls and of the DDP all-reduce (formulas in the module docstring)."""
     W, B = inputs.world_size, inputs.batch_size
     kjt = [[0.0, 0.0] for _ in range(W)]
-    out = [[0.0, 0.0] for _ in range(W)]
+    out = [[0.0, 0.0] for _ in range(W)]  # values (not bytes): fwd and bwd send them at their own precision
 
     def send(acc: list[list[float]], src: int, dst: int, nbytes: float) -> None:
         if src != dst:  # what stays on its rank never crosses the link
@@ -115,17 +118,22 @@ def a2a_bytes(inputs: PlannerInputs) -> dict[str, list[tuple[float, float]]]:
         if t.sharding_type == "data_parallel":
             continue
         share = sh.rows / t.rows if t.sharding_type == "row_wise" else 1.0
+        id_bytes = INDEX_BYTES + (WEIGHT_BYTES if t.weighted else 0)
+        # pooled: one row per sample and feature; sequence: one per id (RW: the
+        # shard's ids only, sent back by an all-to-all, not reduce-scattered)
+        rows = B * t.num_features if t.pooled else B * t.ids_per_sample * share
         for r in range(W):
-            send(kjt, r, sh.rank, B * (LENGTH_BYTES + INDEX_BYTES * t.pooling_factor * share))
-            if t.sharding_type != "row_wise":
-                send(out, sh.rank, r, B * sh.cols * OUTPUT_BYTES)
-    rw_dims = sum(t.dim for t in inputs.tables if t.sharding_type == "row_wise")
-    ring_rs = (W - 1) * B * rw_dims * OUTPUT_BYTES  # RW reduce-scatter, ring
+            send(kjt, r, sh.rank, B * t.num_features * (LENGTH_BYTES + id_bytes * t.pooling_factor * share))
+            if t.sharding_type != "row_wise" or not t.pooled:
+                send(out, sh.rank, r, rows * sh.cols)
+    rw_dims = sum(t.dim * t.num_features for t in inputs.tables if t.sharding_type == "row_wise" and t.pooled)
+    ring_rs = (W - 1) * B * rw_dims  # RW reduce-scatter, ring (values)
     ring_ar = 2 * (W - 1) / W * 4 * _replicated_params(inputs)
+    fwd, bwd = inputs.comm_bytes  # sharding.comm_precision: fp32 4 B, fp16 / bf16 2 B per value
     return {
         "input_a2a": [tuple(x) for x in kjt],
-        "output_a2a": [(snt + ring_rs, rcv + ring_rs) for snt, rcv in out],
-        "backward_a2a": [(rcv + ring_rs, snt + ring_rs) for snt, rcv in out],
+        "output_a2a": [((snt + ring_rs) * fwd, (rcv + ring_rs) * fwd) for snt, rcv in out],
+        "backward_a2a": [((rcv + ring_rs) * bwd, (snt + ring_rs) * bwd) for snt, rcv in out],
         "allreduce": [(ring_ar, ring_ar)] * W,
     }
 
@@ -152,11 +160,12 @@ def _collectives(inputs: PlannerInputs) -> dict[str, int]:
 def compute_ms(inputs: PlannerInputs, rank: int, gpu: GpuSpec, interaction_flops: float = 0.0) -> dict[str, float]:
     """Embedding, dense and streaming time of one step on ``rank`` (ms);
     ``interaction_flops``: forward FLOPs per sample of parameter-free layers."""
-    wb, B = inputs.weight_bytes, inputs.batch_size
+    B = inputs.batch_size
     hbm_gather, pcie = 0.0, 0.0
     for s in inputs.shards_on(rank):
-        n, b = shard_indices(inputs, s), shard_bags(inputs, s)
-        nbytes = (3 * n + 2 * b) * s.cols * wb
+        n, b = shard_indices(inputs, s), shard_output_rows(inputs, s)
+        wb = inputs.table(s.table).weight_bytes  # rows in the table's precision, outputs and gradients fp32
+        nbytes = (3 * n * wb + 2 * b * OUTPUT_BYTES) * s.cols
         if inputs.table(s.table).kernel == "fused_uvm":
             pcie += nbytes
         else:
@@ -179,6 +188,8 @@ def interaction_flops_per_sample(cfg: "RecpipeConfig") -> float:
     features with themselves): ``2 * (F + 1)^2 * D``. DCN's cross layers have
     parameters, so ``6 * params`` already counts them: 0."""
     m = cfg.model
+    if m.factory is not None:  # unknown; a user model's parameter-free layers are not modeled
+        return 0.0
     return 2.0 * (m.num_sparse_features + 1) ** 2 * m.embedding_dim if m.arch == "dlrm" else 0.0
 
 

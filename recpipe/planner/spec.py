@@ -1,5 +1,6 @@
 """What the planner is asked about: frozen input dataclasses, and their construction
-from a :class:`~recpipe.config.RecpipeConfig`.
+from a :class:`~recpipe.config.RecpipeConfig` (the model's side:
+:mod:`recpipe.planner.model_spec`).
 
 ``PlannerInputs`` holds everything :func:`recpipe.planner.memory.estimate_memory`
 reads: tables, their shards (where each shard lives), the dense model, the
@@ -12,10 +13,13 @@ Shards follow torchrec's own rules so that the estimate is of the run that reall
 happens (``tests/test_planner.py`` checks them against
 ``construct_module_sharding_plan``):
 
-* table_wise: one shard, on ``recpipe.sharding.build.table_wise_ranks``'s rank;
+* table_wise: one shard, on ``recpipe.torchrec_args.table_wise_ranks``'s rank;
 * row_wise: ``ceil(rows / W)`` rows per rank, the last non-empty shard takes the
   rest, later ranks get 0 rows (torchrec ``_calculate_rw_shard_sizes_and_offsets``);
-* column_wise: ``dim / W`` columns on each rank (``sharding_plan.column_wise(ranks=...)``);
+* column_wise: blocks of the smallest multiple of 4 columns that is at least
+  ``dim / W`` and divides ``dim`` (else all of ``dim``), on ranks 0, 1, ...
+  (``sharding_plan.column_wise(ranks=...)`` and ``_find_base_dim``): dim 16 over 8
+  ranks is 4 shards of 4 columns, dim 12 over 2 ranks one shard of 12;
 * data_parallel: the whole table on every rank.
 """
 
@@ -25,12 +29,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from recpipe.torchrec_args import PRECISION_BYTES, table_wise_ranks
+
 if TYPE_CHECKING:
     from recpipe.config import ModelConfig, RecpipeConfig
 
 GiB = 1 << 30
 DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
-DEFAULT_CACHE_LOAD_FACTOR = 0.2  # recpipe.sharding.build._cache_params and FBGEMM's default
 
 CACHED = "fused_uvm_caching"
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
@@ -38,19 +43,52 @@ UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table with one feature (recpipe's Criteo layout)."""
+    """One embedding table, model-agnostic: what its module looks up per sample.
+
+    ``pooling_factor`` is the mean ids per sample of *each* of its ``num_features``
+    features. A pooled table (EmbeddingBagCollection) outputs one row per bag
+    (sample and feature); a sequence table (EmbeddingCollection, ``pooled=False``)
+    one row per id. ``weighted``: its input KJT carries an fp32 weight per id;
+    ``feature_processed``: a feature processor creates those weights after the
+    input all-to-all. ``module``: the embedding module's path; torchrec builds
+    TBEs per module, so tables of different modules never share one."""
 
     name: str
     rows: int
     dim: int
-    pooling_factor: float  # mean ids per sample of its feature
+    pooling_factor: float  # mean ids per sample of each of its features
     sharding_type: str  # table_wise | row_wise | column_wise | data_parallel
     kernel: str  # fused | fused_uvm | fused_uvm_caching | dense
     cache_load_factor: float | None = None  # fused_uvm_caching only
+    module: str = ""
+    num_features: int = 1
+    pooled: bool = True
+    weighted: bool = False
+    feature_processed: bool = False
+    weights_precision: str = "fp32"  # fp32 | fp16: the TBE's weights (and its UVM rows)
+    cache_precision: str | None = None  # HBM cache rows of a cached table; None = weights_precision
+    stochastic_rounding: bool | None = None  # what recpipe passes to FBGEMM (a TBE grouping key)
 
     @property
     def cached(self) -> bool:
         return self.kernel == CACHED
+
+    @property
+    def weight_bytes(self) -> int:
+        return PRECISION_BYTES[self.weights_precision]
+
+    @property
+    def cache_bytes(self) -> int:
+        return PRECISION_BYTES[self.cache_precision or self.weights_precision]
+
+    @property
+    def ids_per_sample(self) -> float:
+        return self.pooling_factor * self.num_features
+
+    @property
+    def has_id_weights(self) -> bool:
+        """Per-id fp32 weights reach the TBE (weighted input or a feature processor)."""
+        return self.weighted or self.feature_processed
 
 
 @dataclass(frozen=True)
@@ -71,7 +109,8 @@ class DenseSpec:
 
     ``dense_arch_bytes`` and ``top_bytes`` are the bytes of the activations autograd
     saves per sample in the dense arch and in the interaction + over arch, at the
-    model's precision (``train.precision``); see :func:`dense_spec_from_config`."""
+    model's precision (``train.precision``; :func:`activation_bytes`); see
+    :func:`recpipe.planner.model_spec.dense_spec`."""
 
     num_params: int
     buffer_bytes: int = 0
@@ -147,8 +186,17 @@ class PlannerInputs:
     prefetch_min_pass_size: int = 6 * 1024 * 1024
     uvm_host_mapped: bool = False
     fbgemm_version: tuple[int, int] = (1, 8)
-    weight_bytes: int = 4  # fp32 tables (recpipe trains fp32)
     tw_ranks: tuple[tuple[str, int], ...] = field(default=())
+    # False for a model.factory model: its batch's dense part is unknown, only the
+    # KJTs are counted (num_dense_features is then unused).
+    dense_batch: bool = True
+    notes: tuple[str, ...] = ()  # what the estimate could not know about the model (shown as warnings)
+    comm_precision: tuple[str, str] = ("fp32", "fp32")  # sharding.comm_precision (forward, backward)
+
+    @property
+    def comm_bytes(self) -> tuple[int, int]:
+        """Bytes per value of the output dist (forward) and of its gradient (backward)."""
+        return PRECISION_BYTES[self.comm_precision[0]], PRECISION_BYTES[self.comm_precision[1]]
 
     def table(self, name: str) -> TableSpec:
         for t in self.tables:
@@ -168,8 +216,15 @@ def rw_shard_rows(rows: int, world_size: int) -> list[int]:
     return [block if r < last_rank else (rows - block * last_rank if r == last_rank else 0) for r in range(world_size)]
 
 
+def cw_block_cols(dim: int, world_size: int) -> int:
+    """Columns per column_wise shard, as torchrec's ``column_wise(ranks=range(W))``
+    computes them (``_find_base_dim(dim // W, dim)``: FBGEMM wants multiples of 4)."""
+    lower = dim // world_size
+    return next((i for i in range(lower, dim) if dim % i == 0 and i % 4 == 0), dim)
+
+
 def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: dict[str, int]) -> tuple[ShardSpec, ...]:
-    """Shards of every table, as ``recpipe.sharding.build.sharding_plan`` places them."""
+    """Shards of every table, as ``recpipe.sharding.sharding_plan`` places them."""
     out: list[ShardSpec] = []
     for t in tables:
         if t.sharding_type == "table_wise":
@@ -182,8 +237,8 @@ def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: 
         elif t.sharding_type == "column_wise":
             if t.dim % world_size:
                 raise ValueError(f"{t.name}: dim {t.dim} does not split over {world_size} ranks")
-            cols = t.dim // world_size
-            out += [ShardSpec(t.name, r, t.rows, cols, col_offset=r * cols) for r in range(world_size)]
+            cols = cw_block_cols(t.dim, world_size)
+            out += [ShardSpec(t.name, r, t.rows, cols, col_offset=r * cols) for r in range(t.dim // cols)]
         elif t.sharding_type == "data_parallel":
             out += [ShardSpec(t.name, r, t.rows, t.dim) for r in range(world_size)]
         else:
@@ -211,22 +266,6 @@ def shards_from_plan(plan, tables: tuple[TableSpec, ...]) -> tuple[ShardSpec, ..
 
 
 # ------------------------------------------------------------------ config
-def dense_spec_from_config(cfg: "RecpipeConfig") -> DenseSpec:
-    """Count the dense parameters exactly (model built on meta) and the activation
-    bytes saved per sample (formula: see :func:`activation_bytes`)."""
-    import torch
-
-    from recpipe.models.dlrm import build_model
-
-    with torch.device("meta"):
-        model = build_model(cfg.model, device=torch.device("meta"))
-    ebc = "embedding_bag_collection"
-    params = sum(p.numel() for n, p in model.named_parameters() if ebc not in n)
-    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if ebc not in n)
-    dense, top = activation_bytes(cfg.model, cfg.train.precision)
-    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top)
-
-
 def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, int]:
     """Bytes autograd saves per sample: (dense arch, interaction + over arch).
 
@@ -285,22 +324,19 @@ def inputs_from_config(
     fbgemm: tuple[int, int] | None = None,
     shards: tuple[ShardSpec, ...] | None = None,
 ) -> PlannerInputs:
-    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``)."""
-    from recpipe.sharding.build import table_wise_ranks
+    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``):
+    the model is built on meta (``recpipe.models.make_model``, so a ``model.factory``
+    model too) and its tables checked against the config (``ConfigError``)."""
+    from recpipe.embedding_tables import model_on_meta, validated_tables
+    from recpipe.planner.model_spec import dense_spec, model_notes, pooling_factors, table_specs
 
     W = world_size or cfg.distributed.nproc
     m = cfg.model
-    pf = cfg.data.synthetic.mean_pooling_factors
-    pfs = list(pf) if isinstance(pf, list) else [float(pf)] * m.num_sparse_features
-    tables = []
-    for name, rows, p in zip(m.table_names, m.num_embeddings_per_feature, pfs):
-        ts = cfg.sharding.for_table(name)
-        clf = None
-        if ts.kernel == CACHED:
-            clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
-        tables.append(TableSpec(name, rows, m.embedding_dim, float(p), ts.type, ts.kernel, clf))
-    tables_t = tuple(tables)
-    tw = table_wise_ranks(cfg, W)
+    model = model_on_meta(cfg)
+    infos = validated_tables(cfg, model)
+    pfs, assumed = pooling_factors(cfg, infos)
+    tables_t = table_specs(cfg, infos, pfs)
+    tw = table_wise_ranks(cfg, W, infos)
     if shards is None:
         shards = shards_for_tables(tables_t, W, tw)
     if hbm_capacity_bytes is None:
@@ -317,7 +353,7 @@ def inputs_from_config(
         world_size=W,
         batch_size=cfg.data.batch_size,
         num_dense_features=m.num_dense_features,
-        dense=dense_spec_from_config(cfg),
+        dense=dense_spec(cfg, model, infos),
         embedding_optimizer=cfg.optimizer.embedding.name,
         dense_optimizer=cfg.optimizer.dense.name,
         pipeline=pipe,
@@ -328,4 +364,7 @@ def inputs_from_config(
         uvm_host_mapped=cfg.sharding.uvm_host_mapped,
         fbgemm_version=fbgemm or fbgemm_version(),
         tw_ranks=tuple(sorted(tw.items())),
+        dense_batch=m.factory is None,
+        notes=model_notes(cfg, assumed),
+        comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
     )

@@ -4,8 +4,8 @@ statically, and the temporaries of its prefetch and backward.
 Source references are to ``fbgemm_gpu/split_table_batched_embeddings_ops_training.py``
 (fbgemm-gpu 1.8.0; 1.6.0 has the same logic) and to torchrec 1.8.0 / 1.6.1:
 
-* grouping: ``torchrec/distributed/embedding_sharding.py::group_tables``. One lookup
-  per (sharding type, device) (``embeddingbag.py::create_sharding_infos_by_sharding_device_group``),
+* grouping: ``torchrec/distributed/embedding_sharding.py::group_tables``. Per
+  embedding module, one lookup per (sharding type, device) (``embeddingbag.py::create_sharding_infos_by_sharding_device_group``),
   then per rank one TBE per grouping key: fused, fused_uvm and fused_uvm_caching map to
   the same kernel type, but the cache tables carry cache keys in their fused params
   (``utils.py::add_params_from_parameter_sharding``), so cached tables form their own
@@ -15,11 +15,14 @@ Source references are to ``fbgemm_gpu/split_table_batched_embeddings_ops_trainin
 * weights / states: ``construct_split_state`` + ``apply_split_helper``: DEVICE tables
   put weights and every state in HBM; MANAGED(_CACHING) tables put weights in UVM,
   row-wise states in HBM ("if optimizer state is rowwise, optimizer is on device")
-  and full states in UVM. States are fp32 (``momentum1_dtype``).
+  and full states in UVM. Weights are in the TBE's ``weights_precision`` (torchrec:
+  the tables' ``data_type``, one per TBE); states are fp32 (``momentum1_dtype``:
+  ``optimizer_state_dtypes`` exists only for partial row-wise Adam and ensemble
+  row-wise Adagrad, which recpipe does not offer).
 * cache: ``_apply_cache_state``: ``sets = (int(H * clf) + 31) // 32`` (at least 1),
-  ``slots = 32 * sets``; ``lxu_cache_weights`` [slots, max_D_cache],
-  ``lxu_cache_state`` and LRU ``lxu_state`` int64 [sets, 32], ``cache_index_table_map``
-  int32 [H]; ``_init_uvm_cache_counter``: ``lxu_cache_locking_counter`` int32 [sets, 32]
+  ``slots = 32 * sets``; ``lxu_cache_weights`` [slots, max_D_cache] in
+  ``cache_precision`` (by default the weights'), ``lxu_cache_state`` and LRU
+  ``lxu_state`` int64 [sets, 32], ``cache_index_table_map`` int32 [H]; ``_init_uvm_cache_counter``: ``lxu_cache_locking_counter`` int32 [sets, 32]
   when ``prefetch_pipeline``. The cache shrinks only if it exceeds the GPU's free
   memory at construction (we warn instead).
 * prefetch: ``_prefetch`` + ``get_prefetch_passes``; backward:
@@ -63,11 +66,13 @@ class Tbe:
     dim_bucket: int | None
     shards: tuple[ShardSpec, ...]
     tables: tuple[TableSpec, ...]  # the table of each shard
+    module: str = ""  # in the name when the model has several embedding modules
 
     @property
     def name(self) -> str:
         kind = "cached" if self.cached else ("dense" if self.kernel_class == "dense" else "fused")
-        return f"{self.sharding_type}/{kind}" + (f"/d{self.dim_bucket}" if self.dim_bucket else "")
+        name = f"{self.sharding_type}/{kind}" + (f"/d{self.dim_bucket}" if self.dim_bucket else "")
+        return f"{self.module}:{name}" if self.module else name
 
     @property
     def cache_rows(self) -> int:
@@ -106,21 +111,29 @@ class Tbe:
 def shard_indices(inputs: PlannerInputs, shard: ShardSpec) -> float:
     """Expected indices per batch that reach this shard's TBE (after input dist).
 
-    TW / CW: the feature's ids of all W ranks; RW: the share of those ids in the
+    TW / CW: the table's ids of all W ranks; RW: the share of those ids in the
     shard's row block (ids are spread over the table); DP: the rank's own ids."""
     t = inputs.table(shard.table)
     B, W = inputs.batch_size, inputs.world_size
     if t.sharding_type in ("table_wise", "column_wise"):
-        return W * B * t.pooling_factor
+        return W * B * t.ids_per_sample
     if t.sharding_type == "row_wise":
-        return W * B * t.pooling_factor * shard.rows / t.rows
-    return B * t.pooling_factor
+        return W * B * t.ids_per_sample * shard.rows / t.rows
+    return B * t.ids_per_sample
 
 
 def shard_bags(inputs: PlannerInputs, shard: ShardSpec) -> int:
-    """Bags (lengths entries, pooled output rows) of this shard per batch."""
+    """Bags (lengths entries; pooled output rows of a pooled table) of this shard
+    per batch: one per sample and feature."""
     t = inputs.table(shard.table)
-    return inputs.batch_size if t.sharding_type == "data_parallel" else inputs.world_size * inputs.batch_size
+    samples = inputs.batch_size if t.sharding_type == "data_parallel" else inputs.world_size * inputs.batch_size
+    return samples * t.num_features
+
+
+def shard_output_rows(inputs: PlannerInputs, shard: ShardSpec) -> float:
+    """Rows of this shard's TBE output per batch: one per bag for a pooled table,
+    one per id for a sequence table (EmbeddingCollection)."""
+    return shard_bags(inputs, shard) if inputs.table(shard.table).pooled else shard_indices(inputs, shard)
 
 
 def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
@@ -131,16 +144,22 @@ def group_tbes(inputs: PlannerInputs, rank: int) -> list[Tbe]:
         t = inputs.table(shard.table)
         kernel_class = "dense" if t.kernel == "dense" else "fused"
         bucket = shard.cols if (t.cached and inputs.prefetch_pipeline) else None
-        key = (t.sharding_type, kernel_class, t.cached, bucket)
+        # Each embedding module has its own lookups (one per sharding type), so
+        # tables of different modules never share a TBE; torchrec's group_tables also
+        # keys on the data type and the per-table fused params (cache precision,
+        # stochastic rounding).
+        key = (t.module, t.sharding_type, kernel_class, t.cached, bucket,
+               t.weights_precision, t.cache_precision, t.stochastic_rounding)
         if key not in members:
             keys.append(key)
             members[key] = []
         members[key].append((shard, t))
+    several = len({t.module for t in inputs.tables}) > 1
     out = []
     for key in keys:
-        st, kc, cached, bucket = key
+        module, st, kc, cached, bucket = key[:5]
         shards, tables = zip(*members[key])
-        out.append(Tbe(rank, st, kc, cached, bucket, tuple(shards), tuple(tables)))
+        out.append(Tbe(rank, st, kc, cached, bucket, tuple(shards), tuple(tables), module if several else ""))
     return out
 
 
@@ -156,7 +175,7 @@ _DENSE_OPT_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # torch.optim state ten
 def tbe_static(inputs: PlannerInputs, tbe: Tbe) -> list[tuple[str, str, int, str]]:
     """(name, side, bytes, detail) of every static buffer of ``tbe`` that scales with
     the tables, plus ``tbe_metadata``. Equal byte for byte to the TBE's buffers."""
-    wb = inputs.weight_bytes
+    wb = tbe.tables[0].weight_bytes  # one data type per TBE (a grouping key)
     out: list[tuple[str, str, int, str]] = []
     if tbe.kernel_class == "dense":
         numel = sum(s.rows * s.cols for s in tbe.shards)
@@ -179,7 +198,8 @@ def tbe_static(inputs: PlannerInputs, tbe: Tbe) -> list[tuple[str, str, int, str
     if tbe.cached:
         slots, d, h = tbe.cache_slots, tbe.cache_dim, tbe.cache_rows
         detail = f"{slots} slots (H={h}, clf={tbe.cache_load_factor:.4g})"
-        out.append(("uvm_cache_weights", "hbm", slots * d * wb, f"{detail} x {d} x {wb} B"))
+        cb = next(t.cache_bytes for t in tbe.tables if t.cached)  # cache precision: a grouping key too
+        out.append(("uvm_cache_weights", "hbm", slots * d * cb, f"{detail} x {d} x {cb} B"))
         out.append(("uvm_cache_state", "hbm", slots * 8, detail))
         out.append(("uvm_cache_lru_state", "hbm", slots * 8, detail))
         out.append(("uvm_cache_index_map", "hbm", h * 4, f"{h} rows x int32"))
@@ -194,7 +214,7 @@ def shard_static(inputs: PlannerInputs, tbe: Tbe, index: int) -> list[tuple[str,
     index map, and its share of the TBE's cache (by cached rows; the last cached
     shard takes the rounding), so shard sums equal the TBE's totals."""
     one = Tbe(tbe.rank, tbe.sharding_type, tbe.kernel_class, tbe.cached, tbe.dim_bucket,
-              (tbe.shards[index],), (tbe.tables[index],))
+              (tbe.shards[index],), (tbe.tables[index],), tbe.module)
     own = [x for x in tbe_static(inputs, one) if not x[0].startswith("uvm_cache_") and x[0] != "tbe_metadata"]
     shard, table = tbe.shards[index], tbe.tables[index]
     if not (tbe.cached and table.cached):

@@ -23,6 +23,7 @@ from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.data import check_data
 from recpipe.distributed import launch_local, torchrun_overrides, under_torchrun
+from recpipe.sharding import check_model_config
 from recpipe.train.checkpoint import check_checkpoint_config
 from recpipe.train.trainer import run_worker
 
@@ -55,6 +56,9 @@ def main_train(args: argparse.Namespace) -> int:
     check_device(cfg, cuda)  # ConfigError -> exit 2
     check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 4
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda)
+    # The model's tables (a model.factory model's are known only now, built on meta)
+    # against sharding.*: ConfigError -> exit 2, before any process starts.
+    check_model_config(cfg, device_type="cuda" if on_cuda else "cpu")
     world_size = cfg.distributed.nproc  # WORLD_SIZE under torchrun (torchrun_overrides)
     first = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
     refused = _check_memory_plan(cfg, world_size, on_cuda, verbose=first)

@@ -79,7 +79,7 @@ class Trainer:
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
         torch.manual_seed(cfg.train.seed)
         self.sharded = shard_model(make_model(cfg), cfg, device)
-        self._say(plan_table(self.sharded.plan, cfg))
+        self._say(plan_table(self.sharded.plan, cfg, self.sharded.tables))
         self.position = self._resume()
         self.start_step = self.position.step
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)

@@ -1,0 +1,98 @@
+"""The model side of the planner's inputs, read from the unsharded model built on
+the meta device (nothing allocated): one :class:`~recpipe.planner.spec.TableSpec`
+per embedding table of any embedding module, and the dense part
+(:class:`~recpipe.planner.spec.DenseSpec`).
+
+Mean pooling factors (ids per sample of each feature) are not in the model; they
+come from, in this order:
+
+1. ``sharding.mean_pooling_factors.<table>`` (any model);
+2. ``data.synthetic.mean_pooling_factors`` (the built-in model: feature ``cat_i``
+   of table ``t_cat_i``);
+3. 1.0, for a ``model.factory`` model's unlisted tables; the plan warns which.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, stochastic_rounding, weights_precision
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from recpipe.config import RecpipeConfig
+    from recpipe.embedding_tables import TableInfo
+
+
+def pooling_factors(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...]) -> tuple[dict[str, float], list[str]]:
+    """Mean ids per sample of each feature, per table (sources in the module
+    docstring), and the tables that got the 1.0 fallback."""
+    explicit = cfg.sharding.mean_pooling_factors
+    by_feature: dict[str, float] = {}
+    if cfg.model.factory is None:
+        pf = cfg.data.synthetic.mean_pooling_factors
+        pfs = list(pf) if isinstance(pf, list) else [float(pf)] * cfg.model.num_sparse_features
+        by_feature = dict(zip(cfg.model.feature_names, pfs))
+    out: dict[str, float] = {}
+    assumed: list[str] = []
+    for t in tables:
+        if t.name in explicit:
+            out[t.name] = float(explicit[t.name])
+        elif all(f in by_feature for f in t.features):
+            out[t.name] = float(sum(by_feature[f] for f in t.features) / len(t.features))
+        else:
+            out[t.name] = 1.0
+            assumed.append(t.name)
+    return out, assumed
+
+
+def table_specs(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float]) -> tuple[TableSpec, ...]:
+    """The planner's view of every table, with its resolved sharding."""
+    out = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        clf = None
+        if ts.kernel == CACHED:
+            clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
+        # the configured cache precision, not the resolved one: torchrec groups tables
+        # by it (an explicit value is a fused param, the default is not)
+        cp = ts.cache_precision if ts.kernel == CACHED else None
+        out.append(TableSpec(
+            t.name, t.rows, t.dim, pfs[t.name], ts.type, ts.kernel, clf, module=t.module,
+            num_features=len(t.features), pooled=t.pooled, weighted=t.weighted, feature_processed=t.feature_processed,
+            weights_precision=weights_precision(cfg, t), cache_precision=cp, stochastic_rounding=stochastic_rounding(cfg, t),
+        ))
+    return tuple(out)
+
+
+def _inside(name: str, prefixes: set[str]) -> bool:
+    return any(p == "" or name.startswith(f"{p}.") for p in prefixes)
+
+
+def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInfo", ...]) -> DenseSpec:
+    """Count the dense parameters and buffers exactly (everything outside the
+    embedding modules) and, for the built-in DLRM / DCNv2, the activations saved per
+    sample (formula: approximate, see docs/planner.md). A ``model.factory`` model's
+    activations are unknown: 0 (the plan says so)."""
+    emb = {t.module for t in tables}
+    params = sum(p.numel() for n, p in model.named_parameters() if not _inside(n, emb))
+    buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if not _inside(n, emb))
+    m = cfg.model
+    if m.factory is not None:
+        return DenseSpec(num_params=params, buffer_bytes=buffers)
+    dense, top = activation_bytes(m, cfg.train.precision)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top)
+
+
+def model_notes(cfg: "RecpipeConfig", assumed: list[str]) -> tuple[str, ...]:
+    """What the estimate cannot know about this model (the plan's warnings)."""
+    notes = []
+    if cfg.model.factory is not None:
+        notes.append(f"model.factory={cfg.model.factory!r}: the dense activations saved for backward and the batch's "
+                     "non-KJT tensors are not estimated (0); only parameters, tables and KJTs are")
+    if assumed:
+        notes.append(f"tables {', '.join(assumed)}: no mean pooling factor configured, 1.0 id per sample and feature "
+                     "assumed; set sharding.mean_pooling_factors.<table>")
+    return tuple(notes)

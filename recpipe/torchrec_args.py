@@ -1,0 +1,322 @@
+"""recpipe's config, translated into the arguments torchrec and FBGEMM take.
+
+The one place that knows how a :class:`~recpipe.config.RecpipeConfig` becomes
+torchrec/FBGEMM objects: compute kernels, the fused parameters every TBE receives
+(the embedding optimizer runs inside the TBE backward), UVM-cache parameters, the
+sharders, and which rank holds each table_wise table. Both
+:mod:`recpipe.sharding` (which shards the model with them) and
+:mod:`recpipe.planner` (which predicts the memory of exactly that sharding, and runs
+torchrec's partitioner on it) import from here; neither imports the other's
+internals. Nothing here touches a process group or a GPU, and importing it loads
+neither torchrec nor FBGEMM (the functions do), so the planner's data classes stay
+cheap to import.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from recpipe.embedding_tables import EBC, EC, FPEBC
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import CacheParams, ModuleSharder
+
+    from recpipe.config import EmbeddingOptimizerConfig, RecpipeConfig, TableSharding
+    from recpipe.embedding_tables import TableInfo
+
+__all__ = [
+    "DEFAULT_CACHE_LOAD_FACTOR",
+    "KERNELS",
+    "PRECISION_BYTES",
+    "apply_weights_precision",
+    "cache_params",
+    "cache_precision",
+    "check_precisions",
+    "check_sharding_support",
+    "embedding_fused_params",
+    "make_sharder",
+    "make_sharders",
+    "parameter_sharding_generator",
+    "precision_warnings",
+    "qcomm_codecs_registry",
+    "stochastic_rounding",
+    "supported_sharding_types",
+    "table_wise_ranks",
+    "weights_precision",
+]
+
+# Fraction of rows an HBM cache holds when sharding.*.cache_load_factor is unset
+# (FBGEMM's own default too).
+DEFAULT_CACHE_LOAD_FACTOR = 0.2
+
+# recpipe kernel name -> torchrec EmbeddingComputeKernel value (the same strings).
+KERNELS = {"fused": "fused", "fused_uvm": "fused_uvm", "fused_uvm_caching": "fused_uvm_caching", "dense": "dense"}
+# recpipe embedding optimizer -> FBGEMM EmbOptimType member name.
+_EMB_OPT = {"sgd": "EXACT_SGD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD", "adam": "ADAM"}
+
+
+def embedding_fused_params(opt: "EmbeddingOptimizerConfig", cfg: "RecpipeConfig") -> dict:
+    """Keyword arguments that reach every FBGEMM TBE (optimizer fused into backward)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    params: dict = {
+        "optimizer": getattr(EmbOptimType, _EMB_OPT[opt.name]),
+        "learning_rate": opt.lr,
+        "eps": opt.eps,
+        "weight_decay": opt.weight_decay,
+    }
+    if opt.name == "adam":
+        params.update(beta1=opt.beta1, beta2=opt.beta2)
+    if cfg.sharding.uvm_host_mapped:
+        params["uvm_host_mapped"] = True
+    return params
+
+
+def make_sharder(cfg: "RecpipeConfig", device_type: str = "cuda") -> "EmbeddingBagCollectionSharder":
+    """The EmbeddingBagCollection sharder (what the built-in DLRM needs)."""
+    return make_sharders(cfg, device_type)[EBC]
+
+
+def make_sharders(
+    cfg: "RecpipeConfig", device_type: str = "cuda", *, comms: bool = True, extra_fused_params: dict | None = None
+) -> dict[str, "ModuleSharder"]:
+    """One torchrec sharder per module type recpipe shards (keys: the type names of
+    :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params
+    and the same quantized-comm codecs (``sharding.comm_precision``; none when both
+    directions are fp32; ``comms=False`` leaves them out, for checks that only ask
+    the sharders what they support). Each gets its own fused-params dict: torchrec's
+    lookups may add keys to the one they hold. ``extra_fused_params``: more TBE keyword
+    arguments (the bench turns on FBGEMM's cache statistics, ``gather_uvm_cache_stats``)."""
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+
+    def fused() -> dict:
+        return {**embedding_fused_params(cfg.optimizer.embedding, cfg), **(extra_fused_params or {})}
+
+    codecs = qcomm_codecs_registry(cfg, device_type) if comms else None
+    return {
+        EBC: EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
+        EC: EmbeddingCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
+        FPEBC: FeatureProcessedEmbeddingBagCollectionSharder(
+            ebc_sharder=EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
+            qcomm_codecs_registry=codecs,
+        ),
+    }
+
+
+def qcomm_codecs_registry(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict | None:
+    """torchrec's quantized-comm codecs for ``sharding.comm_precision`` (pooled and
+    sequence all-to-alls, reduce-scatter), or None when both directions are fp32.
+    On CPU torchrec replaces bf16 by fp16 (Gloo); :func:`precision_warnings` says so."""
+    comm = cfg.sharding.comm_precision
+    if comm.forward == "fp32" and comm.backward == "fp32":
+        return None
+    import torch
+    from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+
+    config = QCommsConfig(forward_precision=CommType(comm.forward), backward_precision=CommType(comm.backward))
+    # torchrec logs its bf16 -> fp16 fallback on CPU to the root logger once per comm
+    # op and sharder; recpipe's launcher warns once instead (precision_warnings).
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        return get_qcomm_codecs_registry(config, device=torch.device(device_type))
+    finally:
+        root.setLevel(level)
+
+
+# ------------------------------------------------------------------ precision
+PRECISION_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+TRAINABLE_WEIGHTS = ("fp32", "fp16")  # FBGEMM's training dispatch (fp8 aside), CPU and CUDA
+
+
+def weights_precision(cfg: "RecpipeConfig", t: "TableInfo") -> str:
+    """The table's weight precision: configured, else its table config's data_type."""
+    return cfg.sharding.for_table(t.name).weights_precision or t.data_type
+
+
+def cache_precision(cfg: "RecpipeConfig", t: "TableInfo") -> str | None:
+    """The HBM cache rows' precision of a fused_uvm_caching table (None otherwise)."""
+    ts = cfg.sharding.for_table(t.name)
+    if ts.kernel != "fused_uvm_caching":
+        return None
+    return ts.cache_precision or weights_precision(cfg, t)
+
+
+def stochastic_rounding(cfg: "RecpipeConfig", t: "TableInfo") -> bool | None:
+    """What recpipe passes to FBGEMM for this table: None for fp32 weights (nothing
+    to round; FBGEMM's default applies), else the configured value, on by default."""
+    if weights_precision(cfg, t) == "fp32":
+        return None
+    configured = cfg.sharding.for_table(t.name).stochastic_rounding
+    return True if configured is None else configured
+
+
+def check_precisions(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]") -> list[str]:
+    """Problems with the tables' resolved precisions (a model's own data_type
+    included): FBGEMM trains fp32 and fp16 weights only, and replicated
+    (data_parallel) tables stay fp32."""
+    problems = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        wp = weights_precision(cfg, t)
+        where = f"{_key(cfg, t.name)}.weights_precision" if ts.weights_precision else \
+            f"table {t.name!r} ({t.module or '<model>'}): its config's data_type"
+        if wp not in TRAINABLE_WEIGHTS:
+            problems.append(f"  {where} is {wp!r}; FBGEMM trains fp32 and fp16 embedding weights only")
+        elif ts.type == "data_parallel" and wp != "fp32":
+            problems.append(f"  {where} is {wp!r} but {_key(cfg, t.name)}.type='data_parallel': replicated tables "
+                            "are updated by the dense optimizer and stay fp32")
+    return problems
+
+
+def precision_warnings(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str) -> list[str]:
+    """Configured precision options that will not take effect, one line per key."""
+    ignored: dict[tuple[str, str], list[str]] = {}  # (setting, why) -> tables
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        setting = f"{_key(cfg, t.name)}.stochastic_rounding={str(ts.stochastic_rounding).lower()}"
+        if ts.stochastic_rounding is not None and weights_precision(cfg, t) == "fp32":
+            ignored.setdefault((setting, "their weights are fp32"), []).append(t.name)
+        elif ts.stochastic_rounding and device_type != "cuda":
+            ignored.setdefault((setting, "on CPU: FBGEMM's CPU kernels round fp16 updates to nearest"), []).append(t.name)
+    out = [f"{setting} is ignored for tables {', '.join(names)}: {why}" for (setting, why), names in ignored.items()]
+    comm = cfg.sharding.comm_precision
+    for direction in ("forward", "backward"):
+        if device_type != "cuda" and getattr(comm, direction) == "bf16":
+            out.append(f"sharding.comm_precision.{direction}='bf16' runs as fp16 on CPU: torchrec's quantized comms "
+                       "have no bf16 over Gloo")
+    return out
+
+
+def apply_weights_precision(cfg: "RecpipeConfig", model: "nn.Module", tables: "Sequence[TableInfo]") -> None:
+    """Set each table's torchrec config ``data_type`` (what the sharded TBE's
+    ``weights_precision`` comes from) and the unsharded weight's dtype to the
+    resolved precision, before DistributedModelParallel builds the TBEs."""
+    import torch
+    from torchrec.types import DataType
+
+    from recpipe.embedding_tables import find_embedding_modules, table_configs
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16}
+    modules = find_embedding_modules(model)
+    for t in tables:
+        wp = weights_precision(cfg, t)
+        if wp == t.data_type:
+            continue
+        (config,) = [c for c in table_configs(modules[t.module]) if c.name == t.name]
+        config.data_type = DataType(wp.upper())
+        for name, param in modules[t.module].named_parameters():
+            if name.endswith(f".{t.name}.weight"):
+                param.data = param.data.to(dtypes[wp])
+
+
+def _key(cfg: "RecpipeConfig", name: str) -> str:
+    return f"sharding.tables.{name}" if name in cfg.sharding.tables else "sharding.default"
+
+
+# (module type, sharding type) -> why it cannot run on CPU, though torchrec lists it.
+_NOT_ON_CPU = {
+    (EC, "data_parallel"): "FBGEMM's CPU dense kernel pools the ids despite PoolingMode.NONE (fbgemm-gpu 1.8), so "
+                           "sequence embeddings come out one per sample",
+}
+
+
+def supported_sharding_types(sharder: "ModuleSharder", module_type: str, device_type: str) -> list[str]:
+    """recpipe's sharding types that torchrec's ``sharder`` accepts, as torchrec lists
+    them for CUDA (recpipe also runs row_wise on CPU, which torchrec's CPU list
+    omits), less the ones known not to run on ``device_type``."""
+    from recpipe.config import SHARDING_TYPES
+
+    offered = set(sharder.sharding_types("cuda"))
+    return [t for t in SHARDING_TYPES if t in offered
+            and not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
+
+
+def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str = "cuda") -> None:
+    """Every table's configured sharding type is one its module's sharder supports
+    on ``device_type``; ``ConfigError`` naming the key, the table, its module and the
+    allowed types otherwise."""
+    from recpipe.config import ConfigError
+
+    sharders = make_sharders(cfg, device_type, comms=False)
+    problems = []
+    for t in tables:
+        ts = cfg.sharding.for_table(t.name)
+        allowed = supported_sharding_types(sharders[t.module_type], t.module_type, device_type)
+        if ts.type not in allowed:
+            key = _key(cfg, t.name)
+            why = _NOT_ON_CPU.get((t.module_type, ts.type))
+            problems.append(
+                f"  {key}.type={ts.type!r}: table {t.name!r} is in {t.module_type} {t.module or '<model>'!r}, "
+                f"which recpipe shards on {device_type} only as {', '.join(allowed)}" + (f" ({why})" if why else "")
+            )
+    if problems:
+        raise ConfigError("invalid config for this model:\n" + "\n".join(problems))
+
+
+def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
+    """Rank of each table_wise table of ``tables`` (the model's, in model order): the
+    configured one, else the least-loaded rank (largest tables first, load = rows),
+    so placement is deterministic."""
+    loads = [0] * world_size
+    placed: dict[str, int] = {}
+    resolved = {t.name: cfg.sharding.for_table(t.name) for t in tables}
+    rows = {t.name: t.rows for t in tables}
+    for name, t in resolved.items():
+        if t.type == "table_wise" and t.rank is not None:
+            placed[name] = t.rank
+            loads[t.rank] += rows[name]
+    free = [n for n, t in resolved.items() if t.type == "table_wise" and t.rank is None]
+    for name in sorted(free, key=lambda n: (-rows[n], n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        placed[name] = rank
+        loads[rank] += rows[name]
+    return placed
+
+
+def parameter_sharding_generator(t: "TableSharding", rank: int | None, world_size: int) -> Callable:
+    """torchrec's ``sharding_plan`` generator for one table (``rank``: table_wise only)."""
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
+
+    kernel = KERNELS[t.kernel]
+    if t.type == "table_wise":
+        return table_wise(rank=rank, compute_kernel=kernel)
+    if t.type == "row_wise":
+        return row_wise(compute_kernel=kernel)
+    if t.type == "column_wise":
+        return column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
+    return data_parallel()
+
+
+def cache_params(t: "TableSharding", cfg: "RecpipeConfig") -> "CacheParams | None":
+    """FBGEMM UVM-cache parameters of a fused_uvm_caching table (None otherwise)."""
+    if t.kernel != "fused_uvm_caching":
+        return None
+    # Both live here in fbgemm-gpu 1.6 and 1.8 (1.8 also has fbgemm_gpu.tbe.cache).
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheAlgorithm, MultiPassPrefetchConfig
+    from torchrec.distributed.types import CacheParams
+
+    multipass = None
+    if cfg.sharding.prefetch_passes > 1:
+        multipass = MultiPassPrefetchConfig(
+            num_passes=cfg.sharding.prefetch_passes,
+            min_splitable_pass_size=cfg.sharding.prefetch_min_pass_size,
+        )
+    precision = None
+    if t.cache_precision is not None:  # else torchrec's default: the weights' precision
+        from torchrec.types import DataType
+
+        precision = DataType(t.cache_precision.upper())
+    return CacheParams(
+        algorithm=CacheAlgorithm.LRU,
+        load_factor=t.cache_load_factor if t.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR,
+        precision=precision,
+        prefetch_pipeline=cfg.sharding.prefetch_pipeline,
+        multipass_prefetch_config=multipass,
+    )

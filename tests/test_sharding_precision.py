@@ -1,0 +1,137 @@
+"""fp16 tables and quantized comms on CPU (2 Gloo processes): every module type
+trains fp16 tables and computes what the unsharded model computes with the same
+(fp16-rounded) weights; fp16 comms change the numbers slightly and really run;
+every pipeline stays exact with both; checkpoints save and resume fp16 tables
+bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sharding_models
+from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
+from recpipe.cli import main
+from recpipe.config import load_config
+from recpipe.distributed import init_process_group, launch_local
+from recpipe.embedding_tables import find_embedding_modules
+from recpipe.sharding import shard_model
+from test_checkpoint import TINY, K, M, _full_state
+from test_sharding import SPARSE_NN, TWO_TOWER, _cfg, _copy_weights
+
+FP16 = "{weights_precision: fp16}"
+
+
+def _reference(cfg, build) -> nn.Module:
+    """The unsharded model on CPU, embedding weights rounded to fp16 (what an fp16
+    table holds), computing in fp32."""
+    reference = build(cfg).to_empty(device="cpu")
+    torch.manual_seed(1)
+    for p in reference.parameters():
+        nn.init.uniform_(p, -0.1, 0.1)
+    with torch.no_grad():
+        for module in find_embedding_modules(reference).values():
+            for name, p in module.named_parameters():
+                if name.endswith(".weight") and p.dim() == 2:
+                    p.copy_(p.half().float())
+    return reference
+
+
+def _fp16_worker(cfg, factory: str, make_batches_fn: str) -> None:
+    init_process_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    build = getattr(sharding_models, factory)
+    reference = _reference(cfg, build)
+    batch = getattr(sharding_models, make_batches_fn)(cfg, rank, world, 1)[0]
+    expected, _ = reference(batch)
+    losses, outputs = {}, {}
+    for comm in ("fp32", "fp16"):
+        c = load_config(None, {**cfg.model_dump(mode="json"), "sharding": {
+            **cfg.sharding.model_dump(mode="json"), "comm_precision": {"forward": comm, "backward": comm}}})
+        sharded = shard_model(build(c), c, torch.device("cpu"))
+        _copy_weights(sharded.model, reference)
+        for key, value in sharded.model.state_dict().items():  # every sharded table holds fp16 weights
+            if hasattr(value, "local_shards") and value.local_shards():
+                assert value.local_shards()[0].tensor.dtype == torch.float16, key
+        losses[comm], _ = sharded.model(batch)
+        losses[comm].backward()
+        # the dense gradients see every embedding value (and the backward all-to-all's
+        # gradients): a more sensitive probe than a saturating output
+        outputs[comm] = torch.cat([p.grad.flatten() for p in sharded.model.parameters() if p.grad is not None])
+        sharded.optimizer.step()
+        assert torch.isfinite(sharded.model(batch)[0])
+    torch.testing.assert_close(losses["fp32"], expected, rtol=1e-6, atol=1e-7)  # fp16 weights, fp32 math
+    # fp16 on the wire: close to fp32, but not the same numbers (the codec runs)
+    torch.testing.assert_close(losses["fp16"], expected, rtol=2e-3, atol=1e-4)
+    differs = torch.tensor([int(not torch.equal(outputs["fp16"], outputs["fp32"]))])
+    dist.all_reduce(differs)
+    assert differs.item() > 0, "fp16 comms gave bit-identical gradients: the codec did not run"
+
+
+def _fp16(model):
+    name, tables, options = model
+    cfg = _cfg(name, tables, options)
+    default = {"type": "table_wise", "weights_precision": "fp16"}
+    resolved = {k: {**v.model_dump(mode="json"), "weights_precision": "fp16" if v.type != "data_parallel" else None}
+                for k, v in cfg.sharding.tables.items()}
+    return load_config(None, {**cfg.model_dump(mode="json"), "sharding": {
+        **cfg.sharding.model_dump(mode="json"), "default": default, "tables": resolved}})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", [SPARSE_NN, TWO_TOWER], ids=["TestSparseNN", "two_tower_with_EC"])
+def test_fp16_tables_and_fp16_comms_on_every_module(model):
+    launch_local(_fp16_worker, 2, _fp16(model), model[0], f"{model[0]}_batches")
+
+
+# ------------------------------------------------------------------ pipelines
+PRECISE = ["sharding.default=" + FP16,
+           f"sharding.tables={{t_cat_1: {{type: row_wise, weights_precision: fp16}}, "
+           f"t_cat_2: {{type: column_wise, weights_precision: fp16}}}}",
+           "sharding.comm_precision={forward: fp16, backward: fp16}"]
+
+
+def _pipelines_worker(cfg) -> None:
+    init_process_group(cfg)
+    batches = make_batches(cfg, 6, dist.get_rank())
+    reference = train(cfg, "base", batches)
+    assert all(v.dtype == torch.float16 for k, v in reference.state.items() if "embedding_bags" in k)
+    for name in ("sparse_dist", "fused_sparse_dist", "prefetch"):
+        assert_same(reference, train(cfg, name, batches), f"{name} with fp16 tables and comms")
+    assert_same(semi_sync_reference(cfg, batches, 0, False), train(cfg, "semi_sync", batches), "semi_sync")
+
+
+@pytest.mark.slow
+def test_every_pipeline_stays_exact_with_fp16_tables_and_comms():
+    launch_local(_pipelines_worker, 2, small_config(overrides=PRECISE))
+
+
+# ------------------------------------------------------------------ checkpoints
+def _train(config: Path, run: Path, steps: int, every: int) -> int:
+    args = ["train", "--config", str(config)]
+    for pair in TINY + [f"train.steps={steps}", f"checkpoint.dir={run / 'ckpt'}", f"checkpoint.every={every}",
+                        "checkpoint.keep=1", f"logging.run_dir={run}", "sharding.default=" + FP16,
+                        "sharding.tables={t_cat_1: {type: row_wise, weights_precision: fp16}, "
+                        "t_cat_2: {type: column_wise, weights_precision: fp32}}"]:
+        args += ["--set", pair]
+    return main(args)
+
+
+@pytest.mark.slow
+def test_fp16_tables_resume_bit_identically(tmp_path):
+    config = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert _train(config, straight, steps=K + M, every=0) == 0
+    assert _train(config, resumed, steps=K, every=K) == 0
+    assert _train(config, resumed, steps=K + M, every=K) == 0
+    a = _full_state(straight / "ckpt" / f"step_{K + M:08d}", tmp_path)
+    b = _full_state(resumed / "ckpt" / f"step_{K + M:08d}", tmp_path)
+    tables = {k: v.dtype for k, v in a.items() if k.startswith("model.") and "embedding_bags" in k}
+    assert sorted(tables.values(), key=str) == [torch.float16] * 3 + [torch.float32]  # t_cat_2 stays fp32
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs from the uninterrupted one in {different}"

@@ -140,7 +140,10 @@ def user_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, 
     from recpipe.models.factory import load_callable
 
     fn = load_callable(cfg.data.factory, "data.factory")
-    batches = fn(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
+    try:
+        batches = fn(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
+    except Exception as err:  # the user's code: name the key, keep the cause
+        raise ConfigError(f"data.factory={cfg.data.factory!r} raised {type(err).__name__}: {err}") from err
     if batches is None:
         return []
     if not hasattr(batches, "__iter__"):

@@ -50,7 +50,11 @@ def make_model(cfg: RecpipeConfig) -> nn.Module:
         from recpipe.models.dlrm import build_model
 
         return build_model(cfg.model, precision=cfg.train.precision)
-    model = load_callable(cfg.model.factory, "model.factory")(cfg)
+    build = load_callable(cfg.model.factory, "model.factory")
+    try:
+        model = build(cfg)
+    except Exception as err:  # the user's code: name the key, keep the cause (recpipe --debug shows it)
+        raise ConfigError(f"model.factory={cfg.model.factory!r} raised {type(err).__name__}: {err}") from err
     if not isinstance(model, nn.Module):
         raise ConfigError(
             f"model.factory={cfg.model.factory!r} returned {type(model).__name__}; it must return a torch.nn.Module "

@@ -283,6 +283,11 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
+    # A loss that is NaN or inf: "error" stops the run at the next log point, naming
+    # the step (exit code 4; no checkpoint is saved after that step); "skip_step"
+    # applies no update of such a step (exact for SGD and Adagrad without weight
+    # decay; Adam's moments still decay) and reports the skipped steps.
+    on_nonfinite: Literal["error", "skip_step"] = "error"
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -303,6 +308,9 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
     keep: int = Field(2, gt=0)
+    # On SIGTERM / SIGINT (preemption) every rank finishes its step, drains the
+    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130.
+    on_preempt: bool = True
 
 
 class LoggingConfig(_Section):
@@ -502,6 +510,16 @@ _PIPELINE_VARIANTS: dict[str, type[BaseModel]] = {
 }
 
 
+def _discriminator_problem(loc: str, error: dict) -> str:
+    """pydantic says "Input tag 'x' found using 'name' does not match any of the
+    expected tags"; say which key, which value, and what is allowed instead."""
+    key = f"{loc}.{error['ctx']['discriminator'].strip(chr(39))}"
+    allowed = ", ".join(_PIPELINE_VARIANTS)
+    if error["type"] == "union_tag_invalid":
+        return f"  {key}={error['ctx']['tag']!r} is not a pipeline; choose one of: {allowed}"
+    return f"  {key} is missing (required when the {loc} section is given); choose one of: {allowed}"
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -511,6 +529,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         for name in ("fused_sparse_dist", "semi_sync", "prefetch"):
             loc = loc.replace(f"pipeline.{name}.", "pipeline.")
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pipeline.name (the discriminator)
+            lines.append(_discriminator_problem(loc, e))
+            continue
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"][:-1])
             msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")

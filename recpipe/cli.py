@@ -1,8 +1,10 @@
-"""``recpipe`` command line: train, plan, schedule, bench.
+"""``recpipe`` command line: train, plan, schedule, bench, checkpoint.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
-``recpipe.planner.cli``, ``recpipe.pipelines.schedule``); this file only parses.
-Exit codes: ``recpipe.exit_codes``.
+``recpipe.planner.cli``, ``recpipe.pipelines.schedule``,
+``recpipe.train.integrity``); this file only parses. A user error (a bad config,
+a directory in use, ...) prints one line and exits with its code
+(``recpipe.exit_codes``); ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -10,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recpipe.config import ConfigError
-from recpipe.exit_codes import EXIT_BAD_CONFIG
+from recpipe.errors import exit_code_of, report
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -28,12 +29,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recpipe", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train the configured model (starts distributed.nproc processes)")
+    train = sub.add_parser(
+        "train",
+        parents=[common],
+        help="train the configured model (starts distributed.nproc processes)",
+        description="Train the configured model. SIGTERM / SIGINT stop every rank at a step boundary, after a "
+        "checkpoint (exit 143 / 130); a second signal stops at once. Exit codes: README, 'When things go wrong'.",
+    )
     _add_config_args(train)
 
-    plan = sub.add_parser("plan", help="estimate per-shard and per-rank memory (no GPU needed)")
+    plan = sub.add_parser("plan", parents=[common], help="estimate per-shard and per-rank memory (no GPU needed)")
     _add_config_args(plan)
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument(
@@ -43,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict per-rank all-to-all volume and the step's hardware bound at these GPU counts (weak scaling)",
     )
 
-    schedule = sub.add_parser("schedule", help="print a pipeline's schedule table")
+    schedule = sub.add_parser("schedule", parents=[common], help="print a pipeline's schedule table")
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
 
-    bench = sub.add_parser("bench", help="time every pipeline on the same batches (recpipe's and TorchRec's)")
+    bench = sub.add_parser(
+        "bench", parents=[common], help="time every pipeline on the same batches (recpipe's and TorchRec's)"
+    )
     _add_config_args(bench)
     bench.add_argument("--pipelines", default=None, help="comma-separated pipeline names (default: all five)")
     bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
@@ -62,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     bench.add_argument("--profile", action="store_true", help="torch.profiler op tables of the last 5 warm-up steps -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
+
+    checkpoint = sub.add_parser("checkpoint", parents=[common], help="check checkpoints")
+    checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
+    checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
     return parser
 
 
@@ -84,9 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             from recpipe.bench.runner import main_bench
 
             return main_bench(args)
-    except ConfigError as err:
-        print(f"recpipe {args.command}: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        if args.command == "checkpoint":
+            from recpipe.train.integrity import main_checkpoint
+
+            return main_checkpoint(args)
+    except Exception as err:
+        if exit_code_of(err) is None:
+            raise  # a bug: keep the traceback
+        return report(args.command, err, debug=args.debug)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -16,7 +16,14 @@ all ranks see the same end); the next segment reads epoch ``e + 1``.
 Logging: every ``train.log_every`` steps the outputs of the steps since the last
 log go into torchmetrics (one host sync per interval, none per step) and every
 rank takes part in the metrics' all-gather; rank 0 updates the tqdm bar and the
-TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``.
+TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``
+(also when the run stops early; its ``status`` says why; always strict JSON).
+
+Faults: at every step boundary the ranks agree on whether a signal asked them to
+stop (``preemption``: then the pipeline drains, a checkpoint is saved and
+``Preempted`` is raised); the step's loss is kept for the non-finite check at log
+points and before every evaluation and checkpoint (``nonfinite``). Neither adds a
+host sync per step.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ import itertools
 import json
 import logging
 import resource
+import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import fbgemm_gpu
 import torch
@@ -39,12 +47,15 @@ from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import init_process_group, shutdown_process_group
+from recpipe.distributed import control_group, init_process_group, shutdown_process_group
+from recpipe.errors import NonFiniteLossError, Preempted, data_errors
 from recpipe.models import build_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
-from recpipe.train.checkpoint import TrainPosition, checkpoint_path, load_checkpoint, save_checkpoint
+from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.metrics import ClickMetrics
+from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
+from recpipe.train.preemption import Preemption
 
 __all__ = ["Trainer", "run_worker"]
 
@@ -136,11 +147,12 @@ class Trainer:
             epoch=position.epoch,
             start_batch=position.batch,
         )
-        return iter(loader)
+        return self._preemption.gate(data_errors(loader))
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> None:
         train, checkpointing = self.cfg.train, self.cfg.checkpoint.dir is not None
+        self._start_fault_handling()
         batches = self._train_batches(self.position)
         evaluated_at = saved_at = None
         while self.position.step < train.steps and self.position.epoch < train.epochs:
@@ -148,11 +160,14 @@ class Trainer:
             trained = self._train_segment(itertools.islice(batches, wanted))
             p = self.position
             self.position = TrainPosition(p.step + trained, p.epoch, p.batch + trained)
+            if self._preemption.signum is not None:  # stays in this epoch: a resume past its end starts the next
+                self._stop_preempted(saved_at)
             if trained < wanted:  # this epoch's data has ended
                 self.position = TrainPosition(self.position.step, p.epoch + 1, 0)
                 if self.position.epoch < train.epochs:
                     batches = self._train_batches(self.position)
             step = self.position.step
+            self._check_nonfinite(step)  # never evaluate or save weights a non-finite step touched
             if _due(step, train.eval_every) and evaluated_at != step:
                 self.evaluate()
                 evaluated_at = step
@@ -162,6 +177,8 @@ class Trainer:
         step = self.position.step
         if self._window:
             self._log_train(step)
+        self._check_nonfinite(step)
+        self._preemption.close()
         if evaluated_at != step:
             self.evaluate()
         if checkpointing and saved_at != step and step > self.start_step:
@@ -183,13 +200,14 @@ class Trainer:
         last = time.perf_counter()
         while True:
             try:
-                _, logits, labels, weights = self.pipeline.progress(batches)
+                loss, logits, labels, weights = self.pipeline.progress(batches)
             except StopIteration:
                 self._count_time(last, synchronize=True)
                 return trained
             trained += 1
             step = self.position.step + trained
             self._window.append((logits, labels, weights))
+            self._after_step(loss)
             self.bar.update(1)
             log_now = step % self.cfg.train.log_every == 0
             last = self._count_time(last, synchronize=log_now)
@@ -208,10 +226,80 @@ class Trainer:
         self._train_seconds += now - since
         return now
 
+    # ---------------------------------------------------------------- faults
+    def _start_fault_handling(self) -> None:
+        """Collective (on NCCL jobs it creates a Gloo group). The preemption
+        agreement, the non-finite loss check and, for skip_step, its hooks."""
+        cfg = self.cfg
+        self._preemption = Preemption(control_group())
+        self._nonfinite = NonFiniteCheck(cfg.train.on_nonfinite, self.device, lambda: describe_newest(cfg.checkpoint.dir))
+        self._skip = None
+        if cfg.train.on_nonfinite == "skip_step":
+            for caveat in skip_step_caveats(cfg) if self.rank == 0 else ():
+                warnings.warn(f"train.on_nonfinite=skip_step is not exact here: {caveat}", stacklevel=2)
+            self._skip = SkipNonFiniteSteps(self.sharded.model, self.sharded.optimizer, self.device)
+
+    def _after_step(self, loss: torch.Tensor) -> None:
+        """Every rank, every step: no host sync (the agreement waits for last step's all-reduce)."""
+        self._nonfinite.record(loss)
+        if self._preemption.after_step():  # just agreed
+            name = signal.Signals(self._preemption.signum).name
+            self._say(f"{name}: stopping after the batches in flight (a step boundary), then saving")
+
+    def _check_nonfinite(self, step: int) -> None:
+        """Collective. With on_nonfinite=error, a non-finite loss since the last check
+        ends the run (summary.json written first); with skip_step it is reported."""
+        try:
+            skipped = self._nonfinite.check(step)
+        except NonFiniteLossError:
+            self.bar.close()
+            self._finish(status="nonfinite_loss")
+            raise
+        if skipped:
+            self._say(f"non-finite loss at step(s) {skipped}: skipped, nothing updated "
+                      f"({len(self._nonfinite.skipped)} skipped so far; train.on_nonfinite=skip_step)")
+            self._write_scalars(step, {"train/skipped_steps": len(self._nonfinite.skipped)})
+
+    def _finite_window(self, step: int) -> list:
+        """The logged steps' outputs without the skipped steps (the window ends at ``step``)."""
+        skipped = set(self._nonfinite.skipped)
+        first = step - len(self._window) + 1
+        return [entry for i, entry in enumerate(self._window) if first + i not in skipped]
+
+    def _stop_preempted(self, saved_at: int | None) -> NoReturn:
+        """Collective, once every rank agreed to stop and the pipeline has drained:
+        save (checkpoint.on_preempt), write summary.json, raise Preempted."""
+        step, ckpt = self.position.step, self.cfg.checkpoint
+        if self._window:
+            self._log_train(step)
+        self._check_nonfinite(step)  # never save weights a non-finite step touched
+        self._preemption.close()
+        if ckpt.dir is None:
+            where = "nothing saved (checkpoint.dir is null)"
+        elif not ckpt.on_preempt:
+            where = f"not saved (checkpoint.on_preempt=false); {describe_newest(ckpt.dir)}"
+        elif step == self.start_step:
+            where = f"no step trained since the start; {describe_newest(ckpt.dir)}"
+        else:
+            if saved_at != step:
+                save_checkpoint(ckpt, self.sharded.model, self.sharded.optimizer, self.position)
+            where = f"checkpoint {checkpoint_path(ckpt, step)} saved; run the same command again to resume"
+        self.bar.close()
+        self._finish(status="preempted")
+        signum = self._preemption.signum
+        raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step}: {where}", signum)
+
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int) -> None:
-        """Collective. Metrics of the steps since the last log, over all ranks."""
-        logits, labels, weights = (torch.cat(parts) for parts in zip(*self._window))
+        """Collective. Metrics of the steps since the last log, over all ranks
+        (without steps skipped for a non-finite loss)."""
+        self._check_nonfinite(step)
+        kept = self._finite_window(step)
+        if not kept:  # every step since the last log was skipped
+            self._window.clear()
+            self._window_seconds = 0.0
+            return
+        logits, labels, weights = (torch.cat(parts) for parts in zip(*kept))
         self.train_metrics.update(logits, labels, weights)
         metrics = self.train_metrics.compute()  # all-gather over the ranks
         self.train_metrics.reset()
@@ -235,7 +323,7 @@ class Trainer:
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         model.eval()
         with self.pipeline.detached():
-            for batch in loader:
+            for batch in data_errors(loader, "eval data"):
                 batch = batch.to(self.device, non_blocking=True)
                 _, (_, logits, labels) = model(batch)
                 self.eval_metrics.update(logits, labels, batch.weights)
@@ -258,14 +346,18 @@ class Trainer:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def _finish(self) -> None:
+    def _finish(self, status: str = "completed") -> None:
+        """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
+        non-finite number is written as null) and, when completed, the final line."""
         if self.writer is not None:
             self.writer.close()
         if self.rank != 0:
             return
-        summary = self.summary()
+        summary = {**self.summary(), "status": status}
         path = Path(self.cfg.logging.run_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        path.write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+        if status != "completed":
+            return
         auc = summary["eval_auc"]
         shown = "n/a (no eval data)" if auc is None else f"{auc:.4f}"
         print(f"final eval AUC {shown} after {summary['steps']} steps ({summary['samples']:,} samples); {path}", flush=True)
@@ -289,6 +381,7 @@ class Trainer:
             "train_time_s": round(self._train_seconds, 3),
             "samples_per_s": trained_here / self._train_seconds if self._train_seconds else None,
             "world_size": self.world_size,
+            "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {
                 "torch": torch.__version__,

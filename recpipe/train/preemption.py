@@ -1,0 +1,136 @@
+"""Stopping on SIGTERM / SIGINT at a step boundary, with every rank agreeing.
+
+What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to every
+rank, or to some of them. Each rank:
+
+1. ``signal_handlers()`` (around the rank's work, in its main thread) records the
+   first SIGTERM or SIGINT and returns: training goes on for now. The same signal
+   again within ``REPEAT_WINDOW_S`` is the same request delivered twice (Ctrl-C
+   reaches every process of the terminal's process group and the launcher forwards
+   it too; SLURM signals every process of a step). A later one ends the process at
+   once: exit 128 + signal, nothing saved.
+2. ``Preemption.after_step()`` runs on every rank at every step boundary. It
+   collects the all-reduce (MAX of the ranks' requests) launched at the previous
+   boundary, which has finished by then, so the host does not wait for it, and
+   launches this boundary's, on a Gloo group, asynchronously. Every rank reads the
+   same result at the same boundary, so all stop together, also when only one rank
+   got the signal, at most two steps after it.
+3. ``gate()`` wraps the training batches: once stopping is agreed it hands out no
+   more, so the pipeline's end-of-data agreement finds no rank with data and the
+   pipeline drains, training the batches already in flight. The trainer then saves
+   a checkpoint (``checkpoint.on_preempt``) and raises ``Preempted``.
+
+A signal that arrives after the last step boundary (during the final evaluation or
+save) does not stop the run: it completes and exits 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from recpipe.exit_codes import exit_code_for_signal
+
+__all__ = ["Preemption", "REPEAT_WINDOW_S", "requested_signal", "signal_handlers"]
+
+T = TypeVar("T")
+REPEAT_WINDOW_S = 1.0
+_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class _Requests:
+    """What this process's handlers have seen (module state: handlers are process-wide)."""
+
+    signum: int | None = None
+    first_at = 0.0
+
+
+def requested_signal() -> int | None:
+    """The signal that asked this process to stop, or None."""
+    return _Requests.signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    now = time.monotonic()
+    if _Requests.signum is None:
+        _Requests.signum, _Requests.first_at = signum, now
+    elif now - _Requests.first_at >= REPEAT_WINDOW_S:
+        name = signal.Signals(signum).name
+        print(f"recpipe: second {name} on rank {os.environ.get('RANK', '0')}: stopping at once, without a checkpoint",
+              file=sys.stderr, flush=True)
+        os._exit(exit_code_for_signal(signum))
+
+
+@contextlib.contextmanager
+def signal_handlers() -> Iterator[None]:
+    """Record SIGTERM / SIGINT for ``Preemption`` during the block (main thread only;
+    elsewhere Python cannot install handlers and this does nothing). A signal that is
+    ignored when the block starts (SIG_IGN, as in background jobs) stays ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    for sig in previous:
+        signal.signal(sig, _on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        _Requests.signum = None
+
+
+class Preemption:
+    """The step-boundary agreement of every rank on stopping (see the module docstring).
+
+    ``group``: a Gloo group (``recpipe.distributed.control_group()``), or None for a
+    single process."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        # One flag tensor, reused: the previous all-reduce is waited for before the next starts.
+        self._flag = torch.zeros(1, dtype=torch.int64)
+        self._work: Any = None
+        self.signum: int | None = None  # agreed: every rank stops
+
+    def after_step(self) -> bool:
+        """Collective: call on every rank at every step boundary. True at the one
+        boundary where stopping becomes agreed; ``signum`` says it from then on."""
+        if self.signum is not None:
+            return False
+        if self.group is None:
+            self.signum = requested_signal()
+            return self.signum is not None
+        if self._work is not None:
+            self._work.wait()  # launched one step ago: done by now
+            self._work = None
+            if self._flag.item() > 0:
+                self.signum = int(self._flag.item())
+                return True
+        self._flag.fill_(requested_signal() or 0)
+        self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return False
+
+    def close(self) -> None:
+        """Collect the last all-reduce (every rank launched it), before the group goes."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    def gate(self, batches: Iterable[T]) -> Iterator[T]:
+        """``batches`` until stopping is agreed (checked before each batch is read)."""
+        it = iter(batches)
+        while self.signum is None:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            yield batch

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.types import Awaitable
-from torchrec.optim.fused import FusedOptimizer
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recpipe.config import RecpipeConfig
@@ -105,21 +105,15 @@ class SkipNonFiniteSteps:
 
     Installed as hooks, visibly and removably: a forward hook on ``model`` (sets the
     flag from the loss), a forward hook on every sharded module (masks the gradient
-    into its output), a gradient hook on every parameter of the dense optimizer.
+    into its output), a gradient hook on every parameter that is not updated inside
+    the TBE backward (the dense optimizer's: dense layers, data_parallel tables).
     ``remove()`` takes them all away."""
 
-    def __init__(self, model: nn.Module, optimizer: Any, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.ok = torch.ones((), dtype=torch.int32, device=device)  # 1: every rank's loss was finite
         self._distributed = dist.is_initialized() and dist.get_world_size() > 1
         self.modules = find_sharded_modules(model)
-        self.dense = [
-            p
-            for _, opt in optimizer.optimizers
-            if not isinstance(opt, FusedOptimizer)
-            for group in opt.param_groups
-            for p in group["params"]
-            if isinstance(p, torch.Tensor) and p.requires_grad
-        ]
+        self.dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.requires_grad]
         self._handles = [model.register_forward_hook(self._after_forward)]
         self._handles += [m.register_forward_hook(self._mask_embeddings) for m in self.modules.values()]
         self._handles += [p.register_hook(self._mask_dense) for p in self.dense]

@@ -237,7 +237,7 @@ class Trainer:
         if cfg.train.on_nonfinite == "skip_step":
             for caveat in skip_step_caveats(cfg) if self.rank == 0 else ():
                 warnings.warn(f"train.on_nonfinite=skip_step is not exact here: {caveat}", stacklevel=2)
-            self._skip = SkipNonFiniteSteps(self.sharded.model, self.sharded.optimizer, self.device)
+            self._skip = SkipNonFiniteSteps(self.sharded.model, self.device)
 
     def _after_step(self, loss: torch.Tensor) -> None:
         """Every rank, every step: no host sync (the agreement waits for last step's all-reduce)."""

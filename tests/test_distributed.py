@@ -1,15 +1,23 @@
 """Process-group lifetime: recpipe leaves its process groups while the interpreter
 is alive, so no Gloo thread outlives them into interpreter shutdown (where it can
-abort a run that has succeeded: "terminate called without an active exception")."""
+abort a run that has succeeded: "terminate called without an active exception").
+launch_local's supervision: a rank killed with SIGKILL ends the others and is named;
+a second signal ends every rank at once; no rank outlives the launcher."""
 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from process_harness import alive, finish, ranks_of, start, wait_for
 from recpipe.distributed import launch_local, shutdown_process_group
+from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
+from recpipe.train.integrity import METADATA_FILE
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -47,3 +55,41 @@ def _worker() -> None:
 
 def test_shutdown_frees_cyclically_held_groups_and_their_threads():
     launch_local(_worker, 2)
+
+
+# ------------------------------------------------- launch_local's supervision
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
+        ranks = ranks_of(proc.pid)
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = finish(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_WORKER_FAILED
+    assert time.monotonic() - killed_at < 15
+    assert "rank 1 failed" in err and "SIGKILL" in err, err[-3000:]
+    assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_every_rank_at_once(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
+        ranks = ranks_of(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signal.SIGTERM)
+        _, err = finish(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED
+    assert "second SIGTERM: ending every rank now" in err
+    assert not [pid for pid in ranks.values() if alive(pid)]

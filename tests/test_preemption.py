@@ -1,0 +1,113 @@
+"""Preemption: SIGTERM to ``recpipe train`` (the launcher, or one rank only, also under
+torchrun) stops every rank at a step boundary with a checkpoint, exit 143, nothing
+left running, and the resumed run trains bit for bit like one never stopped. While
+a run holds its directories, a second run on them is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from process_harness import CONFIG, alive, finish, overrides, ranks_of, start, wait_for
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_DIR_IN_USE, EXIT_PREEMPTED
+from recpipe.train.integrity import METADATA_FILE
+from test_checkpoint import _full_state
+
+M = 5  # steps trained after the resume
+
+
+def _stopped_at(err: str, run: Path) -> int:
+    """The step every rank stopped after, from the one line rank 0 prints."""
+    lines = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(lines) == 1, err[-4000:]  # once for the job, not once per rank
+    step = int(re.search(r"after step (\d+)", lines[0])[1])
+    assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in lines[0] and f"[exit {EXIT_PREEMPTED}]" in lines[0]
+    meta = json.loads((run / "ckpt" / f"step_{step:08d}" / METADATA_FILE).read_text())
+    assert meta["step"] == step
+    return step
+
+
+def _train(run: Path, *extra: str) -> int:
+    return main(["train", "--config", str(CONFIG), *overrides(run, *extra)])
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_saves_and_resumes_bit_identically(tmp_path, capfd):
+    run = tmp_path / "run"
+    proc = start(run)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
+        ranks = ranks_of(proc.pid)
+        assert len(ranks) == 2, ranks
+        # A second run on the same directories is refused, naming the holder.
+        assert _train(run, "train.steps=8") == EXIT_DIR_IN_USE
+        refused = capfd.readouterr().err
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in refused and "logging.run_dir" in refused
+        proc.send_signal(signal.SIGTERM)
+        _, err = finish(proc)
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
+    stopped = _stopped_at(err, run)
+    assert stopped >= 4 and "Traceback" not in err
+    assert not [pid for pid in ranks.values() if alive(pid)], "a rank outlived the launcher"
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
+
+    # Resume (the same command, further) and train the same steps without a stop.
+    assert _train(run, f"train.steps={stopped + M}") == 0
+    assert f"resumed from {run / 'ckpt' / f'step_{stopped:08d}'}" in capfd.readouterr().out
+    straight = tmp_path / "straight"
+    assert _train(straight, f"train.steps={stopped + M}", "checkpoint.every=0") == 0
+    a = _full_state(run / "ckpt" / f"step_{stopped + M:08d}", tmp_path)
+    b = _full_state(straight / "ckpt" / f"step_{stopped + M:08d}", tmp_path)
+    assert a.keys() == b.keys() and any(k.endswith("exp_avg_sq") for k in a)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs from the uninterrupted one in {different}"
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_signalled_rank_stops_them_all(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run, torchrun=True)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
+        ranks = ranks_of(proc.pid, torchrun=True)
+        assert sorted(ranks) == [0, 1], ranks
+        # Only rank 1 is told; rank 0 learns it at the next step boundary.
+        os.kill(ranks[1], signal.SIGTERM)
+        _, err = finish(proc)
+    finally:
+        proc.kill()
+    _stopped_at(err, run)
+    # Both ranks exited with 143; torchrun lists them as failed workers.
+    assert len(re.findall(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", err)) == 2, err[-3000:]
+    assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+def test_a_repeated_signal_is_one_request_and_a_later_one_stops_at_once():
+    script = """
+import os, signal, time
+from recpipe.train.preemption import requested_signal, signal_handlers
+with signal_handlers():
+    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)
+    assert requested_signal() == signal.SIGTERM
+    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)  # delivered twice (e.g. Ctrl-C and forwarded)
+    print("still running", flush=True)
+    time.sleep(1.2)
+    os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)
+    print("not stopped", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_PREEMPTED, out.stderr
+    assert "still running" in out.stdout and "not stopped" not in out.stdout
+    assert "second SIGTERM" in out.stderr and "without a checkpoint" in out.stderr

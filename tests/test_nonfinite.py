@@ -37,13 +37,15 @@ CASES = [
 ]
 
 
-def _run(cfg, name: str, batches: list[Batch], skip: bool, **options) -> tuple[list[torch.Tensor], dict]:
-    sm = build(cfg, torch.device("cpu"))
+def _run(cfg, name: str, batches: list[Batch], skip: bool, device: torch.device, **options) -> tuple[list[float], dict]:
+    sm = build(cfg, device)
     if skip:
-        guard = SkipNonFiniteSteps(sm.model, torch.device("cpu"))
+        guard = SkipNonFiniteSteps(sm.model, device)
         # It masks exactly what the dense optimizer applies (dense layers, data_parallel tables).
         assert {id(p) for p in guard.dense} == {id(p) for p in dense_params(sm.optimizer)}
-    pipe = PIPELINES[name](sm.model, sm.optimizer, torch.device("cpu"), **options)
+    if device.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
+    pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
     losses, it = [], iter(batches)
     while True:
         try:
@@ -51,42 +53,51 @@ def _run(cfg, name: str, batches: list[Batch], skip: bool, **options) -> tuple[l
         except StopIteration:
             break
     dist.barrier()
-    return losses, local_state(sm.model)
+    return [loss.item() for loss in losses], {k: v.cpu() for k, v in local_state(sm.model).items()}
 
 
-def _skip_worker(nproc: int) -> None:
-    init_process_group(small_config(nproc))
-    rank = dist.get_rank()
+def _poison(batches: list[Batch]) -> list[Batch]:
+    b = batches[POISONED_STEP]
+    nan = torch.full_like(b.dense_features, math.nan)
+    return batches[:POISONED_STEP] + [Batch(nan, b.sparse_features, b.labels, b.weights)] + batches[POISONED_STEP + 1 :]
+
+
+def _skip_worker(nproc: int, extra: list[str]) -> None:
+    device = init_process_group(small_config(nproc, extra))
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
     for overrides, name, options in CASES:
-        cfg = small_config(nproc, overrides)
+        cfg = small_config(nproc, [*extra, *overrides])
         batches = make_batches(cfg, 6, rank)
-        # Only rank 1's batch is poisoned: every rank must skip the whole step.
-        poisoned = list(batches)
-        if rank == 1:
-            b = batches[POISONED_STEP]
-            poisoned[POISONED_STEP] = Batch(torch.full_like(b.dense_features, math.nan), b.sparse_features, b.labels, b.weights)
+        # Only the last rank's batch is poisoned: every rank must skip the whole step.
+        poisoned = _poison(batches) if rank == last else batches
         # The reference: that step contributes exactly nothing on any rank (zero loss weights).
         reference = list(batches)
         reference[POISONED_STEP] = batches[POISONED_STEP].as_padding()
-        losses, got = _run(cfg, name, poisoned, skip=True, **options)
-        _, want = _run(cfg, name, reference, skip=False, **options)
-        what = f"{name} {options} {overrides}"
-        assert math.isfinite(losses[POISONED_STEP].item()) == (rank != 1), what
+        losses, got = _run(cfg, name, poisoned, skip=True, device=device, **options)
+        _, want = _run(cfg, name, reference, skip=False, device=device, **options)
+        what = f"{device.type} {name} {options} {overrides}"
+        assert math.isfinite(losses[POISONED_STEP]) == (rank != last), what
         different = [k for k in want if not torch.equal(got[k], want[k])]
         assert not different, f"{what}: the skipped step changed {different}"
     # The same poisoned step without skip_step spoils the weights: the check above can fail.
-    cfg = small_config(nproc)
+    cfg = small_config(nproc, extra)
     batches = make_batches(cfg, 6, rank)
-    if rank == 1:
-        b = batches[POISONED_STEP]
-        batches[POISONED_STEP] = Batch(torch.full_like(b.dense_features, math.nan), b.sparse_features, b.labels, b.weights)
-    _, spoiled = _run(cfg, "base", batches, skip=False)
+    _, spoiled = _run(cfg, "base", _poison(batches) if rank == last else batches, skip=False, device=device)
     assert any(not torch.isfinite(v).all() for v in spoiled.values() if v.is_floating_point())
 
 
 @pytest.mark.slow
 def test_skip_step_updates_nothing_in_every_pipeline():
-    launch_local(_skip_worker, 2, 2)
+    launch_local(_skip_worker, 2, 2, [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_skip_step_updates_nothing_on_cuda(nproc):
+    if torch.cuda.device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs")
+    launch_local(_skip_worker, nproc, nproc, ["train.device=cuda"])
 
 
 def test_summary_json_is_strict():

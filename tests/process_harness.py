@@ -9,18 +9,23 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
-# Tiny and endless: 4 batches per epoch (so a stop lands inside an epoch), a step in
-# milliseconds, a checkpoint every 4 steps to know that training is under way.
-ENDLESS = [
+# A step in milliseconds; a row-wise and a column-wise table.
+TINY_MODEL = [
     "model.num_embeddings_per_feature=[100, 300, 500, 1000]",
     "model.embedding_dim=8",
     "model.dense_arch_layer_sizes=[16, 8]",
     "model.over_arch_layer_sizes=[16, 1]",
     "sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}",
-    "optimizer.dense.name=adam",
     "data.batch_size=64",
+]
+# Tiny and endless: 4 batches per epoch (so a stop lands inside an epoch), a
+# checkpoint every 4 steps to know that training is under way.
+ENDLESS = [
+    *TINY_MODEL,
+    "optimizer.dense.name=adam",
     "data.synthetic.num_batches=4",
     "data.synthetic.num_eval_batches=1",
     "train.epochs=100000",
@@ -115,6 +120,24 @@ def ranks_of(pid: int, torchrun: bool = False, timeout: float = 60.0) -> dict[in
         if len(ranks) >= 2 or time.monotonic() > end:
             return ranks
         time.sleep(0.05)
+
+
+def interrupt(
+    run: Path, act: Callable[[subprocess.Popen, dict[int, int]], None], *extra: str, torchrun: bool = False
+) -> tuple[subprocess.Popen, dict[int, int], str]:
+    """Start an endless run into ``run``; once training is under way (its step-4
+    checkpoint exists) call ``act(process, {rank: pid})``; wait for the end.
+    Returns the process, the ranks' pids and its stderr."""
+    proc = start(run, *extra, torchrun=torchrun)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / "metadata.json", proc)
+        ranks = ranks_of(proc.pid, torchrun=torchrun)
+        assert sorted(ranks) == [0, 1], ranks
+        act(proc, ranks)
+        _, err = finish(proc)
+    finally:
+        proc.kill()
+    return proc, ranks, err
 
 
 def finish(proc: subprocess.Popen, timeout: float = 180.0) -> tuple[str, str]:

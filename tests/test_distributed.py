@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from process_harness import alive, finish, ranks_of, start, wait_for
+from process_harness import alive, interrupt
 from recpipe.distributed import launch_local, shutdown_process_group
 from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
-from recpipe.train.integrity import METADATA_FILE
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -62,34 +61,26 @@ def test_shutdown_frees_cyclically_held_groups_and_their_threads():
 
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
-    run = tmp_path / "run"
-    proc = start(run)
-    try:
-        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
-        ranks = ranks_of(proc.pid)
+    killed_at = []
+
+    def kill_rank_1(proc, ranks):
         os.kill(ranks[1], signal.SIGKILL)
-        killed_at = time.monotonic()
-        _, err = finish(proc)
-    finally:
-        proc.kill()
+        killed_at.append(time.monotonic())
+
+    proc, ranks, err = interrupt(tmp_path / "run", kill_rank_1)
     assert proc.returncode == EXIT_WORKER_FAILED
-    assert time.monotonic() - killed_at < 15
+    assert time.monotonic() - killed_at[0] < 15
     assert "rank 1 failed" in err and "SIGKILL" in err, err[-3000:]
     assert not [pid for pid in ranks.values() if alive(pid)]
 
 
 @pytest.mark.slow
 def test_a_second_signal_ends_every_rank_at_once(tmp_path):
-    run = tmp_path / "run"
-    proc = start(run)
-    try:
-        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
-        ranks = ranks_of(proc.pid)
+    def twice(proc, ranks):
         proc.send_signal(signal.SIGTERM)
         proc.send_signal(signal.SIGTERM)
-        _, err = finish(proc)
-    finally:
-        proc.kill()
+
+    proc, ranks, err = interrupt(tmp_path / "run", twice)
     assert proc.returncode == EXIT_PREEMPTED
     assert "second SIGTERM: ending every rank now" in err
     assert not [pid for pid in ranks.values() if alive(pid)]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import build, local_state, make_batches, small_config
+from process_harness import TINY_MODEL
 from recpipe.cli import main
 from recpipe.data.batch import Batch
 from recpipe.distributed import init_process_group, launch_local
@@ -113,11 +114,7 @@ def _strict_json(path: Path) -> dict:
 
 
 TINY = [
-    "model.num_embeddings_per_feature=[100, 300, 500, 1000]",
-    "model.embedding_dim=8",
-    "model.dense_arch_layer_sizes=[16, 8]",
-    "model.over_arch_layer_sizes=[16, 1]",
-    "data.batch_size=64",
+    *TINY_MODEL,
     "data.synthetic.num_batches=20",
     "data.synthetic.num_eval_batches=1",
     "train.eval_every=0",

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from process_harness import CONFIG, alive, finish, overrides, ranks_of, start, wait_for
+from process_harness import CONFIG, alive, interrupt, overrides
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_DIR_IN_USE, EXIT_PREEMPTED
 from recpipe.train.integrity import METADATA_FILE
@@ -44,19 +44,15 @@ def _train(run: Path, *extra: str) -> int:
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_stops_saves_and_resumes_bit_identically(tmp_path, capfd):
     run = tmp_path / "run"
-    proc = start(run)
-    try:
-        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
-        ranks = ranks_of(proc.pid)
-        assert len(ranks) == 2, ranks
+
+    def second_run_then_sigterm(proc, ranks):
         # A second run on the same directories is refused, naming the holder.
         assert _train(run, "train.steps=8") == EXIT_DIR_IN_USE
         refused = capfd.readouterr().err
         assert f"pid {proc.pid} on host {socket.gethostname()}" in refused and "logging.run_dir" in refused
         proc.send_signal(signal.SIGTERM)
-        _, err = finish(proc)
-    finally:
-        proc.kill()
+
+    proc, ranks, err = interrupt(run, second_run_then_sigterm)
     assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
     stopped = _stopped_at(err, run)
     assert stopped >= 4 and "Traceback" not in err
@@ -78,34 +74,26 @@ def test_sigterm_to_the_launcher_stops_saves_and_resumes_bit_identically(tmp_pat
 @pytest.mark.slow
 def test_under_torchrun_one_signalled_rank_stops_them_all(tmp_path):
     run = tmp_path / "run"
-    proc = start(run, torchrun=True)
-    try:
-        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
-        ranks = ranks_of(proc.pid, torchrun=True)
-        assert sorted(ranks) == [0, 1], ranks
-        # Only rank 1 is told; rank 0 learns it at the next step boundary.
-        os.kill(ranks[1], signal.SIGTERM)
-        _, err = finish(proc)
-    finally:
-        proc.kill()
+    # Only rank 1 is told; rank 0 learns it at the next exchange.
+    proc, ranks, err = interrupt(run, lambda proc, ranks: os.kill(ranks[1], signal.SIGTERM), torchrun=True)
     _stopped_at(err, run)
-    # Both ranks exited with 143; torchrun lists them as failed workers.
-    assert len(re.findall(rf"exitcode\s*:\s*{EXIT_PREEMPTED}\b", err)) == 2, err[-3000:]
+    # Both ranks exited with 143; torchrun's failure summary lists them.
+    assert len(re.findall(rf"^\s+exitcode\s+: {EXIT_PREEMPTED} ", err, re.MULTILINE)) == 2, err[-3000:]
     assert not [pid for pid in ranks.values() if alive(pid)]
 
 
 def test_a_repeated_signal_is_one_request_and_a_later_one_stops_at_once():
     script = """
 import os, signal, time
-from recpipe.train.preemption import requested_signal, signal_handlers
-with signal_handlers():
-    os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)
-    assert requested_signal() == signal.SIGTERM
-    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)  # delivered twice (e.g. Ctrl-C and forwarded)
-    print("still running", flush=True)
-    time.sleep(1.2)
-    os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)
-    print("not stopped", flush=True)
+from recpipe.train.preemption import install_signal_handlers, requested_signal
+install_signal_handlers()
+os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)
+assert requested_signal() == signal.SIGTERM
+os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)  # delivered twice (e.g. Ctrl-C and forwarded)
+print("still running", flush=True)
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)
+print("not stopped", flush=True)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == EXIT_PREEMPTED, out.stderr

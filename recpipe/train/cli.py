@@ -29,7 +29,7 @@ from recpipe.errors import exit_code_of, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.train.checkpoint import check_checkpoint_config
-from recpipe.train.preemption import signal_handlers
+from recpipe.train.preemption import install_signal_handlers
 from recpipe.train.trainer import run_worker
 
 
@@ -54,25 +54,26 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
 
 
 def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
-    """One rank of ``recpipe train``: train; return 0, or the exit code of a user
-    error after reporting it (once for the job when every rank has it). A bug
-    propagates with its traceback. ``lock_dirs``: rank 0 locks the run directories
-    (under torchrun; ``launch_local``'s launcher holds them otherwise)."""
+    """One rank of ``recpipe train``, the whole life of its process: train; return
+    0, or the exit code of a user error after reporting it (once for the job when
+    every rank has it). A bug propagates with its traceback. ``lock_dirs``: rank 0
+    locks the run directories (under torchrun; ``launch_local``'s launcher holds
+    them otherwise)."""
     rank = int(os.environ.get("RANK", "0"))
-    with signal_handlers():
-        try:
-            if lock_dirs:
-                init_process_group(cfg)
-                with hold_run_dirs_on_rank0(cfg):
-                    run_worker(cfg)
-            else:
+    install_signal_handlers()
+    try:
+        if lock_dirs:
+            init_process_group(cfg)
+            with hold_run_dirs_on_rank0(cfg):
                 run_worker(cfg)
-        except Exception as err:
-            if exit_code_of(err) is None:
-                raise
-            return report("train", err, rank=rank, debug=debug)
-        finally:
-            shutdown_process_group()
+        else:
+            run_worker(cfg)
+    except Exception as err:
+        if exit_code_of(err) is None:
+            raise
+        return report("train", err, rank=rank, debug=debug)
+    finally:
+        shutdown_process_group()
     return 0
 
 

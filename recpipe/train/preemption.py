@@ -3,8 +3,8 @@
 What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to every
 rank, or to some of them. Each rank:
 
-1. ``signal_handlers()`` (around the rank's work, in its main thread) records the
-   first SIGTERM or SIGINT and returns: training goes on for now. The same signal
+1. ``install_signal_handlers()`` (a rank's main thread) makes the first SIGTERM or
+   SIGINT only a request: training goes on for now. The same signal
    again within ``REPEAT_WINDOW_S`` is the same request delivered twice (Ctrl-C
    reaches every process of the terminal's process group and the launcher forwards
    it too; SLURM signals every process of a step). A later one ends the process at
@@ -32,7 +32,6 @@ save) does not stop the run: it completes and exits 0.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -45,7 +44,7 @@ import torch.distributed as dist
 
 from recpipe.exit_codes import exit_code_for_signal
 
-__all__ = ["Preemption", "REPEAT_WINDOW_S", "requested_signal", "signal_handlers"]
+__all__ = ["Preemption", "REPEAT_WINDOW_S", "install_signal_handlers", "requested_signal"]
 
 T = TypeVar("T")
 REPEAT_WINDOW_S = 1.0
@@ -75,23 +74,20 @@ def _on_signal(signum: int, frame: Any) -> None:
         os._exit(exit_code_for_signal(signum))
 
 
-@contextlib.contextmanager
-def signal_handlers() -> Iterator[None]:
-    """Record SIGTERM / SIGINT for ``Preemption`` during the block (main thread only;
-    elsewhere Python cannot install handlers and this does nothing). A signal that is
-    ignored when the block starts (SIG_IGN, as in background jobs) stays ignored."""
+def install_signal_handlers() -> None:
+    """Record SIGTERM / SIGINT for ``Preemption`` from now on, for the rest of this
+    process: a rank's (main thread only; elsewhere Python cannot install handlers
+    and this does nothing). A signal ignored now (SIG_IGN, as in background jobs)
+    stays ignored. Never restored: until the rank's process is gone a signal must
+    not kill it by default, since torchrun sends SIGTERM to the ranks still running
+    as soon as one has exited non-zero, and a rank that stops a moment later (every
+    rank does, after a preemption) would be reported as killed instead of exiting
+    with its own code."""
     if threading.current_thread() is not threading.main_thread():
-        yield
         return
-    previous = {sig: signal.getsignal(sig) for sig in _SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
-    for sig in previous:
-        signal.signal(sig, _on_signal)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        _Requests.signum = None
+    for sig in _SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, _on_signal)
 
 
 class Preemption:

@@ -106,8 +106,8 @@ def _environ_rank(pid: int) -> int | None:
     return ranks[0] if ranks else None
 
 
-def ranks_of(pid: int, torchrun: bool = False, timeout: float = 60.0) -> dict[int, int]:
-    """{rank: pid} of the two training ranks under launcher ``pid``. torchrun puts
+def ranks_of(pid: int, torchrun: bool = False, nproc: int = 2, timeout: float = 60.0) -> dict[int, int]:
+    """{rank: pid} of the ``nproc`` training ranks under launcher ``pid``. torchrun puts
     RANK in each worker's environment at exec; ``launch_local`` starts rank 0 then
     rank 1 (multiprocessing spawn children, in pid order), setting RANK only later."""
     end = time.monotonic() + timeout
@@ -117,13 +117,13 @@ def ranks_of(pid: int, torchrun: bool = False, timeout: float = 60.0) -> dict[in
         else:
             spawned = sorted(p for p in descendants(pid) if "spawn_main" in _cmdline(p))
             ranks = dict(enumerate(spawned))
-        if len(ranks) >= 2 or time.monotonic() > end:
+        if len(ranks) >= nproc or time.monotonic() > end:
             return ranks
         time.sleep(0.05)
 
 
 def interrupt(
-    run: Path, act: Callable[[subprocess.Popen, dict[int, int]], None], *extra: str, torchrun: bool = False
+    run: Path, act: Callable[[subprocess.Popen, dict[int, int]], None], *extra: str, torchrun: bool = False, nproc: int = 2
 ) -> tuple[subprocess.Popen, dict[int, int], str]:
     """Start an endless run into ``run``; once training is under way (its step-4
     checkpoint exists) call ``act(process, {rank: pid})``; wait for the end.
@@ -131,8 +131,8 @@ def interrupt(
     proc = start(run, *extra, torchrun=torchrun)
     try:
         wait_for(run / "ckpt" / "step_00000004" / "metadata.json", proc)
-        ranks = ranks_of(proc.pid, torchrun=torchrun)
-        assert sorted(ranks) == [0, 1], ranks
+        ranks = ranks_of(proc.pid, torchrun=torchrun, nproc=nproc)
+        assert sorted(ranks) == list(range(nproc)), ranks
         act(proc, ranks)
         _, err = finish(proc)
     finally:

@@ -99,3 +99,15 @@ print("not stopped", flush=True)
     assert out.returncode == EXIT_PREEMPTED, out.stderr
     assert "still running" in out.stdout and "not stopped" not in out.stdout
     assert "second SIGTERM" in out.stderr and "without a checkpoint" in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sigterm_stops_a_cuda_run_with_a_checkpoint(tmp_path):
+    nproc = min(2, torch.cuda.device_count())  # 2: NCCL for training, a Gloo group for the agreement
+    run = tmp_path / "run"
+    on_cuda = ["train.device=cuda", "distributed.backend=auto", f"distributed.nproc={nproc}"]
+    proc, ranks, err = interrupt(run, lambda proc, ranks: proc.send_signal(signal.SIGTERM), *on_cuda, nproc=nproc)
+    assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
+    _stopped_at(err, run)
+    assert not [pid for pid in ranks.values() if alive(pid)]

@@ -283,10 +283,11 @@ class TrainConfig(_Section):
     log_every: int = Field(10, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
-    # A loss that is NaN or inf: "error" stops the run at the next log point, naming
-    # the step (exit code 4; no checkpoint is saved after that step); "skip_step"
-    # applies no update of such a step (exact for SGD and Adagrad without weight
-    # decay; Adam's moments still decay) and reports the skipped steps.
+    # A loss that is NaN or inf (checked at log points and before every evaluation and
+    # checkpoint, without a host sync per step): "error" stops the run naming the step
+    # (exit code 4; no checkpoint is saved after that step); "skip_step" applies no
+    # update of such a step on any rank (exact for SGD and Adagrad without weight
+    # decay; Adam's moments still decay) and lists it in summary.json.
     on_nonfinite: Literal["error", "skip_step"] = "error"
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
@@ -513,7 +514,8 @@ _PIPELINE_VARIANTS: dict[str, type[BaseModel]] = {
 def _discriminator_problem(loc: str, error: dict) -> str:
     """pydantic says "Input tag 'x' found using 'name' does not match any of the
     expected tags"; say which key, which value, and what is allowed instead."""
-    key = f"{loc}.{error['ctx']['discriminator'].strip(chr(39))}"
+    name = error["ctx"]["discriminator"].strip("'")
+    key = f"{loc}.{name}"
     allowed = ", ".join(_PIPELINE_VARIANTS)
     if error["type"] == "union_tag_invalid":
         return f"  {key}={error['ctx']['tag']!r} is not a pipeline; choose one of: {allowed}"

@@ -5,6 +5,7 @@ tiny config, wait for its checkpoints, and find or check its processes through /
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -45,10 +46,17 @@ def overrides(run: Path, *extra: str) -> list[str]:
     return args
 
 
-def start(run: Path, *extra: str, torchrun: bool = False, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+def _as_background_job() -> None:
+    """What a non-interactive shell does to a job started with ``&``: SIGINT ignored
+    (inherited by every process it starts)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [sys.executable]
-    cmd = [*prefix, *launcher, "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run, *extra)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = [*launcher, "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run, *extra)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_as_background_job if background else None)
 
 
 def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None:
@@ -123,27 +131,45 @@ def ranks_of(pid: int, torchrun: bool = False, nproc: int = 2, timeout: float = 
 
 
 def interrupt(
-    run: Path, act: Callable[[subprocess.Popen, dict[int, int]], None], *extra: str, torchrun: bool = False, nproc: int = 2
+    run: Path,
+    act: Callable[[subprocess.Popen, dict[int, int]], None],
+    *extra: str,
+    torchrun: bool = False,
+    nproc: int = 2,
+    background: bool = False,
+    timeout: float = 180.0,
 ) -> tuple[subprocess.Popen, dict[int, int], str]:
     """Start an endless run into ``run``; once training is under way (its step-4
-    checkpoint exists) call ``act(process, {rank: pid})``; wait for the end.
-    Returns the process, the ranks' pids and its stderr."""
-    proc = start(run, *extra, torchrun=torchrun)
+    checkpoint exists) call ``act(process, {rank: pid})``; wait up to ``timeout``
+    for the end. Returns the process, the ranks' pids and its stderr. Whatever
+    happens, nothing it started is left running."""
+    proc = start(run, *extra, torchrun=torchrun, background=background)
+    ranks: dict[int, int] = {}
     try:
         wait_for(run / "ckpt" / "step_00000004" / "metadata.json", proc)
         ranks = ranks_of(proc.pid, torchrun=torchrun, nproc=nproc)
         assert sorted(ranks) == list(range(nproc)), ranks
         act(proc, ranks)
-        _, err = finish(proc)
+        _, err = finish(proc, timeout, also_kill=list(ranks.values()))
     finally:
         proc.kill()
+        _kill(list(ranks.values()))
     return proc, ranks, err
 
 
-def finish(proc: subprocess.Popen, timeout: float = 180.0) -> tuple[str, str]:
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180.0, also_kill: list[int] = ()) -> tuple[str, str]:
+    """Wait for ``proc``; past ``timeout`` kill it and ``also_kill`` (its ranks,
+    which hold its output pipes open even after it is gone) and fail."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
+        _kill(list(also_kill))
         out, err = proc.communicate()
         raise AssertionError(f"still running after {timeout} s:\n{out[-2000:]}\n{err[-4000:]}") from None

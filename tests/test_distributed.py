@@ -2,7 +2,8 @@
 is alive, so no Gloo thread outlives them into interpreter shutdown (where it can
 abort a run that has succeeded: "terminate called without an active exception").
 launch_local's supervision: a rank killed with SIGKILL ends the others and is named;
-a second signal ends every rank at once; no rank outlives the launcher."""
+a second signal ends every rank at once; no rank outlives the launcher, even one
+killed with SIGKILL (whose directory lock the next run then takes over)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from process_harness import alive, interrupt
 from recpipe.distributed import launch_local, shutdown_process_group
 from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
+from recpipe.run_lock import DirLock
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -84,3 +86,25 @@ def test_a_second_signal_ends_every_rank_at_once(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED
     assert "second SIGTERM: ending every rank now" in err
     assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_ranks_along_and_its_lock_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    # Started like a background job (SIGINT ignored), where torch's own parent-death
+    # signal (SIGINT) did nothing and the ranks trained on as orphans.
+    left = []
+
+    def kill_the_launcher(proc, ranks):
+        proc.kill()
+        end = time.monotonic() + 10
+        while [pid for pid in ranks.values() if alive(pid)] and time.monotonic() < end:
+            time.sleep(0.05)
+        left.extend(pid for pid in ranks.values() if alive(pid))
+        for pid in left:  # orphans hold the output pipes: end them so the test can fail at once
+            os.kill(pid, signal.SIGKILL)
+
+    proc, ranks, _ = interrupt(run, kill_the_launcher, background=True)
+    assert not left, "ranks outlived a SIGKILLed launcher"
+    with pytest.warns(UserWarning, match=f"taking over the lock left by pid {proc.pid} on host"):
+        DirLock(run, "logging.run_dir").acquire().release()

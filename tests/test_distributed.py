@@ -8,7 +8,10 @@ killed with SIGKILL (whose directory lock the next run then takes over)."""
 from __future__ import annotations
 
 import os
+import select
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -76,16 +79,56 @@ def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
     assert not [pid for pid in ranks.values() if alive(pid)]
 
 
+STUBBORN = """
+import os, signal, sys, time
+from torch.multiprocessing.spawn import ProcessExitedException
+from recpipe.distributed import launch_local
+
+def stubborn():  # takes note of SIGTERM and goes on, like a rank in a long save
+    rank = os.environ["RANK"]
+    signal.signal(signal.SIGTERM, lambda *_: print(f"rank {rank} got SIGTERM", file=sys.stderr, flush=True))
+    print(f"rank {rank} is pid {os.getpid()}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    try:
+        launch_local(stubborn, 2)
+    except ProcessExitedException as err:
+        sys.exit(err.exit_code)
+"""
+
+
+def _read_until(proc: subprocess.Popen, needles: list[str], seen: list[str], timeout: float = 120.0) -> str:
+    """Read ``proc``'s stderr (unbuffered) into ``seen`` until it holds every needle."""
+    end = time.monotonic() + timeout
+    while not all(n in "".join(seen) for n in needles):
+        assert time.monotonic() < end, f"{needles} not seen in {timeout} s: {''.join(seen)}"
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            seen.append(os.read(proc.stderr.fileno(), 65536).decode())
+    return "".join(seen)
+
+
 @pytest.mark.slow
 def test_a_second_signal_ends_every_rank_at_once(tmp_path):
-    def twice(proc, ranks):
-        proc.send_signal(signal.SIGTERM)
-        proc.send_signal(signal.SIGTERM)
-
-    proc, ranks, err = interrupt(tmp_path / "run", twice)
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, bufsize=0)
+    seen: list[str] = []
+    try:
+        started = _read_until(proc, ["rank 0 is pid", "rank 1 is pid"], seen)
+        ranks = [int(line.split()[-1]) for line in started.splitlines() if " is pid " in line]
+        proc.send_signal(signal.SIGTERM)  # forwarded; the ranks go on
+        _read_until(proc, ["rank 0 got SIGTERM", "rank 1 got SIGTERM"], seen)
+        assert all(alive(pid) for pid in ranks)
+        proc.send_signal(signal.SIGTERM)  # the second: every rank ends now
+        proc.wait(timeout=60)
+        err = "".join(seen) + proc.stderr.read().decode()
+    finally:
+        proc.kill()
     assert proc.returncode == EXIT_PREEMPTED
     assert "second SIGTERM: ending every rank now" in err
-    assert not [pid for pid in ranks.values() if alive(pid)]
+    assert not [pid for pid in ranks if alive(pid)]
 
 
 @pytest.mark.slow

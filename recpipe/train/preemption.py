@@ -4,11 +4,11 @@ What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to eve
 rank, or to some of them. Each rank:
 
 1. ``install_signal_handlers()`` (a rank's main thread) makes the first SIGTERM or
-   SIGINT only a request: training goes on for now. The same signal
-   again within ``REPEAT_WINDOW_S`` is the same request delivered twice (Ctrl-C
-   reaches every process of the terminal's process group and the launcher forwards
-   it too; SLURM signals every process of a step). A later one ends the process at
-   once: exit 128 + signal, nothing saved.
+   SIGINT only a request: training goes on for now. Another within
+   ``REPEAT_WINDOW_S`` is the same request delivered twice (Ctrl-C reaches every
+   process of the terminal's process group and the launcher forwards it too; SLURM
+   signals every process of a step). A later one ends the process at once: exit
+   128 + signal, nothing saved.
 2. ``Preemption.after_step()`` runs on every rank at every step boundary. At an
    exchange boundary it collects the all-reduce (MAX of the ranks' requests)
    launched at the previous exchange, which has finished by then, so the host does

@@ -1,9 +1,10 @@
-"""``recpipe`` command line: train, plan, schedule, bench, data.
+"""``recpipe`` command line: train, plan, schedule, bench, data, checkpoint.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
-``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``);
-this file only parses.
-Exit codes: ``recpipe.exit_codes``.
+``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``,
+``recpipe.train.integrity``); this file only parses. A user error (a bad config,
+bad data, a directory in use, ...) prints one line and exits with its code
+(``recpipe.exit_codes``); ``--debug`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from recpipe.config import ConfigError
-from recpipe.data.binary_format import BinaryDataError
-from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_BAD_DATA
+from recpipe.errors import exit_code_of, report
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -30,12 +29,20 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recpipe", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="train the configured model (starts distributed.nproc processes)")
+    train = sub.add_parser(
+        "train",
+        parents=[common],
+        help="train the configured model (starts distributed.nproc processes)",
+        description="Train the configured model. SIGTERM / SIGINT stop every rank at a step boundary, after a "
+        "checkpoint (exit 143 / 130); a second signal stops at once. Exit codes: README, 'When things go wrong'.",
+    )
     _add_config_args(train)
 
-    plan = sub.add_parser("plan", help="estimate per-shard and per-rank memory (no GPU needed)")
+    plan = sub.add_parser("plan", parents=[common], help="estimate per-shard and per-rank memory (no GPU needed)")
     _add_config_args(plan)
     plan.add_argument("--format", choices=("table", "json"), default="table")
     plan.add_argument(
@@ -45,10 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict per-rank all-to-all volume and the step's hardware bound at these GPU counts (weak scaling)",
     )
 
-    schedule = sub.add_parser("schedule", help="print a pipeline's schedule table")
+    schedule = sub.add_parser("schedule", parents=[common], help="print a pipeline's schedule table")
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
 
-    bench = sub.add_parser("bench", help="time every pipeline on the same batches (recpipe's and TorchRec's)")
+    bench = sub.add_parser(
+        "bench", parents=[common], help="time every pipeline on the same batches (recpipe's and TorchRec's)"
+    )
     _add_config_args(bench)
     bench.add_argument("--pipelines", default=None, help="comma-separated pipeline names (default: all five)")
     bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
@@ -74,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     from recpipe.data.cli import add_data_parser
 
-    add_data_parser(sub, _add_config_args)
+    add_data_parser(sub, _add_config_args, parents=[common])
+
+    checkpoint = sub.add_parser("checkpoint", parents=[common], help="check checkpoints")
+    checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
+    checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
     return parser
 
 
@@ -101,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
             from recpipe.data.cli import main_data
 
             return main_data(args)
-    except ConfigError as err:
-        print(f"recpipe {args.command}: {err}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except BinaryDataError as err:
-        print(f"recpipe {args.command}: {err}", file=sys.stderr)
-        return EXIT_BAD_DATA
+        if args.command == "checkpoint":
+            from recpipe.train.integrity import main_checkpoint
+
+            return main_checkpoint(args)
+    except Exception as err:
+        if exit_code_of(err) is None:
+            raise  # a bug: keep the traceback
+        return report(args.command, err, debug=args.debug)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -366,6 +366,12 @@ class TrainConfig(_Section):
     # weights and optimizer state, float32 loss, float32 embedding tables and lookups.
     # `recpipe bench` gives TorchRec's pipelines the same model, so the same numerics.
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    # A loss that is NaN or inf (checked at log points and before every evaluation and
+    # checkpoint, without a host sync per step): "error" stops the run naming the step
+    # (exit code 4; no checkpoint is saved after that step); "skip_step" applies no
+    # update of such a step on any rank (exact for SGD and Adagrad without weight
+    # decay; Adam's moments still decay) and lists it in summary.json.
+    on_nonfinite: Literal["error", "skip_step"] = "error"
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -386,6 +392,9 @@ class CheckpointConfig(_Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
     keep: int = Field(2, gt=0)
+    # On SIGTERM / SIGINT (preemption) every rank finishes its step, drains the
+    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130.
+    on_preempt: bool = True
 
 
 class LoggingConfig(_Section):
@@ -619,6 +628,17 @@ _PIPELINE_VARIANTS: dict[str, type[BaseModel]] = {
 }
 
 
+def _discriminator_problem(loc: str, error: dict) -> str:
+    """pydantic says "Input tag 'x' found using 'name' does not match any of the
+    expected tags"; say which key, which value, and what is allowed instead."""
+    name = error["ctx"]["discriminator"].strip("'")
+    key = f"{loc}.{name}"
+    allowed = ", ".join(_PIPELINE_VARIANTS)
+    if error["type"] == "union_tag_invalid":
+        return f"  {key}={error['ctx']['tag']!r} is not a pipeline; choose one of: {allowed}"
+    return f"  {key} is missing (required when the {loc} section is given); choose one of: {allowed}"
+
+
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -628,6 +648,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
         for name in ("fused_sparse_dist", "semi_sync", "prefetch"):
             loc = loc.replace(f"pipeline.{name}.", "pipeline.")
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pipeline.name (the discriminator)
+            lines.append(_discriminator_problem(loc, e))
+            continue
         if e["type"] == "extra_forbidden":
             allowed = _allowed_keys(e["loc"][:-1])
             msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")

@@ -7,8 +7,16 @@ with torch.multiprocessing (spawn), which tests use as well.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import math
+import multiprocessing.connection
 import os
+import pickle
+import signal
+import sys
+import threading
+import time
 import warnings
 from datetime import timedelta
 from typing import Any, Callable
@@ -17,8 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed import TCPStore
+from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
 from recpipe.config import RecpipeConfig
+from recpipe.exit_codes import EXIT_WORKER_FAILED, exit_code_for_signal
 
 
 def under_torchrun() -> bool:
@@ -98,7 +108,37 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
-def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+def control_group() -> dist.ProcessGroup | None:
+    """A Gloo group for host-side agreement (tiny CPU tensors, no device sync); None
+    when not distributed. Collective when it creates one (NCCL jobs): every rank
+    must call it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo")
+
+
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this rank when the launcher dies, however it
+    dies (torch's spawn asks for SIGINT, which a job started in the background
+    ignores, so the ranks of a killed launcher trained on as orphans)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
+        return
+    if os.getppid() != launcher_pid:  # it died before the prctl took effect
+        os._exit(EXIT_WORKER_FAILED)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child(
+    local_rank: int, world_size: int, port: int, launcher_pid: int, fn: Callable[..., Any], args: tuple
+) -> None:
+    _die_with_launcher(launcher_pid)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),
@@ -120,12 +160,136 @@ def _child(local_rank: int, world_size: int, port: int, fn: Callable[..., Any], 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh processes that form one process group
-    (the caller's ``fn`` calls ``init_process_group``). Raises if any rank fails.
+    (the caller's ``fn`` calls ``init_process_group``). Raises a
+    ``torch.multiprocessing.ProcessException`` if any rank fails: a
+    ``ProcessRaisedException`` with its traceback, or a ``ProcessExitedException``
+    whose ``exit_code`` is the rank's (a rank that exits with one of
+    ``recpipe.exit_codes`` has printed why).
 
     The rendezvous store lives in this process on a port the OS picks, so
-    concurrent launches on one machine never race for a port."""
+    concurrent launches on one machine never race for a port. No rank outlives
+    this call: see :class:`_Supervisor` for signals and failures."""
     store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
     try:
-        mp.start_processes(_child, args=(nproc, store.port, fn, args), nprocs=nproc, join=True, start_method="spawn")
+        with _Supervisor() as supervisor:
+            context = mp.start_processes(
+                _child, args=(nproc, store.port, os.getpid(), fn, args), nprocs=nproc, join=False, start_method="spawn"
+            )
+            supervisor.watch(context)
     finally:
         del store
+
+
+class _Supervisor:
+    """Watches the ranks of one ``launch_local`` until every one has exited.
+
+    Signals: the first SIGTERM or SIGINT this process gets is forwarded to every
+    rank (``recpipe train``'s ranks then finish the step, drain, save and exit with
+    128 + signal); a second one kills them at once (SIGKILL). A signal ignored when
+    the launch starts (SIG_IGN, as for background jobs) stays ignored.
+
+    Failures: when a rank exits non-zero, the others get a grace period to end by
+    themselves: ``USER_EXIT_GRACE_S`` when it exited with a code of its own (the
+    other ranks are then usually raising the same error, and rank 0 prints it),
+    ``CRASH_GRACE_S`` otherwise (the rest are usually waiting in a collective with
+    the dead rank). Then they are killed. The rank reported is the first that exited
+    with a code of its own, else the first that failed.
+    """
+
+    USER_EXIT_GRACE_S = 15.0
+    CRASH_GRACE_S = 2.0
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.context: ProcessContext | None = None
+        self.received: list[int] = []
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Supervisor":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        # Whatever ends the watch (an exception here, KeyboardInterrupt), no rank stays.
+        self._send(signal.SIGKILL)
+        for process in self.context.processes if self.context else ():
+            process.join()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        if len(self.received) == 1:
+            self._send(signum)
+        else:
+            print(f"recpipe: second {signal.Signals(signum).name}: ending every rank now, without a checkpoint",
+                  file=sys.stderr, flush=True)
+            self._send(signal.SIGKILL)
+
+    def _send(self, sig: int) -> None:
+        for process in self.context.processes if self.context else ():
+            if process.exitcode is None:
+                try:
+                    os.kill(process.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def watch(self, context: ProcessContext) -> None:
+        """Wait for every rank; raise for the reported failure (see the class docstring)."""
+        self.context = context
+        if self.received:  # a signal came while the ranks were being started
+            self._send(self.received[0] if len(self.received) == 1 else signal.SIGKILL)
+        processes = context.processes
+        pending = {process.sentinel: rank for rank, process in enumerate(processes)}
+        failed: list[int] = []  # ranks that exited non-zero, in the order they did
+        deadline = math.inf  # to kill the ranks still running, once one has failed
+        while pending:
+            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+            for sentinel in multiprocessing.connection.wait(list(pending), timeout=timeout):
+                rank = pending.pop(sentinel)
+                processes[rank].join()
+                if processes[rank].exitcode != 0:
+                    failed.append(rank)
+                    if len(failed) == 1:
+                        own = self._own_exit_code(processes[rank].exitcode) is not None
+                        deadline = time.monotonic() + (self.USER_EXIT_GRACE_S if own else self.CRASH_GRACE_S)
+            if time.monotonic() >= deadline:
+                self._send(signal.SIGKILL)
+                deadline = math.inf
+        if failed:
+            raise self._failure(context, failed)
+
+    def _own_exit_code(self, exitcode: int) -> int | None:
+        """The code a rank chose to exit with (a recpipe exit code, 128 + signal after
+        a graceful stop); a rank ended by the forwarded signal itself counts as 128 + it."""
+        if exitcode is not None and exitcode > EXIT_WORKER_FAILED:
+            return exitcode
+        if exitcode is not None and exitcode < 0 and self.received and -exitcode in self.received:
+            return exit_code_for_signal(-exitcode)
+        return None
+
+    def _failure(self, context: ProcessContext, failed: list[int]) -> Exception:
+        processes = context.processes
+        if len(self.received) > 1:  # killed on the second signal
+            rank = failed[0]
+            code = exit_code_for_signal(self.received[0])
+            return ProcessExitedException(f"rank {rank} killed on a second signal", rank, processes[rank].pid, code)
+        own = [rank for rank in failed if self._own_exit_code(processes[rank].exitcode) is not None]
+        rank = own[0] if own else failed[0]
+        pid, exitcode = processes[rank].pid, processes[rank].exitcode
+        if own:
+            code = self._own_exit_code(exitcode)
+            return ProcessExitedException(f"rank {rank} exited with code {code}", rank, pid, code)
+        error_file = context.error_files[rank]
+        if os.access(error_file, os.R_OK):
+            with open(error_file, "rb") as fh:
+                trace = pickle.load(fh)
+            os.unlink(error_file)
+            return ProcessRaisedException(f"\n\n-- Process {rank} terminated with the following error:\n{trace}", rank, pid)
+        if exitcode < 0:
+            name = signal.Signals(-exitcode).name
+            return ProcessExitedException(f"process {rank} terminated with signal {name}", rank, pid, exitcode, name)
+        return ProcessExitedException(f"process {rank} terminated with exit code {exitcode}", rank, pid, exitcode)

@@ -1,19 +1,29 @@
 """Checkpoints are exact: stopping after k steps and resuming trains bit for bit
 like a run that never stopped (model, fused embedding optimizer and dense optimizer
-states), and incomplete checkpoints are ignored."""
+states), and incomplete checkpoints are ignored. Damaged ones (a truncated shard)
+are found before loading, named and skipped; a save into a read-only directory
+fails with one error naming the path and leaves the previous checkpoint newest."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from recpipe.cli import main
-from recpipe.exit_codes import EXIT_BAD_CONFIG
-from recpipe.train.checkpoint import METADATA_FILE, latest_checkpoint
+from recpipe.config import load_config
+from recpipe.errors import CheckpointError
+from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
+from recpipe.train.checkpoint import METADATA_FILE, latest_checkpoint, load_checkpoint
+from recpipe.train.integrity import file_records, verify_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more
 TINY = [
@@ -37,18 +47,22 @@ TINY = [
 ]
 
 
-def _train(config: Path, run: Path, steps: int, every: int) -> int:
+def _args(config: Path, run: Path, steps: int, every: int, keep: int = 1) -> list[str]:
     overrides = TINY + [
         f"train.steps={steps}",
         f"checkpoint.dir={run / 'ckpt'}",
         f"checkpoint.every={every}",
-        "checkpoint.keep=1",
+        f"checkpoint.keep={keep}",
         f"logging.run_dir={run}",
     ]
     args = ["train", "--config", str(config)]
     for pair in overrides:
         args += ["--set", pair]
-    return main(args)
+    return args
+
+
+def _train(config: Path, run: Path, steps: int, every: int, keep: int = 1) -> int:
+    return main(_args(config, run, steps, every, keep))
 
 
 def _flat(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -78,7 +92,7 @@ def test_resume_trains_bit_identically(tmp_path, capfd):
     assert (meta["step"], meta["epoch"], meta["batch"]) == (K, 1, 2)
     assert _train(config, resumed, steps=K + M, every=K) == 0
     assert f"resumed from {resumed / 'ckpt' / f'step_{K:08d}'}: step {K}, epoch 1, batch 2" in capfd.readouterr().out
-    assert [p.name for p in (resumed / "ckpt").iterdir()] == [f"step_{K + M:08d}"]  # checkpoint.keep=1
+    assert [p.name for p in (resumed / "ckpt").glob("step_*")] == [f"step_{K + M:08d}"]  # checkpoint.keep=1
 
     a = _full_state(straight / "ckpt" / f"step_{K + M:08d}", tmp_path)
     b = _full_state(resumed / "ckpt" / f"step_{K + M:08d}", tmp_path)
@@ -114,3 +128,99 @@ def test_fresh_run_refuses_a_directory_with_checkpoints(tmp_path, capsys):
     assert code == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert "checkpoint.resume=false" in err and "step_00000010" in err
+
+
+CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_is_named_and_skipped(tmp_path, capfd):
+    run = tmp_path / "run"
+    assert _train(CONFIG, run, steps=4, every=2, keep=2) == 0
+    newest = run / "ckpt" / "step_00000004"
+    shard = max(newest.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as fh:
+        fh.truncate(size // 2)
+    capfd.readouterr()
+    assert main(["checkpoint", "verify", str(run / "ckpt")]) == EXIT_CHECKPOINT
+    out = capfd.readouterr().out
+    assert f"{newest}: DAMAGED: {shard.name} has {size // 2} bytes, {size} were saved" in out
+    assert f"{run / 'ckpt' / 'step_00000002'}: ok" in out
+
+    assert _train(CONFIG, run, steps=6, every=2, keep=2) == 0
+    captured = capfd.readouterr()
+    assert f"skipping damaged checkpoint {newest}: {shard.name} has {size // 2} bytes" in captured.err
+    assert f"resumed from {run / 'ckpt' / 'step_00000002'}: step 2" in captured.out
+    assert main(["checkpoint", "verify", str(run / "ckpt")]) == 0  # step 4 saved anew, step 6
+    assert "DAMAGED" not in capfd.readouterr().out
+
+
+def test_verify_finds_every_kind_of_damage(tmp_path):
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    for name, data in {"__0_0.distcp": b"a" * 100, "__1_0.distcp": b"b" * 50, ".metadata": b"m", "rng_rank00000.pt": b"r"}.items():
+        (ckpt / name).write_bytes(data)
+    records = {**file_records(ckpt, 0, 2), **file_records(ckpt, 1, 2)}
+    assert set(records) == {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank00000.pt"}
+    (ckpt / METADATA_FILE).write_text(json.dumps({"step": 1, "files": records}))
+    assert verify_checkpoint(ckpt) == []
+    (ckpt / "__0_0.distcp").write_bytes(b"a" * 99 + b"X")  # same size, one byte changed
+    (ckpt / "__1_0.distcp").write_bytes(b"b" * 49)
+    (ckpt / ".metadata").unlink()
+    problems = verify_checkpoint(ckpt)
+    assert [p.split()[0] for p in problems] == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert "missing" in problems[0] and "crc32" in problems[1] and "49 bytes, 50 were saved" in problems[2]
+    # Rank 1 of 2 reads only its own file's contents (sizes it checks for all).
+    assert [p.split()[0] for p in verify_checkpoint(ckpt, rank=1, world_size=2)] == [".metadata", "__1_0.distcp"]
+    (ckpt / METADATA_FILE).write_text(json.dumps({"step": 1}))  # format 1: nothing recorded
+    assert verify_checkpoint(ckpt) is None
+    (ckpt / METADATA_FILE).write_text("{not json")
+    assert "cannot be read" in verify_checkpoint(ckpt)[0]
+
+
+def test_no_intact_checkpoint_is_an_error_naming_each(tmp_path):
+    for step in (2, 4):
+        ckpt = tmp_path / f"step_{step:08d}"
+        ckpt.mkdir()
+        (ckpt / "__0_0.distcp").write_bytes(b"x")
+        (ckpt / METADATA_FILE).write_text(json.dumps({"step": step, "files": {"__0_0.distcp": {"size": 2, "crc32": "0"}}}))
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path}"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.warns(UserWarning, match="skipping damaged checkpoint .*step_00000004"):
+            with pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000004: __0_0.distcp has 1 bytes.*step_00000002"):
+                load_checkpoint(cfg.checkpoint, model=None, optimizer=None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _without_root_override() -> list[str]:
+    """A command prefix under which directory permissions hold: root bypasses them
+    (CAP_DAC_OVERRIDE), so as root drop those capabilities with util-linux setpriv."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("running as root without setpriv: root ignores directory permissions")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search,-fowner", "--"]
+
+
+@pytest.mark.slow
+def test_save_into_a_read_only_directory_fails_naming_it(tmp_path):
+    run = tmp_path / "run"
+    assert _train(CONFIG, run, steps=2, every=2, keep=2) == 0
+    ckpt = run / "ckpt"
+    ckpt.chmod(0o555)
+    try:
+        cmd = [*_without_root_override(), sys.executable, "-m", "recpipe", *_args(CONFIG, run, steps=4, every=2, keep=2)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    finally:
+        ckpt.chmod(0o755)
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "cannot save checkpoint" in line]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert f"cannot save checkpoint {ckpt / 'step_00000004'}" in lines[0] and "Permission denied" in lines[0]
+    assert f"the newest complete checkpoint is still {ckpt / 'step_00000002'}" in lines[0]
+    assert "Traceback" not in out.stderr
+    assert latest_checkpoint(ckpt) == ckpt / "step_00000002"

@@ -48,6 +48,12 @@ def _train(capsys, *args: str) -> tuple[int, str]:
         (["model.embeding_dim=8"], ["model.embeding_dim", "unknown key", "embedding_dim"]),
         (["train.steps.max=3"], ["--set train.steps.max", "'steps' is a value"]),
         (["train.steps"], ["--set 'train.steps'", "KEY=VALUE"]),
+        (
+            ["pipeline.name=warp_speed"],
+            ["pipeline.name='warp_speed' is not a pipeline", "base, sparse_dist, fused_sparse_dist, semi_sync, prefetch"],
+        ),
+        (["pipeline={max_batches_ahead: 2}"], ["pipeline.name is missing", "base, sparse_dist"]),
+        (["train.on_nonfinite=ignore"], ["train.on_nonfinite", "'ignore'", "'error'", "'skip_step'"]),
     ],
     ids=[
         "unknown-key",
@@ -59,6 +65,9 @@ def _train(capsys, *args: str) -> tuple[int, str]:
         "set-bad-key",
         "set-into-value",
         "set-without-value",
+        "unknown-pipeline-name",
+        "pipeline-without-name",
+        "bad-on-nonfinite",
     ],
 )
 def test_config_mistake_exits_2_naming_key_and_value(capsys, overrides, expected):
@@ -69,6 +78,14 @@ def test_config_mistake_exits_2_naming_key_and_value(capsys, overrides, expected
     assert code == EXIT_BAD_CONFIG, err
     for part in expected:
         assert part in err, f"{part!r} not in the message:\n{err}"
+
+
+def test_user_errors_are_one_message_and_debug_adds_the_traceback(capsys):
+    code, err = _train(capsys, "--config", QUICKSTART, "--set", "pipeline.name=warp_speed")
+    assert code == EXIT_BAD_CONFIG and "Traceback" not in err and "tag" not in err
+    assert err.rstrip().endswith(f"[exit {EXIT_BAD_CONFIG}]")
+    code, err = _train(capsys, "--config", QUICKSTART, "--set", "pipeline.name=warp_speed", "--debug")
+    assert code == EXIT_BAD_CONFIG and "Traceback" in err and "pipeline.name='warp_speed'" in err
 
 
 def test_unknown_key_in_yaml_file_exits_2(capsys, tmp_path):

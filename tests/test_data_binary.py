@@ -339,7 +339,7 @@ def _train(tmp_path: Path, run: str, data: list[str], steps: int, every: int = 0
 
 
 def _final_state(run: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
-    (step,) = (run / "ckpt").iterdir()
+    (step,) = (p for p in (run / "ckpt").iterdir() if p.name.startswith("step_"))  # not the run lock
     return _full_state(step, tmp_path)
 
 

@@ -1,15 +1,27 @@
 """Process-group lifetime: recpipe leaves its process groups while the interpreter
 is alive, so no Gloo thread outlives them into interpreter shutdown (where it can
-abort a run that has succeeded: "terminate called without an active exception")."""
+abort a run that has succeeded: "terminate called without an active exception").
+launch_local's supervision: a rank killed with SIGKILL ends the others and is named;
+a second signal ends every rank at once; no rank outlives the launcher, even one
+killed with SIGKILL (whose directory lock the next run then takes over)."""
 
 from __future__ import annotations
 
 import os
+import select
+import signal
+import subprocess
+import sys
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
+from process_harness import alive, interrupt
 from recpipe.distributed import launch_local, shutdown_process_group
+from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
+from recpipe.run_lock import DirLock
 
 GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")
 
@@ -47,3 +59,95 @@ def _worker() -> None:
 
 def test_shutdown_frees_cyclically_held_groups_and_their_threads():
     launch_local(_worker, 2)
+
+
+# ------------------------------------------------- launch_local's supervision
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
+    killed_at = []
+
+    def kill_rank_1(proc, ranks):
+        os.kill(ranks[1], signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    proc, ranks, err = interrupt(tmp_path / "run", kill_rank_1)
+    assert proc.returncode == EXIT_WORKER_FAILED
+    assert time.monotonic() - killed_at[0] < 15
+    assert "rank 1 failed" in err and "SIGKILL" in err, err[-3000:]
+    assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+STUBBORN = """
+import os, signal, sys, time
+from torch.multiprocessing.spawn import ProcessExitedException
+from recpipe.distributed import launch_local
+
+def stubborn():  # takes note of SIGTERM and goes on, like a rank in a long save
+    rank = os.environ["RANK"]
+    signal.signal(signal.SIGTERM, lambda *_: print(f"rank {rank} got SIGTERM", file=sys.stderr, flush=True))
+    print(f"rank {rank} is pid {os.getpid()}", file=sys.stderr, flush=True)
+    while True:
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    try:
+        launch_local(stubborn, 2)
+    except ProcessExitedException as err:
+        sys.exit(err.exit_code)
+"""
+
+
+def _read_until(proc: subprocess.Popen, needles: list[str], seen: list[str], timeout: float = 120.0) -> str:
+    """Read ``proc``'s stderr (unbuffered) into ``seen`` until it holds every needle."""
+    end = time.monotonic() + timeout
+    while not all(n in "".join(seen) for n in needles):
+        assert time.monotonic() < end, f"{needles} not seen in {timeout} s: {''.join(seen)}"
+        if select.select([proc.stderr], [], [], 0.5)[0]:
+            seen.append(os.read(proc.stderr.fileno(), 65536).decode())
+    return "".join(seen)
+
+
+@pytest.mark.slow
+def test_a_second_signal_ends_every_rank_at_once(tmp_path):
+    script = tmp_path / "stubborn.py"
+    script.write_text(STUBBORN)
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, bufsize=0)
+    seen: list[str] = []
+    try:
+        started = _read_until(proc, ["rank 0 is pid", "rank 1 is pid"], seen)
+        ranks = [int(line.split()[-1]) for line in started.splitlines() if " is pid " in line]
+        proc.send_signal(signal.SIGTERM)  # forwarded; the ranks go on
+        _read_until(proc, ["rank 0 got SIGTERM", "rank 1 got SIGTERM"], seen)
+        assert all(alive(pid) for pid in ranks)
+        proc.send_signal(signal.SIGTERM)  # the second: every rank ends now
+        proc.wait(timeout=60)
+        err = "".join(seen) + proc.stderr.read().decode()
+    finally:
+        proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED
+    assert "second SIGTERM: ending every rank now" in err
+    assert not [pid for pid in ranks if alive(pid)]
+
+
+@pytest.mark.slow
+def test_a_killed_launcher_takes_its_ranks_along_and_its_lock_is_taken_over(tmp_path):
+    run = tmp_path / "run"
+    # Started like a background job (SIGINT ignored), where torch's own parent-death
+    # signal (SIGINT) did nothing and the ranks trained on as orphans.
+    left = []
+
+    def kill_the_launcher(proc, ranks):
+        proc.kill()
+        end = time.monotonic() + 10
+        while [pid for pid in ranks.values() if alive(pid)] and time.monotonic() < end:
+            time.sleep(0.05)
+        left.extend(pid for pid in ranks.values() if alive(pid))
+        for pid in left:  # orphans hold the output pipes: end them so the test can fail at once
+            os.kill(pid, signal.SIGKILL)
+
+    proc, ranks, _ = interrupt(run, kill_the_launcher, background=True)
+    assert not left, "ranks outlived a SIGKILLed launcher"
+    with pytest.warns(UserWarning, match=f"taking over the lock left by pid {proc.pid} on host"):
+        DirLock(run, "logging.run_dir").acquire().release()

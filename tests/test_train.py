@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_DATA
 
 CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 SMALL = [
@@ -57,18 +58,22 @@ def test_train_two_ranks_uneven_data_two_epochs(tmp_path, capfd):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_failing_worker_gives_nonzero_exit(tmp_path, capfd):
-    # A config that validates but cannot run: the ranks fail reading a malformed
-    # Criteo TSV file (line 2 has 3 columns), and the launcher reports which rank.
+def test_malformed_data_line_is_one_line_naming_file_and_line(tmp_path, capfd):
+    # A config that validates but cannot run: rank 1 reads a malformed Criteo TSV
+    # line (line 2 has 3 columns) after training started. One line says where and
+    # which exit code; no traceback (rank 0's collectives fail too, and stay quiet).
     tsv = tmp_path / "day_0.tsv"
     good = "\t".join(["1"] + ["3"] * 13 + ["a1"] * 26)
     tsv.write_text(good + "\n" + "0\t1\t2\n")
     args = ["train", "--config", str(CONFIG), "--set", "data.source=criteo_tsv",
             "--set", f"data.criteo.train_files=[{tsv}]", "--set", "data.batch_size=1",
             "--set", f"logging.run_dir={tmp_path}"]
-    assert main(args) == 1
+    assert main(args) == EXIT_BAD_DATA
     err = capfd.readouterr().err
-    assert "failed" in err and f"{tsv}:2" in err
+    lines = [line for line in err.splitlines() if f"{tsv}:2" in line]
+    assert len(lines) == 1 and "expected 40 tab-separated columns" in lines[0], err[-3000:]
+    assert lines[0].startswith("recpipe train: rank 1: bad training data: ") and f"[exit {EXIT_BAD_DATA}]" in lines[0]
+    assert "Traceback" not in err
 
 
 @pytest.mark.slow

@@ -39,6 +39,8 @@ from typing import Any
 
 import numpy as np
 
+from recpipe.errors import DataError
+
 __all__ = [
     "BinaryDataError",
     "FORMAT",
@@ -57,8 +59,9 @@ MANIFEST = "manifest.json"
 HASHING = "criteo_tsv: hex v -> 1 + v mod (rows - 1), empty -> 0, one-row table -> 0"
 
 
-class BinaryDataError(ValueError):
-    """A binary dataset that cannot be read as configured; the message names the file."""
+class BinaryDataError(DataError, ValueError):
+    """A binary dataset that cannot be read as configured; the message names the file
+    (exit code ``EXIT_BAD_DATA``)."""
 
 
 @dataclass(frozen=True)

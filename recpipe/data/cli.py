@@ -27,8 +27,9 @@ from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
 __all__ = ["add_data_parser", "main_data"]
 
 
-def add_data_parser(sub: argparse._SubParsersAction, add_config_args) -> None:
-    data = sub.add_parser("data", help="convert TSV click logs to the binary format; verify it; time the loader")
+def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: list | None = None) -> None:
+    data = sub.add_parser("data", parents=parents or [],
+                          help="convert TSV click logs to the binary format; verify it; time the loader")
     cmds = data.add_subparsers(dest="data_command", required=True)
     convert = cmds.add_parser("convert", help="TSV files (plain or .gz) -> a binary dataset directory")
     add_config_args(convert)

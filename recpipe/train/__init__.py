@@ -2,7 +2,9 @@
 
 ``recpipe.train.cli.main_train`` validates the config and starts the ranks; each
 runs :func:`run_worker`, i.e. a :class:`Trainer` (see ``trainer`` for the segment
-loop, ``checkpoint`` for the DCP layout and resume, ``metrics`` for AUC / NE).
+loop, ``checkpoint`` for the DCP layout and resume, ``integrity`` for its checksums,
+``metrics`` for AUC / NE, ``preemption`` for stopping on signals, ``nonfinite``
+for NaN / inf losses).
 """
 
 from recpipe.train.checkpoint import TrainPosition, latest_checkpoint, load_checkpoint, save_checkpoint

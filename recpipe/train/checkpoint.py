@@ -8,9 +8,16 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
   row-wise Adagrad momentum, and the dense optimizer's) under ``optimizer``. Each
   rank writes only its own shards; DCP writes replicated dense tensors once.
 * ``rng_rank{r:05d}.pt``: rank ``r``'s torch CPU (and CUDA) RNG states.
-* ``metadata.json``: the data position, written last, by rank 0, after every rank
-  has finished writing. A directory without it is incomplete (a crash mid-save)
-  and ignored.
+* ``metadata.json``: the data position and every other file's size and CRC-32
+  (``recpipe.train.integrity``), written last, by rank 0, after every rank has
+  finished writing. A directory without it is incomplete (a crash mid-save) and
+  ignored.
+
+Resuming verifies the newest complete checkpoint before loading it; a damaged one
+(a truncated shard, a changed byte) is skipped with a warning naming it and the
+file, and the next older one is tried. A save that fails on any rank (read-only
+directory, full disk) fails on every rank with one error naming the path; it never
+writes ``metadata.json``, so the previous checkpoint stays the newest complete one.
 
 The trainer saves only with the pipeline drained (no batch in flight), so a
 checkpoint is exactly the state after ``step`` steps and resuming from it trains
@@ -28,20 +35,30 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError
+from recpipe.errors import CheckpointError
+from recpipe.train.integrity import METADATA_FILE, file_records, verify_checkpoint
 
-__all__ = ["TrainPosition", "check_checkpoint_config", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "TrainPosition",
+    "check_checkpoint_config",
+    "complete_checkpoints",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
-METADATA_FILE = "metadata.json"
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # 2: "files" holds every file's size and CRC-32
 
 
 @dataclass(frozen=True)
@@ -62,19 +79,34 @@ def _rng_file(path: Path, rank: int) -> Path:
     return path / f"rng_rank{rank:05d}.pt"
 
 
-def latest_checkpoint(directory: str | Path) -> Path | None:
-    """The newest complete checkpoint under ``directory``; warns about every
-    ``step_*`` directory that lacks ``metadata.json`` (an interrupted save)."""
+def complete_checkpoints(directory: str | Path, warn: bool = True) -> list[Path]:
+    """Every complete checkpoint under ``directory``, oldest first; with ``warn``, a
+    warning for every ``step_*`` directory that lacks ``metadata.json`` (an
+    interrupted save)."""
     root = Path(directory)
     if not root.is_dir():
-        return None
+        return []
     complete = []
     for path in sorted(root.glob("step_*")):
         if (path / METADATA_FILE).is_file():
             complete.append(path)
-        else:
+        elif warn:
             warnings.warn(f"ignoring incomplete checkpoint {path} (no {METADATA_FILE}: the save was interrupted)")
+    return complete
+
+
+def latest_checkpoint(directory: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``directory`` (warns about incomplete ones)."""
+    complete = complete_checkpoints(directory)
     return complete[-1] if complete else None
+
+
+def describe_newest(directory: str | None) -> str:
+    """"newest checkpoint: PATH", or why there is none, for messages."""
+    if directory is None:
+        return "no checkpoint (checkpoint.dir is null)"
+    complete = complete_checkpoints(directory, warn=False)
+    return f"newest checkpoint: {complete[-1]}" if complete else f"no checkpoint in {directory} yet"
 
 
 def check_checkpoint_config(cfg: CheckpointConfig) -> None:
@@ -84,6 +116,8 @@ def check_checkpoint_config(cfg: CheckpointConfig) -> None:
     if cfg.dir is None:
         if cfg.every:
             warnings.warn(f"checkpoint.every={cfg.every} is ignored: checkpoint.dir is null (checkpointing is off)")
+        if "on_preempt" in cfg.model_fields_set and cfg.on_preempt:
+            warnings.warn("checkpoint.on_preempt=true is ignored: checkpoint.dir is null (checkpointing is off)")
         return
     latest = None if cfg.resume else latest_checkpoint(cfg.dir)
     if latest is not None:
@@ -106,31 +140,67 @@ def _dcp_state(model: nn.Module, optimizer_state: dict) -> dict:
 
 
 def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer, position: TrainPosition) -> Path:
-    """Collective: every rank calls it at the same step, with no batch in flight."""
+    """Collective: every rank calls it at the same step, with no batch in flight.
+    Raises :class:`CheckpointError` on every rank when any rank cannot write."""
     path = checkpoint_path(cfg, position.step)
-    rank = dist.get_rank()
-    if rank == 0 and path.exists():
-        # Leftovers of an interrupted save at this step (the run resumed from an
-        # older checkpoint): stale shard files must not mix with the new ones.
-        shutil.rmtree(path)
-    dist.barrier()
-    path.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_states(), _rng_file(path, rank))
-    # dcp.save returns on every rank only after rank 0 wrote DCP's own .metadata,
-    # i.e. after all ranks' shards are on disk.
-    dcp.save(_dcp_state(model, optimizer.state_dict()), checkpoint_id=str(path))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # Leftovers of an interrupted save at this step (the run resumed from an older
+    # checkpoint): stale shard files must not mix with the new ones.
+    _agreed(cfg, path, lambda: shutil.rmtree(path) if rank == 0 and path.exists() else None)
+    _agreed(cfg, path, lambda: _write_rng(path, rank))
+    try:
+        # dcp.save returns on every rank only after rank 0 wrote DCP's own .metadata,
+        # i.e. after all ranks' shards are on disk; a failure on any rank raises on all.
+        dcp.save(_dcp_state(model, optimizer.state_dict()), checkpoint_id=str(path))
+    except CheckpointException as err:
+        failed_rank, (exc, _) = min(err.failures.items())
+        raise _save_error(cfg, path, f"rank {failed_rank}: {exc}") from None
+    records: list[dict | None] = [None] * world_size
+    dist.all_gather_object(records, file_records(path, rank, world_size))
+    files = {name: record for part in records for name, record in (part or {}).items()}
+    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files}
+    _agreed(cfg, path, lambda: _write_metadata(path, meta) if rank == 0 else None)
     if rank == 0:
-        meta = {"format": _FORMAT_VERSION, "world_size": dist.get_world_size(), **asdict(position)}
-        tmp = path / (METADATA_FILE + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2) + "\n")
-        tmp.rename(path / METADATA_FILE)  # atomic: a reader sees all of it or nothing
         _prune(Path(cfg.dir), keep=cfg.keep)
     dist.barrier()
     return path
 
 
+def _write_rng(path: Path, rank: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save(_rng_states(), _rng_file(path, rank))
+
+
+def _write_metadata(path: Path, meta: dict) -> None:
+    tmp = path / (METADATA_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2) + "\n")
+    tmp.rename(path / METADATA_FILE)  # atomic: a reader sees all of it or nothing
+
+
+def _agreed(cfg: CheckpointConfig, path: Path, action: Callable[[], object]) -> None:
+    """Collective: run this rank's part of a save step; if it fails on any rank
+    (read-only directory, full disk), every rank raises the same CheckpointError."""
+    try:
+        action()
+        problem = None
+    except OSError as err:
+        problem = f"rank {dist.get_rank()}: {err}"
+    problems: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    failed = [p for p in problems if p]
+    if failed:
+        raise _save_error(cfg, path, failed[0])
+
+
+def _save_error(cfg: CheckpointConfig, path: Path, reason: str) -> CheckpointError:
+    earlier = [p for p in complete_checkpoints(cfg.dir, warn=False) if p != path]
+    still = f"the newest complete checkpoint is still {earlier[-1]}" if earlier else "no earlier checkpoint exists"
+    return CheckpointError(f"cannot save checkpoint {path} ({reason}); {still}")
+
+
 def _prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones older than them."""
+    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones
+    older than them. Housekeeping: a failure only warns (the new checkpoint is complete)."""
     steps = sorted(root.glob("step_*"))
     complete = [p for p in steps if (p / METADATA_FILE).is_file()]
     if len(complete) <= keep:
@@ -138,16 +208,17 @@ def _prune(root: Path, keep: int) -> None:
     oldest_kept = complete[-keep]
     for path in steps:
         if path < oldest_kept:
-            shutil.rmtree(path)
+            try:
+                shutil.rmtree(path)
+            except OSError as err:
+                warnings.warn(f"checkpoint.keep={keep}: cannot delete the old checkpoint {path}: {err}")
 
 
 def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer) -> TrainPosition | None:
-    """Collective: restore the newest complete checkpoint in ``cfg.dir`` into
-    ``model`` and ``optimizer`` (already built and sharded) and this rank's RNG;
-    returns its position, or None when there is none to resume from."""
-    choice = [latest_checkpoint(cfg.dir) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(choice, src=0)  # every rank resumes from rank 0's choice
-    path = choice[0]
+    """Collective: restore the newest intact checkpoint in ``cfg.dir`` into ``model``
+    and ``optimizer`` (already built and sharded) and this rank's RNG; returns its
+    position, or None when there is none to resume from."""
+    path = _choose_intact(cfg)
     if path is None:
         return None
     meta = json.loads((path / METADATA_FILE).read_text())
@@ -157,11 +228,43 @@ def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     # views of the FBGEMM buffers; load_state_dict copies where they are not).
     optimizer_state = optimizer.state_dict()
     state = _dcp_state(model, optimizer_state)
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as err:  # raised on every rank
+        failed_rank, (exc, _) = min(err.failures.items())
+        raise CheckpointError(f"cannot load checkpoint {path} (rank {failed_rank}: {exc})") from None
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path, saved_world_size=meta["world_size"])
     return TrainPosition(step=meta["step"], epoch=meta["epoch"], batch=meta["batch"])
+
+
+def _choose_intact(cfg: CheckpointConfig) -> Path | None:
+    """Collective: the newest complete checkpoint that passes verification (rank 0
+    lists them; every rank checks its share of each); warns about each damaged one."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    listed = [complete_checkpoints(cfg.dir)[::-1] if rank == 0 else None]
+    dist.broadcast_object_list(listed, src=0)  # every rank resumes from rank 0's choice
+    damaged = []
+    for path in listed[0]:
+        found: list[list[str] | None] = [None] * world_size
+        dist.all_gather_object(found, verify_checkpoint(path, rank, world_size))
+        if found[0] is None:  # no record: format 1
+            if rank == 0:
+                warnings.warn(f"checkpoint {path} has no checksums (saved by an older recpipe); loading it unverified")
+            return path
+        problems = sorted({p for part in found for p in part or ()})
+        if not problems:
+            return path
+        damaged.append(f"{path.name}: {'; '.join(problems)}")
+        if rank == 0:
+            warnings.warn(f"skipping damaged checkpoint {path}: {'; '.join(problems)}; trying the previous one")
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in checkpoint.dir={cfg.dir!r}: {' | '.join(damaged)}. Move the damaged "
+            "checkpoints away to start from step 0, or restore them from a copy"
+        )
+    return None
 
 
 def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:

@@ -1,12 +1,17 @@
-"""``recpipe train --config PATH [--set KEY=VALUE ...]``.
+"""``recpipe train --config PATH [--set KEY=VALUE ...] [--debug]``.
 
 The config is loaded and validated here, in the launching process, so a bad config
 exits with code 2 before any process starts. Then:
 
 * under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set; any number of machines): this
-  process is one rank and trains directly;
-* otherwise: ``distributed.nproc`` processes are started on this machine
-  (``launch_local``), one rank each, and this process waits for them.
+  process is one rank and trains directly; rank 0 locks the run directories;
+* otherwise: this process locks ``checkpoint.dir`` and ``logging.run_dir``
+  (``recpipe.run_lock``), starts ``distributed.nproc`` processes on this machine
+  (``launch_local``), one rank each, and waits for them, forwarding SIGTERM / SIGINT.
+
+Every rank runs :func:`run_rank`: a signal asks it to stop at a step boundary
+(``recpipe.train.preemption``); a user error (bad data, a checkpoint that cannot be
+written, a non-finite loss) becomes one line and its exit code (``recpipe.errors``).
 """
 
 from __future__ import annotations
@@ -15,18 +20,19 @@ import argparse
 import os
 import sys
 
-from torch.multiprocessing.spawn import ProcessException
-
 import torch
+from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.data import check_data
-from recpipe.distributed import launch_local, torchrun_overrides, under_torchrun
+from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
+from recpipe.errors import exit_code_of, report
+from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
+from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.sharding import check_model_config
 from recpipe.train.checkpoint import check_checkpoint_config
+from recpipe.train.preemption import install_signal_handlers
 from recpipe.train.trainer import run_worker
-
 
 
 def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:
@@ -49,12 +55,52 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
     return EXIT_DOES_NOT_FIT
 
 
+def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
+    """One rank of ``recpipe train``, the whole life of its process: train; return
+    0, or the exit code of a user error after reporting it (once for the job when
+    every rank has it). A bug propagates with its traceback. ``lock_dirs``: rank 0
+    locks the run directories (under torchrun; ``launch_local``'s launcher holds
+    them otherwise)."""
+    rank = int(os.environ.get("RANK", "0"))
+    install_signal_handlers()
+    try:
+        if lock_dirs:
+            init_process_group(cfg)
+            with hold_run_dirs_on_rank0(cfg):
+                run_worker(cfg)
+        else:
+            run_worker(cfg)
+    except Exception as err:
+        if exit_code_of(err) is None:
+            raise
+        return report("train", err, rank=rank, debug=debug)
+    finally:
+        shutdown_process_group()
+    return 0
+
+
+def _local_rank(cfg: RecpipeConfig, debug: bool) -> None:
+    """``launch_local``'s target (module level: spawn pickles it); exits with the rank's code."""
+    code = run_rank(cfg, debug)
+    if code:
+        sys.exit(code)
+
+
+def _launch_failed(err: ProcessException) -> int:
+    """The launcher's exit code for a failed rank. A rank that exited with a code
+    of its own has printed why; otherwise print its traceback (a bug or a crash)."""
+    if isinstance(err, ProcessExitedException) and err.exit_code > EXIT_WORKER_FAILED:
+        return err.exit_code
+    print(f"recpipe train: rank {err.error_index} failed:\n{err}", file=sys.stderr)
+    return EXIT_WORKER_FAILED
+
+
 def main_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2
     check_checkpoint_config(cfg.checkpoint)
     cuda = torch.cuda.is_available()
     check_device(cfg, cuda)  # ConfigError -> exit 2
-    check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 4
+    check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 5
     on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda)
     # The model's tables (a model.factory model's are known only now, built on meta)
     # against sharding.*: ConfigError -> exit 2, before any process starts.
@@ -65,11 +111,10 @@ def main_train(args: argparse.Namespace) -> int:
     if refused is not None:
         return refused
     if under_torchrun():
-        run_worker(cfg)  # a failure raises, and torchrun reports the rank that failed
-        return 0
-    try:
-        launch_local(run_worker, cfg.distributed.nproc, cfg)
-    except ProcessException as err:
-        print(f"recpipe train: rank {err.error_index} failed:\n{err}", file=sys.stderr)
-        return EXIT_WORKER_FAILED
+        return run_rank(cfg, args.debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
+    with hold_run_dirs(cfg):  # DirInUseError -> exit 7 (recpipe.cli)
+        try:
+            launch_local(_local_rank, cfg.distributed.nproc, cfg, args.debug)
+        except ProcessException as err:
+            return _launch_failed(err)
     return 0

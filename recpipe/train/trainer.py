@@ -16,7 +16,14 @@ all ranks see the same end); the next segment reads epoch ``e + 1``.
 Logging: every ``train.log_every`` steps the outputs of the steps since the last
 log go into torchmetrics (one host sync per interval, none per step) and every
 rank takes part in the metrics' all-gather; rank 0 updates the tqdm bar and the
-TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``.
+TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``
+(also when the run stops early; its ``status`` says why; always strict JSON).
+
+Faults: at every step boundary the ranks agree on whether a signal asked them to
+stop (``preemption``: then the pipeline drains, a checkpoint is saved and
+``Preempted`` is raised); the step's loss is kept for the non-finite check at log
+points and before every evaluation and checkpoint (``nonfinite``). Neither adds a
+host sync per step.
 """
 
 from __future__ import annotations
@@ -25,10 +32,11 @@ import itertools
 import json
 import logging
 import resource
+import signal
 import time
 import warnings
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NoReturn
 
 import fbgemm_gpu
 import torch
@@ -39,12 +47,15 @@ from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import init_process_group, shutdown_process_group
+from recpipe.distributed import control_group, init_process_group, shutdown_process_group
+from recpipe.errors import NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
-from recpipe.train.checkpoint import TrainPosition, checkpoint_path, load_checkpoint, save_checkpoint
+from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.metrics import ClickMetrics, click_outputs
+from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
+from recpipe.train.preemption import Preemption
 
 __all__ = ["Trainer", "run_worker"]
 
@@ -101,9 +112,8 @@ class Trainer:
         )
         # Steps since the last log: the loss of each non-padding step, and for models whose
         # output follows the metrics contract (docs/models.md) its logits, labels, weights.
-        self._losses: list[torch.Tensor] = []
-        self._window: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._steps_in_window = 0
+        # One entry per step: (loss, is_padding, (logits, labels, weights) or None).
+        self._window: list[tuple[torch.Tensor, bool, tuple[torch.Tensor, ...] | None]] = []
         self._has_clicks: bool | None = None  # known after the first step
         self._window_seconds = 0.0
         self._train_seconds = 0.0
@@ -141,11 +151,12 @@ class Trainer:
             epoch=position.epoch,
             start_batch=position.batch,
         )
-        return iter(loader)
+        return self._preemption.gate(data_errors(loader))
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> None:
         train, checkpointing = self.cfg.train, self.cfg.checkpoint.dir is not None
+        self._start_fault_handling()
         batches = self._train_batches(self.position)
         evaluated_at = saved_at = None
         while self.position.step < train.steps and self.position.epoch < train.epochs:
@@ -153,11 +164,14 @@ class Trainer:
             trained = self._train_segment(itertools.islice(batches, wanted))
             p = self.position
             self.position = TrainPosition(p.step + trained, p.epoch, p.batch + trained)
+            if self._preemption.signum is not None:  # stays in this epoch: a resume past its end starts the next
+                self._stop_preempted(saved_at)
             if trained < wanted:  # this epoch's data has ended
                 self.position = TrainPosition(self.position.step, p.epoch + 1, 0)
                 if self.position.epoch < train.epochs:
                     batches = self._train_batches(self.position)
             step = self.position.step
+            self._check_nonfinite(step)  # never evaluate or save weights a non-finite step touched
             if _due(step, train.eval_every) and evaluated_at != step:
                 self.evaluate()
                 evaluated_at = step
@@ -165,8 +179,10 @@ class Trainer:
                 save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
                 saved_at = step
         step = self.position.step
-        if self._steps_in_window:
+        if self._window:
             self._log_train(step)
+        self._check_nonfinite(step)
+        self._preemption.close()
         if evaluated_at != step:
             self.evaluate()
         if checkpointing and saved_at != step and step > self.start_step:
@@ -195,6 +211,7 @@ class Trainer:
             trained += 1
             step = self.position.step + trained
             self._record_step(output)
+            self._after_step(self.pipeline.last_loss)
             self.bar.update(1)
             log_now = step % self.cfg.train.log_every == 0
             last = self._count_time(last, synchronize=log_now)
@@ -210,15 +227,11 @@ class Trainer:
             if not self._has_clicks:
                 self._say("the model's output has no logits and labels (docs/models.md, 'Metrics'): only the loss is logged")
         padding = self.pipeline.last_is_padding
-        self._steps_in_window += 1
-        if not padding:
-            self._losses.append(self.pipeline.last_loss)
         clicks = click_outputs(output) if self._has_clicks else None
-        if clicks is not None:
-            logits, labels, weights = clicks
-            if weights is None:  # padding samples must not count
-                weights = torch.full_like(labels, 0.0 if padding else 1.0, dtype=torch.float32)
-            self._window.append((logits, labels, weights))
+        if clicks is not None and clicks[2] is None:  # padding samples must not count
+            logits, labels, _ = clicks
+            clicks = (logits, labels, torch.full_like(labels, 0.0 if padding else 1.0, dtype=torch.float32))
+        self._window.append((self.pipeline.last_loss, padding, clicks))
 
     def _count_time(self, since: float, synchronize: bool) -> float:
         """Add the time since ``since`` to the training clocks. At log points and
@@ -231,25 +244,98 @@ class Trainer:
         self._train_seconds += now - since
         return now
 
+    # ---------------------------------------------------------------- faults
+    def _start_fault_handling(self) -> None:
+        """Collective (on NCCL jobs it creates a Gloo group). The preemption
+        agreement, the non-finite loss check and, for skip_step, its hooks."""
+        cfg = self.cfg
+        self._preemption = Preemption(control_group())
+        self._nonfinite = NonFiniteCheck(cfg.train.on_nonfinite, self.device, lambda: describe_newest(cfg.checkpoint.dir))
+        self._skip = None
+        if cfg.train.on_nonfinite == "skip_step":
+            for caveat in skip_step_caveats(cfg) if self.rank == 0 else ():
+                warnings.warn(f"train.on_nonfinite=skip_step is not exact here: {caveat}", stacklevel=2)
+            self._skip = SkipNonFiniteSteps(self.sharded.model, self.device)
+
+    def _after_step(self, loss: torch.Tensor) -> None:
+        """Every rank, every step; no host sync (an exchange collects an all-reduce
+        launched about 0.1 s before, long finished)."""
+        self._nonfinite.record(loss)
+        if self._preemption.after_step():  # just agreed
+            ckpt = self.cfg.checkpoint
+            then = ", then saving a checkpoint" if ckpt.dir is not None and ckpt.on_preempt else ""
+            self._say(f"{signal.Signals(self._preemption.signum).name}: every rank stops after the batches in flight{then}")
+
+    def _check_nonfinite(self, step: int) -> None:
+        """Collective. With on_nonfinite=error, a non-finite loss since the last check
+        ends the run (summary.json written first); with skip_step it is reported."""
+        try:
+            skipped = self._nonfinite.check(step)
+        except NonFiniteLossError:
+            self.bar.close()
+            self._finish(status="nonfinite_loss")
+            raise
+        if skipped:
+            self._say(f"non-finite loss at step(s) {skipped}: skipped, nothing updated "
+                      f"({len(self._nonfinite.skipped)} skipped so far; train.on_nonfinite=skip_step)")
+            self._write_scalars(step, {"train/skipped_steps": len(self._nonfinite.skipped)})
+
+    def _finite_window(self, step: int) -> list:
+        """The logged steps' outputs without the skipped steps (the window ends at ``step``)."""
+        skipped = set(self._nonfinite.skipped)
+        first = step - len(self._window) + 1
+        return [entry for i, entry in enumerate(self._window) if first + i not in skipped]
+
+    def _stop_preempted(self, saved_at: int | None) -> NoReturn:
+        """Collective, once every rank agreed to stop and the pipeline has drained:
+        save (checkpoint.on_preempt), write summary.json, raise Preempted."""
+        step, ckpt = self.position.step, self.cfg.checkpoint
+        if self._window:
+            self._log_train(step)
+        self._check_nonfinite(step)  # never save weights a non-finite step touched
+        self._preemption.close()
+        if ckpt.dir is None:
+            where = "nothing saved (checkpoint.dir is null)"
+        elif not ckpt.on_preempt:
+            where = f"not saved (checkpoint.on_preempt=false); {describe_newest(ckpt.dir)}"
+        elif step == self.start_step:
+            where = f"no step trained since the start; {describe_newest(ckpt.dir)}"
+        else:
+            if saved_at != step:
+                save_checkpoint(ckpt, self.sharded.model, self.sharded.optimizer, self.position)
+            where = f"checkpoint {checkpoint_path(ckpt, step)} saved; run the same command again to resume"
+        self.bar.close()
+        self._finish(status="preempted")
+        signum = self._preemption.signum
+        raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step}: {where}", signum)
+
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int) -> None:
-        """Collective. Metrics of the steps since the last log, over all ranks."""
+        """Collective. Metrics of the steps since the last log, over all ranks
+        (without steps skipped for a non-finite loss)."""
+        self._check_nonfinite(step)
+        kept = self._finite_window(step)
+        steps = len(self._window)
+        if not kept:  # every step since the last log was skipped (agreed by all ranks)
+            self._window.clear()
+            self._window_seconds = 0.0
+            return
         if self._has_clicks:
-            logits, labels, weights = (torch.cat(parts) for parts in zip(*self._window))
+            logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
             self.train_metrics.update(logits, labels, weights)
             metrics = self.train_metrics.compute()  # all-gather over the ranks
             self.train_metrics.reset()
             metrics["loss"] = metrics["bce"]
         else:  # mean loss over the ranks' non-padding steps (host sync: the all-reduce's result)
-            total = torch.stack([torch.stack(self._losses).double().sum(), torch.tensor(float(len(self._losses)))]) \
-                if self._losses else torch.zeros(2, dtype=torch.float64)
-            total = total.to(self.device, torch.float64)
+            losses = [loss for loss, padding, _ in kept if not padding]
+            total = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if losses:
+                total[0] = torch.stack(losses).double().sum()
+                total[1] = len(losses)
             dist.all_reduce(total)
             metrics = {"loss": float(total[0] / total[1].clamp(min=1))}
-        samples_per_s = self._steps_in_window * self.global_batch / max(self._window_seconds, 1e-9)
+        samples_per_s = steps * self.global_batch / max(self._window_seconds, 1e-9)
         self._window.clear()
-        self._losses.clear()
-        self._steps_in_window = 0
         self._window_seconds = 0.0
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
@@ -267,7 +353,7 @@ class Trainer:
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         model.eval()
         with self.pipeline.detached():
-            for batch in loader:
+            for batch in data_errors(loader, "eval data"):
                 result = model(batch.to(self.device, non_blocking=True))
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:
@@ -298,14 +384,18 @@ class Trainer:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
 
-    def _finish(self) -> None:
+    def _finish(self, status: str = "completed") -> None:
+        """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
+        non-finite number is written as null) and, when completed, the final line."""
         if self.writer is not None:
             self.writer.close()
         if self.rank != 0:
             return
-        summary = self.summary()
+        summary = {**self.summary(), "status": status}
         path = Path(self.cfg.logging.run_dir) / "summary.json"
-        path.write_text(json.dumps(summary, indent=2) + "\n")
+        path.write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+        if status != "completed":
+            return
         auc = summary["eval_auc"]
         shown = "n/a (no eval data)" if auc is None else f"{auc:.4f}"
         print(f"final eval AUC {shown} after {summary['steps']} steps ({summary['samples']:,} samples); {path}", flush=True)
@@ -329,6 +419,7 @@ class Trainer:
             "train_time_s": round(self._train_seconds, 3),
             "samples_per_s": trained_here / self._train_seconds if self._train_seconds else None,
             "world_size": self.world_size,
+            "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {
                 "torch": torch.__version__,

@@ -1,0 +1,130 @@
+"""Errors a user can act on, and how a command reports them.
+
+A :class:`UserError` carries its exit code (``recpipe.exit_codes``) and says whether
+every rank raises it identically (``every_rank``: a config problem, a checkpoint
+that all ranks agreed cannot be written, a non-finite loss all ranks agreed on).
+Such an error is reported by rank 0 only, once for the whole job; a rank-local one
+(a malformed line that only one rank reads) by the rank that hit it. :func:`report`
+prints one line, ``recpipe CMD: [rank R: ]message [exit N]``, and the traceback only
+with ``--debug``. Anything else is a bug or a crash and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Iterable, Iterator, TypeVar
+
+from recpipe.config import ConfigError
+from recpipe.exit_codes import (
+    EXIT_BAD_CONFIG,
+    EXIT_BAD_DATA,
+    EXIT_CHECKPOINT,
+    EXIT_DIR_IN_USE,
+    EXIT_NONFINITE_LOSS,
+    EXIT_WORKER_FAILED,
+    exit_code_for_signal,
+)
+
+__all__ = [
+    "CheckpointError",
+    "DataError",
+    "DirInUseError",
+    "NonFiniteLossError",
+    "Preempted",
+    "UserError",
+    "data_errors",
+    "exit_code_of",
+    "report",
+]
+
+T = TypeVar("T")
+
+
+class UserError(Exception):
+    """A problem the user can fix; ``str(err)`` says what and how."""
+
+    exit_code = EXIT_WORKER_FAILED
+
+    def __init__(self, message: str, *, every_rank: bool = True) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
+
+
+class DataError(UserError):
+    exit_code = EXIT_BAD_DATA
+
+
+class CheckpointError(UserError):
+    exit_code = EXIT_CHECKPOINT
+
+
+class DirInUseError(UserError):
+    exit_code = EXIT_DIR_IN_USE
+
+
+class NonFiniteLossError(UserError):
+    exit_code = EXIT_NONFINITE_LOSS
+
+
+class Preempted(UserError):
+    """The ranks stopped on a signal, at a step boundary, after saving (when configured)."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = exit_code_for_signal(signum)
+
+
+def exit_code_of(err: BaseException) -> int | None:
+    """The documented exit code of a user error; None for anything else (a bug)."""
+    if isinstance(err, UserError):
+        return err.exit_code
+    if isinstance(err, ConfigError):
+        return EXIT_BAD_CONFIG
+    return None
+
+
+def report(command: str, err: BaseException, *, rank: int | None = None, debug: bool = False) -> int:
+    """Print ``err`` as one line on stderr (its traceback first with ``debug``) unless
+    another rank reports it; return its exit code (``EXIT_WORKER_FAILED`` for a bug)."""
+    code = exit_code_of(err)
+    if code is None:
+        code = EXIT_WORKER_FAILED
+    every_rank = isinstance(err, ConfigError) or getattr(err, "every_rank", False)
+    if every_rank and rank not in (None, 0):
+        return code  # rank 0 says it for every rank
+    if debug:
+        traceback.print_exception(err, file=sys.stderr)
+    who = f"rank {rank}: " if rank is not None and not every_rank else ""
+    message = str(err).rstrip()
+    if "\n" in message:  # multi-line messages (config problems) keep their lines
+        print(f"recpipe {command}: {who}{message}\n[exit {code}]", file=sys.stderr, flush=True)
+    else:
+        print(f"recpipe {command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
+    return code
+
+
+def _reader_message(err: Exception) -> str:
+    """The reader's own message. A DataLoader worker's exception comes back as
+    "Caught ValueError in DataLoader worker process 0. Original Traceback ...",
+    whose last line is "ValueError: <the message>"."""
+    text = str(err).strip()
+    if "Original Traceback" in text:
+        last = text.splitlines()[-1]
+        return last.split(": ", 1)[1] if ": " in last else last
+    return text
+
+
+def data_errors(batches: Iterable[T], what: str = "training data") -> Iterator[T]:
+    """Iterate ``batches``; a ``ValueError`` or ``OSError`` raised while reading (the
+    readers name file:line in it) becomes a rank-local :class:`DataError`."""
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (ValueError, OSError) as err:
+            raise DataError(f"bad {what}: {_reader_message(err)}", every_rank=False) from err
+        yield batch

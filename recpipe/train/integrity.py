@@ -1,0 +1,105 @@
+"""Checkpoint integrity: every file's size and CRC-32, recorded at save, checked before load.
+
+``metadata.json`` of a checkpoint (format 2) holds ``files``: for every other file
+of the checkpoint directory its size and CRC-32. Each rank checksums the files it
+wrote (DCP names them ``__R_N.distcp``; the RNG file is ``rng_rankR.pt``) and rank
+0 the rest (DCP's ``.metadata``), so saving reads each file back once, from the
+page cache, on the rank that wrote it. Verification splits the work the same way.
+CRC-32 (zlib, ~3.7 GB/s on one core here) rather than a cryptographic hash: it is
+meant to find truncated or damaged files, not tampering.
+
+``recpipe checkpoint verify DIR`` (:func:`main_checkpoint`) checks by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import zlib
+from pathlib import Path
+
+from recpipe.exit_codes import EXIT_CHECKPOINT
+
+__all__ = ["METADATA_FILE", "file_records", "main_checkpoint", "verify_checkpoint"]
+
+METADATA_FILE = "metadata.json"
+_CHUNK = 16 * 2**20
+_WRITTEN_BY = (re.compile(r"__(\d+)_\d+\.distcp$"), re.compile(r"rng_rank(\d+)\.pt$"))
+
+
+def owner(name: str, world_size: int) -> int:
+    """The rank that checksums file ``name``: the one that wrote it where the name
+    says so, else rank 0."""
+    for pattern in _WRITTEN_BY:
+        match = pattern.match(name)
+        if match and int(match.group(1)) < world_size:
+            return int(match.group(1))
+    return 0
+
+
+def _record(file: Path) -> dict:
+    crc, buf = 0, bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(file, "rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return {"size": file.stat().st_size, "crc32": f"{crc:08x}"}
+
+
+def file_records(path: Path, rank: int, world_size: int) -> dict[str, dict]:
+    """Size and CRC-32 of the files of checkpoint ``path`` that ``rank`` owns."""
+    names = sorted(p.name for p in path.iterdir() if p.is_file() and not p.name.startswith(METADATA_FILE))
+    return {name: _record(path / name) for name in names if owner(name, world_size) == rank}
+
+
+def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> list[str] | None:
+    """Problems of checkpoint ``path`` against its record: [] when intact, None when
+    it has no record (saved by recpipe before format 2). Every file's size is
+    checked; the contents only of the files ``rank`` of ``world_size`` owns."""
+    path = Path(path)
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return [f"{METADATA_FILE} cannot be read: {err}"]
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if files is None:
+        return None
+    problems = []
+    for name, saved in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != saved["size"]:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {saved['size']} were saved (truncated?)")
+        elif owner(name, world_size) == rank and (crc := _record(file)["crc32"]) != saved["crc32"]:
+            problems.append(f"{name} differs from what was saved (crc32 {crc}, saved {saved['crc32']})")
+    return problems
+
+
+def main_checkpoint(args: argparse.Namespace) -> int:
+    """``recpipe checkpoint verify DIR``: check every checkpoint in DIR (a
+    ``checkpoint.dir``, or one ``step_*`` directory) against its record. Exit 0 when
+    every complete checkpoint is intact, EXIT_CHECKPOINT otherwise."""
+    root = Path(args.dir)
+    paths = [root] if (root / METADATA_FILE).is_file() else sorted(root.glob("step_*"))
+    damaged = complete = 0
+    for path in paths:
+        if not (path / METADATA_FILE).is_file():
+            print(f"{path}: incomplete (no {METADATA_FILE}: the save was interrupted; resuming ignores it)")
+            continue
+        complete += 1
+        problems = verify_checkpoint(path)
+        if problems is None:
+            print(f"{path}: no checksums recorded (saved by an older recpipe); not verified")
+        elif problems:
+            damaged += 1
+            print(f"{path}: DAMAGED: {'; '.join(problems)}")
+        else:
+            files = json.loads((path / METADATA_FILE).read_text())["files"]
+            print(f"{path}: ok ({len(files)} files, {sum(f['size'] for f in files.values()) / 2**20:.2f} MiB)")
+    if not complete or damaged:
+        what = f"{damaged} damaged checkpoint(s)" if damaged else "no complete checkpoint"
+        print(f"recpipe checkpoint: {what} in {root} [exit {EXIT_CHECKPOINT}]")
+        return EXIT_CHECKPOINT
+    return 0

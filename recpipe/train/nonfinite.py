@@ -1,0 +1,184 @@
+"""Non-finite losses (NaN / inf): found without a host sync per step; ``train.on_nonfinite`` decides.
+
+Finding them (both modes): :meth:`NonFiniteCheck.record` keeps each step's loss
+tensor (on the device; no work per step). :meth:`NonFiniteCheck.check` runs where
+the trainer waits for the device anyway: at log points, before every evaluation and
+checkpoint, at the end. It all-reduces a [ranks x steps] matrix of the losses, so
+every rank learns the same steps, and no checkpoint or evaluation ever sees weights
+that a non-finite step has touched.
+
+* ``error``: ``check`` raises :class:`NonFiniteLossError` naming the first such
+  step, the ranks, and the newest checkpoint (all saved before that step).
+* ``skip_step``: :class:`SkipNonFiniteSteps` makes such a step update nothing, on
+  the device: right after forward, every rank all-reduces (MIN) whether its loss is
+  finite (on NCCL the compute stream waits for it; the host does not); during
+  backward the gradient entering every sharded module's output (hence every fused
+  TBE update) and every dense parameter's gradient (before DDP's all-reduce) is
+  replaced by zero when any rank's loss was not finite. ``torch.where``, not a
+  multiplication: NaN * 0 is NaN. ``check`` then only reports the skipped steps.
+
+A zero gradient is a no-op update for SGD and (row-wise) Adagrad without weight
+decay: those skip exactly. Adam's moments still decay, and weight decay still
+shrinks the weights, on a skipped step (``skip_step_caveats`` warns).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed.types import Awaitable
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.sparse.jagged_tensor import KeyedTensor
+
+from recpipe.config import RecpipeConfig
+from recpipe.errors import NonFiniteLossError
+from recpipe.pipelines.sharded import find_sharded_modules
+
+__all__ = ["NonFiniteCheck", "SkipNonFiniteSteps", "finite_json", "skip_step_caveats"]
+
+
+class NonFiniteCheck:
+    """Records each step's loss; ``check`` is collective (every rank, same step)."""
+
+    def __init__(self, mode: str, device: torch.device, describe_checkpoint: Callable[[], str]) -> None:
+        self.mode = mode
+        self.device = device
+        self.describe_checkpoint = describe_checkpoint  # "newest checkpoint: ..." for the error
+        self._losses: list[torch.Tensor] = []
+        self.skipped: list[int] = []  # every skipped step so far (skip_step)
+
+    def record(self, loss: torch.Tensor) -> None:
+        self._losses.append(loss.detach())
+
+    def check(self, step: int) -> list[int]:
+        """The steps since the last check (the last of them is ``step``) whose loss was
+        not finite on some rank; with ``error``, raise for the first. Host sync."""
+        if not self._losses:
+            return []
+        first = step - len(self._losses) + 1
+        # One value per step (sum of a vector loss: non-finite iff an element is).
+        local = torch.stack([loss.float().sum() for loss in self._losses])
+        self._losses.clear()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        values = torch.zeros(world, local.numel(), device=local.device)
+        values[rank] = local
+        if world > 1:
+            dist.all_reduce(values)  # each rank fills its own row
+        values = values.cpu()  # host sync
+        bad = ~torch.isfinite(values)
+        steps = [first + int(i) for i in bad.any(dim=0).nonzero().flatten()]
+        if not steps:
+            return []
+        column = steps[0] - first
+        ranks = ", ".join(f"rank {r}: {values[r, column].item()}" for r in bad[:, column].nonzero().flatten().tolist())
+        if self.mode == "error":
+            raise NonFiniteLossError(
+                f"non-finite loss at step {steps[0]} ({ranks}); stopped at step {step}, nothing saved after step "
+                f"{steps[0] - 1}. {self.describe_checkpoint()}. Lower optimizer.dense.lr / optimizer.embedding.lr, "
+                "or set train.on_nonfinite=skip_step to skip such steps"
+            )
+        self.skipped.extend(steps)
+        return steps
+
+
+class _MaskGrad(torch.autograd.Function):
+    """Identity forward; backward passes the gradient where ``ok`` > 0, else zeros.
+    ``ok`` is read when backward runs (it is set after this forward, from the loss),
+    so it is kept on ctx, not saved for backward (which would check its version)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+        ctx.ok = ok
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return torch.where(ctx.ok > 0, grad, 0.0), None
+
+
+class SkipNonFiniteSteps:
+    """``train.on_nonfinite=skip_step`` on a sharded model (see the module docstring).
+
+    Installed as hooks, visibly and removably: a forward hook on ``model`` (sets the
+    flag from the loss), a forward hook on every sharded module (masks the gradient
+    into its output), a gradient hook on every parameter that is not updated inside
+    the TBE backward (the dense optimizer's: dense layers, data_parallel tables).
+    ``remove()`` takes them all away."""
+
+    def __init__(self, model: nn.Module, device: torch.device) -> None:
+        self.ok = torch.ones((), dtype=torch.int32, device=device)  # 1: every rank's loss was finite
+        self._distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self.modules = find_sharded_modules(model)
+        self.dense = [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.requires_grad]
+        self._handles = [model.register_forward_hook(self._after_forward)]
+        self._handles += [m.register_forward_hook(self._mask_embeddings) for m in self.modules.values()]
+        self._handles += [p.register_hook(self._mask_dense) for p in self.dense]
+
+    def __repr__(self) -> str:
+        return (f"SkipNonFiniteSteps(hooks on the model, on sharded modules {sorted(self.modules)} and on "
+                f"{len(self.dense)} dense parameters; .remove() takes them away)")
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not (torch.is_grad_enabled() and module.training):
+            return  # evaluation
+        loss = output[0]
+        self.ok.copy_(torch.isfinite(loss.detach()).all())
+        if self._distributed:
+            # NCCL: the compute stream waits for it, the host does not. Every rank
+            # runs it at the same point of every training forward.
+            dist.all_reduce(self.ok, op=dist.ReduceOp.MIN)
+
+    def _mask_dense(self, grad: torch.Tensor) -> torch.Tensor:
+        return torch.where(self.ok > 0, grad, 0.0)
+
+    def _mask_pooled(self, pooled: KeyedTensor) -> KeyedTensor:
+        values = _MaskGrad.apply(pooled.values(), self.ok)
+        return KeyedTensor(
+            keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=values, key_dim=pooled.key_dim()
+        )
+
+    def _mask_embeddings(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(output, KeyedTensor):  # pipelines that intercept the module
+            return self._mask_pooled(output)
+        if isinstance(output, Awaitable):  # the module's own forward (base): masked when waited
+            output.callbacks.append(self._mask_pooled)
+            return None
+        raise TypeError(
+            f"train.on_nonfinite=skip_step masks the gradient into sharded modules that return pooled embeddings "
+            f"(KeyedTensor, e.g. EmbeddingBagCollection); {type(module).__name__} returned {type(output).__name__}. "
+            "Use train.on_nonfinite=error"
+        )
+
+
+def skip_step_caveats(cfg: RecpipeConfig) -> list[str]:
+    """Where ``skip_step`` cannot skip exactly (a zero gradient still moves the weights)."""
+    out = []
+    for key, opt in (("optimizer.dense", cfg.optimizer.dense), ("optimizer.embedding", cfg.optimizer.embedding)):
+        if opt.name == "adam":
+            out.append(f"{key}.name='adam': on a skipped step Adam's moments still decay and move the weights")
+        if opt.weight_decay > 0:
+            out.append(f"{key}.weight_decay={opt.weight_decay}: on a skipped step weight decay still shrinks the weights")
+    return out
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every NaN / inf float replaced by None: JSON has no such numbers
+    (``json.dumps`` would write ``NaN``, which JSON parsers reject)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_json(v) for v in value]
+    return value

@@ -1,0 +1,116 @@
+"""Preemption: SIGTERM to ``recpipe train`` (the launcher, or one rank only, also under
+torchrun) stops every rank at a step boundary with a checkpoint, exit 143, nothing
+left running, and the resumed run trains bit for bit like one never stopped. While
+a run holds its directories, a second run on them is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from process_harness import CONFIG, alive, interrupt, overrides
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_DIR_IN_USE, EXIT_PREEMPTED
+from recpipe.train.integrity import METADATA_FILE
+from test_checkpoint import _full_state
+
+M = 5  # steps trained after the resume
+
+
+def _stopped_at(err: str, run: Path) -> int:
+    """The step every rank stopped after, from the one line rank 0 prints."""
+    lines = [line for line in err.splitlines() if "stopped by SIGTERM after step" in line]
+    assert len(lines) == 1, err[-4000:]  # once for the job, not once per rank
+    step = int(re.search(r"after step (\d+)", lines[0])[1])
+    assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in lines[0] and f"[exit {EXIT_PREEMPTED}]" in lines[0]
+    meta = json.loads((run / "ckpt" / f"step_{step:08d}" / METADATA_FILE).read_text())
+    assert meta["step"] == step
+    return step
+
+
+def _train(run: Path, *extra: str) -> int:
+    return main(["train", "--config", str(CONFIG), *overrides(run, *extra)])
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_saves_and_resumes_bit_identically(tmp_path, capfd):
+    run = tmp_path / "run"
+
+    def second_run_then_sigterm(proc, ranks):
+        # A second run on the same directories is refused, naming the holder.
+        assert _train(run, "train.steps=8") == EXIT_DIR_IN_USE
+        refused = capfd.readouterr().err
+        assert f"pid {proc.pid} on host {socket.gethostname()}" in refused and "logging.run_dir" in refused
+        proc.send_signal(signal.SIGTERM)
+
+    proc, ranks, err = interrupt(run, second_run_then_sigterm)
+    assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
+    stopped = _stopped_at(err, run)
+    assert stopped >= 4 and "Traceback" not in err
+    assert not [pid for pid in ranks.values() if alive(pid)], "a rank outlived the launcher"
+    assert json.loads((run / "summary.json").read_text())["status"] == "preempted"
+
+    # Resume (the same command, further) and train the same steps without a stop.
+    assert _train(run, f"train.steps={stopped + M}") == 0
+    assert f"resumed from {run / 'ckpt' / f'step_{stopped:08d}'}" in capfd.readouterr().out
+    straight = tmp_path / "straight"
+    assert _train(straight, f"train.steps={stopped + M}", "checkpoint.every=0") == 0
+    a = _full_state(run / "ckpt" / f"step_{stopped + M:08d}", tmp_path)
+    b = _full_state(straight / "ckpt" / f"step_{stopped + M:08d}", tmp_path)
+    assert a.keys() == b.keys() and any(k.endswith("exp_avg_sq") for k in a)
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"resumed run differs from the uninterrupted one in {different}"
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_signalled_rank_stops_them_all(tmp_path):
+    run = tmp_path / "run"
+    # Only rank 1 is told; rank 0 learns it at the next exchange.
+    proc, ranks, err = interrupt(run, lambda proc, ranks: os.kill(ranks[1], signal.SIGTERM), torchrun=True)
+    _stopped_at(err, run)  # the checkpoint of the stop step: a collective save, so both ranks stopped there
+    # The ranks exit with 143. torchrun's summary lists both, unless one rank was still
+    # leaving when torchrun saw the other exit (its monitor then sends it SIGTERM).
+    codes = re.findall(r"^\s+exitcode\s+: (-?\d+) ", err, re.MULTILINE)
+    assert codes and all(int(c) in (EXIT_PREEMPTED, -signal.SIGTERM) for c in codes), err[-3000:]
+    assert str(EXIT_PREEMPTED) in codes, err[-3000:]
+    assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+def test_a_repeated_signal_is_one_request_and_a_later_one_stops_at_once():
+    script = """
+import os, signal, time
+from recpipe.train.preemption import install_signal_handlers, requested_signal
+install_signal_handlers()
+os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.05)
+assert requested_signal() == signal.SIGTERM
+os.kill(os.getpid(), signal.SIGINT); time.sleep(0.05)  # delivered twice (e.g. Ctrl-C and forwarded)
+print("still running", flush=True)
+time.sleep(1.2)
+os.kill(os.getpid(), signal.SIGTERM); time.sleep(10)
+print("not stopped", flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == EXIT_PREEMPTED, out.stderr
+    assert "still running" in out.stdout and "not stopped" not in out.stdout
+    assert "second SIGTERM" in out.stderr and "without a checkpoint" in out.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sigterm_stops_a_cuda_run_with_a_checkpoint(tmp_path):
+    nproc = min(2, torch.cuda.device_count())  # 2: NCCL for training, a Gloo group for the agreement
+    run = tmp_path / "run"
+    on_cuda = ["train.device=cuda", "distributed.backend=auto", f"distributed.nproc={nproc}"]
+    proc, ranks, err = interrupt(run, lambda proc, ranks: proc.send_signal(signal.SIGTERM), *on_cuda, nproc=nproc)
+    assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
+    _stopped_at(err, run)
+    assert not [pid for pid in ranks.values() if alive(pid)]

@@ -45,3 +45,15 @@ def test_bench_summary_renders_the_published_numbers(tmp_path: Path):
     text = out.read_text()
     assert record["command"] in text and "### Targets" in text and "### Stages timed alone" in text
     assert f"**Stages alone: {record['bound']['bound_ms']:.3f} ms per step" in text
+
+
+@pytest.mark.slow
+def test_two_tower_script_subclasses_the_configured_pipeline():
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "two_tower.py"), "--config", str(ROOT / "configs" / "two_tower.yaml"),
+         "--set", "train.steps=8", "--set", "data.batch_size=32", "--set", "pipeline.name=fused_sparse_dist"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TwoTowerFusedSparseDistPipeline: trained 8 steps" in out.stdout, out.stdout
+    assert "history_ec <- batch.history" in out.stdout

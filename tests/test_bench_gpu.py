@@ -69,7 +69,12 @@ def test_hit_rate_rises_with_a_larger_cache():
     small = _rows(_cached(lf=0.01), ("sparse_dist",))["sparse_dist"].cache
     large = _rows(_cached(lf=0.5), ("sparse_dist",))["sparse_dist"].cache
     assert small["hit_rate"] < large["hit_rate"]
-    assert small["rows_fetched_per_step"] > large["rows_fetched_per_step"]
+    # A full cache with every set's lines locked cannot insert all its misses: the rest
+    # are read from host memory (conflict misses), so rows *fetched into* the cache need
+    # not rise as it shrinks (measured on one H100: 336 vs 683 per step), misses do.
+    misses = lambda c: c["unique_per_step"] * (1 - c["hit_rate"])  # noqa: E731
+    assert misses(small) > misses(large)
+    assert small["uvm_lookups_per_step"] >= large["uvm_lookups_per_step"]
     # 1 % of the rows is far less than a step's distinct ids: full, evicting every step
     assert small["occupancy"] > 0.5 and small["evicted_per_step"] > 0
     assert 0 < large["occupancy"] <= 1 and large["evicted_per_step"] >= 0

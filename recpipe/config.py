@@ -325,10 +325,11 @@ class SemiSyncPipelineConfig(_PipelineCommon):
     start_batch: int = Field(0, ge=0)
     # Apply the dense gradient one step late too, so dense and sparse are equally stale.
     stash_gradients: bool = False
-    # Where batch i+1's output all-to-all is waited: "early" (on the dist stream right after
-    # its lookup, so the lookup's output is freed before backward(i)) or "in_forward" (in
-    # forward(i+1), TorchRec's order: both copies alive during backward(i)).
-    output_dist_wait: Literal["early", "in_forward"] = "early"
+    # Where batch i+1's output all-to-all is waited: "in_forward" (in forward(i+1), TorchRec's
+    # order: it overlaps backward(i), and both the lookup's output and the all-to-all's are
+    # alive during backward(i)) or "early" (right after the lookup: the lookup's output is
+    # freed before backward(i), which starts once that all-to-all is done).
+    output_dist_wait: Literal["early", "in_forward"] = "in_forward"
 
 
 class PrefetchPipelineConfig(_PipelineCommon):

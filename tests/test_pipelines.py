@@ -61,9 +61,9 @@ def _semi_sync_worker(cfg) -> None:
         got = train(cfg, "semi_sync", batches, start_batch=start_batch, stash_gradients=stash)
         assert_same(semi_sync_reference(cfg, batches, start_batch, stash), got, f"semi_sync {start_batch} {stash}")
         assert_differs(base, got, "semi_sync vs base (staleness must be visible on these batches)")
-    # The variant that waits for the output all-to-all in forward (TorchRec's order): same numbers.
-    got = train(cfg, "semi_sync", batches, start_batch=2, output_dist_wait="in_forward")
-    assert_same(semi_sync_reference(cfg, batches, 2, False), got, "semi_sync output_dist_wait=in_forward")
+    # The variant that waits for the output all-to-all right after the lookup: same numbers.
+    got = train(cfg, "semi_sync", batches, start_batch=2, output_dist_wait="early")
+    assert_same(semi_sync_reference(cfg, batches, 2, False), got, "semi_sync output_dist_wait=early")
     # All warm-up: synchronous numerics, identical to base.
     assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
 

@@ -35,9 +35,11 @@ def _numerics(cfg) -> None:
         assert_same(ref, train(cfg, name, batches, device=device, **options), f"cuda {name} {options}")
     assert_same(ref, train(cfg, "sparse_dist", batches, segments=[3, 5], device=device), "cuda segments")
     for start_batch, stash in [(0, False), (2, True)]:
-        got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash)
         want = semi_sync_reference(cfg, batches, start_batch, stash, device=device)
-        assert_same(want, got, f"cuda semi_sync {start_batch} {stash}")
+        for wait in ("in_forward", "early"):
+            got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash,
+                        output_dist_wait=wait)
+            assert_same(want, got, f"cuda semi_sync {start_batch} {stash} output_dist_wait={wait}")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

@@ -138,8 +138,8 @@ def all_schedules() -> dict[str, list[Schedule]]:
         "base": [base.SCHEDULE],
         "sparse_dist": [sparse_dist.SCHEDULE],
         "fused_sparse_dist": [fused_sparse_dist.SCHEDULE, fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER],
-        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP, semi_sync.SCHEDULE_WAIT_IN_FORWARD,
-                      semi_sync.SCHEDULE_WAIT_IN_FORWARD_WARMUP],
+        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP, semi_sync.SCHEDULE_WAIT_EARLY,
+                      semi_sync.SCHEDULE_WAIT_EARLY_WARMUP],
         "prefetch": [prefetch.SCHEDULE, prefetch.SCHEDULE_WAIT_AFTER_FORWARD],
     }
 

@@ -48,11 +48,15 @@ _HEAD = (
     Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
 )
 _LOOKUP = Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),))
-# Waits for the lookup's output all-to-all on the dist stream right away, so the
-# lookup's own output (the all-to-all's input) is freed before backward(i) instead of
-# living beside the all-to-all's output until forward(i+1): one copy of batch i+1's
-# embeddings during backward(i), not two. The compute stream does not wait for it.
-_OUTPUT_WAIT = Step("output_dist_wait", "dist", 1, waits=(("lookup", 0),))
+# Waits for the lookup's output all-to-all right after it, on the compute stream where
+# the lookup allocated the all-to-all's buffers, so the lookup's own output (the
+# all-to-all's input) is freed before backward(i) instead of living beside the
+# all-to-all's output until forward(i+1): one copy of batch i+1's embeddings during
+# backward(i), not two. The cost: backward(i) starts after that all-to-all is done.
+# (Waiting on the dist stream instead would keep compute free, but torchrec frees the
+# all-to-all's output buffer, allocated on compute, while dist still reads it: a race,
+# seen once on 2 x H200.)
+_OUTPUT_WAIT = Step("output_dist_wait", "compute", 1, waits=(("lookup", 0),))
 _TAIL = (
     Step("input_dist_wait", "dist", 2),
     Step("backward_dense", "compute", 0),
@@ -60,35 +64,36 @@ _TAIL = (
     Step("optimizer", "compute", 0),
 )
 
+SCHEDULE_WAIT_EARLY = Schedule(
+    "semi_sync_wait_early",
+    (*_HEAD, _LOOKUP, _OUTPUT_WAIT, *_TAIL),
+    doc="Variant: lookup of batch i+1 before backward(i), one step stale; its output all-to-all is waited right "
+    "after it, freeing the lookup's output before backward(i).",
+).validate()
+
+SCHEDULE_WAIT_EARLY_WARMUP = Schedule(
+    "semi_sync_wait_early_warmup",
+    (*_HEAD, *_TAIL, _LOOKUP, _OUTPUT_WAIT),
+    doc="Warm-up of the wait_early variant.",
+).validate()
+
+# output_dist_wait="in_forward" (default): the all-to-all is waited in forward(i+1)
+# (TorchRec's order), so it overlaps backward(i); batch i+1's lookup output stays alive
+# through backward(i).
 SCHEDULE = Schedule(
     "semi_sync",
-    (*_HEAD, _LOOKUP, _OUTPUT_WAIT, *_TAIL),
-    doc="Lookup of batch i+1 before backward(i): one step stale; its output all-to-all overlaps backward(i) "
-    "and is waited on the dist stream, freeing the lookup's output.",
+    (*_HEAD, _LOOKUP, *_TAIL),
+    doc="Lookup of batch i+1 before backward(i): one step stale, its output all-to-all overlaps backward(i).",
 ).validate()
 
 SCHEDULE_WARMUP = Schedule(
     "semi_sync_warmup",
-    (*_HEAD, *_TAIL, _LOOKUP, _OUTPUT_WAIT),
+    (*_HEAD, *_TAIL, _LOOKUP),
     doc="Warm-up (batches < start_batch): lookup of batch i+1 after optimizer(i), synchronous numerics.",
 ).validate()
 
-# output_dist_wait="in_forward": the all-to-all is waited in forward(i+1) on the compute
-# stream (TorchRec's order); batch i+1's lookup output stays alive through backward(i).
-SCHEDULE_WAIT_IN_FORWARD = Schedule(
-    "semi_sync_wait_in_forward",
-    (*_HEAD, _LOOKUP, *_TAIL),
-    doc="Variant: batch i+1's output all-to-all is waited in forward(i+1) (two copies alive during backward(i)).",
-).validate()
 
-SCHEDULE_WAIT_IN_FORWARD_WARMUP = Schedule(
-    "semi_sync_wait_in_forward_warmup",
-    (*_HEAD, *_TAIL, _LOOKUP),
-    doc="Warm-up of the wait_in_forward variant.",
-).validate()
-
-
-_PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_IN_FORWARD, SCHEDULE_WAIT_IN_FORWARD_WARMUP))
+_PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP))
 
 
 def backward_dense(pipe: Pipeline, b: InFlight) -> None:
@@ -121,12 +126,12 @@ class SemiSyncPipeline(Pipeline):
         *,
         start_batch: int = 0,
         stash_gradients: bool = False,
-        output_dist_wait: str = "early",
+        output_dist_wait: str = "in_forward",
         **options: Any,
     ) -> None:
         if start_batch < 0:
             raise ValueError(f"start_batch={start_batch} must be >= 0")
-        variants = {"early": SCHEDULE, "in_forward": SCHEDULE_WAIT_IN_FORWARD}
+        variants = {"in_forward": SCHEDULE, "early": SCHEDULE_WAIT_EARLY}
         if output_dist_wait not in variants:
             raise ValueError(f"output_dist_wait={output_dist_wait!r}: choose one of {sorted(variants)}")
         self.schedule = variants[output_dist_wait]

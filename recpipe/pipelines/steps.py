@@ -87,7 +87,8 @@ def lookup(pipe: "Pipeline", b: "InFlight") -> None:
 
 
 def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
-    """Wait for the early lookups' output all-to-alls on this step's stream (dist).
+    """Wait for the early lookups' output all-to-alls on this step's stream (the lookup's:
+    torchrec allocated the all-to-all's buffers there and frees them inside the wait).
     torchrec drops the all-to-all's input (the lookup's output) once it is waited, so
     the allocator can reuse it as soon as the all-to-all is done on the GPU."""
     for fqn in list(b.emb):
@@ -160,7 +161,7 @@ def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> A
     distributed input and run ``compute_and_output_dist`` on the compute stream.
     """
     compute = pipe.streams.compute
-    if fqn in b.emb_ready:  # waited on the dist stream by output_dist_wait
+    if fqn in b.emb_ready:  # waited by output_dist_wait
         pooled = b.emb_ready.pop(fqn)
         pipe.streams.hand_over(pooled, pipe.step_stream(b, "output_dist_wait"), compute)
         return pooled

@@ -129,6 +129,21 @@ def assert_differs(a: RunResult, b: RunResult, what: str) -> None:
     assert not same, f"{what}: expected different weights, got identical ones"
 
 
+def expect_pipeline_error(fn, *needles) -> None:
+    """``fn()`` raises a PipelineError whose message holds every needle (collective:
+    every rank checks, then they meet at a barrier)."""
+    from recpipe.pipelines import PipelineError
+
+    try:
+        fn()
+    except PipelineError as err:
+        for needle in needles:
+            assert needle in str(err), f"{needle!r} not in: {err}"
+    else:
+        raise AssertionError(f"no PipelineError (wanted {needles})")
+    dist.barrier()
+
+
 def pairwise(items):
     return itertools.pairwise(items)
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import model_zoo
-from pipeline_harness import assert_differs, assert_same, small_config
+from pipeline_harness import assert_differs, assert_same, expect_pipeline_error, small_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 
@@ -66,15 +66,7 @@ def _describe_and_errors_worker(cfg) -> None:
     cpu = torch.device("cpu")
     rank = dist.get_rank()
 
-    def expect(fn, *needles):
-        try:
-            fn()
-        except PipelineError as err:
-            for needle in needles:
-                assert needle in str(err), f"{needle!r} not in: {err}"
-        else:
-            raise AssertionError(f"no PipelineError (wanted {needles})")
-        dist.barrier()
+    expect = expect_pipeline_error
 
     # Where each module's input comes from, as the pipeline shows it after the first batch.
     case = model_zoo.two_tower()

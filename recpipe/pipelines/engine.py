@@ -43,6 +43,7 @@ import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch import nn
 
+from recpipe.distributed import control_group
 from recpipe.pipelines import graphs, sharded, steps
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
@@ -162,7 +163,7 @@ class Pipeline:
         # Shapes for padding batches when this rank has had no batch of its own yet
         # (e.g. resumed past the end of its data while other ranks still train).
         self.padding_template: Any = None
-        self._end_of_data = _EndOfData(_control_group(), always_wait=uneven_data == "error")
+        self._end_of_data = _EndOfData(control_group(), always_wait=uneven_data == "error")
         self._depth = self.schedule.depth
         # Compiled schedules, by id (built on the first progress(), once subclasses are set up).
         self._plans: dict[int, tuple[Schedule, list[_Op], dict[str, _Op]]] = {}
@@ -445,15 +446,6 @@ class Pipeline:
         while len(self._recent) > self._depth + (self.max_batches_ahead or 0) + 1:
             self._recent.popitem(last=False)
         return batch
-
-
-def _control_group() -> dist.ProcessGroup | None:
-    """A Gloo group for host-side agreement (no device sync); None when not distributed."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
 
 
 class _EndOfData:

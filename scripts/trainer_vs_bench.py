@@ -15,9 +15,14 @@ from the built model to the first trained step.
    where the trainer synchronizes anyway) the device is synchronized and the clock
    read. Steady samples/s = samples between the first mark at or after ``--steady-from``
    and the last mark, over the wall time between them (metrics and logging included).
+   The clock is synchronized only at step 1, at ``--steady-from`` and at the last step
+   (``--sync-every 0``, the default) so that the measurement adds no drain of its own.
 3. ``--binary-rows N``: first write N synthetic Criteo-layout TSV lines
    (scripts/synthetic_tsv.py) in one file per core, convert them with ``recpipe data
    convert`` into OUT/data, and run both on ``data.source=binary`` (shuffled).
+4. ``--replay N`` (a diagnosis): the trainer reads N batches of the config's loader
+   made before training and cycles them (``data.factory`` = :func:`replay`), so the
+   loader's cost is out of its loop; the difference to a normal run is the loader's.
 
 Prints both rates, their ratio and the first-step time (targets: ratio >= 0.95,
 first step <= 10 s), and writes OUT/trainer_vs_bench.json.
@@ -27,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -62,12 +66,7 @@ def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
     return ["data.source=binary", f"data.binary.train_dir={out / 'data'}", "data.shuffle=true"]
 
 
-def run_bench(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
-    cmd = [sys.executable, "-m", "recpipe", "bench", "--config", args.config, "--pipelines", args.pipeline,
-           "--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup), "--no-plots", "--out", str(out / "bench")]
-    for s in overrides:
-        cmd += ["--set", s]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+def read_bench(args: argparse.Namespace, out: Path) -> dict:
     record = json.loads((out / "bench" / "bench.json").read_text())
     row = next(r for r in record["rows"] if r["pipeline"] == args.pipeline and r["impl"] == "recpipe")
     if row["status"] != "ok":
@@ -76,7 +75,30 @@ def run_bench(args: argparse.Namespace, overrides: list[str], out: Path) -> dict
             "step_ms_p50": row["step_ms"]["p50"], "steps": row["steps"]}
 
 
-def train_worker(cfg: RecpipeConfig, out: str, sync_every: int) -> None:
+def run_bench(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
+    cmd = [sys.executable, "-m", "recpipe", "bench", "--config", args.config, "--pipelines", args.pipeline,
+           "--steps", str(args.bench_steps), "--warmup", str(args.bench_warmup), "--no-plots", "--out", str(out / "bench")]
+    for s in overrides:
+        cmd += ["--set", s]
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    return read_bench(args, out)
+
+
+def replay(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int):
+    """``data.factory`` of ``--replay``: ``data.options["replay"]`` batches of the
+    config's own loader (``data.source``, kept beside the factory), made before the
+    first step, then cycled."""
+    from recpipe.data import make_dataloader
+
+    if split != "train":
+        return None
+    real = cfg.model_copy(update={"data": cfg.data.model_copy(update={"factory": None, "options": {}})})
+    loader = make_dataloader(real, rank=rank, world_size=world_size, split=split, epoch=epoch)
+    made = [batch for batch, _ in zip(loader, range(int(cfg.data.options["replay"])))]
+    return (made[i % len(made)] for i in range(cfg.train.steps - start_batch))
+
+
+def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int) -> None:
     """One rank of ``recpipe train`` with two clocks attached (see the module docstring)."""
     import torch.distributed as dist
 
@@ -107,7 +129,7 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int) -> None:
         nonlocal steps
         output = progress(batches)  # StopIteration at a segment's end passes through
         steps += 1
-        if steps == 1 or steps % sync_every == 0:
+        if steps in (1, steady_from, cfg.train.steps) or (sync_every and steps % sync_every == 0):
             sync()
             marks.append((steps, time.perf_counter()))
         return output
@@ -143,6 +165,12 @@ def main() -> int:
     parser.add_argument("--bench-steps", type=int, default=300)
     parser.add_argument("--bench-warmup", type=int, default=20)
     parser.add_argument("--binary-rows", type=int, default=0, help="train on a binary dataset of this many rows")
+    parser.add_argument("--replay", type=int, default=0, metavar="N",
+                        help="diagnosis: the trainer cycles N batches made before training (no loader in the loop)")
+    parser.add_argument("--sync-every", type=int, default=0,
+                        help="also synchronize and read the clock every this many steps (0: only at step 1, "
+                             "--steady-from and the last step)")
+    parser.add_argument("--skip-bench", action="store_true", help="reuse OUT/bench/bench.json")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out).resolve()
@@ -150,11 +178,15 @@ def main() -> int:
     overrides = [*args.overrides, f"pipeline.name={args.pipeline}"]
     if args.binary_rows:
         overrides += make_binary_data(args, out)
-    bench = run_bench(args, overrides, out)
-    cfg = load_config(args.config, [*overrides, f"train.steps={args.steps}", "train.eval_every=0",
-                                    "checkpoint.dir=null", f"logging.run_dir={out / 'train'}"])
-    sync_every = cfg.train.log_every * math.ceil(50 / cfg.train.log_every)
-    launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), sync_every)
+    bench = read_bench(args, out) if args.skip_bench else run_bench(args, overrides, out)
+    train_overrides = [*overrides, f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.dir=null",
+                       f"logging.run_dir={out / 'train'}"]
+    cfg = load_config(args.config, train_overrides)
+    if args.replay:  # beside data.source, which validation would refuse: the factory reads it (see replay)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        data = cfg.data.model_copy(update={"factory": "trainer_vs_bench:replay", "options": {"replay": args.replay}})
+        cfg = cfg.model_copy(update={"data": data})
+    launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), args.sync_every, args.steady_from)
     train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
     ratio = train["samples_per_s_wall"] / bench["samples_per_s_wall"]
     result = {"config": args.config, "overrides": overrides, "pipeline": args.pipeline, "bench": bench,

@@ -1,11 +1,11 @@
 """Non-finite losses (NaN / inf): found without a host sync per step; ``train.on_nonfinite`` decides.
 
 Finding them (both modes): :meth:`NonFiniteCheck.record` keeps each step's loss
-tensor (on the device; no work per step). :meth:`NonFiniteCheck.check` runs where
-the trainer waits for the device anyway: at log points, before every evaluation and
-checkpoint, at the end. It all-reduces a [ranks x steps] matrix of the losses, so
-every rank learns the same steps, and no checkpoint or evaluation ever sees weights
-that a non-finite step has touched.
+tensor (on the device; no work per step). :meth:`NonFiniteCheck.check` all-reduces
+a [ranks x steps] matrix of the losses, so every rank learns the same steps: at log
+points without waiting (the result is read at the next log point), and before every
+evaluation and checkpoint and at the end waiting for the device, so no checkpoint or
+evaluation ever sees weights that a non-finite step has touched.
 
 * ``error``: ``check`` raises :class:`NonFiniteLossError` naming the first such
   step, the ranks, and the newest checkpoint (all saved before that step).
@@ -37,6 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from recpipe.config import RecpipeConfig
 from recpipe.errors import NonFiniteLossError
 from recpipe.pipelines.sharded import find_sharded_modules
+from recpipe.train.metrics import HostCopy
 
 __all__ = ["NonFiniteCheck", "SkipNonFiniteSteps", "finite_json", "skip_step_caveats"]
 
@@ -49,16 +50,28 @@ class NonFiniteCheck:
         self.device = device
         self.describe_checkpoint = describe_checkpoint  # "newest checkpoint: ..." for the error
         self._losses: list[torch.Tensor] = []
+        self._queued: list[tuple[int, HostCopy]] = []  # (first step, [ranks x steps] losses on their way)
         self.skipped: list[int] = []  # every skipped step so far (skip_step)
 
     def record(self, loss: torch.Tensor) -> None:
         self._losses.append(loss.detach())
 
-    def check(self, step: int) -> list[int]:
-        """The steps since the last check (the last of them is ``step``) whose loss was
-        not finite on some rank; with ``error``, raise for the first. Host sync."""
+    def check(self, step: int, wait: bool = True) -> list[int]:
+        """The steps whose loss was not finite on some rank, among those checked now;
+        with ``error``, raise for the first. ``wait``: every step up to ``step`` (the
+        last recorded one) is checked (host sync). Without: the steps since the last
+        call are queued (all-reduce and copy, no host sync) and those queued by the
+        call before are checked, whose results have long arrived: a log point need not
+        drain the device, and a non-finite loss is still found one log interval later,
+        before any evaluation or checkpoint (which check with ``wait``)."""
+        self._queue(step)
+        ready = self._queued if wait else self._queued[:-1]
+        self._queued = [] if wait else self._queued[-1:]
+        return [bad for first, copy in ready for bad in self._inspect(first, copy.wait(), step)]
+
+    def _queue(self, step: int) -> None:
         if not self._losses:
-            return []
+            return
         first = step - len(self._losses) + 1
         # One value per step (sum of a vector loss: non-finite iff an element is).
         local = torch.stack([loss.float().sum() for loss in self._losses])
@@ -68,7 +81,9 @@ class NonFiniteCheck:
         values[rank] = local
         if world > 1:
             dist.all_reduce(values)  # each rank fills its own row
-        values = values.cpu()  # host sync
+        self._queued.append((first, HostCopy(values)))
+
+    def _inspect(self, first: int, values: torch.Tensor, step: int) -> list[int]:
         bad = ~torch.isfinite(values)
         steps = [first + int(i) for i in bad.any(dim=0).nonzero().flatten()]
         if not steps:

@@ -14,9 +14,13 @@ than the segment asked for (the pipeline's step count is agreed by all ranks, so
 all ranks see the same end); the next segment reads epoch ``e + 1``.
 
 Logging: every ``train.log_every`` steps the outputs of the steps since the last
-log go into torchmetrics (one host sync per interval, none per step) and every
-rank takes part in the metrics' all-gather; rank 0 updates the tqdm bar and the
-TensorBoard scalars. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``
+log go into the metrics and every rank takes part in their all-reduce, all as
+device work that the host does not wait for; the values are read one log interval
+later (their TensorBoard step is still their own), when the device has long
+finished them, so logging never drains the pipeline. Segment ends (evaluation,
+checkpoint, the end) wait and publish everything. Rank 0 updates the tqdm bar and
+the TensorBoard scalars. With ``train.on_nonfinite=skip_step`` a log point waits
+for the non-finite check of its interval, whose skipped steps the metrics leave out. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``
 (also when the run stops early; its ``status`` says why; always strict JSON).
 
 Faults: at every step boundary the ranks agree on whether a signal asked them to
@@ -53,7 +57,7 @@ from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_table, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
-from recpipe.train.metrics import ClickMetrics, click_outputs
+from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
 from recpipe.train.preemption import Preemption
 
@@ -117,6 +121,8 @@ class Trainer:
         self._has_clicks: bool | None = None  # known after the first step
         self._window_seconds = 0.0
         self._train_seconds = 0.0
+        # The last log point's values on their way to the host (published at the next).
+        self._pending_log: tuple[int, float, PendingMetrics] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
 
@@ -172,6 +178,7 @@ class Trainer:
                     batches = self._train_batches(self.position)
             step = self.position.step
             self._check_nonfinite(step)  # never evaluate or save weights a non-finite step touched
+            self._publish_log()
             if _due(step, train.eval_every) and evaluated_at != step:
                 self.evaluate()
                 evaluated_at = step
@@ -180,7 +187,7 @@ class Trainer:
                 saved_at = step
         step = self.position.step
         if self._window:
-            self._log_train(step)
+            self._log_train(step, wait=True)
         self._check_nonfinite(step)
         self._preemption.close()
         if evaluated_at != step:
@@ -213,11 +220,10 @@ class Trainer:
             self._record_step(output)
             self._after_step(self.pipeline.last_loss)
             self.bar.update(1)
-            log_now = step % self.cfg.train.log_every == 0
-            last = self._count_time(last, synchronize=log_now)
-            if log_now:
+            last = self._count_time(last, synchronize=False)
+            if step % self.cfg.train.log_every == 0:
                 self._log_train(step)
-                last = time.perf_counter()  # the metrics' all-gather is not training time
+                last = time.perf_counter()  # the metrics' work is not training time
 
     def _record_step(self, output: object) -> None:
         """Keep what the next log needs of this step (device tensors: no host sync)."""
@@ -234,9 +240,10 @@ class Trainer:
         self._window.append((self.pipeline.last_loss, padding, clicks))
 
     def _count_time(self, since: float, synchronize: bool) -> float:
-        """Add the time since ``since`` to the training clocks. At log points and
-        segment ends, first wait for the device (host sync), so that the clocks
-        include the work the host had queued ahead of it."""
+        """Add the time since ``since`` to the training clocks. At segment ends,
+        first wait for the device (host sync), so that the clocks include the work
+        the host had queued ahead of it; elsewhere the host's clock (a log
+        interval's time is its steps' time on average, without a drain)."""
         if synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -266,12 +273,14 @@ class Trainer:
             then = ", then saving a checkpoint" if ckpt.dir is not None and ckpt.on_preempt else ""
             self._say(f"{signal.Signals(self._preemption.signum).name}: every rank stops after the batches in flight{then}")
 
-    def _check_nonfinite(self, step: int) -> None:
-        """Collective. With on_nonfinite=error, a non-finite loss since the last check
-        ends the run (summary.json written first); with skip_step it is reported."""
+    def _check_nonfinite(self, step: int, wait: bool = True) -> None:
+        """Collective. With on_nonfinite=error, a non-finite loss found ends the run
+        (summary.json written first); with skip_step it is reported. ``wait``: see
+        ``NonFiniteCheck.check``."""
         try:
-            skipped = self._nonfinite.check(step)
+            skipped = self._nonfinite.check(step, wait=wait)
         except NonFiniteLossError:
+            self._publish_log()
             self.bar.close()
             self._finish(status="nonfinite_loss")
             raise
@@ -291,7 +300,7 @@ class Trainer:
         save (checkpoint.on_preempt), write summary.json, raise Preempted."""
         step, ckpt = self.position.step, self.cfg.checkpoint
         if self._window:
-            self._log_train(step)
+            self._log_train(step, wait=True)
         self._check_nonfinite(step)  # never save weights a non-finite step touched
         self._preemption.close()
         if ckpt.dir is None:
@@ -310,33 +319,47 @@ class Trainer:
         raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step}: {where}", signum)
 
     # ------------------------------------------------------- metrics & eval
-    def _log_train(self, step: int) -> None:
+    def _log_train(self, step: int, wait: bool = False) -> None:
         """Collective. Metrics of the steps since the last log, over all ranks
-        (without steps skipped for a non-finite loss)."""
-        self._check_nonfinite(step)
+        (without steps skipped for a non-finite loss). Queued on the device and
+        published at the next log point, or now with ``wait``."""
+        # skip_step: the metrics must leave the skipped steps out, so wait for the check.
+        self._check_nonfinite(step, wait=wait or self.cfg.train.on_nonfinite == "skip_step")
         kept = self._finite_window(step)
-        steps = len(self._window)
-        if not kept:  # every step since the last log was skipped (agreed by all ranks)
-            self._window.clear()
-            self._window_seconds = 0.0
-            return
-        if self._has_clicks:
-            logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
-            self.train_metrics.update(logits, labels, weights)
-            metrics = self.train_metrics.compute()  # all-gather over the ranks
-            self.train_metrics.reset()
-            metrics["loss"] = metrics["bce"]
-        else:  # mean loss over the ranks' non-padding steps (host sync: the all-reduce's result)
-            losses = [loss for loss, padding, _ in kept if not padding]
-            total = torch.zeros(2, dtype=torch.float64, device=self.device)
-            if losses:
-                total[0] = torch.stack(losses).double().sum()
-                total[1] = len(losses)
-            dist.all_reduce(total)
-            metrics = {"loss": float(total[0] / total[1].clamp(min=1))}
-        samples_per_s = steps * self.global_batch / max(self._window_seconds, 1e-9)
+        steps, seconds = len(self._window), self._window_seconds
         self._window.clear()
         self._window_seconds = 0.0
+        if kept:  # else every step since the last log was skipped (agreed by all ranks)
+            if self._has_clicks:
+                logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
+                self.train_metrics.update(logits, labels, weights)
+                values = self.train_metrics.compute_async()  # all-reduce over the ranks
+                self.train_metrics.reset()
+            else:  # mean loss over the ranks' non-padding steps
+                values = PendingMetrics({"loss": self._mean_loss([loss for loss, padding, _ in kept if not padding])})
+            self._publish_log()
+            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values)
+        if wait:
+            self._publish_log()
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Collective: the mean of the ranks' losses (device work only)."""
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:
+            total[0] = torch.stack(losses).double().sum()
+            total[1] = len(losses)
+        dist.all_reduce(total)
+        return total[0] / total[1].clamp(min=1)
+
+    def _publish_log(self) -> None:
+        """TensorBoard scalars and the bar's figures of the last log point (waits for them)."""
+        if self._pending_log is None:
+            return
+        step, samples_per_s, values = self._pending_log
+        self._pending_log = None
+        metrics = values.result()
+        if "bce" in metrics:
+            metrics["loss"] = metrics["bce"]
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
@@ -352,8 +375,10 @@ class Trainer:
         model = self.sharded.model
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         model.eval()
+        evaluated = 0
         with self.pipeline.detached():
             for batch in data_errors(loader, "eval data"):
+                evaluated += 1
                 result = model(batch.to(self.device, non_blocking=True))
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:
@@ -364,6 +389,9 @@ class Trainer:
                 logits, labels, weights = clicks
                 self.eval_metrics.update(logits, labels, torch.ones_like(labels) if weights is None else weights)
         model.train()
+        if self.has_eval and _total(evaluated, self.device) == 0:  # a data.factory returning None for 'eval'
+            self.has_eval = False
+            self._say("evaluation is skipped: the eval split has no batches")
         if not self.has_eval:
             return {}
         metrics = self.eval_metrics.compute()
@@ -428,6 +456,13 @@ class Trainer:
                 "cuda": torch.version.cuda,
             },
         }
+
+
+def _total(count: int, device: torch.device) -> int:
+    """Collective: ``count`` summed over the ranks (every rank decides alike)."""
+    total = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(total)
+    return int(total.item())
 
 
 def _due(step: int, every: int) -> bool:

@@ -5,6 +5,7 @@ need no process group (which config each pipeline runs, statistics, tables, plot
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from recpipe.bench.bound import STAGES, hbm_peak, prefetch_memory, stream_reserved_bytes
-from recpipe.bench.measure import percentile, summarize_ms
+from recpipe.bench.measure import percentile, reserved_by_stream, summarize_ms
 from recpipe.bench.multipass import (
     isolated_prefetch_peak_bytes,
     planner_prediction,
@@ -23,7 +24,7 @@ from recpipe.bench.multipass import (
 from recpipe.bench.plots import CACHE_SWEEP, MEMORY, MULTIPASS, STEP_TIME, write_plots
 from recpipe.bench.report import Row, format_table
 from recpipe.bench.runner import DRAIN, TRACE_STEPS, config_for_pipeline
-from recpipe.bench.sections import bound_md, multipass_md
+from recpipe.bench.sections import bound_md, multipass_md, streams_md
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
@@ -398,8 +399,11 @@ def test_bound_prefetch_memory_summary_and_line():
 def test_stream_reserved_bytes_sums_the_streams_segments(monkeypatch):
     import torch
 
-    segments = [{"device": 0, "stream": 7, "total_size": 2 * MiB}, {"device": 0, "stream": 7, "total_size": 20 * MiB},
-                {"device": 0, "stream": 0, "total_size": 64 * MiB}, {"device": 1, "stream": 7, "total_size": MiB}]
+    segments = [{"device": 0, "stream": 7, "total_size": 2 * MiB, "active_size": MiB},
+                {"device": 0, "stream": 7, "total_size": 20 * MiB, "active_size": 0},
+                {"device": 0, "stream": 0, "total_size": 64 * MiB, "active_size": 60 * MiB},
+                {"device": 0, "stream": 9, "total_size": 4 * MiB, "active_size": 0},
+                {"device": 1, "stream": 7, "total_size": MiB, "active_size": MiB}]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
 
     class Stream:
@@ -407,6 +411,30 @@ def test_stream_reserved_bytes_sums_the_streams_segments(monkeypatch):
 
     assert stream_reserved_bytes(torch.device("cuda", 0), Stream()) == 22 * MiB
     assert stream_reserved_bytes(torch.device("cuda", 1), Stream()) == MiB
+
+    # By role: a recpipe pipeline's streams and a TorchRec pipeline's *_stream attributes.
+    class Fake:  # a torch.cuda.Stream as far as the function looks (no CUDA here)
+        def __init__(self, handle):
+            self.cuda_stream = handle
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Fake(0))
+
+    @dataclasses.dataclass
+    class Roles:
+        memcpy: object
+        dist: object
+
+    class RecpipePipe:
+        streams = Roles(memcpy=Fake(7), dist=None)
+
+    class TorchRecPipe:
+        def __init__(self):
+            self._data_dist_stream = Fake(7)
+
+    gib = MiB / 2**30
+    for pipe, role in ((RecpipePipe(), "memcpy"), (TorchRecPipe(), "data_dist")):
+        assert reserved_by_stream(torch.device("cuda", 0), pipe) == {
+            "compute": [64 * gib, 60 * gib], role: [22 * gib, 1 * gib], "other": [4 * gib, 0.0]}
 
 
 def test_multipass_markdown_has_the_prefetch_alone_table_and_target():
@@ -425,3 +453,13 @@ def test_multipass_markdown_has_the_prefetch_alone_table_and_target():
     assert "**holds** (worst measured/predicted 1.048 at P=2)" in multipass_md(ok)[-2]
     old = {k: v for k, v in sections["multipass"].items() if not k.startswith("prefetch_memory")}
     assert not any("Target" in x or "Prefetch alone" in x for x in multipass_md(old))  # records from before it
+
+
+def test_streams_section_lists_reserved_memory_by_stream_largest_first():
+    row = Row(pipeline="semi_sync", impl="recpipe", status="ok",
+              memory={"reserved_over_alloc": 1.071, "reserved_by_stream": [
+                  {"dist": [0.25, 0.0], "compute": [10.0, 9.5]}, {"compute": [9.0, 8.0]}]})
+    md = "\n".join(streams_md([row, Row(pipeline="base", impl="recpipe", status="ok")]))
+    assert "| semi_sync | recpipe | 1.071 | 0 | compute 10.00 (9.50), dist 0.25 (0.00) |" in md
+    assert "| semi_sync | recpipe | 1.071 | 1 | compute 9.00 (8.00) |" in md
+    assert "| base |" not in md

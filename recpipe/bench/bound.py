@@ -52,7 +52,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
+from recpipe.bench.measure import free_device_memory, segments_by_stream, summarize_ms, time_stage
 from recpipe.bench.run import gather
 from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
@@ -191,13 +191,8 @@ def _dense(m: _Bench, batch: Batch, pooled: dict[str, KeyedTensor], t: dict[str,
 
 
 def stream_reserved_bytes(device: torch.device, stream: torch.cuda.Stream) -> int:
-    """Bytes of the caching allocator's segments that belong to ``stream`` on ``device``
-    (``torch.cuda.memory_snapshot()``: segments are cudaMalloc'd blocks, each owned by
-    the stream that allocated it; ``total_size`` is its reserved size)."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if seg["stream"] == stream.cuda_stream and seg.get("device", index) == index)
+    """Bytes of the caching allocator's segments that belong to ``stream`` on ``device``."""
+    return segments_by_stream(device).get(stream.cuda_stream, (0, 0))[0]
 
 
 def _prefetch(m: _Bench, ctxs: dict, kjts: dict, t: dict[str, float], counts: dict[str, int]) -> None:

@@ -96,13 +96,14 @@ def _merge_memory(mems: list[dict[str, Any]]) -> dict[str, Any]:
         return {}
     out: dict[str, Any] = {}
     for key in mems[0]:
-        if key == "per_rank":
+        if key in ("per_rank", "reserved_by_stream"):  # the worst round's, below
             continue
         values = [m[key] for m in mems if m.get(key) is not None]
         out[key] = max(values) if values else None
     worst = max(mems, key=lambda m: m.get("peak_reserved_gib") or 0.0)
-    if "per_rank" in worst:
-        out["per_rank"] = worst["per_rank"]
+    for key in ("per_rank", "reserved_by_stream"):
+        if key in worst:
+            out[key] = worst[key]
     return out
 
 

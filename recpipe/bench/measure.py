@@ -177,6 +177,41 @@ class MemorySnapshot:
         }
 
 
+def segments_by_stream(device: torch.device) -> dict[int, tuple[int, int]]:
+    """Per CUDA stream (its ``cuda_stream`` handle): bytes reserved by the caching
+    allocator's segments the stream allocated, and bytes of them live now
+    (``torch.cuda.memory_snapshot()``: a segment belongs to the stream that allocated
+    it, and only that stream reuses its free blocks)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    out: dict[int, tuple[int, int]] = {}
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device", index) == index:
+            reserved, active = out.get(seg["stream"], (0, 0))
+            out[seg["stream"]] = (reserved + seg["total_size"], active + seg["active_size"])
+    return out
+
+
+def reserved_by_stream(device: torch.device, pipe: Any) -> dict[str, list[float]]:
+    """``{stream role: [reserved GiB, live GiB]}`` now, for a recpipe pipeline (roles of
+    its ``streams``) or a TorchRec one (its ``*_stream`` attributes); the current
+    stream is ``compute``, unnamed streams are ``other``. Where the allocator's
+    reserved memory above the allocated sits, by stream."""
+    names = {torch.cuda.current_stream(device).cuda_stream: "compute"}
+    roles = getattr(pipe, "streams", None)
+    pairs = list(vars(roles).items()) if roles is not None and hasattr(roles, "__dataclass_fields__") else []
+    pairs += [(k.strip("_").removesuffix("_stream"), v) for k, v in vars(pipe).items() if k.endswith("_stream")]
+    for role, stream in pairs:
+        if isinstance(getattr(stream, "cuda_stream", None), int):  # a torch.cuda.Stream
+            names.setdefault(stream.cuda_stream, role)
+    out: dict[str, list[float]] = {}
+    for handle, (reserved, active) in segments_by_stream(device).items():
+        entry = out.setdefault(names.get(handle, "other"), [0.0, 0.0])
+        entry[0] += reserved / _GIB
+        entry[1] += active / _GIB
+    return out
+
+
 def time_stage(device: torch.device, fn: Callable[[], T]) -> tuple[float, T]:
     """Milliseconds of ``fn()`` run alone, and its result (the hardware bound's stages).
 

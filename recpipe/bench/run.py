@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, summarize_ms
+from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, reserved_by_stream, summarize_ms
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
@@ -177,6 +177,8 @@ def run_local(
         if counters is not None:
             out["cache_counters"] = counter_delta(counters, read_counters(sharded.model))
         memory.phase_done("timed")
+        if device.type == "cuda":
+            out["reserved_by_stream"] = reserved_by_stream(device, pipe)
         if probe is not None:
             out["probe"] = probe.collect(pipe)
         if opts.trace_steps:
@@ -226,6 +228,8 @@ def combine(row: Row, per_rank: list[dict[str, Any]], global_batch: int, steps: 
     if mems[0]:
         row.memory = {k: max(m[k] for m in mems) if mems[0][k] is not None else None for k in mems[0]}
         row.memory["per_rank"] = mems
+        if "reserved_by_stream" in first:  # per rank: {stream role: [reserved GiB, live GiB]}
+            row.memory["reserved_by_stream"] = [r.get("reserved_by_stream", {}) for r in per_rank]
     if "trace" in first:
         row.trace = combine_ranks([r.get("trace") for r in per_rank])
         row.gpu_busy_ms = row.trace.get("gpu_busy_ms")

@@ -367,6 +367,25 @@ def cache_md(rows: list[Any]) -> list[str]:
     return lines + [grid(header, body, markdown=True), ""]
 
 
+def streams_md(rows: list[Any]) -> list[str]:
+    """Reserved memory by the stream whose segments hold it (``measure.reserved_by_stream``)."""
+    mine = [r for r in rows if r.status == "ok" and r.memory.get("reserved_by_stream")]
+    if not mine:
+        return []
+    lines = ["## Reserved memory by stream (after the timed steps)", "",
+             "The caching allocator keeps freed blocks for the stream that allocated them, so memory reserved by one "
+             "stream and free there is unusable by the others: per stream, GiB reserved (GiB live now), per rank. "
+             "Reserved/alloc is the row's peak ratio.", ""]
+    header = ("pipeline", "impl", "reserved/alloc", "rank", "reserved (live) GiB by stream")
+    body = []
+    for r in mine:
+        for rank, streams in enumerate(r.memory["reserved_by_stream"]):
+            cells = ", ".join(f"{name} {gib[0]:.2f} ({gib[1]:.2f})" for name, gib in
+                              sorted(streams.items(), key=lambda kv: -kv[1][0]))
+            body.append(_row_name(r) + [_f(r.memory.get("reserved_over_alloc"), ".3f"), str(rank), cells or "-"])
+    return lines + [grid(header, body, markdown=True), ""]
+
+
 def rows_md(rows: list[Any]) -> list[str]:
     """The per-row sections that follow the main table."""
-    return busy_md(rows) + phases_md(rows) + cache_md(rows)
+    return busy_md(rows) + phases_md(rows) + cache_md(rows) + streams_md(rows)

@@ -214,6 +214,20 @@ def test_prefetch_runs_only_with_a_locked_cache_and_others_drop_the_lock():
     assert "fused_uvm_caching" in skip
 
 
+def test_pipeline_variants_run_with_their_own_options_and_typos_are_config_errors(capsys):
+    cfg = load_config(CONFIGS / "dlrm_criteo.yaml")
+    cfg_p, overrides, skip = config_for_pipeline(cfg, "semi_sync:output_dist_wait=early+stash_gradients=true")
+    assert not skip and cfg_p.pipeline.name == "semi_sync"
+    assert cfg_p.pipeline.output_dist_wait == "early" and cfg_p.pipeline.stash_gradients is True
+    assert overrides == {"pipeline.name": "semi_sync", "pipeline.output_dist_wait": "early",
+                         "pipeline.stash_gradients": True}
+    _, _, skip = config_for_pipeline(cfg, "prefetch:input_dist_wait=after_forward")
+    assert "fused_uvm_caching" in skip  # the variant's pipeline is still checked against the tables
+    for bad in ("semi_sync:output_dist_wait=late", "semi_sync:no_such_option=1", "sparse_dist:oops"):
+        assert main(["bench", "--config", SMOKE, "--pipelines", f"base,{bad}"]) == EXIT_BAD_CONFIG
+        assert bad.split(":")[1].split("=")[0] in capsys.readouterr().err
+
+
 def test_pipeline_options_carry_over_only_for_the_configured_pipeline():
     cfg = load_config(SMOKE, ["pipeline={name: semi_sync, start_batch: 5, max_batches_ahead: 2}"])
     same, overrides, _ = config_for_pipeline(cfg, "semi_sync")

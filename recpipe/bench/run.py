@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
+import yaml
 from tqdm import tqdm
 
 from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, reserved_by_stream, summarize_ms
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
     from recpipe.bench.runner import BenchOptions
 
 __all__ = ["RunProbe", "build_run", "combine", "config_for_pipeline", "fresh_batches", "gather", "run_local",
-           "timed_steps", "traced_steps", "untimed_steps"]
+           "split_variant", "timed_steps", "traced_steps", "untimed_steps"]
 
 class RunProbe(Protocol):
     """Builds the recpipe pipeline of a run instead of ``make_pipeline`` (e.g. a
@@ -67,8 +68,22 @@ def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
     return iter([dataclasses.replace(b, sparse_features=copy.copy(b.sparse_features)) for b in batches])
 
 
-def config_for_pipeline(cfg: RecpipeConfig, name: str) -> tuple[RecpipeConfig | None, dict[str, Any], str]:
-    """(config to run ``name`` with, its overrides versus ``cfg``, skip reason or '')."""
+def split_variant(label: str) -> tuple[str, dict[str, Any]]:
+    """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync",
+    {"output_dist_wait": "early", "start_batch": 2})``: a pipeline with its own options
+    (values read as YAML), so schedule variants run in one interleaved bench."""
+    name, _, options = label.partition(":")
+    pairs = [item.partition("=") for item in options.split("+") if item]
+    bad = [key for key, eq, _ in pairs if not eq or not key]
+    if bad or (options and not pairs):
+        raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options)")
+    return name, {key.strip(): yaml.safe_load(value) for key, _, value in pairs}
+
+
+def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig | None, dict[str, Any], str]:
+    """(config to run ``label`` with, its overrides versus ``cfg``, skip reason or '');
+    ``label`` is a pipeline name or a variant (``split_variant``)."""
+    name, options = split_variant(label)
     raw = cfg.model_dump(mode="json")
     overrides: dict[str, Any] = {}
     if name == "prefetch" and prefetch_unavailable(cfg):
@@ -77,6 +92,8 @@ def config_for_pipeline(cfg: RecpipeConfig, name: str) -> tuple[RecpipeConfig | 
         common = {k: v for k, v in raw["pipeline"].items() if k in BasePipelineConfig.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
+    raw["pipeline"].update(options)
+    overrides.update({f"pipeline.{k}": v for k, v in options.items()})
     if name != "prefetch" and cfg.sharding.prefetch_pipeline:
         raw["sharding"].update(prefetch_pipeline=False, prefetch_passes=1)
         overrides["sharding.prefetch_pipeline"] = False

@@ -67,7 +67,7 @@ from recpipe.bench.measure import StepClock
 from recpipe.bench.multipass import describe_point, run_multipass
 from recpipe.bench.plots import write_plots
 from recpipe.bench.report import Row, environment, format_table, write_outputs
-from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local
+from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local, split_variant
 from recpipe.bench.sections import render_sections, rows_md
 from recpipe.bench.sweep import parse_grid, run_sweep
 from recpipe.bench.weak_scaling import load_baseline, weak_scaling
@@ -115,9 +115,12 @@ class BenchOptions:
 def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
     asked = [n.strip() for n in (args.pipelines or "").split(",") if n.strip()]
     names = list(dict.fromkeys(asked)) if args.pipelines else list(PIPELINES)
-    unknown = [n for n in names if n not in PIPELINES]
+    unknown = [n for n in names if split_variant(n)[0] not in PIPELINES]
     if unknown or not names:
         raise ConfigError(f"--pipelines={args.pipelines!r}: unknown {unknown}; choose from {', '.join(PIPELINES)}")
+    for name in names:  # a variant's options are checked now, not after the other runs
+        if split_variant(name)[1] and config_for_pipeline(cfg, name)[0] is None:
+            raise ConfigError(f"--pipelines: {name!r}: {config_for_pipeline(cfg, name)[2]}")
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be >= 1")
     if args.warmup < 0:
@@ -245,7 +248,9 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions) -> list[Row]:
     batches = pregenerate(cfg, rank, world, opts.batches_per_run, device)
     generation_s = max(gather(time.perf_counter() - started))
     header = _header(cfg, opts, device, world, gpu_names, generation_s, len(batches))
-    runs = [(name, impl) for name in opts.pipelines for impl in IMPLS if impl == "recpipe" or opts.with_torchrec]
+    # A variant (name:key=value) is recpipe's own schedule option: TorchRec has no counterpart.
+    runs = [(name, impl) for name in opts.pipelines for impl in IMPLS
+            if impl == "recpipe" or (opts.with_torchrec and not split_variant(name)[1])]
     if rank == 0:
         v = header["versions"]
         print(

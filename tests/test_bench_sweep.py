@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
+
 import pytest
 
 from recpipe.bench.plots import CACHE_SWEEP, write_plots
@@ -118,3 +120,13 @@ def test_sweep_markdown_and_plot(tmp_path):
     plots = write_plots(tmp_path, [], {"cache_sweep": sweep})
     assert plots["written"] == [CACHE_SWEEP] and (tmp_path / CACHE_SWEEP).read_bytes().startswith(b"\x89PNG")
     assert CACHE_SWEEP in write_plots(tmp_path / "none", [], {"cache_sweep": skipped})["reason"]
+
+
+def test_a_sweep_alone_runs_no_plain_pipelines(tmp_path):
+    # --sweep-* without --pipelines: only the sweep (skipped on CPU, with its reason).
+    assert main(["bench", "--config", SMOKE, "--sweep-zipf", "0.6", "--steps", "2", "--warmup", "1",
+                 "--no-plots", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "bench.json").read_text())
+    assert record["rows"] == []
+    md = (tmp_path / "bench.md").read_text()
+    assert "--pipelines" not in md and "needs CUDA" in md

@@ -114,9 +114,11 @@ class BenchOptions:
 # ----------------------------------------------------------------- CLI entry
 def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
     asked = [n.strip() for n in (args.pipelines or "").split(",") if n.strip()]
-    names = list(dict.fromkeys(asked)) if args.pipelines else list(PIPELINES)
+    sweep_only = not args.pipelines and bool(getattr(args, "sweep_cache", None) or getattr(args, "sweep_zipf", None))
+    # A cache sweep runs its own pipelines at every point: the plain runs only when asked for.
+    names = list(dict.fromkeys(asked)) if args.pipelines else [] if sweep_only else list(PIPELINES)
     unknown = [n for n in names if split_variant(n)[0] not in PIPELINES]
-    if unknown or not names:
+    if unknown or not (names or sweep_only):
         raise ConfigError(f"--pipelines={args.pipelines!r}: unknown {unknown}; choose from {', '.join(PIPELINES)}")
     for name in names:  # a variant's options are checked now, not after the other runs
         if split_variant(name)[1] and config_for_pipeline(cfg, name)[0] is None:
@@ -150,7 +152,7 @@ def _options(args: argparse.Namespace, cfg: RecpipeConfig) -> BenchOptions:
                                    (f"--sweep-zipf {','.join(map(str, sweep_zipf))}", sweep_zipf)) if on]
     command = " ".join(
         ["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
-         f"--pipelines {','.join(names)}", *flags, f"--steps {args.steps} --warmup {args.warmup} --out {out}"]
+         *([f"--pipelines {','.join(names)}"] if names else []), *flags, f"--steps {args.steps} --warmup {args.warmup} --out {out}"]
     )
     profile = str(Path(out) / "profile.txt") if getattr(args, "profile", False) else None
     opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command, profile,

@@ -4,9 +4,8 @@ arithmetic, its markdown and plot; the CPU refusal is in tests/test_bench.py."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import json
+from pathlib import Path
 
 import pytest
 

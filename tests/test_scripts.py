@@ -57,3 +57,29 @@ def test_two_tower_script_subclasses_the_configured_pipeline():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "TwoTowerFusedSparseDistPipeline: trained 8 steps" in out.stdout, out.stdout
     assert "history_ec <- batch.history" in out.stdout
+
+
+def test_memory_at_peak_replays_the_allocator_history_to_the_peak():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import memory_at_peak as m
+
+    def frames(path: str, line: int) -> list[dict]:
+        return [{"filename": "/usr/lib/python3/torch/nn/functional.py", "line": 1, "name": "linear"},
+                {"filename": f"/site/{path}", "line": line, "name": "f"}]
+
+    mib = 2**20
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 4 * mib, "stream": 0, "frames": frames("recpipe/pipelines/steps.py", 10)},
+        {"action": "alloc", "addr": 2, "size": 8 * mib, "stream": 7, "frames": frames("torchrec/distributed/dist_data.py", 5)},
+        {"action": "free_requested", "addr": 1, "size": 4 * mib, "stream": 0, "frames": []},
+        {"action": "alloc", "addr": 3, "size": 2 * mib, "stream": 0, "frames": frames("recpipe/pipelines/steps.py", 10)},
+        {"action": "free_completed", "addr": 1, "size": 4 * mib, "stream": 0, "frames": []},
+        {"action": "free_completed", "addr": 99, "size": mib, "stream": 0, "frames": []},  # allocated before recording
+        {"action": "alloc", "addr": 4, "size": 1 * mib, "stream": 0, "frames": []},
+    ]
+    best, alive = m.peak_live(trace)
+    assert best == 14 * mib and set(alive) == {1, 2, 3}  # freed only at free_completed
+    summary = m.summarize(trace, {0: "compute", 7: "dist"})
+    assert summary["by_site"] == [("torchrec/distributed/dist_data.py:5 f", 8 * mib),
+                                  ("recpipe/pipelines/steps.py:10 f", 6 * mib)]
+    assert summary["by_stream"] == [("dist", 8 * mib), ("compute", 6 * mib)]

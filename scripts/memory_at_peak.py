@@ -1,0 +1,170 @@
+"""What is alive at a pipeline's step-only memory peak, and who allocated it (CUDA).
+
+    torchrun --standalone --nproc-per-node 2 scripts/memory_at_peak.py --config configs/bench/dlrm_criteo.yaml \\
+        --pipelines sparse_dist,semi_sync,semi_sync:output_dist_wait=early --out runs/mem_peak
+
+For each pipeline (names or bench variants ``name:key=value``): a fresh model as in
+``recpipe bench``, ``--warmup`` steps, then torch's allocator history
+(``torch.cuda.memory._record_memory_history``, Python stacks) over ``--steps`` steps.
+Replaying the history (alloc / free_completed) gives the live bytes at every event;
+at the largest, the blocks allocated inside the recorded steps are grouped by the
+innermost frame in recpipe, torchrec or fbgemm_gpu (file:line function) and by stream.
+Rank 0 writes OUT/memory_at_peak.md (the tables, per rank) and every rank its
+allocator snapshot OUT/snapshot_<pipeline>_rank<r>.pickle (open it at
+https://pytorch.org/memory_viz).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from recpipe.bench.measure import free_device_memory  # noqa: E402
+from recpipe.bench.run import build_run, config_for_pipeline, fresh_batches  # noqa: E402
+from recpipe.bench.runner import pregenerate  # noqa: E402
+from recpipe.config import load_config  # noqa: E402
+from recpipe.distributed import init_process_group, shutdown_process_group  # noqa: E402
+
+_GIB = 2**30
+_OWN = ("recpipe/", "torchrec/", "fbgemm_gpu/")
+
+
+def _where(frames: list[dict]) -> str:
+    """The innermost frame in recpipe / torchrec / fbgemm_gpu (else the innermost)."""
+    for f in frames:
+        if any(own in f["filename"] for own in _OWN):
+            path = f["filename"]
+            short = path[max(path.rfind(own) for own in _OWN if own in path):]
+            return f"{short}:{f['line']} {f['name']}"
+    return f"{frames[0]['filename']}:{frames[0]['line']} {frames[0]['name']}" if frames else "(no Python frame)"
+
+
+def peak_live(trace: list[dict]) -> tuple[int, dict[int, dict]]:
+    """(extra bytes at the peak, {addr: alloc event} alive then) over the recorded
+    events; blocks allocated before recording are not in the trace (the baseline)."""
+    live: dict[int, dict] = {}
+    total = best = 0
+    best_live: dict[int, dict] = {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+            total += event["size"]
+            if total > best:
+                best, best_live = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])["size"]
+    return best, best_live
+
+
+def summarize(trace: list[dict], streams: dict[int, str]) -> dict:
+    best, alive = peak_live(trace)
+    by_site: dict[str, int] = defaultdict(int)
+    by_stream: dict[str, int] = defaultdict(int)
+    for event in alive.values():
+        by_site[_where(event.get("frames", []))] += event["size"]
+        by_stream[streams.get(event["stream"], str(event["stream"]))] += event["size"]
+    return {"peak_extra_gib": best / _GIB, "blocks": len(alive),
+            "by_site": sorted(by_site.items(), key=lambda kv: -kv[1])[:12],
+            "by_stream": sorted(by_stream.items(), key=lambda kv: -kv[1])}
+
+
+def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
+    cfg_p, _, skip = config_for_pipeline(cfg, label)
+    if cfg_p is None:
+        return {"skipped": skip}
+    free_device_memory(device)
+    sharded, pipe = build_run(cfg_p, "recpipe", device, None, {})
+    it = fresh_batches(batches)
+    for _ in range(args.warmup):
+        pipe.progress(it)
+    torch.cuda.synchronize()
+    streams = {torch.cuda.current_stream(device).cuda_stream: "compute"}
+    streams.update({s.cuda_stream: role for role, s in vars(pipe.streams).items() if hasattr(s, "cuda_stream")})
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    for _ in range(args.steps):
+        pipe.progress(it)
+    torch.cuda.synchronize()
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    rank = dist.get_rank()
+    name = label.replace(":", "_").replace("=", "-").replace("+", "_")
+    with open(out / f"snapshot_{name}_rank{rank}.pickle", "wb") as f:
+        pickle.dump(snapshot, f)
+    trace = snapshot["device_traces"][device.index if device.index is not None else torch.cuda.current_device()]
+    result = summarize(trace, streams)
+    result["alloc_gib"] = torch.cuda.memory_allocated(device) / _GIB
+    result["reserved_gib"] = torch.cuda.memory_reserved(device) / _GIB
+    while _drain(pipe, it):
+        pass
+    del pipe, sharded
+    free_device_memory(device)
+    return result
+
+
+def _drain(pipe, it) -> bool:
+    try:
+        pipe.progress(it)
+        return True
+    except StopIteration:
+        return False
+
+
+def markdown(results: dict[str, list[dict]], args) -> str:
+    lines = ["# Live memory at the step-only peak, by allocation site", "",
+             f"`{' '.join(sys.argv)}`; {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+             f"{args.warmup} warm-up steps, then {args.steps} recorded. Extra = bytes allocated inside the recorded "
+             "steps and alive at their peak (the model and anything older is the baseline).", ""]
+    for label, per_rank in results.items():
+        lines += [f"## {label}", ""]
+        for rank, r in enumerate(per_rank):
+            if "skipped" in r:
+                lines += [f"rank {rank}: skipped: {r['skipped']}", ""]
+                continue
+            lines += [f"rank {rank}: extra at peak {r['peak_extra_gib']:.3f} GiB in {r['blocks']} blocks; "
+                      f"by stream: " + ", ".join(f"{s} {b / _GIB:.3f}" for s, b in r["by_stream"]), "",
+                      "| GiB | allocated at |", "|---|---|"]
+            lines += [f"| {b / _GIB:.3f} | `{site}` |" for site, b in r["by_site"]]
+            lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--pipelines", default="sparse_dist,semi_sync")
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    cfg = load_config(args.config, args.overrides)
+    if not torch.cuda.is_available():
+        raise SystemExit("memory_at_peak needs CUDA (the allocator history is the CUDA caching allocator's)")
+    device = init_process_group(cfg)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = pregenerate(cfg, dist.get_rank(), dist.get_world_size(), args.warmup + args.steps + 8, device)
+    results = {}
+    for label in [p for p in args.pipelines.split(",") if p]:
+        mine = run_one(cfg, label, args, batches, device, out)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        results[label] = gathered
+    if dist.get_rank() == 0:
+        (out / "memory_at_peak.md").write_text(markdown(results, args))
+        print(markdown(results, args))
+    shutdown_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

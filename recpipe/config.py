@@ -298,6 +298,11 @@ class _PipelineCommon(_Section):
     # dense arch and interaction+over arch+loss), or the paths in cuda_graph_modules.
     cuda_graphs: bool = False
     cuda_graph_modules: list[str] = Field(default_factory=list)
+    # With cuda_graphs: also replay the dense torch.optim step as a CUDA graph, bit-identical
+    # to the eager step (recpipe/pipelines/optimizer_graph.py). SGD and Adagrad with
+    # lr_decay 0 are replayed; others (Adam, ...) step eagerly with a warning, and so does any
+    # step whose lr or state changed (a scheduler: after 8 changes for good). false: eager.
+    cuda_graph_optimizer: bool = True
 
 
 class BasePipelineConfig(_PipelineCommon):

@@ -293,11 +293,18 @@ class _PipelineCommon(_Section):
     # KeyedJaggedTensor the pipeline runs ahead of forward (docs/models.md).
     inputs: dict[str, Annotated[str, AfterValidator(_factory_spec)]] = Field(default_factory=dict)
     # Replay the model's dense modules (forward and backward) as CUDA graphs, captured
-    # at the first batch's shapes: cuts the host's launch work (recpipe/pipelines/graphs.py).
-    # CUDA only. Which modules: the model's cuda_graph_modules() (recpipe's DLRM/DCNv2:
-    # dense arch and interaction+over arch+loss), or the paths in cuda_graph_modules.
+    # at the first batch's shapes, and the dense optimizer's step: cuts the host's launch
+    # work (recpipe/pipelines/graphs.py). CUDA only. Which modules: the model's
+    # cuda_graph_modules() (recpipe's DLRM/DCNv2: dense arch and interaction+over
+    # arch+loss), or the paths in cuda_graph_modules.
     cuda_graphs: bool = False
     cuda_graph_modules: list[str] = Field(default_factory=list)
+    # With cuda_graphs: also replay the dense torch.optim step, bit-identical to the eager
+    # step (recpipe/pipelines/optimizer_graph.py): SGD, and Adagrad with lr_decay 0. Other
+    # optimizers (Adam, ...) step eagerly with a warning; so does a step after its lr or
+    # state changed (recaptured once it holds; eager for good after 8 changes, e.g. an lr
+    # scheduler). false: the optimizer steps eagerly.
+    cuda_graph_optimizer: bool = True
 
 
 class BasePipelineConfig(_PipelineCommon):

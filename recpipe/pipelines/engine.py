@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from recpipe.distributed import control_group
-from recpipe.pipelines import graphs, sharded, steps
+from recpipe.pipelines import graphs, optimizer_graph, sharded, steps
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
@@ -119,6 +119,7 @@ class Pipeline:
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
         cuda_graphs: bool = False,
         cuda_graph_modules: list[str] | tuple[str, ...] = (),
+        cuda_graph_optimizer: bool = True,
     ) -> None:
         if uneven_data not in ("pad", "error"):
             raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
@@ -144,12 +145,16 @@ class Pipeline:
         self.discovering = False  # inside the first batch's forward
         self.last_loss: torch.Tensor | None = None
         self.last_is_padding = False
-        # Dense modules replayed as CUDA graphs while attached (recpipe.pipelines.graphs).
+        # Dense modules and the dense optimizer's step replayed as CUDA graphs while attached
+        # (recpipe.pipelines.graphs, recpipe.pipelines.optimizer_graph).
         self.graphs: list[graphs.GraphedPart] = []
+        self.optimizer_graphs: list[optimizer_graph.GraphedOptimizerStep] = []
         if cuda_graphs:
             if device.type != "cuda":
                 raise sharded.PipelineError(f"pipeline.cuda_graphs=true needs a CUDA device (this pipeline runs on {device})")
             self.graphs = graphs.graph_parts(model, list(cuda_graph_modules))
+            if cuda_graph_optimizer:
+                self.optimizer_graphs = optimizer_graph.graph_steps(optimizer, device)
         elif cuda_graph_modules:
             warnings.warn(f"pipeline.cuda_graph_modules={list(cuda_graph_modules)} is ignored: pipeline.cuda_graphs is false")
         self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
@@ -295,6 +300,7 @@ class Pipeline:
         if not self.attached:
             sharded.install(self, self._modules)
             graphs.install(self.graphs)
+            optimizer_graph.install(self.optimizer_graphs)
             self.attached = True
 
     def detach(self) -> None:
@@ -307,6 +313,7 @@ class Pipeline:
         sharded.remove(self._modules)
         sharded.remove_splits_only(self._modules)
         graphs.remove(self.graphs)
+        optimizer_graph.remove(self.optimizer_graphs)
         self._splits_fused = False
         self.attached = False
 
@@ -328,6 +335,7 @@ class Pipeline:
         lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in self._modules.items()]
         lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(self._modules)]
         lines += [f"  cuda graphs: {part!r}" for part in self.graphs]
+        lines += [f"  cuda graphs: {step!r}" for step in self.optimizer_graphs]
         return "\n".join(lines)
 
     # ------------------------------------------------------------ internals

@@ -23,6 +23,12 @@ Every output is cloned out of the graph's static buffers, because the next repla
 overwrites them while the caller (metrics, the pipeline's next batches) may still
 hold the previous step's tensors. Memory: each part keeps its own graph pool (its
 activations and gradients for the captured shape) for the pipeline's life.
+
+The dense optimizer's step is graphed too (``pipeline.cuda_graph_optimizer``, on by
+default): ``recpipe.pipelines.optimizer_graph`` replays ``torch.optim.SGD`` and
+``torch.optim.Adagrad`` (``lr_decay == 0``) steps bit-identically to the eager step,
+keeps Adagrad's host-side step counts right, and steps eagerly (with one warning)
+where a replay could differ: other optimizers, a changed lr or state, a closure.
 """
 
 from __future__ import annotations

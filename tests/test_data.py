@@ -96,6 +96,19 @@ def test_synthetic_workers_preserve_order(start_batch):
     assert same_seq(ref, with_workers)
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_synthetic_producers_make_the_inline_batches_bit_for_bit(kind):
+    pooling = "data.synthetic.mean_pooling_factors=[1.0, 2.0, 1.5, 3.0]"  # batches of different sizes
+    ref = batches(small_cfg(pooling, "data.synthetic.num_batches=7"), start_batch=1)
+    got = batches(small_cfg(pooling, "data.synthetic.num_batches=7", "data.num_workers=3", f"data.workers_kind={kind}"),
+                  start_batch=1)
+    assert len(ref) == 6 and same_seq(ref, got)
+    for a, b in zip(ref, got):
+        assert [t.dtype for t in (a.dense_features, a.labels, a.weights)] == [t.dtype for t in (b.dense_features, b.labels, b.weights)]
+        ka, kb = a.sparse_features, b.sparse_features
+        assert (ka.values().dtype, ka.lengths().dtype, ka.stride()) == (kb.values().dtype, kb.lengths().dtype, kb.stride())
+
+
 def test_synthetic_batch_counts_per_rank_and_eval():
     cfg = small_cfg("distributed.nproc=3", "data.synthetic.num_batches_per_rank=[2, 4, 3]", "data.synthetic.num_eval_batches=2")
     for rank, n in enumerate([2, 4, 3]):

@@ -19,6 +19,7 @@ from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
 from recpipe.data.binary_format import BinaryDataError, Layout, column_path, read_manifest
 from recpipe.data.convert import convert
+from recpipe.errors import DataError, data_errors, exit_code_of
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
 from test_checkpoint import _full_state  # every tensor of a DCP checkpoint, shards reassembled
 
@@ -283,6 +284,34 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
     assert f"{victim}: SHA-256 differs" in capsys.readouterr().err
     with pytest.raises(BinaryDataError, match=rf"{victim}: row 20 holds \[300\], outside the valid range of cat_1 \(ids 0..299\)"):
         batches(config("binary", directory=out))
+
+
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_corrupt_batch_made_by_a_producer_is_raised_at_its_turn(tmp_path, tsv_files, kind):
+    out, _ = converted(tmp_path, tsv_files)
+    victim = column_path(out, "00000-day_0.tsv", "cat_1")
+    ids = np.fromfile(victim, dtype="<i4")
+    ids[20] = 300  # row 20: batch 1 of 16 rows
+    ids.tofile(victim)
+    it = data_errors(make_dataloader(config("binary", "data.num_workers=2", f"data.workers_kind={kind}", directory=out),
+                                     rank=0, world_size=1, split="train"))
+    assert next(it).batch_size == 16
+    with pytest.raises(DataError, match=rf"bad training data: {victim}: row 20 holds \[300\], outside the valid range") as caught:
+        next(it)
+    assert type(caught.value.__cause__) is BinaryDataError and exit_code_of(caught.value) == EXIT_BAD_DATA
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_producers_make_the_inline_batches_bit_for_bit(tmp_path, tsv_files, kind, shuffle):
+    out, _ = converted(tmp_path, tsv_files)
+    common = ["distributed.nproc=2", f"data.shuffle={str(shuffle).lower()}", "data.shuffle_block_rows=4"]
+    inline = config("binary", *common, directory=out, batch_size=8)
+    made = config("binary", *common, "data.num_workers=2", f"data.workers_kind={kind}", directory=out, batch_size=8)
+    for rank in range(2):
+        for epoch, start in ((0, 0), (1, 2)):
+            ref = batches(inline, rank=rank, world_size=2, epoch=epoch, start_batch=start)
+            assert_same_batches(batches(made, rank=rank, world_size=2, epoch=epoch, start_batch=start), ref)
 
 
 def test_layout_mismatch_names_both_values(tmp_path, tsv_files):

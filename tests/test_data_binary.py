@@ -418,16 +418,22 @@ def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["process", "thread"])
 @pytest.mark.parametrize("source", ["synthetic", "binary"])
-def test_cuda_batches_are_pinned_by_the_producer_threads_and_copy_exactly(tmp_path, tsv_files, source):
+def test_cuda_batches_are_pinned_by_the_producers_and_copy_exactly(tmp_path, tsv_files, source, kind):
     out, _ = converted(tmp_path, tsv_files)
     directory = out if source == "binary" else None
-    cfg = config(source, "data.num_workers=2", "data.pin_memory=true", "data.synthetic.num_batches=5", directory=directory)
-    plain = config(source, "data.pin_memory=false", "data.synthetic.num_batches=5", directory=directory)
-    for pinned, host in zip(batches(cfg), batches(plain)):
+    cfg = config(source, "data.num_workers=2", f"data.workers_kind={kind}", "data.pin_memory=true",
+                 "data.synthetic.num_batches=12", directory=directory, batch_size=8)
+    plain = config(source, "data.pin_memory=false", "data.synthetic.num_batches=12", directory=directory, batch_size=8)
+    # The copies wait behind a long kernel while each pinned batch is dropped at once:
+    # its memory must not be reused (by the loader's next batches) before its copy ran.
+    torch.cuda._sleep(1_000_000_000)
+    on_gpu = []
+    for pinned in make_dataloader(cfg, rank=0, world_size=1, split="train"):
         tensors = [pinned.dense_features, pinned.labels, pinned.weights, pinned.sparse_features.values(),
                    pinned.sparse_features.lengths()]
         assert all(t.is_pinned() for t in tensors)
-        on_gpu = pinned.to(torch.device("cuda"), non_blocking=True)
-        torch.cuda.synchronize()
-        assert_same_batches([on_gpu.to(torch.device("cpu"))], [host])
+        on_gpu.append(pinned.to(torch.device("cuda"), non_blocking=True))
+    torch.cuda.synchronize()
+    assert_same_batches([b.to(torch.device("cpu")) for b in on_gpu], batches(plain))

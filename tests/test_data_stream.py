@@ -231,3 +231,16 @@ def test_producer_processes_do_not_outlive_the_training_process(tmp_path):
     while not all(_gone(pid) for pid in pids["killed"]) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert all(_gone(pid) for pid in pids["killed"] + pids["exit"])
+
+
+def _touches_cuda(i):
+    return torch.ones(1, device="cuda").item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_producers_fork_from_a_cuda_process_and_must_not_touch_cuda():
+    torch.ones(1, device="cuda")  # CUDA initialized before the fork, as in a trainer
+    assert list(BatchStream(lambda i: i, 0, 5, 2, kind="process")) == list(range(5))
+    with pytest.raises(RuntimeError, match="Cannot re-initialize CUDA in forked subprocess"):
+        list(BatchStream(_touches_cuda, 0, 5, 2, kind="process"))

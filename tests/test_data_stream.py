@@ -94,6 +94,21 @@ def test_a_killed_producer_is_an_error_naming_it():
     assert all(_reaped(pid) for pid in pids)
 
 
+def test_producers_ignore_sigint_and_sigterm():
+    """Ctrl-C and SLURM signal the whole process group; the trainer reads batches
+    until its ranks agree to stop, so the producers must not die of it."""
+    def make(i):
+        time.sleep(0.002)
+        return i
+
+    it = iter(BatchStream(make, 0, 40, 2, kind="process"))
+    assert next(it) == 0
+    for child in it.producers.children:
+        os.kill(child.pid, signal.SIGTERM)
+        os.kill(child.pid, signal.SIGINT)
+    assert list(it) == list(range(1, 40))
+
+
 def test_an_abandoned_iterator_stops_its_threads():
     it = iter(BatchStream(lambda i: i, 0, 10_000, 2, kind="thread"))
     assert next(it) == 0

@@ -158,13 +158,21 @@ class _Producer:
         self.conn.send_bytes(pickle.dumps((_ERROR, index, payload, text), pickle.HIGHEST_PROTOCOL))
 
 
-def _producer_main(stream: "BatchStream", w: int, k: int, conn: Connection, parent_pid: int) -> NoReturn:
-    """The forked child's whole life: it never returns into the parent's code."""
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # ignored by producers: the training process decides
+
+
+def _producer_main(stream: "BatchStream", w: int, k: int, conn: Connection, parent_pid: int,
+                   parents_ends: tuple[Connection, int], signal_mask: set) -> NoReturn:
+    """The forked child's whole life: it never returns into the parent's code. It
+    starts with SIGINT and SIGTERM blocked (see ``_Child``)."""
     code = 0
     try:
         die_with_parent(parent_pid)
-        for sig in (signal.SIGINT, signal.SIGTERM):  # the training process decides (module docstring)
+        for sig in _STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)
+        parents_ends[0].close()
+        os.close(parents_ends[1])
         # One intra-op thread: k producers beside the training process must not each run a full team.
         torch.set_num_threads(1)
         _Producer(conn, w, k).run(stream)
@@ -183,11 +191,15 @@ class _Child:
         conn, child_conn = Pipe(duplex=True)
         sentinel, child_sentinel = os.pipe()
         parent_pid = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            os.close(sentinel)
-            conn.close()
-            _producer_main(stream, w, k, child_conn, parent_pid)
+        # Blocked across the fork, so that a Ctrl-C cannot raise KeyboardInterrupt in
+        # the child before it is inside _producer_main (it would run the parent's code).
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                _producer_main(stream, w, k, child_conn, parent_pid, (conn, sentinel), mask)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         # Closed here before the next fork, so that only this producer holds them.
         os.close(child_sentinel)
         child_conn.close()
@@ -222,7 +234,10 @@ class _Child:
             return message[2]
         _, _, slot, size, layout, spec, grown = message
         if grown:
-            fd = recv_handle(self.conn)
+            try:
+                fd = recv_handle(self.conn)
+            except (OSError, EOFError, RuntimeError) as err:  # it died between the message and the segment
+                raise ProducerDied(self._death(message[1])) from err
             self.segments[slot] = _Segment(fd, grown, writable=False)
             os.close(fd)
         buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)

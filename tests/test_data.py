@@ -291,6 +291,15 @@ def test_tsv_resume_and_workers(tmp_path):
     assert same_seq(batches(workers, rank=1, world_size=2, start_batch=1), full[1:])
 
 
+def test_workers_kind_is_ignored_with_a_warning_where_it_does_not_apply(tmp_path):
+    with pytest.warns(UserWarning, match="data.workers_kind='thread' is ignored: data.num_workers=0 makes"):
+        assert len(batches(small_cfg("data.workers_kind=thread"))) == 5
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(numbered_line(n) for n in range(8)))
+    with pytest.warns(UserWarning, match="data.workers_kind='process' is ignored: criteo_tsv always parses"):
+        assert len(batches(tsv_cfg([path], "data.num_workers=1", "data.workers_kind=process"))) == 2
+
+
 def test_tsv_eval_split(tmp_path):
     path = tmp_path / "day.tsv"
     path.write_text("".join(numbered_line(n) for n in range(5)))

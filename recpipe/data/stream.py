@@ -8,9 +8,11 @@ Producer threads in the training process contend with the loop for the GIL: with
 threads ``recpipe train`` reached 0.72-0.76x the samples/s of ``recpipe bench``;
 with the loader's work out of the loop (batches made before training and cycled),
 0.98x. A forked producer process makes the batch under its own GIL and writes it
-into a preallocated shared-memory slot; a receiver thread of the training process
-copies it out in one memcpy (no GIL) and rebuilds the batch (tens of microseconds
-of Python), so the training process does almost no per-batch work. The earlier
+into one of its shared-memory slots (made once, reused); a receiver thread of the
+training process copies it out in one memcpy (no GIL) and rebuilds the batch (about
+25 us of Python), so the training process does almost no per-batch work: on the
+2-core dev machine 0.6 ms of its CPU per synthetic batch, against 6.2 ms with a
+producer thread (``recpipe data bench``, benchmarks/data_loader.md). The earlier
 objection to worker processes was torch's DataLoader hand-off: a new shared-memory
 segment per tensor and an unpickle per batch in the trainer (1.3-1.8 ms), spawned
 workers that import torch, torchrec and fbgemm again (about 15 s, and a screen of

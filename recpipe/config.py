@@ -151,10 +151,17 @@ class DataConfig(_Section):
     # binary: memory-mapped arrays made once from TSV by ``recpipe data convert``.
     source: Literal["synthetic", "criteo_tsv", "binary"] = "synthetic"
     batch_size: int = Field(512, gt=0, description="samples per rank and step")
-    # Parallel batch makers per rank. synthetic and binary: threads inside the
-    # training process (no copies between processes; 0 = made in the training loop
-    # itself). criteo_tsv: forked worker processes (parsing holds the GIL).
+    # Parallel batch makers per rank (0 = made in the training loop itself).
+    # criteo_tsv: forked DataLoader worker processes. synthetic and binary: see
+    # workers_kind.
     num_workers: int = Field(1, ge=0)
+    # synthetic and binary with num_workers > 0. process: forked producer processes
+    # that hand batches over through reused shared-memory slots, so making them
+    # never holds the training loop's GIL (recpipe/data/stream.py). thread: threads
+    # of the training process (no fork; for host-memory tables, train.device=cpu,
+    # which a forked producer would make the training process copy page by page as
+    # it writes them). Not Linux: always threads.
+    workers_kind: Literal["process", "thread"] = "process"
     pin_memory: bool = True
     # binary only: a new row order every epoch, deterministic in (train.seed, epoch):
     # blocks of ``shuffle_block_rows`` consecutive rows are permuted, then the rows

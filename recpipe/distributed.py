@@ -119,16 +119,19 @@ def control_group() -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo")
 
 
-def _die_with_launcher(launcher_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this rank when the launcher dies, however it
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: have the kernel SIGKILL this process when its parent dies, however it
     dies (torch's spawn asks for SIGINT, which a job started in the background
-    ignores, so the ranks of a killed launcher trained on as orphans)."""
+    ignores, so the ranks of a killed launcher trained on as orphans). Call first
+    thing in the child; ``parent_pid`` is the parent's pid, read before the fork. The
+    kernel acts when the parent *thread* that forked this process ends: fork from
+    a thread that lives as long as the child should (the main thread)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the launcher's own cleanup still applies
+    except (OSError, AttributeError):  # not Linux: the parent's own cleanup still applies
         return
-    if os.getppid() != launcher_pid:  # it died before the prctl took effect
+    if os.getppid() != parent_pid:  # it died before the prctl took effect
         os._exit(EXIT_WORKER_FAILED)
 
 
@@ -138,7 +141,7 @@ _PR_SET_PDEATHSIG = 1
 def _child(
     local_rank: int, world_size: int, port: int, launcher_pid: int, fn: Callable[..., Any], args: tuple
 ) -> None:
-    _die_with_launcher(launcher_pid)
+    die_with_parent(launcher_pid)
     os.environ.update(
         RANK=str(local_rank),
         LOCAL_RANK=str(local_rank),

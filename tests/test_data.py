@@ -96,6 +96,19 @@ def test_synthetic_workers_preserve_order(start_batch):
     assert same_seq(ref, with_workers)
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_synthetic_producers_make_the_inline_batches_bit_for_bit(kind):
+    pooling = "data.synthetic.mean_pooling_factors=[1.0, 2.0, 1.5, 3.0]"  # batches of different sizes
+    ref = batches(small_cfg(pooling, "data.synthetic.num_batches=7"), start_batch=1)
+    got = batches(small_cfg(pooling, "data.synthetic.num_batches=7", "data.num_workers=3", f"data.workers_kind={kind}"),
+                  start_batch=1)
+    assert len(ref) == 6 and same_seq(ref, got)
+    for a, b in zip(ref, got):
+        assert [t.dtype for t in (a.dense_features, a.labels, a.weights)] == [t.dtype for t in (b.dense_features, b.labels, b.weights)]
+        ka, kb = a.sparse_features, b.sparse_features
+        assert (ka.values().dtype, ka.lengths().dtype, ka.stride()) == (kb.values().dtype, kb.lengths().dtype, kb.stride())
+
+
 def test_synthetic_batch_counts_per_rank_and_eval():
     cfg = small_cfg("distributed.nproc=3", "data.synthetic.num_batches_per_rank=[2, 4, 3]", "data.synthetic.num_eval_batches=2")
     for rank, n in enumerate([2, 4, 3]):
@@ -276,6 +289,15 @@ def test_tsv_resume_and_workers(tmp_path):
     assert batches(cfg, rank=1, world_size=2, start_batch=7) == []
     workers = tsv_cfg([path], "distributed.nproc=2", "data.num_workers=2", batch_size=3)
     assert same_seq(batches(workers, rank=1, world_size=2, start_batch=1), full[1:])
+
+
+def test_workers_kind_is_ignored_with_a_warning_where_it_does_not_apply(tmp_path):
+    with pytest.warns(UserWarning, match="data.workers_kind='thread' is ignored: data.num_workers=0 makes"):
+        assert len(batches(small_cfg("data.workers_kind=thread"))) == 5
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(numbered_line(n) for n in range(8)))
+    with pytest.warns(UserWarning, match="data.workers_kind='process' is ignored: criteo_tsv always parses"):
+        assert len(batches(tsv_cfg([path], "data.num_workers=1", "data.workers_kind=process"))) == 2
 
 
 def test_tsv_eval_split(tmp_path):

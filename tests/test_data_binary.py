@@ -19,6 +19,7 @@ from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
 from recpipe.data.binary_format import BinaryDataError, Layout, column_path, read_manifest
 from recpipe.data.convert import convert
+from recpipe.errors import DataError, data_errors, exit_code_of
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
 from test_checkpoint import _full_state  # every tensor of a DCP checkpoint, shards reassembled
 
@@ -285,6 +286,34 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
         batches(config("binary", directory=out))
 
 
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_a_corrupt_batch_made_by_a_producer_is_raised_at_its_turn(tmp_path, tsv_files, kind):
+    out, _ = converted(tmp_path, tsv_files)
+    victim = column_path(out, "00000-day_0.tsv", "cat_1")
+    ids = np.fromfile(victim, dtype="<i4")
+    ids[20] = 300  # row 20: batch 1 of 16 rows
+    ids.tofile(victim)
+    it = data_errors(make_dataloader(config("binary", "data.num_workers=2", f"data.workers_kind={kind}", directory=out),
+                                     rank=0, world_size=1, split="train"))
+    assert next(it).batch_size == 16
+    with pytest.raises(DataError, match=rf"bad training data: {victim}: row 20 holds \[300\], outside the valid range") as caught:
+        next(it)
+    assert type(caught.value.__cause__) is BinaryDataError and exit_code_of(caught.value) == EXIT_BAD_DATA
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_producers_make_the_inline_batches_bit_for_bit(tmp_path, tsv_files, kind, shuffle):
+    out, _ = converted(tmp_path, tsv_files)
+    common = ["distributed.nproc=2", f"data.shuffle={str(shuffle).lower()}", "data.shuffle_block_rows=4"]
+    inline = config("binary", *common, directory=out, batch_size=8)
+    made = config("binary", *common, "data.num_workers=2", f"data.workers_kind={kind}", directory=out, batch_size=8)
+    for rank in range(2):
+        for epoch, start in ((0, 0), (1, 2)):
+            ref = batches(inline, rank=rank, world_size=2, epoch=epoch, start_batch=start)
+            assert_same_batches(batches(made, rank=rank, world_size=2, epoch=epoch, start_batch=start), ref)
+
+
 def test_layout_mismatch_names_both_values(tmp_path, tsv_files):
     out, _ = converted(tmp_path, tsv_files)
     cfg = load_config(None, ["model.num_embeddings_per_feature=[7, 300, 1, 1000]", "data.source=binary",
@@ -389,16 +418,22 @@ def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["process", "thread"])
 @pytest.mark.parametrize("source", ["synthetic", "binary"])
-def test_cuda_batches_are_pinned_by_the_producer_threads_and_copy_exactly(tmp_path, tsv_files, source):
+def test_cuda_batches_are_pinned_by_the_producers_and_copy_exactly(tmp_path, tsv_files, source, kind):
     out, _ = converted(tmp_path, tsv_files)
     directory = out if source == "binary" else None
-    cfg = config(source, "data.num_workers=2", "data.pin_memory=true", "data.synthetic.num_batches=5", directory=directory)
-    plain = config(source, "data.pin_memory=false", "data.synthetic.num_batches=5", directory=directory)
-    for pinned, host in zip(batches(cfg), batches(plain)):
+    cfg = config(source, "data.num_workers=2", f"data.workers_kind={kind}", "data.pin_memory=true",
+                 "data.synthetic.num_batches=12", directory=directory, batch_size=8)
+    plain = config(source, "data.pin_memory=false", "data.synthetic.num_batches=12", directory=directory, batch_size=8)
+    # The copies wait behind a long kernel while each pinned batch is dropped at once:
+    # its memory must not be reused (by the loader's next batches) before its copy ran.
+    torch.cuda._sleep(1_000_000_000)
+    on_gpu = []
+    for pinned in make_dataloader(cfg, rank=0, world_size=1, split="train"):
         tensors = [pinned.dense_features, pinned.labels, pinned.weights, pinned.sparse_features.values(),
                    pinned.sparse_features.lengths()]
         assert all(t.is_pinned() for t in tensors)
-        on_gpu = pinned.to(torch.device("cuda"), non_blocking=True)
-        torch.cuda.synchronize()
-        assert_same_batches([on_gpu.to(torch.device("cpu"))], [host])
+        on_gpu.append(pinned.to(torch.device("cuda"), non_blocking=True))
+    torch.cuda.synchronize()
+    assert_same_batches([b.to(torch.device("cpu")) for b in on_gpu], batches(plain))

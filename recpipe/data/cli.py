@@ -6,8 +6,10 @@
 * ``verify DIR``: every part converted, every file of its manifest size and
   SHA-256 (``--sizes-only`` skips the checksums).
 * ``bench --config PATH``: samples/s of the configured loader (``data.source``,
-  ``data.num_workers``, ``data.batch_size``) for rank 0 of ``distributed.nproc``,
-  on this machine; batches are made and dropped (no model). The last line is
+  ``data.num_workers``, ``data.workers_kind``, ``data.batch_size``) for rank 0 of
+  ``distributed.nproc``, on this machine; batches are made and dropped (no model).
+  It also prints the CPU this process spent per batch: what a training process
+  pays for its loader (producer processes excluded). The last line is
   ``<N> samples/s``.
 
 Exit codes: 0; 2 bad arguments or config; 4 malformed or damaged data
@@ -109,13 +111,16 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from recpipe.data import check_data, make_dataloader
+    from recpipe.data.stream import workers_kind
 
     cfg = _config(args)
     if args.batches < 1 or args.warmup < 1:
         raise ConfigError(f"--batches={args.batches} and --warmup={args.warmup} must be >= 1")
     check_data(cfg)
     world, d = cfg.distributed.nproc, cfg.data
-    print(f"source {d.source}, batch {d.batch_size}, num_workers {d.num_workers}, rank 0 of {world}, "
+    kind = ("made in the loop" if d.num_workers == 0 else "DataLoader worker processes" if d.source == "criteo_tsv"
+            else {"process": "producer processes", "thread": "producer threads"}[workers_kind(d.workers_kind)])
+    print(f"source {d.source}, batch {d.batch_size}, num_workers {d.num_workers} ({kind}), rank 0 of {world}, "
           f"shuffle {d.shuffle}, pinned {d.pin_memory and torch.cuda.is_available()}, "
           f"torch threads {torch.get_num_threads()}")
     epoch, made, timed, started = 0, 0, 0, time.perf_counter()
@@ -138,7 +143,8 @@ def _bench(args: argparse.Namespace) -> int:
         epoch += 1
     seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     rate = timed * d.batch_size / seconds
-    print(f"first batch after {first_s:.3f} s; {timed} batches in {seconds:.3f} s over {epoch} epoch(s), "
-          f"{cpu / seconds:.2f} CPU cores busy in this process (worker processes not counted)")
+    print(f"first batch after {first_s:.3f} s; {timed} batches in {seconds:.3f} s over {epoch} epoch(s); "
+          f"this process (the training process's share): {cpu / seconds:.2f} CPU cores busy, "
+          f"{cpu / timed * 1e3:.2f} ms of CPU per batch (worker processes not counted)")
     print(f"{rate:.0f} samples/s")
     return EXIT_OK

@@ -5,9 +5,11 @@ batch-index order ``start_batch, start_batch + 1, ...`` of ``rank``'s ``split``
 stream, bit-for-bit identical whatever ``data.num_workers`` is.
 
 * synthetic, binary: a :class:`~recpipe.data.stream.BatchStream`, whose
-  ``data.num_workers`` threads make the batches inside the training process (in
-  pinned memory on CUDA when ``data.pin_memory``); see ``stream`` for why not
-  worker processes.
+  ``data.num_workers`` producers make the batches: forked processes that hand them
+  over through shared-memory slots (``data.workers_kind: process``, the default),
+  or threads of the training process (``thread``); ``num_workers: 0`` makes them in
+  the training loop itself. On CUDA with ``data.pin_memory`` they arrive in pinned
+  memory. See ``stream`` for why processes.
 * criteo_tsv: a torch DataLoader with ``data.num_workers`` *forked* worker
   processes (parsing is pure Python, so threads would share one core). Worker ``w``
   of ``n`` makes batch indices ``start_batch + w, start_batch + w + n, ...`` and the
@@ -23,6 +25,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
@@ -34,7 +37,7 @@ from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
 from recpipe.data.criteo import CriteoTsvReader
-from recpipe.data.stream import BatchStream
+from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
 __all__ = ["check_data", "make_dataloader", "num_batches"]
@@ -175,6 +178,16 @@ class _SyntheticBatch:
         return batch.pin_memory() if self.pin else batch
 
 
+def _workers_kind(cfg: RecpipeConfig) -> str:
+    """``data.workers_kind`` where it applies (a warning where a set value does not)."""
+    d = cfg.data
+    if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers == 0):
+        why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"
+               else "data.num_workers=0 makes the batches in the training loop")
+        warnings.warn(f"data.workers_kind={d.workers_kind!r} is ignored: {why}", stacklevel=3)
+    return workers_kind(d.workers_kind) if d.num_workers > 0 else d.workers_kind
+
+
 def make_dataloader(
     cfg: RecpipeConfig,
     *,
@@ -193,17 +206,20 @@ def make_dataloader(
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
     pin = cfg.data.pin_memory and torch.cuda.is_available()
     pin_device = torch.device("cuda", torch.cuda.current_device()) if pin else None
-    workers = cfg.data.num_workers
+    workers, kind = cfg.data.num_workers, _workers_kind(cfg)
+    # Producer processes must not touch CUDA: their batches are pinned when they arrive.
+    pin_made = pin and not (workers > 0 and kind == "process")
     if cfg.data.source == "synthetic":
         stop = num_synthetic_batches(cfg, rank=rank, split=split)
-        return BatchStream(_SyntheticBatch(cfg, rank, split, epoch, pin), start_batch, stop, workers, pin_device)
+        make = _SyntheticBatch(cfg, rank, split, epoch, pin_made)
+        return BatchStream(make, start_batch, stop, workers, pin_device, kind)
     if cfg.data.source == "binary":
         if _binary_dir(cfg, split) is None:
             return []
         dataset = _binary_dataset(cfg, rank=rank, world_size=world_size, split=split)
         order = dataset.block_order(epoch)
-        make = lambda i: dataset.batch(i, order, epoch, pin=pin)  # noqa: E731  (threads: no pickling)
-        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device)
+        make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
+        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind)
     reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
     fork = "fork" in multiprocessing.get_all_start_methods()
     return DataLoader(

@@ -1,45 +1,89 @@
-"""Batches made ahead of the training loop by threads of the training process.
+"""Batches made ahead of the training loop, by producer processes (default) or threads.
 
-Why threads and not DataLoader worker processes (for the synthetic and binary
-sources, whose batches are a few vectorised numpy/torch operations that release
-the GIL): a worker process hands every batch over by moving each tensor into a
-new shared-memory segment and unpickling it in the trainer (1.3-1.8 ms of the
-trainer's own CPU time per 8192-sample Criteo batch, measured on the 2-core dev
-machine); a spawned worker imports torch, torchrec and fbgemm again before its
-first batch (about 15 s on the GPU machine, and fbgemm's import logs a screen of
-blank ``WARNING:root:`` lines in every worker); and pinning then copies each batch
-once more in the DataLoader's pin thread. A producer thread builds the batch
-directly in pinned memory and hands over a reference.
+Why processes (``data.workers_kind: process``, ``recpipe.data.processes``): the
+training loop is host-bound Python (torchrec, FBGEMM: a 9.4 ms step of the
+Criteo-sized DLRM at 8192 samples on one H100), and so is making a batch (about
+6 ms of CPU per synthetic 8192-sample Criteo batch, in many small torch ops).
+Producer threads in the training process contend with the loop for the GIL: with
+threads ``recpipe train`` reached 0.72-0.76x the samples/s of ``recpipe bench``;
+with the loader's work out of the loop (batches made before training and cycled),
+0.98x. A forked producer process makes the batch under its own GIL and writes it
+into one of its shared-memory slots (made once, reused); a receiver thread of the
+training process copies it out in one memcpy (no GIL) and rebuilds the batch (about
+25 us of Python), so the training process does almost no per-batch work: on the
+2-core dev machine 0.6 ms of its CPU per synthetic batch, against 6.2 ms with a
+producer thread (``recpipe data bench``, benchmarks/data_loader.md). The earlier
+objection to worker processes was torch's DataLoader hand-off: a new shared-memory
+segment per tensor and an unpickle per batch in the trainer (1.3-1.8 ms), spawned
+workers that import torch, torchrec and fbgemm again (about 15 s, and a screen of
+fbgemm warnings each), and one more copy in the pin thread. The processes here
+are forked (no import), reuse their slots, and pickle no tensor data.
 
-Order: with k threads, thread w makes indices ``start + w, start + w + k, ...`` into
-its own bounded queue and the consumer takes from the queues in turn, so batches
-arrive in index order whatever k is (as with DataLoader workers). An exception in a
-thread is raised by the consumer at that batch's turn.
+Threads (``data.workers_kind: thread``) remain for machines without ``fork`` and
+``memfd`` (not Linux; the stream falls back to them with a warning), and for
+training with large tables in host memory (``train.device: cpu``): a forked
+producer shares the training process's pages copy-on-write, so while it lives
+every page the training process writes (embedding rows updated by the optimizer)
+is copied once.
+
+Order: with k producers, producer w makes indices ``start + w, start + w + k, ...``
+and the consumer takes them in turn, so batches arrive in index order whatever k
+is (as with DataLoader workers), bit for bit as ``workers=0`` makes them. An
+exception in a producer is raised by the consumer at that batch's turn, with its
+type and message.
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
-from typing import Any, Callable, Iterator
+import warnings
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-__all__ = ["BatchStream"]
+__all__ = ["BatchStream", "Failed", "put_unless_closed", "workers_kind"]
 
 _PREFETCH_PER_THREAD = 2
+WorkersKind = Literal["process", "thread"]
+# Forked producers hand segments over as memfd file descriptors (Linux).
+PROCESSES_AVAILABLE = hasattr(os, "fork") and hasattr(os, "memfd_create")
 
 
-class _Failed:
+def workers_kind(kind: WorkersKind) -> WorkersKind:
+    """``kind``, or "thread" (with a warning) where processes are not available."""
+    if kind == "process" and not PROCESSES_AVAILABLE:
+        warnings.warn("data.workers_kind=process needs os.fork and os.memfd_create (Linux); "
+                      "batches are made by threads instead", stacklevel=2)
+        return "thread"
+    return kind
+
+
+class Failed:
+    """A producer's exception, queued at its batch's turn."""
+
     def __init__(self, error: BaseException) -> None:
         self.error = error
 
 
+def put_unless_closed(closed: threading.Event, out: queue.Queue, item: Any) -> bool:
+    """Put ``item`` into the bounded ``out``; False if ``closed`` is set first."""
+    while not closed.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 class BatchStream:
-    """``make(i)`` for ``i = start .. stop-1``, made by ``workers`` threads (0 = on demand
-    in the consumer's thread). ``pin_device``: make the batches on a thread whose
-    current CUDA device is this one (pinned allocations then belong to its context)."""
+    """``make(i)`` for ``i = start .. stop-1``, made by ``workers`` producers of ``kind``
+    (0 = on demand in the consumer's thread). ``pin_device``: batches end up in pinned
+    memory of this CUDA device's context: threads make them there (``make`` must pin),
+    processes' batches are copied into pinned memory (``make`` must not pin)."""
 
     def __init__(
         self,
@@ -48,9 +92,10 @@ class BatchStream:
         stop: int,
         workers: int,
         pin_device: torch.device | None = None,
+        kind: WorkersKind = "process",
     ) -> None:
         self.make, self.start, self.stop = make, start, stop
-        self.workers, self.pin_device = workers, pin_device
+        self.workers, self.pin_device, self.kind = workers, pin_device, kind
 
     def __len__(self) -> int:
         return max(self.stop - self.start, 0)
@@ -58,18 +103,38 @@ class BatchStream:
     def __iter__(self) -> Iterator[Any]:
         if self.workers == 0:
             return (self.make(i) for i in range(self.start, self.stop))
-        return _Threads(self)
+        if self.kind == "thread":
+            return _Consumer(self, _Threads(self))
+        assert self.kind == "process" and PROCESSES_AVAILABLE, (self.kind, "resolve it with workers_kind()")
+        from recpipe.data.processes import Processes  # it imports this module
+
+        return _Consumer(self, Processes(self))
 
 
-class _Producers:
+class _Running:
+    """Producer sets that may still run, stopped and joined at exit while the
+    interpreter is whole: a daemon thread that is inside a torch op when the
+    interpreter finalizes is ended by ``pthread_exit``, which aborts the process
+    ("terminate called without an active exception"); a producer process would
+    live on until its parent is gone."""
+
+    producers: list[Any] = []  # strong references until each has ended
+
+    @classmethod
+    def add(cls, producers: Any) -> None:
+        cls.producers[:] = [p for p in cls.producers if p.running()] + [producers]
+
+
+@atexit.register
+def _stop_all_producers() -> None:
+    for producers in _Running.producers:
+        producers.stop(join=True)
+
+
+class _Threads:
     """The threads and their queues. The threads hold the stop event, their queue and
     the stream, never the consumer's iterator, so dropping the iterator (a trainer
-    leaves an epoch early) runs its ``__del__``, which stops them. At exit every producer still running is stopped
-    and joined while the interpreter is whole: a daemon thread that is inside a
-    torch op when the interpreter finalizes is ended by ``pthread_exit``, which
-    aborts the process ("terminate called without an active exception")."""
-
-    running: list["_Producers"] = []  # strong references until every thread has ended
+    leaves an epoch early) runs its ``__del__``, which stops them."""
 
     def __init__(self, stream: BatchStream) -> None:
         k = stream.workers
@@ -80,9 +145,15 @@ class _Producers:
                              name=f"recpipe-batches-{w}", daemon=True)
             for w in range(k)
         ]
-        _Producers.running[:] = [p for p in _Producers.running if any(t.is_alive() for t in p.threads)] + [self]
+        self.start = stream.start
         for t in self.threads:
             t.start()
+
+    def take(self, index: int) -> Any:
+        return self.queues[(index - self.start) % len(self.queues)].get()
+
+    def running(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
 
     def stop(self, join: bool) -> None:
         self.closed.set()
@@ -90,12 +161,6 @@ class _Producers:
             for t in self.threads:
                 if t is not threading.current_thread():
                     t.join()
-
-
-@atexit.register
-def _stop_all_producers() -> None:
-    for producers in _Producers.running:
-        producers.stop(join=True)
 
 
 def _produce(closed: threading.Event, out: queue.Queue, stream: BatchStream, w: int, k: int) -> None:
@@ -110,45 +175,36 @@ def _produce(closed: threading.Event, out: queue.Queue, stream: BatchStream, w: 
         try:
             item = stream.make(index)
         except BaseException as err:  # handed to the consumer, raised there
-            item = _Failed(err)
-        if not _put(closed, out, item) or isinstance(item, _Failed):
+            item = Failed(err)
+        if not put_unless_closed(closed, out, item) or isinstance(item, Failed):
             return
 
 
-def _put(closed: threading.Event, out: queue.Queue, item: Any) -> bool:
-    while not closed.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
+class _Consumer:
+    """The consumer's iterator: batches in index order from the producers."""
 
+    def __init__(self, stream: BatchStream, producers: Any) -> None:
+        self.next_index, self.stop = stream.start, stream.stop
+        self.producers = producers
+        _Running.add(producers)
 
-class _Threads:
-    """The consumer's iterator: batches in index order from the producers' queues."""
-
-    def __init__(self, stream: BatchStream) -> None:
-        self.start, self.next_index, self.stop = stream.start, stream.start, stream.stop
-        self.producers = _Producers(stream)
-
-    def __iter__(self) -> "_Threads":
+    def __iter__(self) -> "_Consumer":
         return self
 
     def __next__(self) -> Any:
         if self.next_index >= self.stop or self.producers.closed.is_set():
             self.close()
             raise StopIteration
-        queues = self.producers.queues
-        item = queues[(self.next_index - self.start) % len(queues)].get()
-        if isinstance(item, _Failed):
+        item = self.producers.take(self.next_index)
+        if isinstance(item, Failed):
             self.close()
             raise item.error
         self.next_index += 1
         return item
 
     def close(self) -> None:
-        """Stop the producers and wait for them (each finishes the batch it is making)."""
+        """Stop the producers and wait for them (a thread finishes the batch it is
+        making; a process is killed)."""
         self.producers.stop(join=True)
 
     def __del__(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes
+from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes, dense_output_grad_bytes
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
@@ -83,7 +83,8 @@ def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInf
     if m.factory is not None:
         return DenseSpec(num_params=params, buffer_bytes=buffers)
     dense, top = activation_bytes(m, cfg.train.precision)
-    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top,
+                     dense_out_grad_bytes=dense_output_grad_bytes(m, cfg.train.precision))
 
 
 def model_notes(cfg: "RecpipeConfig", assumed: list[str]) -> tuple[str, ...]:

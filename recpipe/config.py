@@ -252,9 +252,11 @@ class ShardingConfig(_Section):
     # sized by recpipe's memory estimates (sharding types and kernels still from here).
     placement: Literal["config", "planner"] = "config"
     # Memory planner only: mean ids per sample for each feature of a table, by table
-    # name. Unlisted tables take data.synthetic.mean_pooling_factors (built-in model)
-    # or 1.0 (model.factory models; the plan warns which). For an EmbeddingCollection
-    # table it is the mean sequence length.
+    # name. Unlisted tables take what the data gives for their features cat_i:
+    # data.multi_hot_sizes, else one id each for criteo_tsv / binary data, else
+    # data.synthetic.mean_pooling_factors (built-in model), else 1.0 (model.factory
+    # models; the plan warns which). For an EmbeddingCollection table it is the mean
+    # sequence length.
     mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
     comm_precision: CommPrecision = CommPrecision()
 

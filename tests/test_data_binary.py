@@ -397,14 +397,29 @@ def test_two_ranks_train_bit_identically_from_tsv_and_binary(tmp_path, tsv_files
     _assert_same_state(_final_state(tsv, tmp_path), _final_state(binary, tmp_path), "binary vs TSV")
 
 
+def test_no_eval_data_names_the_key_of_the_configured_source(tmp_path, tsv_files):
+    from recpipe.data import no_eval_data
+
+    out, _ = converted(tmp_path, tsv_files)
+    empty, _ = converted(tmp_path / "empty", [tsv_files[1]])  # the empty file: a dataset of 0 rows
+    no_dir = config("binary", directory=out)
+    no_rows = config("binary", f"data.binary.eval_dir={empty}", directory=out)
+    tsv = config("criteo_tsv", files=tsv_files)
+    for cfg, why in ((no_dir, "data.binary.eval_dir is not set"), (no_rows, f"data.binary.eval_dir={str(empty)!r} holds no rows"),
+                     (tsv, "data.criteo.eval_files is empty")):
+        assert num_batches(cfg, rank=0, world_size=1, split="eval") == 0
+        assert no_eval_data(cfg) == why
+
+
 @pytest.mark.slow
-def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files):
+def test_shuffled_binary_training_resumes_bit_identically(tmp_path, tsv_files, capfd):
     import shutil
 
     out, _ = converted(tmp_path, tsv_files)
     data = ["data.source=binary", f"data.binary.train_dir={out}", "data.shuffle=true", "data.shuffle_block_rows=4",
             "train.epochs=3", "checkpoint.keep=2"]
     straight = _train(tmp_path, "straight", data, 8, every=4)  # saves steps 4 and 8
+    assert "no eval data (data.binary.eval_dir is not set): evaluation is skipped" in capfd.readouterr().out
     # Resume from the straight run's step 4: inside epoch 1 (3 steps per epoch), batch 1.
     (tmp_path / "resumed" / "ckpt").mkdir(parents=True)
     shutil.copytree(straight / "ckpt" / "step_00000004", tmp_path / "resumed" / "ckpt" / "step_00000004")

@@ -54,6 +54,31 @@ def test_table_specs_come_from_the_model():
     assert {t.pooling_factor for t in builtin.tables} == {2.5} and builtin.dense_batch and builtin.dense.top_bytes > 0
 
 
+def test_ids_per_sample_come_from_the_data(tmp_path):
+    """Multi-hot TSV / binary data: each feature's ids per sample are data.multi_hot_sizes,
+    exactly what a batch holds, and the per-step terms follow them; one-hot TSV data has
+    one id each; data.synthetic's mean does not apply to either; an explicit
+    sharding.mean_pooling_factors entry still wins."""
+    from test_data_binary import HOT, batches, config, random_lines, write
+
+    from recpipe.planner.memory import local_ids, local_sparse_bytes
+
+    multi = [write(tmp_path / "mh.tsv", random_lines(40, 2, HOT))]
+    one = [write(tmp_path / "one.tsv", random_lines(40, 2))]
+    other = ["data.synthetic.mean_pooling_factors=5.0", "distributed.nproc=2"]
+    hot, plain = (inputs_from_config(config("criteo_tsv", *other, files=files, hot=h)) for files, h in ((multi, True), (one, False)))
+    assert [t.pooling_factor for t in hot.tables] == HOT and [t.pooling_factor for t in plain.tables] == [1.0] * 4
+    real = batches(config("criteo_tsv", *other, files=multi, hot=True))[0].sparse_features
+    assert local_ids(hot) == real.values().numel() == 16 * sum(HOT)
+    extra_ids = 16 * (sum(HOT) - 4)
+    assert batch_bytes(hot) - batch_bytes(plain) == 8 * extra_ids
+    assert local_sparse_bytes(hot) - local_sparse_bytes(plain) == 8 * extra_ids
+    kjts = [estimate_memory(i).ranks[0].term("input_dist_kjts") for i in (hot, plain)]
+    assert kjts[0] > kjts[1]
+    pinned = inputs_from_config(config("criteo_tsv", *other, "sharding.mean_pooling_factors={t_cat_0: 7}", files=multi, hot=True))
+    assert [t.pooling_factor for t in pinned.tables] == [7.0, *HOT[1:]]
+
+
 @pytest.mark.parametrize("options", [SPARSE_NN, TWO_TOWER], ids=["TestSparseNN", "two_tower_with_EC"])
 def test_shards_match_the_real_sharding_plan_of_every_module(options):
     cfg = load_config(None, ["distributed.nproc=4", *options])

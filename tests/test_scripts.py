@@ -83,3 +83,31 @@ def test_memory_at_peak_replays_the_allocator_history_to_the_peak():
     assert summary["by_site"] == [("torchrec/distributed/dist_data.py:5 f", 8 * mib),
                                   ("recpipe/pipelines/steps.py:10 f", 6 * mib)]
     assert summary["by_stream"] == [("dist", 8 * mib), ("compute", 6 * mib)]
+
+
+@pytest.mark.slow
+def test_precision_auc_script_trains_both_precisions_and_reports_the_difference(tmp_path: Path):
+    """scripts/precision_auc.py: two runs that differ only in the precisions (every table,
+    the sharding.tables entries included), the same seed, and a report of both AUCs."""
+    import json
+
+    report = tmp_path / "report.md"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "precision_auc.py"), "--config", str(ROOT / "configs" / "quickstart.yaml"),
+         "--out", str(tmp_path / "runs"), "--report", str(report), "--steps", "6", "--eval-batches", "2",
+         "--eval-every", "3", "--tolerance", "1.0", "--set", "data.batch_size=64"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    record = json.loads((tmp_path / "runs" / "precision_auc.json").read_text())
+    (pair,) = record["pairs"]
+    fp32, low = pair["runs"]
+    for run, weights, comms in ((fp32, "fp32", "fp32"), (low, "fp16", "bf16")):
+        sharding = run["config"]["sharding"]
+        assert {t["weights_precision"] for t in [sharding["default"], *sharding["tables"].values()]} == {weights}
+        assert sharding["comm_precision"] == {"forward": comms, "backward": comms}
+        assert run["config"]["train"]["seed"] == 0 and [e["step"] for e in run["evals"]] == [3, 6]
+    assert pair["difference"] == low["summary"]["eval_auc"] - fp32["summary"]["eval_auc"]
+    assert record["eval_set"]["samples"] == 2 * 2 * 64 and 0 < record["eval_set"]["auc_se"] < 1
+    text = report.read_text()
+    assert f"difference (fp16_bf16 - fp32) {pair['difference']:+.5f}" in text and "runs as fp16 on CPU" in text

@@ -3,8 +3,9 @@
 ``make_dataloader(cfg, rank=, world_size=, split=, epoch=, start_batch=)`` yields
 rank-local batches in index order (synthetic click log, Criteo TSV, or a binary
 dataset made by ``recpipe data convert``, by ``data.source``); ``num_batches`` says
-how many a rank has (None for TSV); ``check_data`` checks the configured files
-before any process starts.
+how many a rank has (None for TSV), ``no_eval_data`` names the key that leaves a
+source without eval batches; ``check_data`` checks the configured files before any
+process starts.
 
 The names are imported on first use, so that ``recpipe.data.binary_format`` (numpy
 only) can be imported without torch and torchrec.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Batch", "check_data", "make_dataloader", "num_batches"]
+__all__ = ["Batch", "check_data", "make_dataloader", "no_eval_data", "num_batches"]
 
 
 def __getattr__(name: str) -> Any:
@@ -22,7 +23,7 @@ def __getattr__(name: str) -> Any:
         from recpipe.data.batch import Batch
 
         return Batch
-    if name in ("check_data", "make_dataloader", "num_batches"):
+    if name in ("check_data", "make_dataloader", "no_eval_data", "num_batches"):
         from recpipe.data import loader
 
         return getattr(loader, name)

@@ -40,7 +40,7 @@ from recpipe.data.criteo import CriteoTsvReader
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
-__all__ = ["check_data", "make_dataloader", "num_batches"]
+__all__ = ["check_data", "make_dataloader", "no_eval_data", "num_batches"]
 
 
 def _check(cfg: RecpipeConfig, rank: int, world_size: int, split: str) -> None:
@@ -77,6 +77,17 @@ def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -
         rows = read_manifest(directory).num_rows
         return -(-rows // (world_size * cfg.data.batch_size))
     return None if _tsv_files(cfg, split) else 0
+
+
+def no_eval_data(cfg: RecpipeConfig) -> str:
+    """Why the configured source has no eval batches, naming its config key (for the
+    message that evaluation is skipped; call it when ``num_batches`` of "eval" is 0)."""
+    if cfg.data.source == "binary":
+        eval_dir = cfg.data.binary.eval_dir
+        return "data.binary.eval_dir is not set" if eval_dir is None else f"data.binary.eval_dir={eval_dir!r} holds no rows"
+    if cfg.data.source == "criteo_tsv":
+        return "data.criteo.eval_files is empty"
+    return f"data.synthetic.num_eval_batches={cfg.data.synthetic.num_eval_batches}"
 
 
 def check_data(cfg: RecpipeConfig) -> None:

@@ -97,9 +97,13 @@ def batch_bytes(inputs: PlannerInputs) -> int:
 
 
 def local_sparse_bytes(inputs: PlannerInputs) -> int:
-    """The rank's own KJT (values, weights, lengths): what input dist permutes/bucketizes."""
-    ids = INDEX_BYTES * local_ids(inputs) + WEIGHT_BYTES * _local_weighted_ids(inputs)
-    return int(ids + LENGTH_BYTES * inputs.batch_size * _num_features(inputs))
+    """The rank's own KJT (values, weights, lengths) of the tables behind an input
+    all-to-all (all but data_parallel ones): what input dist permutes / bucketizes
+    into the buffer it sends."""
+    sent = [t for t in inputs.tables if t.sharding_type != "data_parallel"]
+    B = inputs.batch_size
+    ids = B * sum(INDEX_BYTES * t.ids_per_sample + (WEIGHT_BYTES * t.ids_per_sample if t.weighted else 0) for t in sent)
+    return int(ids + LENGTH_BYTES * B * sum(t.num_features for t in sent))
 
 
 def received_kjt_bytes(n: float, bags: int, world_size: int, weighted: bool = False) -> int:
@@ -235,10 +239,12 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
         ("input_dist_kjts", pipe.dist_kjts_in_flight * io.received, dist,
          f"{pipe.dist_kjts_in_flight} x received KJT" + (" (W=1: TBE offsets only)" if inputs.world_size == 1 else "")),
     ]
+    if inputs.world_size > 1 and pipe.pending_input_dists:  # at W = 1 torchrec sends nothing
+        sent = local_sparse_bytes(inputs)
+        items.append(("input_dist_sent_kjts", pipe.pending_input_dists * sent, dist,
+                      f"{pipe.pending_input_dists} x {sent} B, held by the all-to-all's awaitable until waited"))
     if pipe.early_pooled:
         items.append(("early_pooled_embeddings", io.lookup + io.pooled, _lookup_stream(inputs), "batch i+1"))
-    if pipe.keeps_emb_graph:
-        items.append(("semi_sync_emb_graph", io.lookup + io.pooled, "main", "batch i: outputs + pooled grads"))
     if pipe.stash_dense_grads:
         items.append(("stashed_dense_grads", 4 * inputs.dense.num_params, "main", "dense grads"))
     if io.cached_indices:
@@ -255,15 +261,23 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     act_dense = B * inputs.dense.dense_arch_bytes  # at the model's precision (spec.activation_bytes)
     act_top = B * inputs.dense.top_bytes
     emb = _lookup_stream(inputs)
+    pipe = inputs.pipeline
+    tbe_backward = [("pooled_embedding_grads", io.lookup, "main"), ("sparse_backward_scratch", io.backward_scratch, emb)]
     phases = {
         "forward_lookup": [("pooled_lookup", io.lookup, emb), ("pooled_embeddings", io.pooled, "main"),
                            ("dense_arch_activations", act_dense, "main")],
         # the interaction copies the pooled embeddings (torch.cat) and drops them
         "forward_end": [("dense_arch_activations", act_dense, "main"), ("top_activations", act_top, "main")],
-        "backward_emb": [("pooled_embedding_grads", io.lookup, "main"), ("sparse_backward_scratch", io.backward_scratch, emb),
-                         ("dense_arch_activations", act_dense, "main")],
+        # the dense arch's backward comes after the embeddings' (autograd runs newer nodes first)
+        "backward_emb": tbe_backward + [("dense_arch_activations", act_dense, "main"),
+                                        ("dense_output_grad", B * inputs.dense.dense_out_grad_bytes, "main")],
     }
-    if inputs.pipeline.prefetch and io.prefetch_scratch:  # prefetch(i+1) is issued right after forward(i)
+    if pipe.dense_backward_first:  # once running (spec.PipelineSpec); semi_sync holds batch i's TBE outputs
+        held = [("semi_sync_emb_graph", io.lookup + io.pooled, "main")] if pipe.keeps_emb_graph else []
+        phases["backward_emb_after_dense"] = tbe_backward + held
+    if pipe.lookup_after_backward:  # fused_sparse_dist: lookup(i+1) after backward(i), beside the optimizer
+        phases["lookup_next"] = [("early_pooled_embeddings", io.lookup + io.pooled, emb)]
+    if pipe.prefetch and io.prefetch_scratch:  # prefetch(i+1) is issued right after forward(i)
         phases["forward_end"].append(("prefetch_scratch", io.prefetch_scratch, "prefetch"))
     if io.inline_scratch:
         phases["inline_prefetch"] = [("prefetch_scratch_inline", io.inline_scratch, "main"),
@@ -299,9 +313,10 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     Each stream's pool keeps its own peak (alive on it + its largest phase), and
     blocks cached in one pool are not reused by another stream, so
     reserved = static + (1 + phi) * sum of pools, where a pool also covers staging
-    the peak does not see (one batch on memcpy, the permuted local KJT on dist when
-    W > 1). With fused_sparse_dist's lookup on the dist stream, staging and lookup
-    share that pool; on a 'new' stream they cannot (TorchRec #2916)."""
+    the peak does not see (one batch on memcpy; on dist when W > 1, one more
+    permuted local KJT: the next batch's input dist is launched while the one
+    before is still held). With fused_sparse_dist's lookup on the dist stream,
+    staging and lookup share that pool; on a 'new' stream they cannot (TorchRec #2916)."""
     alive = alive_items(inputs, io)
     phases = phase_items(inputs, io)
     totals = {p: sum(b for _, b, _ in items) for p, items in phases.items()}
@@ -311,7 +326,7 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     streams = ("main",) + inputs.pipeline.side_streams
     on = {s: sum(b for _, b, st, _ in alive if st == s) for s in streams}
     at_peak = {s: on[s] + sum(b for _, b, st in phases[peak] if st == s) for s in streams}
-    # staging the peak does not see: a batch freed late on memcpy; the permuted local
+    # staging the peak does not see: a batch freed late on memcpy; one more permuted local
     # KJT on dist (W > 1). It reuses the pool's blocks when the lookup shares the stream.
     staging = {"memcpy": batch_bytes(inputs), "dist": local_sparse_bytes(inputs) if inputs.world_size > 1 else 0}
     pool = {s: on[s] + max([sum(b for _, b, st in items if st == s) for items in phases.values()] + [staging.get(s, 0)])

@@ -7,16 +7,18 @@ Mean pooling factors (ids per sample of each feature) are not in the model; they
 come from, in this order:
 
 1. ``sharding.mean_pooling_factors.<table>`` (any model);
-2. ``data.synthetic.mean_pooling_factors`` (the built-in model: feature ``cat_i``
-   of table ``t_cat_i``);
-3. 1.0, for a ``model.factory`` model's unlisted tables; the plan warns which.
+2. the data, feature by feature (``cat_i``; the built-in model's table ``t_cat_i``
+   reads feature ``cat_i``): ``data.multi_hot_sizes`` when set (the fixed ids per
+   sample of multi-hot data), else one id each for ``criteo_tsv`` / ``binary`` data,
+   else (built-in model) ``data.synthetic.mean_pooling_factors``;
+3. 1.0, for a ``model.factory`` model's tables the data does not cover; the plan warns which.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes
+from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes, dense_output_grad_bytes
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
@@ -26,15 +28,27 @@ if TYPE_CHECKING:
     from recpipe.embedding_tables import TableInfo
 
 
+def data_ids_per_sample(cfg: "RecpipeConfig") -> dict[str, float]:
+    """Ids per sample of each feature of the configured data, by feature name:
+    ``data.multi_hot_sizes`` when set; one each for ``criteo_tsv`` / ``binary`` data
+    (the Criteo layout); the mean of ``data.synthetic.mean_pooling_factors`` for the
+    built-in model otherwise; nothing known for a ``model.factory`` model's other data."""
+    data, names = cfg.data, cfg.model.feature_names
+    if data.multi_hot_sizes is not None:
+        return {name: float(h) for name, h in zip(names, data.multi_hot_sizes)}
+    if data.factory is None and data.source in ("criteo_tsv", "binary"):
+        return dict.fromkeys(names, 1.0)
+    if cfg.model.factory is None:
+        pf = data.synthetic.mean_pooling_factors
+        return dict(zip(names, list(pf) if isinstance(pf, list) else [float(pf)] * len(names)))
+    return {}
+
+
 def pooling_factors(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...]) -> tuple[dict[str, float], list[str]]:
     """Mean ids per sample of each feature, per table (sources in the module
     docstring), and the tables that got the 1.0 fallback."""
     explicit = cfg.sharding.mean_pooling_factors
-    by_feature: dict[str, float] = {}
-    if cfg.model.factory is None:
-        pf = cfg.data.synthetic.mean_pooling_factors
-        pfs = list(pf) if isinstance(pf, list) else [float(pf)] * cfg.model.num_sparse_features
-        by_feature = dict(zip(cfg.model.feature_names, pfs))
+    by_feature = data_ids_per_sample(cfg)
     out: dict[str, float] = {}
     assumed: list[str] = []
     for t in tables:
@@ -83,7 +97,8 @@ def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInf
     if m.factory is not None:
         return DenseSpec(num_params=params, buffer_bytes=buffers)
     dense, top = activation_bytes(m, cfg.train.precision)
-    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top,
+                     dense_out_grad_bytes=dense_output_grad_bytes(m, cfg.train.precision))
 
 
 def model_notes(cfg: "RecpipeConfig", assumed: list[str]) -> tuple[str, ...]:

@@ -52,8 +52,11 @@ TERM_DOC: dict[str, str] = {
     # per step, always alive
     "input_batches": "device copies of the input batches in flight (dense, labels, weights, KJT)",
     "input_dist_kjts": "KJTs received by the input all-to-all, for the batches past input dist",
-    "early_pooled_embeddings": "pooled embeddings of batch i+1 computed before batch i's backward",
-    "semi_sync_emb_graph": "batch i's embedding outputs and their gradient kept until its embedding backward",
+    "input_dist_sent_kjts": "the permuted local KJT a batch's input all-to-all sent, held by torchrec's awaitable "
+                            "until the batch's forward / lookup waits it: the batch in input dist during backward (W > 1)",
+    "early_pooled_embeddings": "pooled embeddings (TBE outputs + output dist) of batch i+1 made ahead of its forward: "
+                               "alive through backward(i) in semi_sync; made after it in fused_sparse_dist (phase lookup_next)",
+    "semi_sync_emb_graph": "semi_sync once running: batch i's TBE outputs kept until its embedding backward",
     "stashed_dense_grads": "semi_sync stash_gradients: one more copy of the dense gradients",
     "cache_locations": "int32 cache slot per index of the batch in training (lxu_cache_locations)",
     "prefetch_cache_locations": "int32 cache slot per index, batch i (autograd) and i+1 (prefetched)",
@@ -62,6 +65,8 @@ TERM_DOC: dict[str, str] = {
     "pooled_embeddings": "embeddings after the output dist (B x sum of dims; ids x dim for sequence tables)",
     "pooled_embedding_grads": "gradients of the pooled embeddings, both sides of the output dist",
     "dense_arch_activations": "activations the dense arch saves for backward",
+    "dense_output_grad": "gradient of the dense arch's output, waiting through the TBE backward for the dense arch's "
+                         "(DLRM B x D; DCNv2 x0's B x (F+1) x D; x 2 bytes with bf16, else 4)",
     "top_activations": "activations of the interaction and over arch saved for backward",
     "sparse_backward_scratch": "TBE backward temporaries (transpose_embedding_input sort, ~36 B/index)",
     "prefetch_scratch": "prefetch-stream temporaries of the UVM cache prefetch at the passes that happen",

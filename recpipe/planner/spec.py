@@ -109,13 +109,16 @@ class DenseSpec:
 
     ``dense_arch_bytes`` and ``top_bytes`` are the bytes of the activations autograd
     saves per sample in the dense arch and in the interaction + over arch, at the
-    model's precision (``train.precision``; :func:`activation_bytes`); see
+    model's precision (``train.precision``; :func:`activation_bytes`);
+    ``dense_out_grad_bytes`` the bytes per sample of the gradient that waits for the
+    dense arch's backward (:func:`dense_output_grad_bytes`); see
     :func:`recpipe.planner.model_spec.dense_spec`."""
 
     num_params: int
     buffer_bytes: int = 0
     dense_arch_bytes: int = 0
     top_bytes: int = 0
+    dense_out_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -126,10 +129,27 @@ class PipelineSpec:
     * ``batches_in_flight``: device copies of input batches alive at the peak;
     * ``dist_kjts_in_flight``: of those, how many already went through the input
       all-to-all (their received KJTs are alive too);
+    * ``pending_input_dists``: batches whose input all-to-all is launched but not yet
+      waited by their consumer (forward, lookup) during the backward: torchrec's
+      tensors awaitable still holds what it sent, the rank's permuted local KJT
+      (W > 1). sparse_dist and fused_sparse_dist: batch i+1 (waited in its forward /
+      lookup, after backward(i)); semi_sync: batch i+2; prefetch: none (prefetch(i+1)
+      waits it before backward(i), and the input dist of i+2 comes after the optimizer);
+      base: none (input dist inside forward);
     * ``early_pooled``: pooled embeddings of batch i+1 computed before batch i's
-      backward (fused_sparse_dist, semi_sync);
-    * ``keeps_emb_graph``: batch i's embedding autograd graph kept until its delayed
-      embedding backward (semi_sync);
+      backward and alive through it (semi_sync);
+    * ``lookup_after_backward``: batch i+1's lookup runs after backward(i) (it is fenced
+      on it: fused_sparse_dist), so its pooled embeddings are not alive at the
+      backward peak; they are the ``lookup_next`` phase;
+    * ``dense_backward_first``: once running, batch i's lookup was made before its
+      forward (fused_sparse_dist: in step i-1, so its autograd nodes are older than
+      the dense arch's; semi_sync: its backward is split at the pooled embeddings),
+      so the dense backward runs before the TBE backward: the
+      ``backward_emb_after_dense`` phase. The first batch of the pipeline's life is
+      looked up inside its own forward, so its step has sparse_dist's order
+      (``backward_emb``) once;
+    * ``keeps_emb_graph``: batch i's TBE outputs kept until its delayed embedding
+      backward (semi_sync, once running);
     * ``side_streams``: streams besides the default one; each keeps its own pool in
       the caching allocator;
     * ``lookup_stream``: where the embedding lookup runs ("main", or fused_sparse_dist's
@@ -140,7 +160,10 @@ class PipelineSpec:
     batches_in_flight: int
     dist_kjts_in_flight: int
     side_streams: tuple[str, ...]
+    pending_input_dists: int = 0
     early_pooled: bool = False
+    lookup_after_backward: bool = False
+    dense_backward_first: bool = False
     keeps_emb_graph: bool = False
     prefetch: bool = False
     stash_dense_grads: bool = False
@@ -152,15 +175,16 @@ def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradie
     if name == "base":  # batch i on the device, batch i+1 being copied
         return PipelineSpec("base", 2, 1, ("memcpy",))
     if name == "sparse_dist":  # i in fwd/bwd, i+1 after input a2a, i+2 H2D
-        return PipelineSpec("sparse_dist", 3, 2, ("memcpy", "dist"))
+        return PipelineSpec("sparse_dist", 3, 2, ("memcpy", "dist"), pending_input_dists=1)
     if name == "fused_sparse_dist":
         streams = ("memcpy", "dist", "lookup") if emb_lookup_stream == "new" else ("memcpy", "dist")
         lookup = {"data_dist": "dist", "new": "lookup"}.get(emb_lookup_stream, "main")
-        return PipelineSpec("fused_sparse_dist", 3, 2, streams, early_pooled=True, lookup_stream=lookup)
-    if name == "semi_sync":
+        return PipelineSpec("fused_sparse_dist", 3, 2, streams, pending_input_dists=1, lookup_after_backward=True,
+                            dense_backward_first=True, lookup_stream=lookup)
+    if name == "semi_sync":  # received KJTs: i (its TBE backward), i+1 (looked up), i+2 (input dist waited)
         return PipelineSpec(
-            "semi_sync", 3, 2, ("memcpy", "dist"), early_pooled=True, keeps_emb_graph=True,
-            stash_dense_grads=stash_gradients,
+            "semi_sync", 3, 3, ("memcpy", "dist"), pending_input_dists=1, early_pooled=True, dense_backward_first=True,
+            keeps_emb_graph=True, stash_dense_grads=stash_gradients,
         )
     if name == "prefetch":  # + prefetched cache locations of batch i+1
         return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True)
@@ -297,6 +321,24 @@ def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, in
     if m.arch == "dlrm":
         return dense_bytes, 2 * 2 * width + 2 * (D + pairs) + 2 * over
     return dense_bytes, 4 * width + layers * (2 * width + 2 * rank + 4 * width) + 2 * width + 2 * over
+
+
+def dense_output_grad_bytes(m: "ModelConfig", precision: str = "fp32") -> int:
+    """Bytes per sample of the dense arch output's gradient, alive from the
+    interaction's backward until the dense arch's backward, which autograd runs after
+    the embeddings' (its nodes are older): through the TBE backward.
+
+    DLRM uses the dense output twice (the interaction's cat and the [dense, pairs]
+    cat): autograd sums the two gradients into a new [B, D] tensor, in the dense
+    output's dtype (fp32; bf16 under autocast). DCNv2 uses it once, in the cat that
+    makes x0: its gradient is a view of x0's [B, (F+1) * D] fp32 gradient and keeps all
+    of it; under bf16 autocast the cast back to the bf16 dense output copies the
+    [B, D] slice and x0's gradient goes. Measured with the CPU allocator's profiler
+    events at the TBE backward (tests/test_planner_liveness.py)."""
+    D, F = m.embedding_dim, m.num_sparse_features
+    if precision == "bf16":
+        return 2 * D
+    return 4 * D if m.arch == "dlrm" else 4 * (F + 1) * D
 
 
 def fbgemm_version() -> tuple[int, int]:

@@ -50,7 +50,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
-from recpipe.data import Batch, make_dataloader, num_batches
+from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
 from recpipe.distributed import control_group, init_process_group, shutdown_process_group
 from recpipe.errors import NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
@@ -106,7 +106,7 @@ class Trainer:
         self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
-            self._say("no eval data (data.criteo.eval_files is empty): evaluation is skipped")
+            self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
         self.writer = self._open_run_dir()
         # The bar is rank 0's, and only on a terminal (tqdm's disable=None): in a log
         # file every refresh would be one more line; eval lines and TensorBoard remain.

@@ -1,0 +1,219 @@
+"""The planner's per-step liveness against what recpipe's pipelines really keep alive.
+
+On a GPU the step's peak is the TBE backward: its scratch comes on top of everything
+alive when it starts. What is alive then does not depend on the device, so it is
+measured here on CPU: the CPU allocator reports every allocation and free to
+torch.profiler (``profile_memory=True``), and the bytes held at the start of each TBE
+backward by tensors made during the profiled steps must equal the plan's always-alive
+items plus its TBE-backward phase, less what a CPU run does not make: the TBE
+backward's own scratch (FBGEMM's CUDA kernels) and the input batches (the copy to
+the device is the identity on CPU).
+
+Two moments: the first step of a pipeline's life (its first batch is looked up inside
+its own forward: phase ``backward_emb``) and the steps after it (``backward_emb``, or
+``backward_emb_after_dense`` where the lookup ran ahead of forward: fused_sparse_dist,
+semi_sync). The profiled pipeline is a fresh one on a model that already trained a few
+steps, so DDP has rebuilt its buckets (persistent memory made in its second step).
+Garbage is collected before every profiled step: at W = 2 some of torchrec's
+all-to-all buffers sit in reference cycles until Python's collector runs, which no
+plan can time. Gloo's all-to-alls also now and then release their buffers one or more
+steps late (+1 to +2 pooled-embedding or KJT buffers on one rank, in some runs): that
+only adds, so one rank is checked both ways, every step, and two ranks are checked for
+the KJT the next batch's input all-to-all sent (the bytes the ``input_dist`` step
+made that are still held, byte for byte) and, one-sided, for the plan counting nothing
+that is not alive.
+
+Every term is at least 5 % of its total and the tolerance is 3 %, so the test fails
+if a term is left out or counted when it is not alive: the received KJTs, the sent
+KJT of the next batch's input all-to-all (W = 2), the pooled embeddings of
+batch i+1 (alive in semi_sync, not yet made in fused_sparse_dist), batch i's TBE
+outputs in semi_sync, the dense arch's activations and its output's gradient.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recpipe.config import load_config
+from recpipe.distributed import launch_local
+
+PIPELINES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync")
+STEPS = 5
+TOLERANCE = 0.03
+
+_CONFIG = {
+    "model.num_embeddings_per_feature": [3000] * 4, "model.embedding_dim": 64,
+    "model.dense_arch_layer_sizes": [128, 64], "model.over_arch_layer_sizes": [64, 1],
+    "data.batch_size": 1024, "data.synthetic.mean_pooling_factors": 8.0, "data.num_workers": 0,
+    "data.pin_memory": False, "train.device": "cpu", "distributed.backend": "gloo",
+}
+
+
+def _config(pipeline: str, world_size: int, arch: str = "dlrm"):
+    return load_config(None, {**_CONFIG, "pipeline": {"name": pipeline}, "distributed.nproc": world_size,
+                              "model.arch": arch})
+
+
+def _is_tbe_backward(name: str) -> bool:
+    return name.startswith("fbgemm::split_embedding_backward_codegen_")
+
+
+def live_bytes_at_tbe_backward(prof) -> list[dict[str, int]]:
+    """At the start of each TBE backward in ``prof``: bytes held by allocations made
+    inside the profile, in all (``"total"``) and by the pipeline step that made them
+    (``"recpipe.<step>"``, the ranges the engine opens under the profiler)."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int, int, str]] = []  # (time, ptr, +size / -size, step)
+    spans: list[tuple[int, int]] = []
+
+    def walk(node, step: str) -> None:
+        if node.tag == _EventType.Allocation:
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, step))
+            return
+        if node.name.startswith("recpipe."):
+            step = node.name
+        if node.tag == _EventType.TorchOp and _is_tbe_backward(node.name):
+            spans.append((node.start_time_ns, node.end_time_ns))
+        for child in node.children:
+            walk(child, step)
+
+    for root in prof.profiler.kineto_results.experimental_event_tree():
+        walk(root, "")
+    events.sort()
+    starts = [s for s, e in spans if not any(s0 < s and e <= e0 for s0, e0 in spans)]  # outermost op of each call
+    out = []
+    for start in sorted(starts):
+        held: dict[int, tuple[int, str]] = {}
+        for t, ptr, size, step in events:
+            if t >= start:
+                break
+            if size > 0:
+                held[ptr] = (size, step)
+            else:
+                held.pop(ptr, None)  # frees of blocks made before the profile are not ours
+        by_step = {"total": sum(size for size, _ in held.values())}
+        for size, step in held.values():
+            by_step[step] = by_step.get(step, 0) + size
+        out.append(by_step)
+    return out
+
+
+def _measure(cfg, rank: int) -> list[dict[str, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.models import make_model
+    from recpipe.pipelines import make_pipeline
+    from recpipe.sharding import shard_model
+
+    log = SyntheticClickLog(cfg)
+    batches = [log.batch(rank=rank, split="train", epoch=0, index=i) for i in range(STEPS + 2)]
+    torch.manual_seed(cfg.train.seed)
+    sharded = shard_model(make_model(cfg), cfg, torch.device("cpu"))
+    warm = make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
+    it = iter(batches[:3])
+    with pytest.raises(StopIteration):  # three steps, then drained
+        while True:
+            warm.progress(it)
+    warm.detach()
+    pipeline = make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
+    it = iter(batches)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for _ in range(STEPS):
+            gc.collect()
+            pipeline.progress(it)
+    return live_bytes_at_tbe_backward(prof)
+
+
+def _worker(cfgs: dict, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from recpipe.distributed import init_process_group, shutdown_process_group
+
+    init_process_group(next(iter(cfgs.values())))
+    rank = dist.get_rank()
+    try:
+        results = {name: _measure(cfg, rank) for name, cfg in cfgs.items()}
+    finally:
+        shutdown_process_group()
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def predicted(cfg, rank: int, phase: str) -> dict[str, int]:
+    """The plan's items alive at the start of the TBE backward (``phase``) that a CPU run makes."""
+    from recpipe.planner import inputs_from_config
+    from recpipe.planner.memory import alive_items, phase_items, rank_io
+
+    inputs = inputs_from_config(cfg)
+    io = rank_io(inputs, rank)
+    items = {name: b for name, b, _, _ in alive_items(inputs, io)}
+    for name, b, _ in phase_items(inputs, io)[phase]:
+        items[name] = items.get(name, 0) + b
+    for gpu_only in ("input_batches", "sparse_backward_scratch"):
+        items.pop(gpu_only)
+    return items
+
+
+def _check(line: str, est: int, meas: int, bad: list[str], *, one_sided: bool = False) -> str:
+    """``est`` within TOLERANCE of ``meas`` (``one_sided``: not above it)."""
+    off = est - meas > TOLERANCE * meas if one_sided else abs(est - meas) > TOLERANCE * meas
+    line = f"{line}: plan {est} B, measured {meas} B ({(est - meas) / max(meas, 1):+.1%})"
+    if off:
+        bad.append(line)
+    return line
+
+
+@pytest.mark.slow
+def test_alive_at_the_tbe_backward_is_what_the_plan_counts(tmp_path):
+    """One rank: every step of every pipeline, both moments, to 3 %."""
+    cfgs = {f"{name}/dlrm": _config(name, 1) for name in PIPELINES}
+    cfgs["sparse_dist/dcnv2"] = _config("sparse_dist", 1, "dcnv2")
+    launch_local(_worker, 1, cfgs, str(tmp_path))
+    measured = json.loads((tmp_path / "rank0.json").read_text())
+    report, bad = [], []
+    for key, cfg in cfgs.items():
+        steps = [m["total"] for m in measured[key]]
+        assert len(steps) == STEPS, f"{key}: {len(steps)} TBE backwards profiled"
+        for moment, phase, meas in (("first step", "backward_emb", steps[0]),
+                                    ("later steps", _later_phase(cfg), min(steps[1:]))):
+            items = predicted(cfg, 0, phase)
+            report.append(_check(f"{key} {moment} (every step {steps}; plan items {items})", sum(items.values()), meas, bad))
+    print("\n".join(report))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_path):
+    """Two ranks: the KJT the next batch's input all-to-all sent (made by the
+    ``input_dist`` step) is alive at every TBE backward, byte for byte what the plan
+    counts; and the plan counts nothing more than is alive (one-sided: Gloo's late
+    releases only add to the measurement)."""
+    cfgs = {name: _config(name, 2) for name in ("sparse_dist", "fused_sparse_dist")}
+    launch_local(_worker, 2, cfgs, str(tmp_path))
+    report, bad = [], []
+    for rank in range(2):
+        measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        for key, cfg in cfgs.items():
+            steps = measured[key]
+            assert len(steps) == STEPS, f"{key}: {len(steps)} TBE backwards profiled"
+            items = predicted(cfg, rank, _later_phase(cfg))
+            sent = [m.get("recpipe.input_dist", 0) for m in steps[1:]]
+            assert items["input_dist_sent_kjts"] > 0
+            report += [_check(f"rank {rank} {key} sent KJT, step {i + 2}", items["input_dist_sent_kjts"], b, bad)
+                       for i, b in enumerate(sent)]
+            totals = [m["total"] for m in steps[1:]]
+            report.append(_check(f"rank {rank} {key} later steps (every step {totals}; plan items {items})",
+                                 sum(items.values()), min(totals), bad, one_sided=True))
+    print("\n".join(report))
+    assert not bad, "\n".join(bad)
+
+
+def _later_phase(cfg) -> str:
+    """The TBE-backward phase of the steps after the first (recpipe.planner.spec.PipelineSpec)."""
+    return "backward_emb_after_dense" if cfg.pipeline.name in ("fused_sparse_dist", "semi_sync") else "backward_emb"

@@ -374,10 +374,7 @@ class TrainConfig(_Section):
     epochs: int = Field(1, gt=0)
     seed: int = 0
     eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
-    # Steps between metric logs (TensorBoard, the bar). Each log queues ~100 small device ops
-    # and collectives; at 8192 samples a step takes ~5-10 ms on one H100, so every 10 steps
-    # cost the trainer 15 % of the bench's samples/s (measured), every 100 about 1 %.
-    log_every: int = Field(100, gt=0)
+    log_every: int = Field(10, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32

@@ -10,13 +10,10 @@ numerics for both (``train.precision``, :mod:`recpipe.models.precision`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch
-from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recpipe.config import ModelConfig
 from recpipe.data.batch import Batch
@@ -33,60 +30,6 @@ def embedding_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
         )
         for table, feature, rows in zip(cfg.table_names, cfg.feature_names, cfg.num_embeddings_per_feature)
     ]
-
-
-class _PermuteFeatures(torch.autograd.Function):
-    """``x_BFD[:, order]`` whose backward is the inverse gather: a pure layout change
-    both ways (``index_select``'s own backward would add into zeros)."""
-
-    @staticmethod
-    def forward(ctx: Any, x_BFD: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.inverse = inverse
-        return x_BFD.index_select(1, order)
-
-    @staticmethod
-    def backward(ctx: Any, grad_BFD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad_BFD.index_select(1, ctx.inverse), None, None
-
-
-# (KeyedTensor keys, feature names, device) -> (order, inverse) index tensors, or None when
-# the keys are not the features; a few entries per model (a sharded module's key order
-# depends on the sharding plan).
-_ORDERS: dict[tuple, tuple[torch.Tensor, torch.Tensor] | None] = {}
-
-
-def _feature_order(keys: list[str], feature_names: list[str], device: torch.device) -> tuple | None:
-    cache_key = (tuple(keys), tuple(feature_names), device)
-    if cache_key not in _ORDERS:
-        where = {k: i for i, k in enumerate(keys)}
-        found = None
-        if len(where) == len(keys) == len(feature_names) and set(where) == set(feature_names):
-            order = torch.tensor([where[name] for name in feature_names], device=device)
-            found = (order, torch.argsort(order))
-        _ORDERS[cache_key] = found
-    return _ORDERS[cache_key]
-
-
-@torch.fx.wrap  # one opaque call for TorchRec's FX tracer: the branches below read the KeyedTensor
-def pooled_BFD(pooled: KeyedTensor, feature_names: list[str], dim: int) -> torch.Tensor:
-    """The pooled embeddings as [B, F, D], features in ``feature_names``' order: the
-    tensor torchrec's ``SparseArch`` makes with ``to_dict()`` and a ``cat`` of F tensors.
-
-    When every key has ``dim`` columns this is a layout change of ``pooled.values()``
-    ([B, F*D]): a view when the keys are in feature order (one GPU, or a plan that keeps
-    the order), else one gather (a sharded module orders its output keys by sharding type
-    and rank), whose backward is the inverse gather. Otherwise torchrec's way. Same
-    values and gradients to the bit; the host makes one or two ops instead of F + 2."""
-    if pooled.key_dim() == 1 and pooled.length_per_key() == [dim] * len(feature_names):
-        keys = pooled.keys()
-        values_BFD = pooled.values().reshape(-1, len(feature_names), dim)
-        if keys == feature_names:
-            return values_BFD
-        order = _feature_order(keys, feature_names, values_BFD.device)
-        if order is not None:
-            return _PermuteFeatures.apply(values_BFD, *order)
-    by_key = pooled.to_dict()
-    return torch.cat([by_key[name] for name in feature_names], dim=1).reshape(-1, len(feature_names), dim)
 
 
 class DenseHead(nn.Module):
@@ -159,10 +102,7 @@ class RecModel(nn.Module):
     def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         with precision_context(self):
             dense = self.model.dense_arch(batch.dense_features)
-        # torchrec's SparseArch.forward with a shorter host path for its layout (pooled_BFD).
-        arch = self.model.sparse_arch
-        pooled = arch.embedding_bag_collection(batch.sparse_features)
-        sparse = pooled_BFD(pooled, arch.sparse_feature_names, arch.D)  # [B, F, D], fp32
+        sparse = self.model.sparse_arch(batch.sparse_features)  # [B, F, D], fp32
         # .forward, not a module call: the head is not in the module tree, and TorchRec's
         # FX tracer only follows calls of registered modules (CUDA graphs replace .forward).
         loss, logits = self.head.forward(dense, sparse, batch.labels, batch.weights)

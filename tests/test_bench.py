@@ -58,7 +58,9 @@ def _main_table(md: str) -> list[str]:
 @pytest.mark.slow
 def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     out = tmp_path / "bench"
+    # --pipelines named: with a cache sweep, the plain runs happen only when asked for.
     code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--with-torchrec", "--bound",
+                 "--pipelines", ",".join(PIPELINES),
                  "--multipass", "1,2", "--sweep-cache", "0.1,0.3", "--sweep-zipf", "0.8", "--out", str(out)])
     assert code == 0
     record = json.loads((out / "bench.json").read_text())

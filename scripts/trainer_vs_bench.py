@@ -20,7 +20,12 @@ from the built model to the first trained step.
 3. ``--binary-rows N``: first write N synthetic Criteo-layout TSV lines
    (scripts/synthetic_tsv.py) in one file per core, convert them with ``recpipe data
    convert`` into OUT/data, and run both on ``data.source=binary`` (shuffled).
-4. ``--replay N`` (a diagnosis): the trainer reads N batches of the config's loader
+4. ``--pairs N``: bench and trainer N times, interleaved, each pair in OUT/pair<k>; the
+   median of the pairs' ratios is the result (one pair is worth little where the bench
+   itself varies by 5-10 % from run to run, as on the H100 hosts measured).
+5. ``--profile-steps N`` (a diagnosis): after the steady window, rank 0's host is profiled
+   over N more steps (torch.profiler, Python stacks) into OUT/host_profile.txt.
+6. ``--replay N`` (a diagnosis): the trainer reads N batches of the config's loader
    made before training and cycles them (``data.factory`` = :func:`replay`), so the
    loader's cost is out of its loop; the difference to a normal run is the loader's.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -98,8 +104,10 @@ def replay(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch:
     return (made[i % len(made)] for i in range(cfg.train.steps - start_batch))
 
 
-def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int) -> None:
-    """One rank of ``recpipe train`` with two clocks attached (see the module docstring)."""
+def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int, profile_steps: int = 0) -> None:
+    """One rank of ``recpipe train`` with two clocks attached (see the module docstring);
+    ``profile_steps`` > 0: rank 0's host is profiled (torch.profiler, Python stacks) over
+    that many steps after the steady window (``host_profile.txt``)."""
     import torch.distributed as dist
 
     from recpipe.train import trainer as trainer_module
@@ -125,13 +133,24 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
     progress = trainer.pipeline.progress
     steps = 0
 
+    last = cfg.train.steps - profile_steps  # the clock's window ends before the profiled steps
+    profiler = None
+
     def timed_progress(batches):
-        nonlocal steps
+        nonlocal steps, profiler
         output = progress(batches)  # StopIteration at a segment's end passes through
         steps += 1
-        if steps in (1, steady_from, cfg.train.steps) or (sync_every and steps % sync_every == 0):
+        if steps in (1, steady_from, last) or (sync_every and steps % sync_every == 0):
             sync()
             marks.append((steps, time.perf_counter()))
+        if profile_steps and steps == last and dist.get_rank() == 0:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True)
+            profiler.__enter__()
+        elif profiler is not None and steps == cfg.train.steps:
+            profiler.__exit__(None, None, None)
+            table = profiler.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=60)
+            Path(out, "host_profile.txt").write_text(f"host profile of steps {last + 1}-{steps}, rank 0 "
+                                                     f"(torch.profiler, CPU, Python stacks)\n{table}\n")
         return output
 
     trainer.pipeline.progress = timed_progress
@@ -155,6 +174,23 @@ def steady(record: dict, steady_from: int) -> dict:
             "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"]}
 
 
+def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
+    """``recpipe bench``, then the trainer, into ``out``: both rates and their ratio."""
+    out.mkdir(parents=True, exist_ok=True)
+    bench = read_bench(args, out) if args.skip_bench else run_bench(args, overrides, out)
+    train_overrides = [*overrides, f"train.steps={args.steps + args.profile_steps}", "train.eval_every=0",
+                       "checkpoint.dir=null", f"logging.run_dir={out / 'train'}"]
+    cfg = load_config(args.config, train_overrides)
+    if args.replay:  # beside data.source, which validation would refuse: the factory reads it (see replay)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        data = cfg.data.model_copy(update={"factory": "trainer_vs_bench:replay", "options": {"replay": args.replay}})
+        cfg = cfg.model_copy(update={"data": data})
+    launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), args.sync_every, args.steady_from,
+                 args.profile_steps)
+    train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
+    return {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -171,6 +207,11 @@ def main() -> int:
                         help="also synchronize and read the clock every this many steps (0: only at step 1, "
                              "--steady-from and the last step)")
     parser.add_argument("--skip-bench", action="store_true", help="reuse OUT/bench/bench.json")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="bench then trainer this many times, interleaved (OUT/pair<k>); the median ratio counts")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="after the steady window, profile rank 0's host over this many more steps "
+                             "(OUT/host_profile.txt: top functions by self CPU time, with Python stacks)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     out = Path(args.out).resolve()
@@ -178,28 +219,26 @@ def main() -> int:
     overrides = [*args.overrides, f"pipeline.name={args.pipeline}"]
     if args.binary_rows:
         overrides += make_binary_data(args, out)
-    bench = read_bench(args, out) if args.skip_bench else run_bench(args, overrides, out)
-    train_overrides = [*overrides, f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.dir=null",
-                       f"logging.run_dir={out / 'train'}"]
-    cfg = load_config(args.config, train_overrides)
-    if args.replay:  # beside data.source, which validation would refuse: the factory reads it (see replay)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        data = cfg.data.model_copy(update={"factory": "trainer_vs_bench:replay", "options": {"replay": args.replay}})
-        cfg = cfg.model_copy(update={"data": data})
-    launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), args.sync_every, args.steady_from)
-    train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
-    ratio = train["samples_per_s_wall"] / bench["samples_per_s_wall"]
-    result = {"config": args.config, "overrides": overrides, "pipeline": args.pipeline, "bench": bench,
-              "train": train, "ratio": ratio,
+    pairs = [measure_pair(args, overrides, out if args.pairs == 1 else out / f"pair{k}") for k in range(args.pairs)]
+    result = {"config": args.config, "overrides": overrides, "pipeline": args.pipeline, "pairs": pairs,
+              "ratio": statistics.median(pair["ratio"] for pair in pairs),
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+    if len(pairs) == 1:  # the fields of one pair at the top, as before --pairs
+        result.update(bench=pairs[0]["bench"], train=pairs[0]["train"])
     (out / "trainer_vs_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(f"bench   {args.pipeline}: {bench['samples_per_s_wall']:,.0f} samples/s (wall, {bench['steps']} steps on "
-          f"pre-generated batches; P50 step {bench['step_ms_p50']:.2f} ms)")
-    print(f"trainer {args.pipeline}: {train['samples_per_s_wall']:,.0f} samples/s (wall, steps "
-          f"{train['window_steps'][0]}-{train['window_steps'][1]}, loader, metrics and logging included; "
-          f"the trainer's own figure, which leaves out metrics: {train['trainer_reported_samples_per_s']:,.0f})")
-    print(f"ratio {ratio:.3f} (target >= 0.95); first trained step {train['first_step_s']:.1f} s after the model was "
-          f"built (target <= 10 s); {out / 'trainer_vs_bench.json'}")
+    for k, pair in enumerate(pairs):
+        bench, train = pair["bench"], pair["train"]
+        tag = f"[pair {k + 1}/{len(pairs)}] " if len(pairs) > 1 else ""
+        print(f"{tag}bench   {args.pipeline}: {bench['samples_per_s_wall']:,.0f} samples/s (wall, {bench['steps']} steps "
+              f"on pre-generated batches; P50 step {bench['step_ms_p50']:.2f} ms)")
+        print(f"{tag}trainer {args.pipeline}: {train['samples_per_s_wall']:,.0f} samples/s (wall, steps "
+              f"{train['window_steps'][0]}-{train['window_steps'][1]}, loader, metrics and logging included; "
+              f"the trainer's own figure, which leaves out metrics: {train['trainer_reported_samples_per_s']:,.0f}); "
+              f"ratio {pair['ratio']:.3f}")
+    first = max(pair["train"]["first_step_s"] for pair in pairs)
+    what = "ratio" if len(pairs) == 1 else f"median ratio of {len(pairs)} interleaved pairs"
+    print(f"{what} {result['ratio']:.3f} (target >= 0.95); first trained step within {first:.1f} s after the model "
+          f"was built (target <= 10 s); {out / 'trainer_vs_bench.json'}")
     return 0
 
 

@@ -1,5 +1,6 @@
 """The example trainer script that subclasses a pipeline runs and its hooks fire."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,27 @@ def test_precision_auc_script_trains_both_precisions_and_reports_the_difference(
     assert record["eval_set"]["samples"] == 2 * 2 * 64 and 0 < record["eval_set"]["auc_se"] < 1
     text = report.read_text()
     assert f"difference (fp16_bf16 - fp32) {pair['difference']:+.5f}" in text and "runs as fp16 on CPU" in text
+
+
+@pytest.mark.slow
+def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path):
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "tvb"
+    small = ["distributed.nproc=1", "train.device=cpu", "distributed.backend=gloo", "data.batch_size=128",
+             "data.synthetic.num_eval_batches=1"]
+    cmd = [sys.executable, str(root / "scripts" / "trainer_vs_bench.py"), "--config", str(root / "configs" / "quickstart.yaml"),
+           "--pipeline", "sparse_dist", "--steps", "20", "--steady-from", "5", "--bench-steps", "5", "--bench-warmup", "2",
+           "--pairs", "2", "--profile-steps", "3", "--out", str(out)]
+    for pair in small:
+        cmd += ["--set", pair]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((out / "trainer_vs_bench.json").read_text())
+    ratios = [pair["ratio"] for pair in result["pairs"]]
+    assert len(ratios) == 2 and result["ratio"] == pytest.approx(sum(ratios) / 2)
+    for k in range(2):
+        pair = result["pairs"][k]
+        assert pair["train"]["window_steps"] == [5, 20]  # the profiled steps come after the window
+        assert pair["ratio"] == pytest.approx(pair["train"]["samples_per_s_wall"] / pair["bench"]["samples_per_s_wall"])
+        assert "Self CPU" in (out / f"pair{k}" / "host_profile.txt").read_text()
+    assert "median ratio of 2 interleaved pairs" in done.stdout

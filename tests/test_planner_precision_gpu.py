@@ -63,9 +63,11 @@ def _measure(cfg, device: torch.device, rank: int) -> dict:
     batches = [log.batch(rank=rank, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    # What an earlier configuration of this process left allocated (about 60 MiB on 2 x H200,
-    # measured) is not this run's: every figure is taken above it.
-    before, reserved_before = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+    # The static figure is what the build allocates: above what is already allocated, which for
+    # every configuration after the first includes about 60 MiB that the first one's steps
+    # allocated once for the process (2 x H200, measured). The peaks stay absolute: a run of
+    # its own allocates those bytes during its first steps too.
+    before = torch.cuda.memory_allocated(device)
     torch.manual_seed(cfg.train.seed)
     sharded = shard_model(build_model(cfg.model), cfg, device)
     torch.cuda.synchronize()
@@ -79,8 +81,8 @@ def _measure(cfg, device: torch.device, rank: int) -> dict:
     for _ in range(MEASURED_STEPS):
         pipeline.progress(steps)
     torch.cuda.synchronize()
-    out = {"static": static, "allocated": torch.cuda.max_memory_allocated(device) - before,
-           "reserved": torch.cuda.max_memory_reserved(device) - reserved_before}
+    out = {"static": static, "allocated": torch.cuda.max_memory_allocated(device),
+           "reserved": torch.cuda.max_memory_reserved(device)}
     del pipeline, sharded, steps
     gc.collect()
     torch.cuda.synchronize()

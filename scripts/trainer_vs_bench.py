@@ -136,10 +136,37 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
     last = cfg.train.steps - profile_steps  # the clock's window ends before the profiled steps
     profiler = None
 
+    # Where the host's time goes in the steady window, per step: inside progress()
+    # (of which blocked in the loader's next()), and outside it (the trainer's own
+    # per-step and log-point work).
+    parts: dict[str, list[float]] = {"progress": [], "next": [], "outside": []}
+    waited = [0.0]
+    ended = [None]
+
+    class TimedIter:
+        def __init__(self, it):
+            self.it = it
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            t = time.perf_counter()
+            try:
+                return next(self.it)
+            finally:
+                waited[0] += time.perf_counter() - t
+
     def timed_progress(batches):
         nonlocal steps, profiler
-        output = progress(batches)  # StopIteration at a segment's end passes through
+        began, waited[0] = time.perf_counter(), 0.0
+        output = progress(TimedIter(batches))  # StopIteration at a segment's end passes through
+        now = time.perf_counter()
         steps += 1
+        if steady_from < steps <= last and ended[0] is not None:
+            parts["progress"].append(now - began)
+            parts["next"].append(waited[0])
+            parts["outside"].append(began - ended[0])
         if steps in (1, steady_from, last) or (sync_every and steps % sync_every == 0):
             sync()
             marks.append((steps, time.perf_counter()))
@@ -151,13 +178,14 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
             table = profiler.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=60)
             Path(out, "host_profile.txt").write_text(f"host profile of steps {last + 1}-{steps}, rank 0 "
                                                      f"(torch.profiler, CPU, Python stacks)\n{table}\n")
+        ended[0] = time.perf_counter()
         return output
 
     trainer.pipeline.progress = timed_progress
     trainer.fit()
     if dist.get_rank() == 0:
         record = {"built": built[0], "marks": marks, "global_batch": cfg.data.batch_size * dist.get_world_size(),
-                  "trainer_summary": trainer.summary()}
+                  "trainer_summary": trainer.summary(), "host_parts": parts}
         Path(out, "train_marks.json").write_text(json.dumps(record))
     shutdown_process_group()
 
@@ -171,7 +199,18 @@ def steady(record: dict, steady_from: int) -> dict:
     rate = (end[0] - start[0]) * record["global_batch"] / (end[1] - start[1])
     return {"samples_per_s_wall": rate, "window_steps": [start[0], end[0]],
             "first_step_s": marks[0][1] - record["built"],
-            "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"]}
+            "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"],
+            "host_parts": host_parts(record["host_parts"])}
+
+
+def host_parts(parts: dict[str, list[float]]) -> dict:
+    """Per-step host time (ms) in the steady window: total, P50, P90 and max of each part."""
+    out = {}
+    for name, values in parts.items():
+        ms = sorted(v * 1e3 for v in values)
+        if ms:
+            out[name] = {"total": sum(ms), "p50": ms[len(ms) // 2], "p90": ms[int(len(ms) * 0.9)], "max": ms[-1]}
+    return out
 
 
 def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
@@ -235,6 +274,9 @@ def main() -> int:
               f"{train['window_steps'][0]}-{train['window_steps'][1]}, loader, metrics and logging included; "
               f"the trainer's own figure, which leaves out metrics: {train['trainer_reported_samples_per_s']:,.0f}); "
               f"ratio {pair['ratio']:.3f}")
+        parts = train["host_parts"]
+        print(f"{tag}trainer host time per step, ms (P50 / P90 / max; total over the window): " + "; ".join(
+            f"{name} {p['p50']:.2f} / {p['p90']:.2f} / {p['max']:.1f}; {p['total']:.0f}" for name, p in parts.items()))
     first = max(pair["train"]["first_step_s"] for pair in pairs)
     what = "ratio" if len(pairs) == 1 else f"median ratio of {len(pairs)} interleaved pairs"
     print(f"{what} {result['ratio']:.3f} (target >= 0.95); first trained step within {first:.1f} s after the model "

@@ -135,4 +135,9 @@ def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path
         assert pair["train"]["window_steps"] == [5, 20]  # the profiled steps come after the window
         assert pair["ratio"] == pytest.approx(pair["train"]["samples_per_s_wall"] / pair["bench"]["samples_per_s_wall"])
         assert "Self CPU" in (out / f"pair{k}" / "host_profile.txt").read_text()
+        parts = pair["train"]["host_parts"]  # steps 6-20 (step 5 has no "outside" before it inside the window)
+        assert set(parts) == {"progress", "next", "outside"}
+        assert 0 <= parts["next"]["total"] <= parts["progress"]["total"]
+        assert all(p["p50"] <= p["p90"] <= p["max"] <= p["total"] for p in parts.values())
+    assert "trainer host time per step" in done.stdout
     assert "median ratio of 2 interleaved pairs" in done.stdout

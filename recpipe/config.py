@@ -160,7 +160,8 @@ class DataConfig(_Section):
     # never holds the training loop's GIL (recpipe/data/stream.py). thread: threads
     # of the training process (no fork; for host-memory tables, train.device=cpu,
     # which a forked producer would make the training process copy page by page as
-    # it writes them). Not Linux: always threads.
+    # it writes them). Not Linux, or tables in UVM (fused_uvm, fused_uvm_caching: pinned
+    # host memory, which a fork copies into every producer): threads.
     workers_kind: Literal["process", "thread"] = "process"
     pin_memory: bool = True
     # binary only: a new row order every epoch, deterministic in (train.seed, epoch):
@@ -350,10 +351,12 @@ class SemiSyncPipelineConfig(_PipelineCommon):
 
 class PrefetchPipelineConfig(_PipelineCommon):
     name: Literal["prefetch"]
-    # Where the host waits for batch i+1's splits: "before_forward" (TorchRec's order: the
-    # tensors all-to-all and so the prefetch of i+1 start early) or "after_forward" (the
-    # GPU runs forward(i) while the host waits, as in sparse_dist).
-    input_dist_wait: Literal["before_forward", "after_forward"] = "before_forward"
+    # Where the host waits for batch i+1's splits: "after_forward" (default: the GPU runs
+    # forward(i) while the host waits, as in sparse_dist) or "before_forward" (TorchRec's
+    # order: the tensors all-to-all and so the prefetch of i+1 start early, but the GPU
+    # has only backward(i-1) queued while the host waits: measured 1.10-1.17x its busy
+    # time at 32768 samples on one H100, benchmarks/2026-11-23-h100x1-prefetch_sweep.md).
+    input_dist_wait: Literal["before_forward", "after_forward"] = "after_forward"
 
 
 PipelineConfig = Annotated[

@@ -300,6 +300,30 @@ def test_workers_kind_is_ignored_with_a_warning_where_it_does_not_apply(tmp_path
         assert len(batches(tsv_cfg([path], "data.num_workers=1", "data.workers_kind=process"))) == 2
 
 
+def test_uvm_tables_make_the_producers_threads():
+    """A forked producer would get a copy of the UVM tables' pinned host memory."""
+    from recpipe.data.loader import _workers_kind
+
+    uvm = ["train.device=cuda", "data.num_workers=2", "sharding.tables.t_cat_0.kernel=fused_uvm",
+           "sharding.tables.t_cat_1.kernel=fused_uvm_caching"]
+    assert _workers_kind(small_cfg("train.device=cuda", "data.num_workers=2")) in ("process", "thread")  # thread off Linux
+    assert _workers_kind(small_cfg(*uvm)) == "thread"
+    with pytest.warns(UserWarning, match="data.workers_kind='process' is replaced by 'thread': tables t_cat_0, t_cat_1 are in UVM"):
+        assert _workers_kind(small_cfg(*uvm, "data.workers_kind=process")) == "thread"
+
+
+def test_tsv_workers_are_spawned_not_forked_with_uvm_tables(tmp_path):
+    """Same batches from spawned workers (a fork would copy the UVM tables' pinned memory)."""
+    path = tmp_path / "day.tsv"
+    path.write_text("".join(numbered_line(n) for n in range(8)))
+    plain = tsv_cfg([path], "data.num_workers=1")
+    uvm = tsv_cfg([path], "data.num_workers=1", "train.device=cuda", "sharding.tables.t_cat_0.kernel=fused_uvm")
+    from recpipe.data import make_dataloader
+
+    assert make_dataloader(uvm, rank=0, world_size=1, split="train").multiprocessing_context.get_start_method() == "spawn"
+    assert same_seq(batches(uvm), batches(plain))
+
+
 def test_tsv_eval_split(tmp_path):
     path = tmp_path / "day.tsv"
     path.write_text("".join(numbered_line(n) for n in range(5)))

@@ -189,14 +189,33 @@ class _SyntheticBatch:
         return batch.pin_memory() if self.pin else batch
 
 
+def host_memory_tables(cfg: RecpipeConfig) -> list[str]:
+    """Tables whose weights live in pinned host memory (UVM kernels)."""
+    return sorted(n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching"))
+
+
 def _workers_kind(cfg: RecpipeConfig) -> str:
-    """``data.workers_kind`` where it applies (a warning where a set value does not)."""
+    """``data.workers_kind`` where it applies (a warning where a set value does not).
+
+    Tables in UVM make the batch producers threads: their weights are pinned host
+    memory, which the kernel copies into a forked child at fork time (pinned pages
+    cannot be shared copy-on-write). Measured on one H100 with
+    configs/bench/uvm_caching.yaml (19 GiB of UVM rows): host memory in use went
+    from 22 to 59 GiB while the producers forked."""
     d = cfg.data
     if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers == 0):
         why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"
                else "data.num_workers=0 makes the batches in the training loop")
         warnings.warn(f"data.workers_kind={d.workers_kind!r} is ignored: {why}", stacklevel=3)
-    return workers_kind(d.workers_kind) if d.num_workers > 0 else d.workers_kind
+    if d.num_workers == 0:
+        return d.workers_kind
+    host = host_memory_tables(cfg) if d.workers_kind == "process" else []
+    if host:
+        if "workers_kind" in d.model_fields_set:
+            warnings.warn(f"data.workers_kind='process' is replaced by 'thread': tables {', '.join(host)} are in UVM "
+                          "(pinned host memory), which every forked producer would copy", stacklevel=3)
+        return "thread"
+    return workers_kind(d.workers_kind)
 
 
 def make_dataloader(
@@ -232,7 +251,9 @@ def make_dataloader(
         make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
         return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind)
     reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
-    fork = "fork" in multiprocessing.get_all_start_methods()
+    # Spawned workers where tables are in UVM: a fork of this process would copy their
+    # pinned host memory into every worker (see _workers_kind).
+    context = None if "fork" not in multiprocessing.get_all_start_methods() else "spawn" if host_memory_tables(cfg) else "fork"
     return DataLoader(
         CriteoTsvDataset(reader, start_batch=start_batch),
         batch_size=None,
@@ -240,6 +261,6 @@ def make_dataloader(
         collate_fn=identity_collate,
         pin_memory=pin,
         worker_init_fn=init_worker if workers > 0 else None,
-        multiprocessing_context=("fork" if fork else None) if workers > 0 else None,
+        multiprocessing_context=context if workers > 0 else None,
         persistent_workers=False,
     )

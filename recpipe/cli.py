@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return main_plan(args)
         if args.command == "schedule":
-            from recpipe.pipelines.schedule import main_schedule
+            from recpipe.pipelines import main_schedule
 
             return main_schedule(args)
         if args.command == "bench":

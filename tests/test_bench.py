@@ -29,7 +29,7 @@ from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.config import load_config
 from recpipe.pipelines import PIPELINES
-from recpipe.pipelines.schedule import all_schedules
+from recpipe.pipelines import all_schedules
 
 CONFIGS = Path(__file__).parent.parent / "configs" / "bench"
 SMOKE = str(CONFIGS / "smoke_cpu.yaml")

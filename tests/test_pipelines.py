@@ -22,7 +22,8 @@ from pipeline_harness import (
 )
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
-from recpipe.pipelines.schedule import Schedule, Step, all_schedules
+from recpipe.pipelines import all_schedules
+from recpipe.pipelines.schedule import Schedule, Step
 
 FUSED_TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
 SYNCHRONOUS = [
@@ -31,7 +32,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup": "after_optimizer", "emb_lookup_stream": "new"}),
     ("fused_sparse_dist", {"emb_lookup_stream": "current"}),
     ("prefetch", {}),
-    ("prefetch", {"input_dist_wait": "after_forward"}),
+    ("prefetch", {"input_dist_wait": "before_forward"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 

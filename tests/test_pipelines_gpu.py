@@ -22,7 +22,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup_stream": "new"}),
     ("fused_sparse_dist", {"emb_lookup_stream": "current", "emb_lookup": "after_optimizer"}),
     ("prefetch", {}),
-    ("prefetch", {"input_dist_wait": "after_forward"}),
+    ("prefetch", {"input_dist_wait": "before_forward"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 

@@ -255,7 +255,7 @@ def test_new_lookup_stream_adds_a_pool_and_stash_adds_dense_grads():
 
 
 def test_pipeline_depths_match_schedules():
-    schedule = pytest.importorskip("recpipe.pipelines.schedule")
+    schedule = pytest.importorskip("recpipe.pipelines")
     try:
         schedules = schedule.all_schedules()
     except ImportError:

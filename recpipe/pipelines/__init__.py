@@ -7,6 +7,7 @@ and expose ``progress(dataloader_iter)`` like TorchRec's pipelines.
 
 from __future__ import annotations
 
+import argparse
 import warnings
 
 import torch
@@ -17,6 +18,7 @@ from recpipe.pipelines.base import BasePipeline
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.fused_sparse_dist import FusedSparseDistPipeline
 from recpipe.pipelines.prefetch import PrefetchPipeline
+from recpipe.pipelines.schedule import Schedule
 from recpipe.pipelines.semi_sync import SemiSyncPipeline
 from recpipe.pipelines.sharded import PipelineError
 from recpipe.pipelines.sparse_dist import SparseDistPipeline
@@ -28,6 +30,21 @@ PIPELINES: dict[str, type[Pipeline]] = {
     "semi_sync": SemiSyncPipeline,
     "prefetch": PrefetchPipeline,
 }
+
+
+def all_schedules() -> dict[str, list[Schedule]]:
+    """Every pipeline name -> its schedules (the first is its default)."""
+    return {name: list(cls.every_schedule) for name, cls in PIPELINES.items()}
+
+
+def main_schedule(args: argparse.Namespace) -> int:
+    """``recpipe schedule NAME``: print the pipeline's schedule tables."""
+    schedules = all_schedules()
+    if args.name not in schedules:
+        print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)}")
+        return 2
+    print("\n\n".join(s.table() for s in schedules[args.name]))
+    return 0
 
 
 def make_pipeline(
@@ -53,5 +70,7 @@ __all__ = [
     "PrefetchPipeline",
     "SemiSyncPipeline",
     "SparseDistPipeline",
+    "all_schedules",
+    "main_schedule",
     "make_pipeline",
 ]

@@ -28,4 +28,5 @@ SCHEDULE = Schedule(
 class BasePipeline(Pipeline):
     name = "base"
     schedule = SCHEDULE
+    every_schedule = (SCHEDULE,)  # the default first, then the variants options pick
     intercepts = False

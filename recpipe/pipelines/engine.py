@@ -105,6 +105,7 @@ class Pipeline:
 
     name = "pipeline"
     schedule: Schedule
+    every_schedule: tuple[Schedule, ...] = ()  # for `recpipe schedule`: the default first, then variants
     intercepts = True  # does forward take prepared inputs from the pipeline?
     lookup_stream = "dist"
 

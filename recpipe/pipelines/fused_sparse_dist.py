@@ -53,6 +53,7 @@ SCHEDULE_AFTER_OPTIMIZER = Schedule(
 class FusedSparseDistPipeline(Pipeline):
     name = "fused_sparse_dist"
     schedule = SCHEDULE
+    every_schedule = (SCHEDULE, SCHEDULE_AFTER_OPTIMIZER)  # the default first, then the variants options pick
 
     def __init__(
         self,

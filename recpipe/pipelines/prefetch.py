@@ -4,9 +4,11 @@ For ``fused_uvm_caching`` tables built with FBGEMM's ``prefetch_pipeline`` (LRU,
 cache-line locking), FBGEMM's contract is: prefetch(i) -> fwd(i) -> prefetch(i+1)
 -> bwd(i) -> prefetch(i+2), exactly one prefetch per forward, each prefetched
 batch followed by its backward (which unlocks its cache lines). This schedule is
-that order: the tensors all-to-all of i+1 is launched before forward(i) so it
-overlaps it, the prefetch of i+1 runs on the prefetch stream after forward(i) is
-queued, and FBGEMM's backward hooks serialize the TBE backward against it.
+that order: forward(i) is queued, the host waits for batch i+1's splits while the
+GPU runs it (as in sparse_dist), launches i+1's tensors all-to-all, and queues the
+prefetch of i+1 on the prefetch stream; FBGEMM's backward hooks serialize the TBE
+backward(i) against it. TorchRec's order, with the host wait before forward(i), is
+``input_dist_wait: before_forward`` (the GPU idles 2-3 ms a step at 32768 samples).
 
 Fixes of TorchRec's PrefetchTrainPipelineSparseDist by construction:
 * forward(i) waits for the prefetch of batch i itself (an event on the prefetch
@@ -39,32 +41,37 @@ SCHEDULE = Schedule(
     (
         Step("zero_grad", "compute", 0),
         Step("h2d", "memcpy", 2),
-        Step("input_dist_wait", "dist", 1),
         Step("forward", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
+        Step("input_dist_wait", "dist", 1),
         Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
         Step("backward", "compute", 0),
         Step("optimizer", "compute", 0),
         Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
     ),
-    doc="Prefetch of batch i+1 after forward(i), before backward(i); forward(i+1) waits for it.",
+    doc="Prefetch of batch i+1 after forward(i), before backward(i); the host waits for i+1's splits "
+        "while the GPU runs forward(i); forward(i+1) waits for the prefetch.",
 ).validate()
 
-# input_dist_wait="after_forward": the host sync on batch i+1's splits comes after
-# forward(i) is queued, so the GPU has forward(i) to run while the host waits (as in
-# sparse_dist); the tensors all-to-all of i+1, and so its prefetch, start later.
-SCHEDULE_WAIT_AFTER_FORWARD = Schedule(
-    "prefetch_wait_after_forward",
+# input_dist_wait="before_forward" (TorchRec's order): the host sync on batch i+1's
+# splits comes before forward(i) is queued, so the tensors all-to-all of i+1, and its
+# prefetch, start earlier; but while the host waits the GPU has only backward(i-1) and
+# the optimizer queued, and idles once they are done. Measured on one H100
+# (configs/bench/uvm_caching.yaml, 32768 samples): 1.10-1.17x its GPU busy time
+# against 0.96-1.0x with the default order, 2-3 ms per step
+# (benchmarks/2026-11-23-h100x1-prefetch_sweep.md).
+SCHEDULE_WAIT_BEFORE_FORWARD = Schedule(
+    "prefetch_wait_before_forward",
     (
         Step("zero_grad", "compute", 0),
         Step("h2d", "memcpy", 2),
-        Step("forward", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
         Step("input_dist_wait", "dist", 1),
+        Step("forward", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
         Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
         Step("backward", "compute", 0),
         Step("optimizer", "compute", 0),
         Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
     ),
-    doc="Variant: host sync on batch i+1's splits after forward(i) is queued; prefetch(i+1) still before backward(i).",
+    doc="Variant (TorchRec's order): host sync on batch i+1's splits before forward(i) is queued.",
 ).validate()
 
 
@@ -93,9 +100,10 @@ def _cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
 class PrefetchPipeline(Pipeline):
     name = "prefetch"
     schedule = SCHEDULE
+    every_schedule = (SCHEDULE, SCHEDULE_WAIT_BEFORE_FORWARD)  # the default first, then the variants options pick
 
-    def __init__(self, model, optimizer, device, *, input_dist_wait: str = "before_forward", **options) -> None:
-        variants = {"before_forward": SCHEDULE, "after_forward": SCHEDULE_WAIT_AFTER_FORWARD}
+    def __init__(self, model, optimizer, device, *, input_dist_wait: str = "after_forward", **options) -> None:
+        variants = {"after_forward": SCHEDULE, "before_forward": SCHEDULE_WAIT_BEFORE_FORWARD}
         if input_dist_wait not in variants:
             raise ValueError(f"input_dist_wait={input_dist_wait!r}: choose one of {sorted(variants)}")
         self.schedule = variants[input_dist_wait]

@@ -16,7 +16,6 @@ that runs earlier for that batch.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 STREAM_ROLES = ("compute", "memcpy", "dist", "lookup", "prefetch")
@@ -128,26 +127,3 @@ class Schedule:
         lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*r).rstrip() for r in rows]
         return "\n".join(lines)
-
-
-def all_schedules() -> dict[str, list[Schedule]]:
-    """Every pipeline name -> its schedules (the first is its default)."""
-    from recpipe.pipelines import base, fused_sparse_dist, prefetch, semi_sync, sparse_dist
-
-    return {
-        "base": [base.SCHEDULE],
-        "sparse_dist": [sparse_dist.SCHEDULE],
-        "fused_sparse_dist": [fused_sparse_dist.SCHEDULE, fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER],
-        "semi_sync": [semi_sync.SCHEDULE, semi_sync.SCHEDULE_WARMUP, semi_sync.SCHEDULE_WAIT_EARLY,
-                      semi_sync.SCHEDULE_WAIT_EARLY_WARMUP],
-        "prefetch": [prefetch.SCHEDULE, prefetch.SCHEDULE_WAIT_AFTER_FORWARD],
-    }
-
-
-def main_schedule(args: argparse.Namespace) -> int:
-    schedules = all_schedules()
-    if args.name not in schedules:
-        print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)}")
-        return 2
-    print("\n\n".join(s.table() for s in schedules[args.name]))
-    return 0

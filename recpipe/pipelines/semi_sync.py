@@ -117,6 +117,7 @@ def backward_emb(pipe: Pipeline, b: InFlight) -> None:
 class SemiSyncPipeline(Pipeline):
     name = "semi_sync"
     schedule = SCHEDULE
+    every_schedule = (SCHEDULE, SCHEDULE_WARMUP, SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP)  # default first
 
     def __init__(
         self,

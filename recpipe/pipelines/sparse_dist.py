@@ -30,3 +30,4 @@ SCHEDULE = Schedule(
 class SparseDistPipeline(Pipeline):
     name = "sparse_dist"
     schedule = SCHEDULE
+    every_schedule = (SCHEDULE,)  # the default first, then the variants options pick

@@ -377,7 +377,10 @@ class TrainConfig(_Section):
     epochs: int = Field(1, gt=0)
     seed: int = 0
     eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
-    log_every: int = Field(10, gt=0)
+    # Steps between log points. Each costs the training loop about 6 ms of host time (metrics
+    # update and all-reduce, TensorBoard, the bar): at 10, 5-6 % of a Criteo-sized 8192-sample
+    # step on one H100, at 100 about 0.6 % (benchmarks/2026-11-23-h100x1-trainer_vs_bench_s6.md).
+    log_every: int = Field(100, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32

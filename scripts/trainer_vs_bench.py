@@ -29,6 +29,11 @@ from the built model to the first trained step.
    made before training and cycles them (``data.factory`` = :func:`replay`), so the
    loader's cost is out of its loop; the difference to a normal run is the loader's.
 
+7. Always: the trainer's host time per step in the steady window, split into the time
+   inside ``progress()``, the part of it blocked in the loader's ``next()``, and the
+   trainer's own work between two calls (metrics, logging, the bar): P50/P90/max and
+   totals, printed and in ``train.host_parts`` of the JSON.
+
 Prints both rates, their ratio and the first-step time (targets: ratio >= 0.95,
 first step <= 10 s), and writes OUT/trainer_vs_bench.json.
 """

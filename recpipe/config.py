@@ -356,7 +356,9 @@ class PrefetchPipelineConfig(_PipelineCommon):
     # order: the tensors all-to-all and so the prefetch of i+1 start early, but the GPU
     # has only backward(i-1) queued while the host waits: measured 1.10-1.17x its busy
     # time at 32768 samples on one H100, benchmarks/2026-11-23-h100x1-prefetch_sweep.md).
-    input_dist_wait: Literal["before_forward", "after_forward"] = "after_forward"
+    # "before_forward_early_splits": TorchRec's wait, with each batch's splits all-to-all
+    # launched a step earlier, right after its copy (recpipe/pipelines/prefetch.py).
+    input_dist_wait: Literal["before_forward", "after_forward", "before_forward_early_splits"] = "after_forward"
 
 
 PipelineConfig = Annotated[

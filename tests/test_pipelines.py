@@ -33,6 +33,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup_stream": "current"}),
     ("prefetch", {}),
     ("prefetch", {"input_dist_wait": "before_forward"}),
+    ("prefetch", {"input_dist_wait": "before_forward_early_splits"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 

@@ -23,6 +23,7 @@ SYNCHRONOUS = [
     ("fused_sparse_dist", {"emb_lookup_stream": "current", "emb_lookup": "after_optimizer"}),
     ("prefetch", {}),
     ("prefetch", {"input_dist_wait": "before_forward"}),
+    ("prefetch", {"input_dist_wait": "before_forward_early_splits"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 
@@ -69,7 +70,7 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
     start = {k: v for k, v in build(hbm_cfg, device).model.state_dict().items()}
     hbm = train(hbm_cfg, "base", batches, device=device, init_from=start)
     for segments in ([10], [4, 6]):  # [4, 6]: a drain (and an eval, below) in the middle
-        for wait in ("before_forward", "after_forward"):
+        for wait in ("before_forward", "after_forward", "before_forward_early_splits"):
             cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
                            input_dist_wait=wait)
             assert_same(hbm, cached, f"prefetch ({wait}) with a small UVM cache, segments {segments}")

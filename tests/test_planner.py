@@ -169,6 +169,13 @@ def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch():
         assert r.term("prefetch_scratch") + r.term("reserve_prefetch_stream") > 0
 
 
+def test_prefetch_early_splits_hold_the_next_input_dist_through_the_backward():
+    plain = plan_from_config(cached_cfg()).ranks[0]
+    early = plan_from_config(cached_cfg(**{"pipeline.input_dist_wait": "before_forward_early_splits"})).ranks[0]
+    assert plain.term("input_dist_sent_kjts") == 0 < early.term("input_dist_sent_kjts")
+    assert early.hbm_allocated_bytes == plain.hbm_allocated_bytes + early.term("input_dist_sent_kjts")
+
+
 # ------------------------------------------------------------------ pipelines
 # batches in flight, received KJTs alive at the peak, side streams, sent KJTs still held
 # (the counts measured on CPU by test_planner_liveness.py; semi_sync: batch i for its TBE

@@ -195,6 +195,9 @@ def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_
     counts; and the plan counts nothing more than is alive (one-sided: Gloo's late
     releases only add to the measurement)."""
     cfgs = {name: _config(name, 2) for name in ("sparse_dist", "fused_sparse_dist")}
+    # prefetch launches the next input dist before the backward only with early splits
+    cfgs["prefetch/early_splits"] = load_config(None, {**_CONFIG, "distributed.nproc": 2, "pipeline": {
+        "name": "prefetch", "input_dist_wait": "before_forward_early_splits"}})
     launch_local(_worker, 2, cfgs, str(tmp_path))
     report, bad = [], []
     for rank in range(2):

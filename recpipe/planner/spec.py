@@ -134,7 +134,9 @@ class PipelineSpec:
       tensors awaitable still holds what it sent, the rank's permuted local KJT
       (W > 1). sparse_dist and fused_sparse_dist: batch i+1 (waited in its forward /
       lookup, after backward(i)); semi_sync: batch i+2; prefetch: none (prefetch(i+1)
-      waits it before backward(i), and the input dist of i+2 comes after the optimizer);
+      waits it before backward(i), and the input dist of i+2 comes after the optimizer),
+      but batch i+2 with ``input_dist_wait: before_forward_early_splits`` (launched at
+      the start of step i);
       base: none (input dist inside forward);
     * ``early_pooled``: pooled embeddings of batch i+1 computed before batch i's
       backward and alive through it (semi_sync);
@@ -170,7 +172,8 @@ class PipelineSpec:
     lookup_stream: str = "main"
 
 
-def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False) -> PipelineSpec:
+def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False,
+                  input_dist_wait: str = "after_forward") -> PipelineSpec:
     """The :class:`PipelineSpec` of a recpipe pipeline by name."""
     if name == "base":  # batch i on the device, batch i+1 being copied
         return PipelineSpec("base", 2, 1, ("memcpy",))
@@ -187,7 +190,10 @@ def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradie
             keeps_emb_graph=True, stash_dense_grads=stash_gradients,
         )
     if name == "prefetch":  # + prefetched cache locations of batch i+1
-        return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True)
+        # early splits: the input dist of i+2 is launched at the start of step i, before backward(i)
+        pending = 1 if input_dist_wait == "before_forward_early_splits" else 0
+        return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True,
+                            pending_input_dists=pending)
     raise ValueError(f"unknown pipeline {name!r}; choose base, sparse_dist, fused_sparse_dist, semi_sync, prefetch")
 
 
@@ -388,6 +394,7 @@ def inputs_from_config(
         p.name,
         emb_lookup_stream=getattr(p, "emb_lookup_stream", "current"),
         stash_gradients=getattr(p, "stash_gradients", False),
+        input_dist_wait=getattr(p, "input_dist_wait", "after_forward"),
     )
     return PlannerInputs(
         tables=tables_t,

@@ -9,6 +9,9 @@ For each pipeline (names or bench variants ``name:key=value``): a fresh model as
 Replaying the history (alloc / free_completed) gives the live bytes at every event;
 at the largest, the blocks allocated inside the recorded steps are grouped by the
 innermost frame in recpipe, torchrec or fbgemm_gpu (file:line function) and by stream.
+Reserved memory: peak reserved / peak allocated over the recorded steps, and the
+allocator's segments at their end by stream (reserved, allocated, free, largest free
+block), the free bytes grouped by their last occupant's site.
 Rank 0 writes OUT/memory_at_peak.md (the tables, per rank) and every rank its
 allocator snapshot OUT/snapshot_<pipeline>_rank<r>.pickle (open it at
 https://pytorch.org/memory_viz).
@@ -17,6 +20,7 @@ https://pytorch.org/memory_viz).
 from __future__ import annotations
 
 import argparse
+import bisect
 import pickle
 import sys
 from collections import defaultdict
@@ -77,6 +81,35 @@ def summarize(trace: list[dict], streams: dict[int, str]) -> dict:
             "by_stream": sorted(by_stream.items(), key=lambda kv: -kv[1])}
 
 
+def reserved_summary(segments: list[dict], trace: list[dict], streams: dict[int, str]) -> dict:
+    """What the allocator holds beyond the allocated bytes, at the end of the recorded
+    steps (reserved memory is never returned without ``empty_cache``, so the segments
+    are those of the peak): per stream the reserved, allocated and free bytes, the
+    largest free block, and the free bytes by the site of the block's last occupant
+    (the newest recorded free in its range; "(before recording)" if none)."""
+    frees = sorted(((e["addr"], e["size"], i, e) for i, e in enumerate(trace) if e["action"] == "free_completed"),
+                   key=lambda f: (f[0], f[2]))
+    addrs = [f[0] for f in frees]
+    per_stream: dict[str, dict] = {}
+    by_site: dict[str, int] = defaultdict(int)
+    for seg in segments:
+        name = streams.get(seg["stream"], str(seg["stream"]))
+        row = per_stream.setdefault(name, {"reserved": 0, "allocated": 0, "free": 0, "largest_free": 0, "segments": 0})
+        row["reserved"] += seg["total_size"]
+        row["allocated"] += seg["allocated_size"]
+        row["segments"] += 1
+        for block in seg["blocks"]:
+            if block["state"] != "inactive":
+                continue
+            row["free"] += block["size"]
+            row["largest_free"] = max(row["largest_free"], block["size"])
+            lo, hi = block["address"], block["address"] + block["size"]
+            first, end = bisect.bisect_left(addrs, lo), bisect.bisect_left(addrs, hi)
+            last = max(frees[first:end], key=lambda f: f[2], default=None)
+            by_site[f"{name}: " + (_where(last[3].get("frames", [])) if last else "(before recording)")] += block["size"]
+    return {"by_stream": per_stream, "free_by_site": sorted(by_site.items(), key=lambda kv: -kv[1])[:10]}
+
+
 def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     cfg_p, _, skip = config_for_pipeline(cfg, label)
     if cfg_p is None:
@@ -89,6 +122,7 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     torch.cuda.synchronize()
     streams = {torch.cuda.current_stream(device).cuda_stream: "compute"}
     streams.update({s.cuda_stream: role for role, s in vars(pipe.streams).items() if hasattr(s, "cuda_stream")})
+    torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     for _ in range(args.steps):
         pipe.progress(it)
@@ -103,6 +137,9 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     result = summarize(trace, streams)
     result["alloc_gib"] = torch.cuda.memory_allocated(device) / _GIB
     result["reserved_gib"] = torch.cuda.memory_reserved(device) / _GIB
+    result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
+    result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / _GIB
+    result["reserved"] = reserved_summary(snapshot["segments"], trace, streams)
     while _drain(pipe, it):
         pass
     del pipe, sharded
@@ -134,6 +171,18 @@ def markdown(results: dict[str, list[dict]], args) -> str:
                       "| GiB | allocated at |", "|---|---|"]
             lines += [f"| {b / _GIB:.3f} | `{site}` |" for site, b in r["by_site"]]
             lines.append("")
+            res = r.get("reserved")
+            if res:
+                lines += [f"rank {rank}: peak reserved / peak allocated over the recorded steps: "
+                          f"{r['peak_reserved_gib']:.3f} / {r['peak_allocated_gib']:.3f} GiB = "
+                          f"{r['peak_reserved_gib'] / max(r['peak_allocated_gib'], 1e-12):.3f}", "",
+                          "| stream | segments | reserved GiB | allocated GiB | free GiB | largest free GiB |",
+                          "|---|---|---|---|---|---|"]
+                lines += [f"| {s} | {v['segments']} | {v['reserved'] / _GIB:.3f} | {v['allocated'] / _GIB:.3f} | "
+                          f"{v['free'] / _GIB:.3f} | {v['largest_free'] / _GIB:.3f} |" for s, v in res["by_stream"].items()]
+                lines += ["", "| free GiB | last occupant (stream: site) |", "|---|---|"]
+                lines += [f"| {b / _GIB:.3f} | `{site}` |" for site, b in res["free_by_site"]]
+                lines.append("")
     return "\n".join(lines) + "\n"
 
 

@@ -86,6 +86,35 @@ def test_memory_at_peak_replays_the_allocator_history_to_the_peak():
     assert summary["by_stream"] == [("dist", 8 * mib), ("compute", 6 * mib)]
 
 
+def test_memory_at_peak_names_the_last_occupant_of_each_free_block():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import memory_at_peak as m
+
+    comm = [{"filename": "/site/torchrec/distributed/comm_ops.py", "line": 422, "name": "allocate"}]
+    mlp = [{"filename": "/site/torchrec/modules/mlp.py", "line": 80, "name": "forward"}]
+    trace = [  # two occupants of [100, 160): the newer one counts
+        {"action": "alloc", "addr": 100, "size": 60, "stream": 7, "frames": mlp},
+        {"action": "free_completed", "addr": 100, "size": 60, "stream": 7, "frames": mlp},
+        {"action": "alloc", "addr": 110, "size": 40, "stream": 7, "frames": comm},
+        {"action": "free_completed", "addr": 110, "size": 40, "stream": 7, "frames": comm},
+    ]
+    segments = [
+        {"stream": 7, "total_size": 200, "allocated_size": 120, "blocks": [
+            {"address": 0, "size": 100, "state": "active_allocated"},
+            {"address": 100, "size": 60, "state": "inactive"},
+            {"address": 160, "size": 20, "state": "active_allocated"},
+            {"address": 180, "size": 20, "state": "inactive"}]},
+        {"stream": 9, "total_size": 50, "allocated_size": 50, "blocks": [
+            {"address": 500, "size": 50, "state": "active_allocated"}]},
+    ]
+    got = m.reserved_summary(segments, trace, {7: "compute"})
+    assert got["by_stream"] == {
+        "compute": {"reserved": 200, "allocated": 120, "free": 80, "largest_free": 60, "segments": 1},
+        "9": {"reserved": 50, "allocated": 50, "free": 0, "largest_free": 0, "segments": 1}}
+    assert got["free_by_site"] == [("compute: torchrec/distributed/comm_ops.py:422 allocate", 60),
+                                   ("compute: (before recording)", 20)]
+
+
 @pytest.mark.slow
 def test_precision_auc_script_trains_both_precisions_and_reports_the_difference(tmp_path: Path):
     """scripts/precision_auc.py: two runs that differ only in the precisions (every table,

@@ -198,10 +198,11 @@ def _workers_kind(cfg: RecpipeConfig) -> str:
     """``data.workers_kind`` where it applies (a warning where a set value does not).
 
     Tables in UVM make the batch producers threads: their weights are pinned host
-    memory, which the kernel copies into a forked child at fork time (pinned pages
-    cannot be shared copy-on-write). Measured on one H100 with
-    configs/bench/uvm_caching.yaml (19 GiB of UVM rows): host memory in use went
-    from 22 to 59 GiB while the producers forked."""
+    memory, and Linux does not share pinned pages copy-on-write with a forked child;
+    it copies them. Seen on one H100 with configs/bench/uvm_caching.yaml (19 GiB of UVM
+    rows): host memory in use went from 22 to 59 GiB in the 25 s in which the model
+    build ended and the producers forked, and a producer had 21 GB resident. Whether
+    all of it was copies was not isolated; threads need no fork at all."""
     d = cfg.data
     if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers == 0):
         why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"

@@ -111,7 +111,7 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from recpipe.data import check_data, make_dataloader
-    from recpipe.data.stream import workers_kind
+    from recpipe.data.loader import workers_kind_of
 
     cfg = _config(args)
     if args.batches < 1 or args.warmup < 1:
@@ -119,7 +119,7 @@ def _bench(args: argparse.Namespace) -> int:
     check_data(cfg)
     world, d = cfg.distributed.nproc, cfg.data
     kind = ("made in the loop" if d.num_workers == 0 else "DataLoader worker processes" if d.source == "criteo_tsv"
-            else {"process": "producer processes", "thread": "producer threads"}[workers_kind(d.workers_kind)])
+            else {"process": "producer processes", "thread": "producer threads"}[workers_kind_of(cfg)])
     print(f"source {d.source}, batch {d.batch_size}, num_workers {d.num_workers} ({kind}), rank 0 of {world}, "
           f"shuffle {d.shuffle}, pinned {d.pin_memory and torch.cuda.is_available()}, "
           f"torch threads {torch.get_num_threads()}")

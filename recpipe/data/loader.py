@@ -40,7 +40,7 @@ from recpipe.data.criteo import CriteoTsvReader
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
-__all__ = ["check_data", "make_dataloader", "no_eval_data", "num_batches"]
+__all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "workers_kind_of"]
 
 
 def _check(cfg: RecpipeConfig, rank: int, world_size: int, split: str) -> None:
@@ -194,7 +194,7 @@ def host_memory_tables(cfg: RecpipeConfig) -> list[str]:
     return sorted(n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching"))
 
 
-def _workers_kind(cfg: RecpipeConfig) -> str:
+def workers_kind_of(cfg: RecpipeConfig) -> str:
     """``data.workers_kind`` where it applies (a warning where a set value does not).
 
     Tables in UVM make the batch producers threads: their weights are pinned host
@@ -237,7 +237,7 @@ def make_dataloader(
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
     pin = cfg.data.pin_memory and torch.cuda.is_available()
     pin_device = torch.device("cuda", torch.cuda.current_device()) if pin else None
-    workers, kind = cfg.data.num_workers, _workers_kind(cfg)
+    workers, kind = cfg.data.num_workers, workers_kind_of(cfg)
     # Producer processes must not touch CUDA: their batches are pinned when they arrive.
     pin_made = pin and not (workers > 0 and kind == "process")
     if cfg.data.source == "synthetic":
@@ -253,7 +253,7 @@ def make_dataloader(
         return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind)
     reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
     # Spawned workers where tables are in UVM: a fork of this process would copy their
-    # pinned host memory into every worker (see _workers_kind).
+    # pinned host memory into every worker (see workers_kind_of).
     context = None if "fork" not in multiprocessing.get_all_start_methods() else "spawn" if host_memory_tables(cfg) else "fork"
     return DataLoader(
         CriteoTsvDataset(reader, start_batch=start_batch),

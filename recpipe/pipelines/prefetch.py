@@ -98,6 +98,7 @@ SCHEDULE_EARLY_SPLITS = Schedule(
         "before forward(i) is queued.",
 ).validate()
 
+
 def _cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
     """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
     TBE with a UVM cache; the bench reads their cache statistics). torchrec hides

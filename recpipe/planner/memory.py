@@ -60,7 +60,10 @@ from recpipe.planner.tbe import (
 )
 
 MiB = 1 << 20
-ALLOCATOR_FRAGMENTATION = 0.35  # fitted on H100 runs of tests/test_planner_gpu.py (W=1, 2026-11-22: 0.45 put every reserved row 2.7-10.6 % high); calibrate per site
+# Fitted on one H100 run of tests/test_planner_gpu.py (W=1, 2026-11-23), where 0.45 put every
+# reserved row 2.7-10.6 % high. A second run measured 60-210 MiB more reserved for the small
+# UVM-cached configurations (prefetch rows then -14 to -18 %): not reproducible to 10 % there.
+ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
 CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
 NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
 CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each on sm90 (measured)

@@ -19,9 +19,12 @@ all-to-all buffers sit in reference cycles until Python's collector runs, which 
 plan can time. Gloo's all-to-alls also now and then release their buffers one or more
 steps late (+1 to +2 pooled-embedding or KJT buffers on one rank, in some runs): that
 only adds, so one rank is checked both ways, every step, and two ranks are checked for
-the KJT the next batch's input all-to-all sent (the bytes the ``input_dist`` step
-made that are still held, byte for byte) and, one-sided, for the plan counting nothing
-that is not alive.
+the KJT the next batch's input all-to-all sent and, one-sided, for the plan counting
+nothing that is not alive. The sent KJTs are told apart by the batch whose
+``input_dist`` step made them: the newest ``pending_input_dists`` batches' must be
+what the plan counts, byte for byte; an older batch's may still be held only by
+Gloo's worker thread, which frees a finished all-to-all's input a moment after
+``wait()`` returned (seen on a loaded 2-core CI machine: rank 1, every step).
 
 Every term is at least 5 % of its total and the tolerance is 3 %, so the test fails
 if a term is left out or counted when it is not alive: the received KJTs, the sent
@@ -63,43 +66,65 @@ def _is_tbe_backward(name: str) -> bool:
     return name.startswith("fbgemm::split_embedding_backward_codegen_")
 
 
-def live_bytes_at_tbe_backward(prof) -> list[dict[str, int]]:
+def live_bytes_at_tbe_backward(prof) -> list[dict]:
     """At the start of each TBE backward in ``prof``: bytes held by allocations made
     inside the profile, in all (``"total"``) and by the pipeline step that made them
-    (``"recpipe.<step>"``, the ranges the engine opens under the profiler)."""
+    (``"recpipe.<step>"``, the ranges the engine opens under the profiler).
+
+    The ``input_dist`` step's blocks (the sent KJTs) are also told apart by the batch
+    that made them, newest first (``"input_dist_by_age"``: age 0 is the latest
+    ``recpipe.input_dist`` range before the backward), and ``"input_dist_late"`` holds,
+    by age, the bytes of those that another thread frees: Gloo's worker, which keeps a
+    finished all-to-all's work object (its input tensors) a moment after ``wait()``
+    returned on the pipeline's thread."""
     from torch._C._profiler import _EventType
 
-    events: list[tuple[int, int, int, str]] = []  # (time, ptr, +size / -size, step)
+    events: list[tuple[int, int, int, str, int, int]] = []  # (time, ptr, +size / -size, step, range start, tid)
     spans: list[tuple[int, int]] = []
+    input_dists: list[int] = []  # start times of the recpipe.input_dist ranges
 
-    def walk(node, step: str) -> None:
+    def walk(node, step: str, began: int) -> None:
         if node.tag == _EventType.Allocation:
-            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, step))
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size, step, began,
+                           node.start_tid))
             return
         if node.name.startswith("recpipe."):
-            step = node.name
+            step, began = node.name, node.start_time_ns
+            if step == "recpipe.input_dist":
+                input_dists.append(began)
         if node.tag == _EventType.TorchOp and _is_tbe_backward(node.name):
             spans.append((node.start_time_ns, node.end_time_ns))
         for child in node.children:
-            walk(child, step)
+            walk(child, step, began)
 
     for root in prof.profiler.kineto_results.experimental_event_tree():
-        walk(root, "")
+        walk(root, "", 0)
     events.sort()
+    # every block made in the profile: [made at, freed at (None: still held), size, step, range start, freeing tid]
+    blocks, open_ = [], {}
+    for t, ptr, size, step, began, tid in events:
+        if size > 0:
+            open_[ptr] = [t, None, size, step, began, None]
+            blocks.append(open_[ptr])
+        elif ptr in open_:  # frees of blocks made before the profile are not ours
+            block = open_.pop(ptr)
+            block[1], block[5] = t, tid
+    pipeline_tids = {tid for _, _, _, step, _, tid in events if step}
     starts = [s for s, e in spans if not any(s0 < s and e <= e0 for s0, e0 in spans)]  # outermost op of each call
     out = []
     for start in sorted(starts):
-        held: dict[int, tuple[int, str]] = {}
-        for t, ptr, size, step in events:
-            if t >= start:
-                break
-            if size > 0:
-                held[ptr] = (size, step)
-            else:
-                held.pop(ptr, None)  # frees of blocks made before the profile are not ours
-        by_step = {"total": sum(size for size, _ in held.values())}
-        for size, step in held.values():
+        held = [b for b in blocks if b[0] < start and (b[1] is None or b[1] >= start)]
+        by_step: dict = {"total": sum(b[2] for b in held), "input_dist_by_age": {}, "input_dist_late": {}}
+        for _, _, size, step, _, _ in held:
             by_step[step] = by_step.get(step, 0) + size
+        ranges = sorted((b for b in input_dists if b < start), reverse=True)
+        for _, _, size, step, began, free_tid in held:
+            if step != "recpipe.input_dist":
+                continue
+            age = str(ranges.index(began))
+            by_step["input_dist_by_age"][age] = by_step["input_dist_by_age"].get(age, 0) + size
+            if free_tid is not None and free_tid not in pipeline_tids:
+                by_step["input_dist_late"][age] = by_step["input_dist_late"].get(age, 0) + size
         out.append(by_step)
     return out
 
@@ -206,15 +231,35 @@ def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_
             steps = measured[key]
             assert len(steps) == STEPS, f"{key}: {len(steps)} TBE backwards profiled"
             items = predicted(cfg, rank, _later_phase(cfg))
-            sent = [m.get("recpipe.input_dist", 0) for m in steps[1:]]
             assert items["input_dist_sent_kjts"] > 0
-            report += [_check(f"rank {rank} {key} sent KJT, step {i + 2}", items["input_dist_sent_kjts"], b, bad)
-                       for i, b in enumerate(sent)]
+            pending = _pending_input_dists(cfg)
+            for i, m in enumerate(steps[1:]):
+                by_age, late = m["input_dist_by_age"], m["input_dist_late"]
+                newest = sum(b for age, b in by_age.items() if int(age) < pending)
+                report.append(_check(f"rank {rank} {key} sent KJT of the {pending} newest batch(es), step {i + 2}",
+                                     items["input_dist_sent_kjts"], newest, bad))
+                # Older input dists: what Gloo's worker thread still holds (it frees a finished
+                # all-to-all's input after wait() returned) is reported; what the pipeline holds
+                # must be within the tolerance of one sent KJT (small bookkeeping tensors).
+                older = {int(age): b for age, b in by_age.items() if int(age) >= pending}
+                held = sum(b - late.get(str(age), 0) for age, b in older.items())
+                line = (f"rank {rank} {key} step {i + 2}: older input dists' blocks {older} B, of which Gloo's worker "
+                        f"frees {sum(late.get(str(age), 0) for age in older)} B, the pipeline holds {held} B")
+                report.append(line)
+                if held > TOLERANCE * items["input_dist_sent_kjts"]:
+                    bad.append(f"{line}: a sent KJT the plan does not count (it counts the {pending} newest)")
             totals = [m["total"] for m in steps[1:]]
             report.append(_check(f"rank {rank} {key} later steps (every step {totals}; plan items {items})",
                                  sum(items.values()), min(totals), bad, one_sided=True))
     print("\n".join(report))
     assert not bad, "\n".join(bad)
+
+
+def _pending_input_dists(cfg) -> int:
+    """Batches whose sent KJT the plan counts at the TBE backward (PipelineSpec.pending_input_dists)."""
+    from recpipe.planner import inputs_from_config
+
+    return inputs_from_config(cfg).pipeline.pending_input_dists
 
 
 def _later_phase(cfg) -> str:

@@ -261,9 +261,10 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions) -> list[Row]:
             f"{len(batches)} batches/rank made in {generation_s:.1f} s",
             flush=True,
         )
+    # rank 0's bar, on a terminal only (disable=None): in a log every refresh is one more line
     bar = tqdm(
         total=(opts.rounds * len(runs) + len(opts.multipass)) * len(batches), unit="step", dynamic_ncols=True,
-        disable=rank != 0 or not cfg.train.progress,
+        disable=None if rank == 0 and cfg.train.progress else True,
     )
     measured: dict[tuple[str, str], list[Row]] = {run: [] for run in runs}
     for r in range(opts.rounds):

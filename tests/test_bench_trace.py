@@ -101,6 +101,49 @@ def test_summary_of_a_gpu_trace():
     assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["streams"] == [9]
 
 
+def test_host_syncs_by_site():
+    """Per step: an .item() in the input dist's wait (a copy to pageable memory), a
+    cudaStreamSynchronize in the backward on the autograd thread, a pinned copy (not a
+    sync) and a synchronize outside the calls (not counted)."""
+    events = list(_gpu_trace()["traceEvents"])
+    corr = iter(range(500, 600))
+    for step in range(2):
+        t0 = 1000.0 + 100 * step
+        events.append(_x("user_annotation", "recpipe.input_dist_wait", t0 + 1, 4))
+        events.append(_x("cpu_op", "aten::item", t0 + 1, 3))
+        events.append(_x("cpu_op", "aten::_local_scalar_dense", t0 + 1.5, 2))
+        c = next(corr)
+        events.append(_x("cuda_runtime", "cudaMemcpyAsync", t0 + 2, 1.5, correlation=c))
+        events.append(_x("gpu_memcpy", "Memcpy DtoH (Device -> Pageable)", t0 + 3, 0.2, tid=7, stream=7, correlation=c))
+        c = next(corr)  # a copy into pinned memory returns at once: not a sync
+        events.append(_x("cuda_runtime", "cudaMemcpyAsync", t0 + 4, 0.1, correlation=c))
+        events.append(_x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", t0 + 4.5, 0.2, tid=7, stream=7, correlation=c))
+        events.append(_x("user_annotation", "recpipe.backward", t0 + 52, 6))  # the engine's thread
+        events.append(_x("cpu_op", "fbgemm::split_embedding_backward_codegen_adagrad", t0 + 53, 4, tid=2))
+        events.append(_x("cuda_runtime", "cudaStreamSynchronize", t0 + 54, 2, tid=2))
+        events.append(_x("cuda_runtime", "cudaDeviceSynchronize", t0 + 80, 5))  # after the call
+    s = summarize_trace(parse_chrome_trace(events), steps=2, device_type="cuda")
+    hs = s["host_syncs"]
+    assert hs["per_step"] == 2 and hs["blocked_ms"] == pytest.approx(0.0035)
+    assert hs["by_site"] == {
+        "backward: fbgemm::split_embedding_backward_codegen_adagrad": {"per_step": 1, "blocked_ms": pytest.approx(0.002)},
+        "input_dist_wait: aten::item > aten::_local_scalar_dense": {"per_step": 1,
+                                                                    "blocked_ms": pytest.approx(0.0015)},
+    }
+    # rounds: a site one round did not see counts 0 there
+    other = dict(s, host_syncs={"per_step": 1.0, "blocked_ms": 0.001, "by_site": {"x: y": {"per_step": 1.0,
+                                                                                        "blocked_ms": 0.001}}})
+    merged = merge_rounds([dict(s, status="ok"), dict(other, status="ok")])["host_syncs"]
+    assert merged["per_step"] == 1.5 and merged["by_site"]["x: y"] == {"per_step": 0.5, "blocked_ms": 0.0005}
+    assert merged["by_site"]["input_dist_wait: aten::item > aten::_local_scalar_dense"]["per_step"] == 0.5
+    from recpipe.bench.report import Row
+    from recpipe.bench.sections import host_syncs_md
+
+    text = "\n".join(host_syncs_md([Row("sparse_dist", "recpipe", trace=dict(s, status="ok"))]))
+    assert "## Host syncs" in text and "| sparse_dist | recpipe | 2.0 | 0.004 |" in text
+    assert "backward: fbgemm::split_embedding_backward_codegen_adagrad (1.0, 0.002)" in text
+
+
 def test_a_cpu_trace_has_no_busy_time_and_a_bad_trace_is_refused():
     events = _gpu_trace()["traceEvents"]
     cpu = [e for e in events if e.get("cat") not in ("kernel", "gpu_memcpy", "cuda_runtime")]

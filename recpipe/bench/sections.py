@@ -335,6 +335,26 @@ def phases_md(rows: list[Any]) -> list[str]:
     return lines
 
 
+def host_syncs_md(rows: list[Any]) -> list[str]:
+    """The blocking CUDA calls per step of each traced row, by site (recpipe/bench/trace.py)."""
+    traced = [r for r in rows if r.status == "ok" and r.trace.get("status") == "ok" and r.trace.get("host_syncs")]
+    if not traced:
+        return []
+    lines = ["## Host syncs (profiled steps)", "",
+             "CUDA calls inside `progress()` that block the host until the device catches up (stream, event or "
+             "device synchronize, a synchronous copy, a copy to pageable host memory: `.item()`, `.tolist()`, "
+             "`.cpu()`), per step, with the host time blocked in them. Site: the pipeline phase around the call, "
+             "then the outermost and innermost CPU ops of its thread that hold it. Rank 0.", ""]
+    header = ("pipeline", "impl", "syncs/step", "blocked ms/step", "sites (syncs/step, blocked ms/step)")
+    body = []
+    for r in traced:
+        hs = r.trace["host_syncs"]
+        sites = "; ".join(f"{site} ({v['per_step']:.1f}, {v['blocked_ms']:.3f})"
+                          for site, v in list(hs["by_site"].items())[:5] if v["per_step"] > 0)
+        body.append(_row_name(r) + [_f(hs["per_step"], ".1f"), _f(hs["blocked_ms"], ".3f"), sites or "-"])
+    return lines + [grid(header, body, markdown=True), ""]
+
+
 def cache_md(rows: list[Any]) -> list[str]:
     cached = [r for r in rows if r.status == "ok" and r.cache]
     if not cached:
@@ -388,4 +408,4 @@ def streams_md(rows: list[Any]) -> list[str]:
 
 def rows_md(rows: list[Any]) -> list[str]:
     """The per-row sections that follow the main table."""
-    return busy_md(rows) + phases_md(rows) + cache_md(rows) + streams_md(rows)
+    return busy_md(rows) + phases_md(rows) + host_syncs_md(rows) + cache_md(rows) + streams_md(rows)

@@ -33,6 +33,16 @@ exported Chrome trace, per step:
   kernels alone, not copies or NCCL: ``overlap_compute_ms``) or runs alone
   (``exposed_ms``).
 
+* **host syncs**: the CUDA calls inside the calls that block the host until the
+  device catches up (``cudaStreamSynchronize``, ``cudaEventSynchronize``,
+  ``cudaDeviceSynchronize``, a synchronous ``cudaMemcpy``, and a copy to pageable
+  host memory, which its device record names ``Device -> Pageable``: ``.item()``,
+  ``.tolist()``, ``.cpu()``), per step: how many, the host time blocked in them,
+  and by site (the pipeline phase around it, and the outermost and innermost CPU
+  ops of its thread that hold it: ``fbgemm::... > aten::_local_scalar_dense``).
+  Each one drains the queue up to it, so a step with one cannot run further ahead
+  of the GPU than that point.
+
 ``step / GPU busy`` (``x_busy`` on the row) is the headline ratio: 1.0 means the
 GPU never idles within a step.
 """
@@ -52,7 +62,8 @@ import torch
 
 from recpipe.bench.measure import mean_leaves, percentile
 
-__all__ = ["PROGRESS_RANGE", "Trace", "combine_ranks", "intersection_length", "merge_intervals", "merge_rounds",
+__all__ = ["PROGRESS_RANGE", "RuntimeCall", "Trace", "combine_ranks", "intersection_length", "merge_intervals",
+           "merge_rounds",
            "parse_chrome_trace", "phase_name", "profile_progress", "summarize_trace", "union_length"]
 
 PROGRESS_RANGE = "bench.progress"
@@ -122,11 +133,23 @@ class HostRange:
     cat: str
 
 
+@dataclass(frozen=True)
+class RuntimeCall:
+    """A CUDA runtime or driver call on the host (``cudaLaunchKernel``, ``cudaStreamSynchronize``)."""
+
+    name: str
+    start: float
+    end: float
+    tid: Any
+    correlation: int | None
+
+
 @dataclass
 class Trace:
     device_ops: list[DeviceOp] = field(default_factory=list)
     launches: dict[int, tuple[Any, float]] = field(default_factory=dict)  # correlation -> (host thread, time)
     ranges: list[HostRange] = field(default_factory=list)  # user annotations and CPU ops
+    runtime: list[RuntimeCall] = field(default_factory=list)
 
 
 def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
@@ -142,8 +165,12 @@ def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
             stream = args.get("stream", e.get("tid"))
             out.device_ops.append(DeviceOp(start, end, int(stream) if str(stream).isdigit() else -1,
                                            args.get("correlation"), str(e.get("name", "")), cat))
-        elif cat in LAUNCH_CATS and args.get("correlation") is not None:
-            out.launches[int(args["correlation"])] = (e.get("tid"), start)
+        elif cat in LAUNCH_CATS:
+            corr = args.get("correlation")
+            if corr is not None:
+                out.launches[int(corr)] = (e.get("tid"), start)
+            out.runtime.append(RuntimeCall(str(e.get("name", "")), start, end, e.get("tid"),
+                                           int(corr) if corr is not None else None))
         elif cat in ("user_annotation", "cpu_op"):
             out.ranges.append(HostRange(str(e.get("name", "")), start, end, e.get("tid"), cat))
     return out
@@ -251,6 +278,33 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     }
 
 
+# CUDA calls that return only once the device has caught up (runtime and driver names)
+_BLOCKING = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                       "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"})
+
+
+def _host_syncs(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
+    """The blocking CUDA calls inside ``calls``, per step and by site (module docstring)."""
+    pageable = {op.correlation for op in trace.device_ops if op.kind == "gpu_memcpy" and "Pageable" in op.name
+                and ("DtoH" in op.name or "Device -> Pageable" in op.name)}
+    syncs = [c for c in trace.runtime
+             if (c.name in _BLOCKING or (c.name.startswith(("cudaMemcpy", "cuMemcpy")) and c.correlation in pageable))
+             and any(a <= c.start <= b for a, b in calls)]
+    phases = [r for r in trace.ranges if r.cat == "user_annotation" and (phase_name(r.name) or ("", ""))[0]
+              in ("recpipe", "torchrec")]
+    ops = [r for r in trace.ranges if r.cat == "cpu_op"]
+    by_site: dict[str, list[float]] = {}
+    for c in syncs:
+        holding = [r for r in phases if r.start <= c.start <= r.end]
+        phase = phase_name(min(holding, key=lambda r: r.end - r.start).name)[1] if holding else "outside phases"
+        mine = sorted((r for r in ops if r.tid == c.tid and r.start <= c.start <= r.end), key=lambda r: r.start - r.end)
+        where = (mine[0].name if len(mine) == 1 else f"{mine[0].name} > {mine[-1].name}") if mine else c.name
+        by_site.setdefault(f"{phase}: {where}", []).append(c.end - c.start)
+    return {"per_step": len(syncs) / steps, "blocked_ms": _per_step(sum(c.end - c.start for c in syncs), steps),
+            "by_site": {site: {"per_step": len(d) / steps, "blocked_ms": _per_step(sum(d), steps)}
+                        for site, d in sorted(by_site.items(), key=lambda kv: -sum(kv[1]))}}
+
+
 def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any]:
     """Per-step numbers of one rank's trace of ``steps`` calls (module docstring)."""
     calls = [(r.start, r.end) for r in trace.ranges if r.name == PROGRESS_RANGE]
@@ -279,6 +333,7 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
         device_ops_per_step=len(ops) / steps,
         streams_busy_ms={str(s): _per_step(union_length(iv), steps) for s, iv in sorted(streams.items())},
         cache=_cache_work(trace, steps),
+        host_syncs=_host_syncs(trace, calls, steps),
     )
     return out
 
@@ -321,7 +376,7 @@ _SLOWEST = ("gpu_busy_ms", "host_ms_p50", "window_ms")  # per row: the slowest r
 
 def combine_ranks(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
     """The row's trace: busy time, host time per call and window of the slowest rank
-    (the one that sets the step); phases, streams and cache work of rank 0; each
+    (the one that sets the step); phases, streams, cache work and host syncs of rank 0; each
     rank's headline numbers under ``per_rank``."""
     bad = [f"rank {r}: {t.get('reason', '?') if t else 'no trace'}" for r, t in enumerate(per_rank)
            if not t or t.get("status") != "ok"]
@@ -347,4 +402,10 @@ def merge_rounds(traces: list[dict[str, Any]]) -> dict[str, Any]:
         names = list(dict.fromkeys(n for t in traces for n in t.get(key) or {}))
         for t in filled:
             t[key] = {n: (t.get(key) or {}).get(n, 0.0) for n in names}
+    if all(t.get("host_syncs") for t in traces):  # a site a round did not see: 0 syncs there
+        sites = list(dict.fromkeys(n for t in traces for n in t["host_syncs"]["by_site"]))
+        for t in filled:
+            seen = t["host_syncs"]["by_site"]
+            t["host_syncs"] = dict(t["host_syncs"], by_site={
+                n: seen.get(n, {"per_step": 0.0, "blocked_ms": 0.0}) for n in sites})
     return dict(mean_leaves(filled), rounds=len(traces), gpu_busy_ms_per_round=[t.get("gpu_busy_ms") for t in traces])

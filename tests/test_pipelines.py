@@ -56,6 +56,55 @@ def test_synchronous_pipelines_train_bit_identically_to_base():
     launch_local(_numerics_worker, 2, small_config(overrides=FUSED_TABLES))
 
 
+def _splits_worker(cfg) -> None:
+    """recpipe's fused splits all-to-all reads no splits tensor back to the host when
+    it launches (torchrec 1.8's FusedKJTListSplitsAwaitable reads each one: a stream
+    synchronize on CUDA); its wait (the one host sync on the splits) is torchrec's."""
+    from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable
+
+    from recpipe.pipelines import sharded
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 5, dist.get_rank())
+    reads = {"ours": 0, "torchrec": 0, "fused": 0}
+    real_init, real_tolist = sharded.FusedSplits.__init__, torch.Tensor.tolist
+
+    def counting(who):
+        def tolist(t):
+            reads[who] += 1
+            return real_tolist(t)
+        return tolist
+
+    def init(self, requests, contexts, pg):
+        reads["fused"] += 1
+        torch.Tensor.tolist = counting("ours")
+        try:
+            real_init(self, requests, contexts, pg)
+        finally:
+            torch.Tensor.tolist = real_tolist
+        # torchrec's constructor on the same requests, for the record (it launches its own
+        # splits all-to-all, so both ranks run it, in the same order)
+        torch.Tensor.tolist = counting("torchrec")
+        try:
+            theirs = FusedKJTListSplitsAwaitable(requests, contexts, pg)
+        finally:
+            torch.Tensor.tolist = real_tolist
+        theirs.wait()
+
+    sharded.FusedSplits.__init__ = init
+    try:
+        train(cfg, "sparse_dist", batches, device=device)
+    finally:
+        sharded.FusedSplits.__init__ = real_init
+    assert reads["fused"] >= 3, reads
+    assert reads["ours"] == 0, reads
+    print(f"rank {dist.get_rank()}: host reads of splits tensors at launch: {reads}")
+
+
+def test_fused_splits_launch_reads_nothing_back():
+    launch_local(_splits_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
 def _semi_sync_worker(cfg) -> None:
     init_process_group(cfg)
     batches = make_batches(cfg, 7, dist.get_rank())

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.dist_data import KJTAllToAll
+from torchrec.distributed.dist_data import KJTAllToAll, SplitsAllToAllAwaitable
 from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable, KJTSplitsAllToAllMeta
 from torchrec.distributed.model_parallel import get_unwrapped_module
-from torchrec.distributed.types import ShardedModule
+from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
@@ -247,14 +247,35 @@ def remove_splits_only(modules: dict[str, ShardedModule]) -> None:
             del kjt_dist.forward
 
 
+class FusedSplits(FusedKJTListSplitsAwaitable):
+    """torchrec's ``FusedKJTListSplitsAwaitable`` (its wait: the host sync on the
+    received splits, then the tensors all-to-alls) with torchrec 1.6's constructor,
+    which launches the one splits all-to-all and nothing else. torchrec 1.8's also
+    copies every splits tensor to the host first (``_safe_tolist``: a synchronize of
+    the current stream each) for an overflow check that only runs under
+    ``TORCHREC_OVERFLOW_DEBUG=1``: one more host sync per splits tensor and step,
+    before the launch, on every multi-rank step."""
+
+    def __init__(self, requests: list[Any], contexts: list[Any], pg: dist.ProcessGroup | None) -> None:
+        Awaitable.__init__(self)
+        self._contexts = contexts
+        self._awaitables = [awaitable for request in requests for awaitable in request.awaitables]
+        self._output_lengths = [len(request.awaitables) for request in requests]
+        metas = [a if isinstance(a, KJTSplitsAllToAllMeta) else None for a in self._awaitables]
+        self._lengths = [len(m.splits_tensors) if m is not None else 0 for m in metas]
+        splits_tensors = [t for m in metas if m is not None for t in m.splits_tensors]
+        self._splits_awaitable = (SplitsAllToAllAwaitable(input_tensors=splits_tensors, pg=pg)
+                                  if splits_tensors and pg is not None else None)
+
+
 def fuse_splits(requests: dict[str, Any], contexts: dict[str, Any]) -> list[tuple[list[str], Any]]:
-    """One ``FusedKJTListSplitsAwaitable`` per process group over the modules' splits
-    requests; constructing it launches the single splits all-to-all."""
+    """One :class:`FusedSplits` per process group over the modules' splits requests;
+    constructing it launches the single splits all-to-all."""
     by_pg: dict[Any, list[str]] = {}
     for fqn, request in requests.items():
         pg = next((a.pg for a in getattr(request, "awaitables", []) if isinstance(a, KJTSplitsAllToAllMeta)), None)
         by_pg.setdefault(pg, []).append(fqn)
     return [
-        (fqns, FusedKJTListSplitsAwaitable(requests=[requests[f] for f in fqns], contexts=[contexts[f] for f in fqns], pg=pg))
+        (fqns, FusedSplits(requests=[requests[f] for f in fqns], contexts=[contexts[f] for f in fqns], pg=pg))
         for pg, fqns in by_pg.items()
     ]

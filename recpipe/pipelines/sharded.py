@@ -176,8 +176,8 @@ class SplitsOnlyForward:
     It computes what the all-to-all of one KeyedJaggedTensor needs (splits, the
     tensors to send) without launching anything, so the pipeline can exchange the
     splits of every input dist of every sharded module in ONE collective per process
-    group (``FusedKJTListSplitsAwaitable``) instead of one per sharding type, each
-    with its own host sync. Same contract as TorchRec's pipeline uses; built from
+    group (:class:`FusedSplits`, after torchrec's ``FusedKJTListSplitsAwaitable``)
+    instead of one per sharding type, each with its own host sync. Same contract as TorchRec's pipeline uses; built from
     the KeyedJaggedTensor's public ``dist_*`` methods.
     """
 

@@ -105,6 +105,32 @@ def test_fused_splits_launch_reads_nothing_back():
     launch_local(_splits_worker, 2, small_config(overrides=FUSED_TABLES))
 
 
+def _one_rank_worker(cfg) -> None:
+    """One rank: the pipelines train like base with no collective at all (the splits
+    of a one-rank all-to-all are its input's: nothing to exchange, nothing to read back)."""
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 6, 0)
+    ref = train(cfg, "base", batches, device=device)
+    calls = []
+    real = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        calls.append(len(args) + len(kwargs))
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+    try:
+        for name, options in SYNCHRONOUS:
+            assert_same(ref, train(cfg, name, batches, device=device, **options), f"one rank {name} {options}")
+    finally:
+        dist.all_to_all_single = real
+    assert not calls, f"{len(calls)} all-to-alls on one rank"
+
+
+def test_one_rank_pipelines_run_no_collective():
+    launch_local(_one_rank_worker, 1, small_config(1, overrides=FUSED_TABLES))
+
+
 def _semi_sync_worker(cfg) -> None:
     init_process_group(cfg)
     batches = make_batches(cfg, 7, dist.get_rank())

@@ -22,9 +22,12 @@ only adds, so one rank is checked both ways, every step, and two ranks are check
 the KJT the next batch's input all-to-all sent and, one-sided, for the plan counting
 nothing that is not alive. The sent KJTs are told apart by the batch whose
 ``input_dist`` step made them: the newest ``pending_input_dists`` batches' must be
-what the plan counts, byte for byte; an older batch's may still be held only by
-Gloo's worker thread, which frees a finished all-to-all's input a moment after
-``wait()`` returned (seen on a loaded 2-core CI machine: rank 1, every step).
+what the plan counts, byte for byte; an older batch's must not be freed later by
+the pipeline. Gloo's worker threads sometimes drop a finished all-to-all's input
+after ``wait()`` returned, and the profiler records no free on them (it follows only
+its own threads): such a block looks held to the end of the profile (seen on a
+loaded 2-core CI machine, one block from the first profiled step). Those are
+reported and must not grow from step to step, as a sent KJT held per batch would.
 
 Every term is at least 5 % of its total and the tolerance is 3 %, so the test fails
 if a term is left out or counted when it is not alive: the received KJTs, the sent
@@ -73,10 +76,12 @@ def live_bytes_at_tbe_backward(prof) -> list[dict]:
 
     The ``input_dist`` step's blocks (the sent KJTs) are also told apart by the batch
     that made them, newest first (``"input_dist_by_age"``: age 0 is the latest
-    ``recpipe.input_dist`` range before the backward), and ``"input_dist_late"`` holds,
-    by age, the bytes of those that another thread frees: Gloo's worker, which keeps a
-    finished all-to-all's work object (its input tensors) a moment after ``wait()``
-    returned on the pipeline's thread."""
+    ``recpipe.input_dist`` range before the backward), and by who frees them:
+    ``"input_dist_unseen"`` holds, by age, the bytes whose free the profile does not
+    show. The profiler records allocations and frees only on the threads it follows,
+    and Gloo's worker threads are not among them: a finished all-to-all's work object
+    keeps its input tensors until the worker drops it, which it sometimes does after
+    ``wait()`` returned on the pipeline's thread. Such a free is never recorded."""
     from torch._C._profiler import _EventType
 
     events: list[tuple[int, int, int, str, int, int]] = []  # (time, ptr, +size / -size, step, range start, tid)
@@ -109,12 +114,11 @@ def live_bytes_at_tbe_backward(prof) -> list[dict]:
         elif ptr in open_:  # frees of blocks made before the profile are not ours
             block = open_.pop(ptr)
             block[1], block[5] = t, tid
-    pipeline_tids = {tid for _, _, _, step, _, tid in events if step}
     starts = [s for s, e in spans if not any(s0 < s and e <= e0 for s0, e0 in spans)]  # outermost op of each call
     out = []
     for start in sorted(starts):
         held = [b for b in blocks if b[0] < start and (b[1] is None or b[1] >= start)]
-        by_step: dict = {"total": sum(b[2] for b in held), "input_dist_by_age": {}, "input_dist_late": {}}
+        by_step: dict = {"total": sum(b[2] for b in held), "input_dist_by_age": {}, "input_dist_unseen": {}}
         for _, _, size, step, _, _ in held:
             by_step[step] = by_step.get(step, 0) + size
         ranges = sorted((b for b in input_dists if b < start), reverse=True)
@@ -123,8 +127,8 @@ def live_bytes_at_tbe_backward(prof) -> list[dict]:
                 continue
             age = str(ranges.index(began))
             by_step["input_dist_by_age"][age] = by_step["input_dist_by_age"].get(age, 0) + size
-            if free_tid is not None and free_tid not in pipeline_tids:
-                by_step["input_dist_late"][age] = by_step["input_dist_late"].get(age, 0) + size
+            if free_tid is None:
+                by_step["input_dist_unseen"][age] = by_step["input_dist_unseen"].get(age, 0) + size
         out.append(by_step)
     return out
 
@@ -233,21 +237,27 @@ def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_
             items = predicted(cfg, rank, _later_phase(cfg))
             assert items["input_dist_sent_kjts"] > 0
             pending = _pending_input_dists(cfg)
+            unseen = []
             for i, m in enumerate(steps[1:]):
-                by_age, late = m["input_dist_by_age"], m["input_dist_late"]
-                newest = sum(b for age, b in by_age.items() if int(age) < pending)
+                by_age = {int(age): b for age, b in m["input_dist_by_age"].items()}
+                hidden = {int(age): b for age, b in m["input_dist_unseen"].items()}
+                newest = sum(b for age, b in by_age.items() if age < pending)
                 report.append(_check(f"rank {rank} {key} sent KJT of the {pending} newest batch(es), step {i + 2}",
                                      items["input_dist_sent_kjts"], newest, bad))
-                # Older input dists: what Gloo's worker thread still holds (it frees a finished
-                # all-to-all's input after wait() returned) is reported; what the pipeline holds
-                # must be within the tolerance of one sent KJT (small bookkeeping tensors).
-                older = {int(age): b for age, b in by_age.items() if int(age) >= pending}
-                held = sum(b - late.get(str(age), 0) for age, b in older.items())
-                line = (f"rank {rank} {key} step {i + 2}: older input dists' blocks {older} B, of which Gloo's worker "
-                        f"frees {sum(late.get(str(age), 0) for age in older)} B, the pipeline holds {held} B")
+                # Older batches' blocks: the pipeline must have let go of them (within the
+                # tolerance of one sent KJT: small bookkeeping tensors). A block whose free the
+                # profile does not show (Gloo's worker, persistent state) is reported, and such
+                # blocks must not pile up step after step, as a sent KJT held per batch would.
+                held = sum(b - hidden.get(age, 0) for age, b in by_age.items() if age >= pending)
+                unseen.append(sum(b for age, b in hidden.items() if age >= pending))
+                line = (f"rank {rank} {key} step {i + 2}: older batches' blocks freed later by the pipeline {held} B, "
+                        f"not freed in the profile {unseen[-1]} B (Gloo's worker, or kept)")
                 report.append(line)
                 if held > TOLERANCE * items["input_dist_sent_kjts"]:
                     bad.append(f"{line}: a sent KJT the plan does not count (it counts the {pending} newest)")
+            if unseen[-1] > unseen[0] + TOLERANCE * items["input_dist_sent_kjts"]:
+                bad.append(f"rank {rank} {key}: older batches' blocks not freed in the profile grow step after step "
+                           f"{unseen} B: a sent KJT held per batch")
             totals = [m["total"] for m in steps[1:]]
             report.append(_check(f"rank {rank} {key} later steps (every step {totals}; plan items {items})",
                                  sum(items.values()), min(totals), bad, one_sided=True))

@@ -234,10 +234,17 @@ def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
 
 
 def install_splits_only(modules: dict[str, ShardedModule]) -> bool:
-    """Install ``SplitsOnlyForward`` on every KJT all-to-all; False if not initialized yet."""
+    """Install ``SplitsOnlyForward`` on every KJT all-to-all over more than one rank;
+    False if the input dists are not initialized yet.
+
+    One rank keeps torchrec's own forward: it knows its output splits (its input's)
+    without a collective, so it launches nothing and reads nothing back, where a fused
+    splits all-to-all would copy the splits to the device, run the collective and
+    read its result back (a host sync per step)."""
     targets = kjt_all_to_alls(modules)
     for kjt_dist in targets:
-        kjt_dist.forward = SplitsOnlyForward(kjt_dist)  # type: ignore[method-assign]
+        if kjt_dist._pg.size() > 1:
+            kjt_dist.forward = SplitsOnlyForward(kjt_dist)  # type: ignore[method-assign]
     return bool(targets)
 
 

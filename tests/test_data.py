@@ -61,6 +61,8 @@ def test_synthetic_shapes_dtypes_ranges():
         assert kjt.keys() == ["cat_0", "cat_1", "cat_2", "cat_3"]
         assert kjt.values().dtype == torch.int64 and kjt.lengths().dtype == torch.int32
         assert kjt.lengths().numel() == 4 * 64 and (kjt.lengths() >= 1).all()
+        # made with its ids per key (torchrec would read them back from the device otherwise)
+        assert kjt._length_per_key == kjt.lengths().view(4, 64).sum(dim=1).tolist() and kjt.stride() == 64
         for key, rows in zip(kjt.keys(), ROWS):
             ids = kjt[key].values()
             assert ids.min() >= 0 and ids.max() < rows
@@ -145,6 +147,9 @@ def test_mean_pooling_factors():
     means = lengths.view(4, -1).float().mean(dim=1)
     assert torch.allclose(means, torch.tensor(factors), atol=0.15)
     assert (lengths.view(4, -1)[0] == 1).all()
+    one_hot = SyntheticClickLog(small_cfg("data.synthetic.mean_pooling_factors=1.0")).batch(
+        rank=0, split="train", epoch=0, index=0).sparse_features
+    assert one_hot._length_per_key == [64] * 4 == one_hot.lengths().view(4, -1).sum(dim=1).tolist()
 
 
 def test_planted_model_positive_rate_and_auc():

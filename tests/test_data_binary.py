@@ -131,6 +131,8 @@ def test_multi_hot_tsv_and_binary_agree(tmp_path):
     assert_same_batches(got, batches(tsv))
     kjt = got[0].sparse_features
     assert kjt["cat_0"].lengths().tolist() == [2] * 16 and kjt["cat_3"].lengths().tolist() == [3] * 16
+    for b in got:  # made with its ids per key, as the lengths say
+        assert b.sparse_features._length_per_key == b.sparse_features.lengths().view(4, -1).sum(dim=1).tolist()
     # The reader checks the dataset's layout against the config's.
     with pytest.raises(BinaryDataError, match=r"hotness \[2, 1, 1, 3\], data.multi_hot_sizes gives \[1, 1, 1, 1\]"):
         batches(config("binary", directory=out))

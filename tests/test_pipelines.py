@@ -127,6 +127,37 @@ def _one_rank_worker(cfg) -> None:
     assert not calls, f"{len(calls)} all-to-alls on one rank"
 
 
+def _lengths_worker(cfg) -> None:
+    """Batches that come without their ids per key get them summed on the host copy,
+    so the sharded modules' input dists (``KeyedJaggedTensor.permute``) need not read
+    them back from the device."""
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 5, dist.get_rank())
+    assert all(b.sparse_features._length_per_key is None for b in batches)  # the harness makes none
+    seen = []
+    real = ShardedEmbeddingBagCollection.input_dist
+
+    def input_dist(self, ctx, features):
+        seen.append(features._length_per_key)
+        return real(self, ctx, features)
+
+    ShardedEmbeddingBagCollection.input_dist = input_dist
+    try:
+        train(cfg, "sparse_dist", batches, device=device)
+    finally:
+        ShardedEmbeddingBagCollection.input_dist = real
+    B, F = cfg.data.batch_size, len(cfg.model.num_embeddings_per_feature)
+    # batch 0 runs the model's own forward while the pipeline learns where the inputs are
+    assert len(seen) == len(batches)
+    assert seen[1:] == [b.sparse_features.lengths().view(F, B).sum(dim=1).tolist() for b in batches[1:]], seen
+
+
+def test_pipelines_hand_the_input_dist_its_ids_per_key():
+    launch_local(_lengths_worker, 1, small_config(1, overrides=FUSED_TABLES))
+
+
 def test_one_rank_pipelines_run_no_collective():
     launch_local(_one_rank_worker, 1, small_config(1, overrides=FUSED_TABLES))
 

@@ -86,5 +86,8 @@ class ColumnLayout:
             start += B * h
         lengths_t, lengths_np = self._empty((len(self.hotness) * B,), torch.int32, pin)
         lengths_np.reshape(len(self.hotness), B)[:] = np.asarray(self.hotness, dtype=np.int32)[:, None]
-        kjt = KeyedJaggedTensor(keys=self.keys, values=values_t, lengths=lengths_t)
+        # ids per key known from the layout: without them torchrec reads them from the
+        # device in every input dist (``length_per_key()`` in ``KeyedJaggedTensor.permute``)
+        kjt = KeyedJaggedTensor(keys=self.keys, values=values_t, lengths=lengths_t, stride=B,
+                                length_per_key=[h * B for h in self.hotness])
         return Batch(dense_features=dense_t, sparse_features=kjt, labels=labels_t, weights=weights_t)

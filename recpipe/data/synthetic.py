@@ -189,17 +189,22 @@ class SyntheticClickLog:
             lengths[self.drawn] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
             per_feature = lengths.sum(dim=1)
             total = int(per_feature.sum())
+            length_per_key = per_feature.tolist()
             shape: tuple[int, ...] = (total,)
             per_id = lambda t: t.repeat_interleave(per_feature, dim=-1, output_size=total)  # noqa: E731
         else:  # one id per sample and feature: ids as [F, size], per-table constants broadcast
             shape = (num_features, size)
             per_id = lambda t: t.unsqueeze(-1)  # noqa: E731
+            length_per_key = [size] * num_features
         rows, mult, offset, hash_keys = per_id(self.table_ints)
         u = torch.rand(shape, generator=g, dtype=torch.float64)  # the same draws for either shape
         scale = None if self.zipf_scale is None else per_id(self.zipf_scale)
         ranks = _zipf_ranks(u, rows.double(), self.alpha, scale)
         ids = ((ranks * mult + offset) % rows).flatten()
-        kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten())
+        # The ids per key, known here: torchrec reads them from the device otherwise (a
+        # host sync in every input dist: ``length_per_key()`` in ``KeyedJaggedTensor.permute``).
+        kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten(), stride=size,
+                                length_per_key=length_per_key)
         return dense, kjt, hash_keys
 
     def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, hash_keys: torch.Tensor | None = None) -> torch.Tensor:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from recpipe.pipelines.inputs import BatchPath
 from recpipe.pipelines.sharded import PipelineError, fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, use_stream
 
@@ -34,6 +35,14 @@ def h2d(pipe: "Pipeline", b: "InFlight") -> None:
         older = pipe._recent.get(b.index - pipe.max_batches_ahead)
         if older is not None and older is not b:
             hand_off(None, pipe.streams.memcpy, after=older.events.get("optimizer"))
+    for source in (pipe._sources or {}).values():
+        # ids per key summed on the host copy: the copy carries them to the device, where
+        # torchrec's input dist would read them back (``length_per_key()`` in
+        # ``KeyedJaggedTensor.permute``, a host sync) if the batch came without them
+        if isinstance(source, BatchPath):
+            kjt = source.get(b.host)
+            if isinstance(kjt, KeyedJaggedTensor) and kjt.device().type == "cpu":
+                kjt.length_per_key()
     b.device = b.host.to(pipe.device, non_blocking=True)
 
 

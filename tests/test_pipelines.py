@@ -106,8 +106,9 @@ def test_fused_splits_launch_reads_nothing_back():
 
 
 def _one_rank_worker(cfg) -> None:
-    """One rank: the pipelines train like base with no collective at all (the splits
-    of a one-rank all-to-all are its input's: nothing to exchange, nothing to read back)."""
+    """One rank: the pipelines train like base (semi_sync like its reference) with no
+    collective at all (the splits of a one-rank all-to-all are its input's: nothing to
+    exchange, nothing to read back)."""
     device = init_process_group(cfg)
     batches = make_batches(cfg, 6, 0)
     ref = train(cfg, "base", batches, device=device)
@@ -122,6 +123,8 @@ def _one_rank_worker(cfg) -> None:
     try:
         for name, options in SYNCHRONOUS:
             assert_same(ref, train(cfg, name, batches, device=device, **options), f"one rank {name} {options}")
+        got = train(cfg, "semi_sync", batches, device=device, start_batch=1)
+        assert_same(semi_sync_reference(cfg, batches, 1, False, device=device), got, "one rank semi_sync")
     finally:
         dist.all_to_all_single = real
     assert not calls, f"{len(calls)} all-to-alls on one rank"

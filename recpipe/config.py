@@ -315,6 +315,12 @@ class _PipelineCommon(_Section):
     # state changed (recaptured once it holds; eager for good after 8 changes, e.g. an lr
     # scheduler). false: the optimizer steps eagerly.
     cuda_graph_optimizer: bool = True
+    # Where the splits of each batch's input all-to-all are exchanged (several ranks):
+    # "device" (as TorchRec does): copied to the GPU, one all-to-all on the model's
+    # process group, read back at input_dist_wait, a host sync that waits for the dist
+    # stream to reach it; "host": over a Gloo group of the same ranks, from host memory,
+    # so that wait is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
+    splits_exchange: Literal["device", "host"] = "device"
 
 
 class BasePipelineConfig(_PipelineCommon):

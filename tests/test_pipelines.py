@@ -130,6 +130,42 @@ def _one_rank_worker(cfg) -> None:
     assert not calls, f"{len(calls)} all-to-alls on one rank"
 
 
+def _host_splits_worker(cfg) -> None:
+    """pipeline.splits_exchange=host: the splits go over a Gloo group from host memory
+    (on this Gloo job: the job's group), nothing of them to the device; every
+    pipeline trains exactly as with the device exchange."""
+    from recpipe.pipelines import sharded
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 6, dist.get_rank())
+    ref = train(cfg, "base", batches, device=device)
+    made: dict[str, int] = {}
+    real = sharded.FusedSplits.__init__
+
+    def counting(self, *a, **k):  # the fused exchanges, by kind
+        real(self, *a, **k)
+        kind = type(self._splits_awaitable).__name__
+        made[kind] = made.get(kind, 0) + 1
+
+    sharded.FusedSplits.__init__ = counting
+    try:
+        for name, options in SYNCHRONOUS:
+            got = train(cfg, name, batches, device=device, splits_exchange="host", **options)
+            assert_same(ref, got, f"splits_exchange=host {name} {options}")
+        got = train(cfg, "semi_sync", batches, device=device, start_batch=1, splits_exchange="host")
+        assert_same(semi_sync_reference(cfg, batches, 1, False, device=device), got, "splits_exchange=host semi_sync")
+    finally:
+        sharded.FusedSplits.__init__ = real
+    # every fused exchange on the host; each pipeline's first input dist goes unfused (torchrec's
+    # own all-to-alls, before the pipeline installs its own), so it exchanges nothing here
+    assert set(made) == {"HostSplitsExchange", "NoneType"}, made
+    assert made["NoneType"] == len(SYNCHRONOUS) + 1 and made["HostSplitsExchange"] >= 3 * len(SYNCHRONOUS), made
+
+
+def test_host_splits_exchange_trains_like_the_device_one():
+    launch_local(_host_splits_worker, 2, small_config(overrides=FUSED_TABLES))
+
+
 def _lengths_worker(cfg) -> None:
     """Batches that come without their ids per key get them summed on the host copy,
     so the sharded modules' input dists (``KeyedJaggedTensor.permute``) need not read

@@ -121,9 +121,13 @@ class Pipeline:
         cuda_graphs: bool = False,
         cuda_graph_modules: list[str] | tuple[str, ...] = (),
         cuda_graph_optimizer: bool = True,
+        splits_exchange: str = "device",
     ) -> None:
         if uneven_data not in ("pad", "error"):
             raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
+        if splits_exchange not in ("device", "host"):
+            raise ValueError(f"splits_exchange={splits_exchange!r}: choose 'device' or 'host'")
+        self.splits_exchange = splits_exchange
         if max_batches_ahead is not None and max_batches_ahead < 1:
             raise ValueError(f"max_batches_ahead={max_batches_ahead} must be >= 1 (or None)")
         self.model = model

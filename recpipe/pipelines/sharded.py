@@ -181,8 +181,9 @@ class SplitsOnlyForward:
     the KeyedJaggedTensor's public ``dist_*`` methods.
     """
 
-    def __init__(self, kjt_dist: KJTAllToAll) -> None:
+    def __init__(self, kjt_dist: KJTAllToAll, host_pg: dist.ProcessGroup | None = None) -> None:
         self.pg = kjt_dist._pg
+        self.host_pg = host_pg  # splits_exchange="host": the splits stay on the host, exchanged over it
         self.splits = kjt_dist._splits
         self.stagger = kjt_dist._stagger
         cumsum = [0, *itertools.accumulate(self.splits)]
@@ -200,12 +201,15 @@ class SplitsOnlyForward:
             rows = list(input_splits)
             if not kjt.variable_stride_per_key():
                 rows.append([kjt.stride()] * self._world)
-            # One pinned host tensor and one asynchronous copy for all the splits (TorchRec
-            # makes one torch.tensor(list, device=cuda) each: a pageable, synchronous copy).
-            flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64,
-                                pin_memory=device.type == "cuda")
-            splits_tensors = list(flat.to(device, non_blocking=True).split([len(r) for r in rows]))
-            return KJTSplitsAllToAllMeta(
+            if self.host_pg is not None:  # nothing goes to the device: FusedSplits sends the rows
+                splits_tensors: list[torch.Tensor] = []
+            else:
+                # One pinned host tensor and one asynchronous copy for all the splits (TorchRec
+                # makes one torch.tensor(list, device=cuda) each: a pageable, synchronous copy).
+                flat = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.int64,
+                                    pin_memory=device.type == "cuda")
+                splits_tensors = list(flat.to(device, non_blocking=True).split([len(r) for r in rows]))
+            meta = KJTSplitsAllToAllMeta(
                 pg=self.pg,
                 _input=kjt,
                 splits=self.splits,
@@ -217,6 +221,9 @@ class SplitsOnlyForward:
                 device=device,
                 stagger=self.stagger,
             )
+            if self.host_pg is not None:
+                meta.host_rows, meta.host_pg = rows, self.host_pg  # type: ignore[attr-defined]
+            return meta
 
 
 def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
@@ -233,9 +240,25 @@ def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
     return found
 
 
-def install_splits_only(modules: dict[str, ShardedModule]) -> bool:
+_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def host_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A Gloo group over ``pg``'s ranks (``pg`` itself if it is Gloo), made once per set
+    of ranks. ``dist.new_group`` is collective: every rank of the job calls this in the
+    same order (the first fused input dist, the same step on every rank)."""
+    if dist.get_backend(pg) == "gloo":
+        return pg
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
+    return _HOST_GROUPS[ranks]
+
+
+def install_splits_only(modules: dict[str, ShardedModule], host: bool = False) -> bool:
     """Install ``SplitsOnlyForward`` on every KJT all-to-all over more than one rank;
-    False if the input dists are not initialized yet.
+    False if the input dists are not initialized yet. ``host`` (``pipeline.splits_exchange:
+    host``): the splits are exchanged over a Gloo group on the host.
 
     One rank keeps torchrec's own forward: it knows its output splits (its input's)
     without a collective, so it launches nothing and reads nothing back, where a fused
@@ -244,7 +267,8 @@ def install_splits_only(modules: dict[str, ShardedModule]) -> bool:
     targets = kjt_all_to_alls(modules)
     for kjt_dist in targets:
         if kjt_dist._pg.size() > 1:
-            kjt_dist.forward = SplitsOnlyForward(kjt_dist)  # type: ignore[method-assign]
+            kjt_dist.forward = SplitsOnlyForward(  # type: ignore[method-assign]
+                kjt_dist, host_group(kjt_dist._pg) if host else None)
     return bool(targets)
 
 
@@ -268,11 +292,39 @@ class FusedSplits(FusedKJTListSplitsAwaitable):
         self._contexts = contexts
         self._awaitables = [awaitable for request in requests for awaitable in request.awaitables]
         self._output_lengths = [len(request.awaitables) for request in requests]
-        metas = [a if isinstance(a, KJTSplitsAllToAllMeta) else None for a in self._awaitables]
-        self._lengths = [len(m.splits_tensors) if m is not None else 0 for m in metas]
-        splits_tensors = [t for m in metas if m is not None for t in m.splits_tensors]
+        metas = [a for a in self._awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
+        on_host = [m for m in metas if hasattr(m, "host_rows")]
+        if on_host:  # splits_exchange="host": every KJT all-to-all of the pipeline has its rows here
+            assert len(on_host) == len(metas), "all KJT all-to-alls of a pipeline exchange their splits alike"
+            self._lengths = [len(getattr(a, "host_rows", ())) for a in self._awaitables]
+            rows = [row for m in on_host for row in m.host_rows]
+            self._splits_awaitable = HostSplitsExchange(rows, on_host[0].host_pg)
+            return
+        self._lengths = [len(a.splits_tensors) if isinstance(a, KJTSplitsAllToAllMeta) else 0
+                         for a in self._awaitables]
+        splits_tensors = [t for m in metas for t in m.splits_tensors]
         self._splits_awaitable = (SplitsAllToAllAwaitable(input_tensors=splits_tensors, pg=pg)
                                   if splits_tensors and pg is not None else None)
+
+
+class HostSplitsExchange(Awaitable):
+    """The splits all-to-all over a Gloo group on the host (``pipeline.splits_exchange:
+    host``): ``rows[i][r]`` is what this rank sends rank r in row i; the wait returns,
+    per row, what each rank sent here, as torchrec's ``SplitsAllToAllAwaitable`` does.
+    Nothing is copied to the device, and the wait is on the other ranks' hosts, not on
+    this GPU's streams: the host sync of ``input_dist_wait`` no longer waits for the
+    dist stream to reach the collective."""
+
+    def __init__(self, rows: list[list[int]], group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self._world = group.size()
+        send = torch.tensor(rows, dtype=torch.int64).T.contiguous().view(-1)  # by destination rank
+        self._received = torch.empty_like(send)
+        self._work = dist.all_to_all_single(self._received, send, group=group, async_op=True)
+
+    def _wait_impl(self) -> list[list[int]]:
+        self._work.wait()
+        return self._received.view(self._world, -1).T.tolist()
 
 
 def fuse_splits(requests: dict[str, Any], contexts: dict[str, Any]) -> list[tuple[list[str], Any]]:

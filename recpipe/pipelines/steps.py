@@ -60,7 +60,7 @@ def input_dist(pipe: "Pipeline", b: "InFlight") -> None:
         requests[fqn] = module.input_dist(b.ctxs[fqn], features)
     b.splits = fuse_splits(requests, b.ctxs)
     if not pipe._splits_fused:
-        pipe._splits_fused = install_splits_only(pipe._modules)
+        pipe._splits_fused = install_splits_only(pipe._modules, host=pipe.splits_exchange == "host")
 
 
 def input_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:

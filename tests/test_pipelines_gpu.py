@@ -25,6 +25,8 @@ SYNCHRONOUS = [
     ("prefetch", {"input_dist_wait": "before_forward"}),
     ("prefetch", {"input_dist_wait": "before_forward_early_splits"}),
     ("sparse_dist", {"max_batches_ahead": 1}),
+    ("sparse_dist", {"splits_exchange": "host"}),  # a Gloo group beside NCCL on 2 GPUs
+    ("fused_sparse_dist", {"splits_exchange": "host"}),
 ]
 
 

@@ -156,6 +156,23 @@ def _host_splits_worker(cfg) -> None:
         assert_same(semi_sync_reference(cfg, batches, 1, False, device=device), got, "splits_exchange=host semi_sync")
     finally:
         sharded.FusedSplits.__init__ = real
+    # The model's group is not Gloo on GPUs: a Gloo group of its ranks is made, once per job.
+    real_backend, groups = sharded._backend, []
+    sharded._backend = lambda pg: "nccl"
+    real_new_group = dist.new_group
+
+    def new_group(*a, **k):
+        groups.append(k.get("backend"))
+        return real_new_group(*a, **k)
+
+    dist.new_group = new_group
+    try:
+        for _ in range(2):
+            got = train(cfg, "sparse_dist", batches, device=device, splits_exchange="host")
+            assert_same(ref, got, "splits_exchange=host over a Gloo group of its own")
+    finally:
+        sharded._backend, dist.new_group = real_backend, real_new_group
+    assert groups == ["gloo"], groups
     # every fused exchange on the host; each pipeline's first input dist goes unfused (torchrec's
     # own all-to-alls, before the pipeline installs its own), so it exchanges nothing here
     assert set(made) == {"HostSplitsExchange", "NoneType"}, made

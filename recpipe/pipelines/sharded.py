@@ -240,19 +240,26 @@ def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
     return found
 
 
-_HOST_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_HOST_GROUPS: dict[tuple[Any, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def _backend(pg: dist.ProcessGroup) -> str:
+    return dist.get_backend(pg)
 
 
 def host_group(pg: dist.ProcessGroup) -> dist.ProcessGroup:
     """A Gloo group over ``pg``'s ranks (``pg`` itself if it is Gloo), made once per set
-    of ranks. ``dist.new_group`` is collective: every rank of the job calls this in the
+    of ranks and job (a process group made again after ``destroy_process_group`` gets
+    new ones). ``dist.new_group`` is collective: every rank of the job calls this in the
     same order (the first fused input dist, the same step on every rank)."""
-    if dist.get_backend(pg) == "gloo":
+    if _backend(pg) == "gloo":
         return pg
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    if ranks not in _HOST_GROUPS:
-        _HOST_GROUPS[ranks] = dist.new_group(ranks=list(ranks), backend="gloo")
-    return _HOST_GROUPS[ranks]
+    key = (dist.group.WORLD, tuple(dist.get_process_group_ranks(pg)))
+    if key not in _HOST_GROUPS:
+        for ended in [k for k in _HOST_GROUPS if k[0] is not key[0]]:  # groups of an ended job
+            del _HOST_GROUPS[ended]
+        _HOST_GROUPS[key] = dist.new_group(ranks=list(key[1]), backend="gloo")
+    return _HOST_GROUPS[key]
 
 
 def install_splits_only(modules: dict[str, ShardedModule], host: bool = False) -> bool:

@@ -177,8 +177,9 @@ class SplitsOnlyForward:
     tensors to send) without launching anything, so the pipeline can exchange the
     splits of every input dist of every sharded module in ONE collective per process
     group (:class:`FusedSplits`, after torchrec's ``FusedKJTListSplitsAwaitable``)
-    instead of one per sharding type, each with its own host sync. Same contract as TorchRec's pipeline uses; built from
-    the KeyedJaggedTensor's public ``dist_*`` methods.
+    instead of one per sharding type, each with its own host sync. Same contract as
+    TorchRec's pipeline uses; built from the KeyedJaggedTensor's public ``dist_*``
+    methods.
     """
 
     def __init__(self, kjt_dist: KJTAllToAll, host_pg: dist.ProcessGroup | None = None) -> None:
@@ -292,7 +293,8 @@ class FusedSplits(FusedKJTListSplitsAwaitable):
     copies every splits tensor to the host first (``_safe_tolist``: a synchronize of
     the current stream each) for an overflow check that only runs under
     ``TORCHREC_OVERFLOW_DEBUG=1``: one more host sync per splits tensor and step,
-    before the launch, on every multi-rank step."""
+    before the launch, on every multi-rank step. With ``splits_exchange="host"`` the
+    splits go over :class:`HostSplitsExchange` instead."""
 
     def __init__(self, requests: list[Any], contexts: list[Any], pg: dist.ProcessGroup | None) -> None:
         Awaitable.__init__(self)

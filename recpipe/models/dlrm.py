@@ -69,6 +69,10 @@ class DenseHead(nn.Module):
         return loss, logits
 
 
+def _own_copy(grad: torch.Tensor) -> torch.Tensor:
+    return grad.clone(memory_format=torch.contiguous_format)
+
+
 def sparse_arch_forward(arch: nn.Module, features) -> torch.Tensor:
     """torchrec's ``SparseArch`` forward, ``[B, F, D]``, without its forward copy.
 
@@ -80,11 +84,14 @@ def sparse_arch_forward(arch: nn.Module, features) -> torch.Tensor:
     the host's split into F views less per step. Keys in another order, or
     dimensions that differ, take torchrec's path.
 
-    The backward keeps torchrec's memory: the gradient that reaches the view is a
-    slice of the interaction's input gradient, and passed on as a view it would keep
-    that whole gradient alive through the TBE backward (and FBGEMM would copy it
-    there). A hook makes it contiguous, the copy torchrec's ``cat`` backward made,
-    so the same tensors are alive at the TBE backward (tests/test_planner_liveness.py).
+    The backward keeps torchrec's memory and data flow: the gradient that reaches the
+    view is a slice of the interaction's input gradient (or, with
+    ``pipeline.cuda_graphs``, the captured head's static gradient buffer, which its
+    next replay overwrites). Passed on as it is, it would keep that whole gradient
+    alive through the TBE backward, or hand a buffer the graph reuses to the
+    embeddings' backward, which may run on another stream. A hook copies it, the copy
+    torchrec's ``cat`` backward made, so the same tensors are alive at the TBE
+    backward (tests/test_planner_liveness.py).
     Under FX tracing (TorchRec's pipelines find the sharded modules' inputs that way)
     the pooled result is a proxy, with no keys to check and no hooks: the view is traced.
     """
@@ -94,7 +101,7 @@ def sparse_arch_forward(arch: nn.Module, features) -> torch.Tensor:
     if kt.key_dim() == 1 and kt.keys() == arch.sparse_feature_names and all(d == arch.D for d in kt.length_per_key()):
         sparse = kt.values().reshape(-1, arch.F, arch.D)
         if sparse.requires_grad:
-            sparse.register_hook(torch.Tensor.contiguous)
+            sparse.register_hook(_own_copy)
         return sparse
     by_key = kt.to_dict()
     return torch.cat([by_key[name] for name in arch.sparse_feature_names], dim=1).reshape(-1, arch.F, arch.D)

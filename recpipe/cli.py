@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
     bench.add_argument("--trace-steps", type=int, default=5,
                        help="profile N more steps after the timed ones: GPU busy time, step / GPU busy, host time by "
-                            "phase, cache work (0 = off)")
+                            "phase, host syncs by site, cache work (0 = off)")
     bench.add_argument("--profile", action="store_true", help="also write the traced steps' op tables -> OUT/profile.txt")
     bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
 

@@ -47,7 +47,6 @@ import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -56,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
-from recpipe.distributed import init_process_group, launch_local, shutdown_process_group  # noqa: E402
+from recpipe.distributed import launch_local, shutdown_process_group  # noqa: E402
 
 
 def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
@@ -117,8 +116,7 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
 
     from recpipe.train import trainer as trainer_module
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")  # as recpipe train does
-    device = init_process_group(cfg)
+    device = trainer_module.start_rank(cfg)  # as recpipe train does
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     built: list[float] = []
     shard_model = trainer_module.shard_model

@@ -100,3 +100,19 @@ def test_torchrun_world_size_drives_the_rank_rules(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 4
+
+
+def test_gpu_training_process_with_producers_runs_one_intra_op_thread():
+    # The rule run_worker applies after joining the process group (the GPU runs are in
+    # benchmarks/README.md): one OpenMP thread beside producers on CUDA, as torchrun
+    # gives several processes per node; everything else keeps torch's default.
+    from recpipe.config import load_config
+    from recpipe.train.trainer import intra_op_threads
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    producers = load_config(CONFIG, {"data.num_workers": 4})
+    in_loop = load_config(CONFIG, {"data.num_workers": 0})
+    assert intra_op_threads(producers, cuda, {}) == 1
+    assert intra_op_threads(producers, cuda, {"OMP_NUM_THREADS": "8"}) is None  # the user's choice wins
+    assert intra_op_threads(producers, cpu, {}) is None  # CPU training computes on these threads
+    assert intra_op_threads(in_loop, cuda, {}) is None  # the loop makes its own batches

@@ -35,10 +35,12 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import resource
 import signal
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Iterator, NoReturn
 
@@ -61,19 +63,48 @@ from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
 from recpipe.train.preemption import Preemption
 
-__all__ = ["Trainer", "run_worker"]
+__all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
 
 _GIB = 2**30
 
 
 def run_worker(cfg: RecpipeConfig) -> None:
     """One rank of ``recpipe train`` (module-level: ``launch_local`` pickles it)."""
-    _quiet_library_deprecations()
-    device = init_process_group(cfg)
+    device = start_rank(cfg)
     try:
         Trainer(cfg, device).fit()
     finally:
         shutdown_process_group()
+
+
+def start_rank(cfg: RecpipeConfig) -> torch.device:
+    """What a rank of ``recpipe train`` does before it builds its :class:`Trainer`:
+    quiet the libraries' own deprecation warnings, join the process group, set its
+    intra-op threads (:func:`intra_op_threads`). Returns the rank's device."""
+    _quiet_library_deprecations()
+    device = init_process_group(cfg)
+    threads = intra_op_threads(cfg, device, os.environ)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return device
+
+
+def intra_op_threads(cfg: RecpipeConfig, device: torch.device, env: Mapping[str, str]) -> int | None:
+    """Intra-op threads for a GPU training process whose batches come from producers
+    (``data.num_workers > 0``): 1, as torchrun gives each of several processes per
+    node; None (torch's default, or OMP_NUM_THREADS if set) otherwise.
+
+    Such a process launches GPU work and computes almost nothing on its own CPU,
+    but torch starts an OpenMP team of one thread per core, whose threads spin
+    for a while after each parallel region. Beside the producers (processes or
+    DataLoader workers, each on a core) they take cores from the producers and
+    the training thread. Measured on one H100 (16 cores, 4 producers,
+    configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98 with
+    the default team, 0.92-1.05 with one thread (benchmarks/README.md, eighth
+    session). A user's OMP_NUM_THREADS wins."""
+    if device.type != "cuda" or cfg.data.num_workers == 0 or "OMP_NUM_THREADS" in env:
+        return None
+    return 1
 
 
 def _quiet_library_deprecations() -> None:

@@ -223,6 +223,19 @@ class TableSharding(_Section):
     stochastic_rounding: bool | None = None
 
 
+_CACHE_ONLY = ("cache_load_factor", "cache_precision")  # fields of fused_uvm_caching tables
+
+
+def _over_default(default: TableSharding, entry: TableSharding) -> TableSharding:
+    """``default`` with the fields ``entry`` sets on top (``ShardingConfig.tables``)."""
+    update = {f: getattr(entry, f) for f in entry.model_fields_set}
+    merged = default.model_copy(update=update)
+    inapplicable = {f: None for f in _CACHE_ONLY if f not in update and merged.kernel != "fused_uvm_caching"}
+    if "rank" not in update and merged.type != "table_wise":
+        inapplicable["rank"] = None
+    return merged.model_copy(update=inapplicable) if inapplicable else merged
+
+
 class CommPrecision(_Section):
     # Precision of the pooled / sequence embeddings on the wire (output all-to-all
     # and reduce-scatter) and of their gradients: torchrec's quantized comms
@@ -235,7 +248,8 @@ class CommPrecision(_Section):
 class ShardingConfig(_Section):
     default: TableSharding = TableSharding()
     # Per-table overrides keyed by table name (t_cat_0 ..., or the names of a
-    # model.factory model's tables, checked once it is built); each replaces the default.
+    # model.factory model's tables, checked once it is built). An entry overrides the
+    # fields it sets; every other field comes from ``default`` (resolved once, here).
     tables: dict[str, TableSharding] = Field(default_factory=dict)
     # FBGEMM UVM-cache prefetch pipeline (cache-line locking). Needs a
     # fused_uvm_caching table; the `prefetch` pipeline needs it on.
@@ -260,6 +274,19 @@ class ShardingConfig(_Section):
     # sequence length.
     mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
     comm_precision: CommPrecision = CommPrecision()
+
+    @model_validator(mode="after")
+    def _tables_over_default(self) -> "ShardingConfig":
+        """Each ``tables`` entry becomes ``default`` with the entry's own fields on top:
+        ``{type: row_wise}`` under a fp16 default is a fp16 row-wise table. A field the
+        entry leaves out comes from ``default`` only where it applies to the entry's
+        type and kernel (a cache load factor or cache precision to ``fused_uvm_caching``,
+        a rank to ``table_wise``): ``{kernel: fused}`` under a cached default is a plain
+        HBM table. Fields written as null count as set (null = the built-in default)."""
+        resolved = {name: _over_default(self.default, spec) for name, spec in self.tables.items()}
+        if all(resolved[name] == spec for name, spec in self.tables.items()):
+            return self
+        return self.model_copy(update={"tables": resolved})
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)

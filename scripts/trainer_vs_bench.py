@@ -188,7 +188,8 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
     trainer.fit()
     if dist.get_rank() == 0:
         record = {"built": built[0], "marks": marks, "global_batch": cfg.data.batch_size * dist.get_world_size(),
-                  "trainer_summary": trainer.summary(), "host_parts": parts}
+                  "trainer_summary": trainer.summary(), "host_parts": parts,
+                  "intra_op_threads": torch.get_num_threads()}
         Path(out, "train_marks.json").write_text(json.dumps(record))
     shutdown_process_group()
 
@@ -203,7 +204,7 @@ def steady(record: dict, steady_from: int) -> dict:
     return {"samples_per_s_wall": rate, "window_steps": [start[0], end[0]],
             "first_step_s": marks[0][1] - record["built"],
             "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"],
-            "host_parts": host_parts(record["host_parts"])}
+            "host_parts": host_parts(record["host_parts"]), "intra_op_threads": record.get("intra_op_threads")}
 
 
 def host_parts(parts: dict[str, list[float]]) -> dict:

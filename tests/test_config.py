@@ -136,3 +136,33 @@ def test_train_refuses_a_plan_that_does_not_fit_on_cuda(capsys):
     assert "does not fit" in err and "rank" in err
     # On CPU the GPU estimate is informational only.
     assert _check_memory_plan(cfg, 2, on_cuda=False, verbose=False) is None
+
+
+def test_table_entries_override_only_what_they_set():
+    # quickstart's four largest tables have entries ({type: row_wise}): a fp16 default
+    # reaches them too (it used to be replaced by the entry, leaving them fp32).
+    cfg = load_config(QUICKSTART, ["sharding.default={weights_precision: fp16, stochastic_rounding: false}"])
+    for name in ("t_cat_0", "t_cat_9"):
+        spec = cfg.sharding.for_table(name)
+        assert (spec.weights_precision, spec.stochastic_rounding) == ("fp16", False), name
+    assert cfg.sharding.for_table("t_cat_0").type == "row_wise"  # the entry's own field wins
+    own = load_config(QUICKSTART, ["sharding.default={weights_precision: fp16}",
+                                   "sharding.tables.t_cat_0.weights_precision=fp32"])
+    assert own.sharding.for_table("t_cat_0").weights_precision == "fp32"
+    assert own.sharding.for_table("t_cat_1").weights_precision == "fp16"
+    # What does not apply to the entry's kernel or type is not inherited.
+    cached = load_config(QUICKSTART, ["train.device=cuda", "sharding.default={kernel: fused_uvm_caching, cache_load_factor: 0.3, "
+                                      "cache_precision: fp16}", "sharding.tables.t_cat_1={kernel: fused}",
+                                      "sharding.tables.t_cat_2={type: column_wise}"])
+    plain = cached.sharding.for_table("t_cat_1")
+    assert (plain.kernel, plain.cache_load_factor, plain.cache_precision) == ("fused", None, None)
+    col = cached.sharding.for_table("t_cat_2")
+    assert (col.type, col.kernel, col.cache_load_factor, col.cache_precision) == (
+        "column_wise", "fused_uvm_caching", 0.3, "fp16")
+    ranked = load_config(QUICKSTART, ["sharding.default={rank: 1}", "sharding.tables.t_cat_5={kernel: fused}"])
+    assert ranked.sharding.for_table("t_cat_5").rank == 1  # table_wise: the default's rank applies
+    assert ranked.sharding.for_table("t_cat_0").rank is None  # row_wise: no rank
+    # The resolved config survives a dump and a reload unchanged (recpipe bench rebuilds configs so).
+    from recpipe.config import config_from_dict
+    for c in (cfg, own, cached, ranked):
+        assert config_from_dict(c.model_dump(mode="json")) == c

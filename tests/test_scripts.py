@@ -168,5 +168,6 @@ def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path
         assert set(parts) == {"progress", "next", "outside"}
         assert 0 <= parts["next"]["total"] <= parts["progress"]["total"]
         assert all(p["p50"] <= p["p90"] <= p["max"] <= p["total"] for p in parts.values())
+        assert pair["train"]["intra_op_threads"] >= 1  # recorded: the GPU trainer's rule sets it (train/trainer.py)
     assert "trainer host time per step" in done.stdout
     assert "median ratio of 2 interleaved pairs" in done.stdout

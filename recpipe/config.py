@@ -223,17 +223,30 @@ class TableSharding(_Section):
     stochastic_rounding: bool | None = None
 
 
-_CACHE_ONLY = ("cache_load_factor", "cache_precision")  # fields of fused_uvm_caching tables
+def _applies(field: str, spec: TableSharding) -> bool:
+    """Whether ``field`` of ``sharding.default`` means anything for a table shaped like ``spec``."""
+    if field == "kernel":  # dense is the data_parallel kernel, and only it
+        return (spec.kernel == "dense") == (spec.type == "data_parallel")
+    if field in ("cache_load_factor", "cache_precision"):
+        return spec.kernel == "fused_uvm_caching"
+    if field == "rank":
+        return spec.type == "table_wise"
+    if field in ("weights_precision", "stochastic_rounding"):  # FBGEMM TBE settings; data_parallel has none
+        return spec.type != "data_parallel"
+    return True
 
 
 def _over_default(default: TableSharding, entry: TableSharding) -> TableSharding:
-    """``default`` with the fields ``entry`` sets on top (``ShardingConfig.tables``)."""
-    update = {f: getattr(entry, f) for f in entry.model_fields_set}
-    merged = default.model_copy(update=update)
-    inapplicable = {f: None for f in _CACHE_ONLY if f not in update and merged.kernel != "fused_uvm_caching"}
-    if "rank" not in update and merged.type != "table_wise":
-        inapplicable["rank"] = None
-    return merged.model_copy(update=inapplicable) if inapplicable else merged
+    """``default`` with the fields ``entry`` sets on top (``ShardingConfig.tables``); a
+    field left out that does not apply to the entry's type and kernel takes its
+    built-in default instead (the kernel: dense for data_parallel, else fused)."""
+    own = entry.model_fields_set
+    merged = default.model_copy(update={f: getattr(entry, f) for f in own})
+    if "kernel" not in own and not _applies("kernel", merged):
+        merged = merged.model_copy(update={"kernel": "dense" if merged.type == "data_parallel" else "fused"})
+    built_in = {f: TableSharding.model_fields[f].default for f in TableSharding.model_fields
+                if f not in own and f != "kernel" and not _applies(f, merged)}
+    return merged.model_copy(update=built_in) if built_in else merged
 
 
 class CommPrecision(_Section):
@@ -280,9 +293,11 @@ class ShardingConfig(_Section):
         """Each ``tables`` entry becomes ``default`` with the entry's own fields on top:
         ``{type: row_wise}`` under a fp16 default is a fp16 row-wise table. A field the
         entry leaves out comes from ``default`` only where it applies to the entry's
-        type and kernel (a cache load factor or cache precision to ``fused_uvm_caching``,
-        a rank to ``table_wise``): ``{kernel: fused}`` under a cached default is a plain
-        HBM table. Fields written as null count as set (null = the built-in default)."""
+        type and kernel (``_applies``: a cache load factor or cache precision to
+        ``fused_uvm_caching``, a rank to ``table_wise``, TBE precisions not to
+        ``data_parallel``, whose kernel is ``dense``): ``{kernel: fused}`` under a cached
+        default is a plain HBM table, ``{type: row_wise}`` under a data_parallel default
+        a fused one. Fields written as null count as set (null = the built-in default)."""
         resolved = {name: _over_default(self.default, spec) for name, spec in self.tables.items()}
         if all(resolved[name] == spec for name, spec in self.tables.items()):
             return self

@@ -39,7 +39,8 @@ def _train(capsys, *args: str) -> tuple[int, str]:
         (["train.stepz=5"], ["train.stepz", "unknown key", "steps"]),
         (["train.steps=many"], ["train.steps", "'many'"]),
         (["sharding.default.cache_load_factor=0.2"], ["sharding.default.cache_load_factor=0.2", "fused_uvm_caching", "'fused'"]),
-        (["sharding.tables.t_cat_5={type: data_parallel}"], ["sharding.tables.t_cat_5.kernel='fused'", "data_parallel", "'dense'"]),
+        # (a kernel left out under a table_wise default resolves to dense: test_table_entries_override_only_what_they_set)
+        (["sharding.tables.t_cat_5={type: data_parallel, kernel: fused}"], ["sharding.tables.t_cat_5.kernel='fused'", "data_parallel", "'dense'"]),
         (["sharding.prefetch_passes=3"], ["sharding.prefetch_passes=3", "sharding.prefetch_pipeline=true"]),
         (
             ["pipeline.name=prefetch", "sharding.prefetch_pipeline=true"],
@@ -162,7 +163,15 @@ def test_table_entries_override_only_what_they_set():
     ranked = load_config(QUICKSTART, ["sharding.default={rank: 1}", "sharding.tables.t_cat_5={kernel: fused}"])
     assert ranked.sharding.for_table("t_cat_5").rank == 1  # table_wise: the default's rank applies
     assert ranked.sharding.for_table("t_cat_0").rank is None  # row_wise: no rank
+    # A data_parallel default (kernel dense, no TBE precision) and the tables sharded otherwise.
+    dp = load_config(QUICKSTART, ["sharding.default={type: data_parallel, kernel: dense}",
+                                  "sharding.tables.t_cat_5={type: table_wise, weights_precision: fp16}"])
+    assert (dp.sharding.for_table("t_cat_0").type, dp.sharding.for_table("t_cat_0").kernel) == ("row_wise", "fused")
+    assert dp.sharding.for_table("t_cat_5").kernel == "fused"
+    assert dp.sharding.for_table("t_cat_9").kernel == "dense"
+    half = load_config(QUICKSTART, ["sharding.default={weights_precision: fp16}", "sharding.tables.t_cat_6={type: data_parallel}"])
+    assert (half.sharding.for_table("t_cat_6").kernel, half.sharding.for_table("t_cat_6").weights_precision) == ("dense", None)
     # The resolved config survives a dump and a reload unchanged (recpipe bench rebuilds configs so).
     from recpipe.config import config_from_dict
-    for c in (cfg, own, cached, ranked):
+    for c in (cfg, own, cached, ranked, dp, half):
         assert config_from_dict(c.model_dump(mode="json")) == c

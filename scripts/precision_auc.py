@@ -13,7 +13,7 @@ each) with the same config, seed and data, differing only in:
 
 * ``fp32``: every table ``weights_precision: fp32``, ``sharding.comm_precision`` fp32 both ways;
 * ``fp16_bf16``: every table ``weights_precision: fp16`` (``sharding.default`` and every
-  ``sharding.tables`` entry: an entry replaces the default), comms bf16 both ways.
+  ``sharding.tables`` entry, so that no entry keeps a precision of its own), comms bf16 both ways.
 
 Each run trains ``--steps`` steps and evaluates on ``--eval-batches`` batches per rank
 (synthetic data: the same fixed eval set for both runs of a seed). ``--seeds 0,1,2``

@@ -243,7 +243,8 @@ def _over_default(default: TableSharding, entry: TableSharding) -> TableSharding
     own = entry.model_fields_set
     merged = default.model_copy(update={f: getattr(entry, f) for f in own})
     if "kernel" not in own and not _applies("kernel", merged):
-        merged = merged.model_copy(update={"kernel": "dense" if merged.type == "data_parallel" else "fused"})
+        built_in_kernel = TableSharding.model_fields["kernel"].default  # fused
+        merged = merged.model_copy(update={"kernel": "dense" if merged.type == "data_parallel" else built_in_kernel})
     built_in = {f: TableSharding.model_fields[f].default for f in TableSharding.model_fields
                 if f not in own and f != "kernel" and not _applies(f, merged)}
     return merged.model_copy(update=built_in) if built_in else merged

@@ -247,7 +247,10 @@ def _over_default(default: TableSharding, entry: TableSharding) -> TableSharding
         merged = merged.model_copy(update={"kernel": "dense" if merged.type == "data_parallel" else built_in_kernel})
     built_in = {f: TableSharding.model_fields[f].default for f in TableSharding.model_fields
                 if f not in own and f != "kernel" and not _applies(f, merged)}
-    return merged.model_copy(update=built_in) if built_in else merged
+    values = dict(merged.model_copy(update=built_in) if built_in else merged)
+    # Only the entry's own fields count as set, so ``RecpipeConfig.editable_dump`` gives
+    # back what was written and a later override of ``default`` reaches the rest.
+    return TableSharding.model_construct(_fields_set=set(own), **values)
 
 
 class CommPrecision(_Section):
@@ -494,6 +497,16 @@ class RecpipeConfig(_Section):
             raise ValueError("\n".join(problems))
         return self
 
+    def editable_dump(self) -> dict[str, Any]:
+        """The config as a raw dict to apply overrides to and validate again: every value
+        resolved, except that each ``sharding.tables`` entry holds only the fields it was
+        written with, so an override of ``sharding.default`` reaches the others exactly as
+        ``--set`` does on the YAML (a full dump would pin them to the old default)."""
+        raw = self.model_dump(mode="json")
+        raw["sharding"]["tables"] = {name: spec.model_dump(mode="json", exclude_unset=True)
+                                     for name, spec in self.sharding.tables.items()}
+        return raw
+
     def table_sharding(self) -> dict[str, TableSharding]:
         """Resolved sharding of every table, by table name. A ``model.factory`` model's
         tables are known only once it is built: then the configured tables plus
@@ -660,7 +673,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def _apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``dotted`` (``"sharding.default.weights_precision"``) in the raw config dict ``raw``."""
     node = raw
     parts = dotted.split(".")
     for part in parts[:-1]:
@@ -763,5 +777,5 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
     for key, value in (overrides or {}).items():
-        _apply_override(raw, key, value)
+        apply_override(raw, key, value)
     return config_from_dict(raw, source)

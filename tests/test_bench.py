@@ -27,7 +27,7 @@ from recpipe.bench.runner import DRAIN, TRACE_STEPS, config_for_pipeline
 from recpipe.bench.sections import bound_md, multipass_md, streams_md
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 from recpipe.pipelines import PIPELINES
 from recpipe.pipelines import all_schedules
 
@@ -228,6 +228,39 @@ def test_pipeline_variants_run_with_their_own_options_and_typos_are_config_error
     for bad in ("semi_sync:output_dist_wait=late", "semi_sync:no_such_option=1", "sparse_dist:oops"):
         assert main(["bench", "--config", SMOKE, "--pipelines", f"base,{bad}"]) == EXIT_BAD_CONFIG
         assert bad.split(":")[1].split("=")[0] in capsys.readouterr().err
+
+
+def test_variants_with_config_keys_change_that_run_only_and_run_on_both_impls(tmp_path: Path, capsys):
+    """A dotted variant key sets any config key but data.* for that row (issue 13's
+    fp16 vs fp32 rows interleaved in one run); TorchRec's pipelines get it too."""
+    cfg = load_config(CONFIGS / "dlrm_criteo.yaml")
+    label = "sparse_dist:sharding.default.weights_precision=fp16+sharding.comm_precision.forward=bf16"
+    cfg_p, overrides, skip = config_for_pipeline(cfg, label)
+    assert not skip and cfg_p.pipeline.name == "sparse_dist"
+    tbe = [name for name, t in cfg.table_sharding().items() if t.type != "data_parallel"]
+    assert tbe and {cfg_p.table_sharding()[name].weights_precision for name in tbe} == {"fp16"}
+    assert cfg_p.sharding.comm_precision.forward == "bf16"
+    assert {cfg.table_sharding()[name].weights_precision for name in tbe} == {None}  # cfg untouched (fp32)
+    assert overrides == {"sharding.default.weights_precision": "fp16", "sharding.comm_precision.forward": "bf16"}
+    both, _, _ = config_for_pipeline(cfg, "semi_sync:output_dist_wait=early+train.precision=bf16")
+    assert (both.pipeline.output_dist_wait, both.train.precision) == ("early", "bf16")
+    for bad, named in (("sparse_dist:data.batch_size=8", "data.batch_size"),
+                       ("sparse_dist:pipeline.start_batch=1", "pipeline.start_batch")):
+        with pytest.raises(ConfigError, match=named):
+            config_for_pipeline(cfg, bad)
+    with pytest.raises(ConfigError, match="weights_precision"):  # a bad value names its key
+        config_for_pipeline(cfg, "sparse_dist:sharding.default.weights_precision=fp12")
+
+    out = tmp_path / "b"
+    fp16 = "sparse_dist:sharding.default.weights_precision=fp16"
+    code = main(["bench", "--config", SMOKE, "--steps", "2", "--warmup", "1", "--trace-steps", "0", "--with-torchrec",
+                 "--pipelines", f"sparse_dist,{fp16},sparse_dist:cuda_graph_optimizer=false", "--out", str(out)])
+    assert code == 0, capsys.readouterr().err
+    rows = {(r["pipeline"], r["impl"]): r for r in json.loads((out / "bench.json").read_text())["rows"]}
+    assert set(rows) == {("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"), (fp16, "recpipe"),
+                         (fp16, "torchrec"), ("sparse_dist:cuda_graph_optimizer=false", "recpipe")}
+    assert all(r["status"] == "ok" for r in rows.values()), {k: r["reason"] for k, r in rows.items()}
+    assert rows[fp16, "torchrec"]["config_overrides"]["sharding.default.weights_precision"] == "fp16"
 
 
 def test_pipeline_options_carry_over_only_for_the_configured_pipeline():

@@ -34,7 +34,7 @@ from recpipe.bench.uvm_cache import (
     stats_fused_params,
     unavailable,
 )
-from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, config_from_dict
+from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model
 from recpipe.pipelines import PipelineError, make_pipeline
@@ -71,33 +71,54 @@ def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:
     """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync",
     {"output_dist_wait": "early", "start_batch": 2})``: a pipeline with its own options
-    (values read as YAML), so schedule variants run in one interleaved bench."""
+    (values read as YAML), so variants run in one interleaved bench. A key without a dot
+    is a ``pipeline.<key>`` option; a dotted key is any other config key
+    (``sparse_dist:sharding.default.weights_precision=fp16``) except ``data.*``: every
+    run of a bench trains on the same pregenerated batches."""
     name, _, options = label.partition(":")
     pairs = [item.partition("=") for item in options.split("+") if item]
     bad = [key for key, eq, _ in pairs if not eq or not key]
     if bad or (options and not pairs):
-        raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options)")
+        raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options "
+                          "or dotted config keys)")
+    data = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline")]
+    if data:
+        raise ConfigError(f"pipeline variant {label!r}: {', '.join(data)}: a variant cannot set data.* (all runs "
+                          "share the pregenerated batches; use --set) nor pipeline.* by its dotted name (write the "
+                          "bare pipeline option)")
     return name, {key.strip(): yaml.safe_load(value) for key, _, value in pairs}
+
+
+def pipeline_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The ``pipeline.<key>`` options of a variant (``split_variant``); the dotted keys
+    are other config keys, which TorchRec's pipelines take as well."""
+    return {k: v for k, v in options.items() if "." not in k}
 
 
 def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig | None, dict[str, Any], str]:
     """(config to run ``label`` with, its overrides versus ``cfg``, skip reason or '');
     ``label`` is a pipeline name or a variant (``split_variant``)."""
     name, options = split_variant(label)
-    raw = cfg.model_dump(mode="json")
+    raw = cfg.editable_dump()
     overrides: dict[str, Any] = {}
-    if name == "prefetch" and prefetch_unavailable(cfg):
-        return None, overrides, prefetch_unavailable(cfg)
+    for key, value in options.items():
+        if "." in key:
+            apply_override(raw, key, value)
+            overrides[key] = value
+    probe = config_from_dict(raw, f"bench config for {label}") if overrides else cfg
+    if name == "prefetch" and prefetch_unavailable(probe):
+        return None, overrides, prefetch_unavailable(probe)
     if name != cfg.pipeline.name:
         common = {k: v for k, v in raw["pipeline"].items() if k in BasePipelineConfig.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
-    raw["pipeline"].update(options)
-    overrides.update({f"pipeline.{k}": v for k, v in options.items()})
-    if name != "prefetch" and cfg.sharding.prefetch_pipeline:
+    pipe_opts = pipeline_options(options)
+    raw["pipeline"].update(pipe_opts)
+    overrides.update({f"pipeline.{k}": v for k, v in pipe_opts.items()})
+    if name != "prefetch" and probe.sharding.prefetch_pipeline:
         raw["sharding"].update(prefetch_pipeline=False, prefetch_passes=1)
         overrides["sharding.prefetch_pipeline"] = False
-        if cfg.sharding.prefetch_passes != 1:
+        if probe.sharding.prefetch_passes != 1:
             overrides["sharding.prefetch_passes"] = 1
     try:
         return config_from_dict(raw, f"bench config for {name}"), overrides, ""
@@ -165,10 +186,11 @@ def traced_steps(pipe: Any, it: Iterator[Batch], opts: "BenchOptions", device: t
 
 def run_local(
     cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: "BenchOptions", device: torch.device, bar: tqdm,
-    probe: RunProbe | None = None,
+    probe: RunProbe | None = None, label: str | None = None,
 ) -> dict[str, Any]:
     """This rank's run: warm-up, timed steps (cache counters read around them),
-    traced steps, drain. Never raises (the error goes into the result)."""
+    traced steps, drain. Never raises (the error goes into the result). ``label``:
+    the row's name in ``--profile``'s tables (a variant's full label); default the pipeline's."""
     out: dict[str, Any] = {"status": "ok", "reason": "", "notes": [], "options": {}, "cls": ""}
     pipe = sharded = None
     bar_end = bar.n + len(batches)  # every batch of the run ticks the bar once, whatever happens
@@ -199,7 +221,7 @@ def run_local(
         if probe is not None:
             out["probe"] = probe.collect(pipe)
         if opts.trace_steps:
-            out["trace"] = traced_steps(pipe, it, opts, device, f"{cfg.pipeline.name}/{impl}")
+            out["trace"] = traced_steps(pipe, it, opts, device, f"{label or cfg.pipeline.name}/{impl}")
             bar.update(opts.trace_steps)
         untimed_steps(pipe, it, bar)
     except Exception as err:  # noqa: BLE001 - recorded on the row; recpipe failures also fail the exit code

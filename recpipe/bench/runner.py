@@ -67,7 +67,15 @@ from recpipe.bench.measure import StepClock
 from recpipe.bench.multipass import describe_point, run_multipass
 from recpipe.bench.plots import write_plots
 from recpipe.bench.report import Row, environment, format_table, write_outputs
-from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local, split_variant
+from recpipe.bench.run import (
+    combine,
+    config_for_pipeline,
+    fresh_batches,
+    gather,
+    pipeline_options,
+    run_local,
+    split_variant,
+)
 from recpipe.bench.sections import render_sections, rows_md
 from recpipe.bench.sweep import parse_grid, run_sweep
 from recpipe.bench.weak_scaling import load_baseline, weak_scaling
@@ -250,9 +258,10 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions) -> list[Row]:
     batches = pregenerate(cfg, rank, world, opts.batches_per_run, device)
     generation_s = max(gather(time.perf_counter() - started))
     header = _header(cfg, opts, device, world, gpu_names, generation_s, len(batches))
-    # A variant (name:key=value) is recpipe's own schedule option: TorchRec has no counterpart.
+    # A variant's pipeline options (name:key=value) are recpipe's own: TorchRec has no
+    # counterpart. A variant of dotted config keys only (name:sharding.x=y) runs on both.
     runs = [(name, impl) for name in opts.pipelines for impl in IMPLS
-            if impl == "recpipe" or (opts.with_torchrec and not split_variant(name)[1])]
+            if impl == "recpipe" or (opts.with_torchrec and not pipeline_options(split_variant(name)[1]))]
     if rank == 0:
         v = header["versions"]
         print(
@@ -397,6 +406,6 @@ def run_one(
         row.status, row.reason = "skipped", skip
         bar.update(len(batches))
         return row
-    local = run_local(cfg_p, impl, batches, opts, device, bar)
+    local = run_local(cfg_p, impl, batches, opts, device, bar, label=name)
     combine(row, gather(local), cfg.data.batch_size * dist.get_world_size(), opts.steps)
     return row

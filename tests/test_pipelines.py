@@ -218,6 +218,35 @@ def test_one_rank_pipelines_run_no_collective():
     launch_local(_one_rank_worker, 1, small_config(1, overrides=FUSED_TABLES))
 
 
+def _one_rank_ddp_worker(cfg) -> None:
+    """One rank: no DDP around the unsharded modules (it has no peer; its hooks cost
+    host time every step), and training is bit-identical to torchrec's default DDP
+    wrapper, for base and a pipelined schedule."""
+    from torch.nn.parallel import DistributedDataParallel
+    from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+
+    from recpipe.sharding import build as sharding_build
+
+    init_process_group(cfg)
+    batches = make_batches(cfg, 6, dist.get_rank())
+    ddp_count = lambda model: sum(isinstance(m, DistributedDataParallel) for m in model.modules())  # noqa: E731
+    assert ddp_count(build(cfg, torch.device("cpu")).model) == 0
+    ours = {name: train(cfg, name, batches) for name in ("base", "sparse_dist")}
+    real = sharding_build.DataParallelAcrossRanks.wrap
+    sharding_build.DataParallelAcrossRanks.wrap = lambda self, dmp, env, device: DefaultDataParallelWrapper().wrap(
+        dmp, env, device)
+    try:
+        assert ddp_count(build(cfg, torch.device("cpu")).model) == 1
+        for name, got in ours.items():
+            assert_same(train(cfg, name, batches), got, f"{name}: no DDP vs DDP at one rank")
+    finally:
+        sharding_build.DataParallelAcrossRanks.wrap = real
+
+
+def test_one_rank_trains_without_ddp_exactly_as_with_it():
+    launch_local(_one_rank_ddp_worker, 1, small_config(1, overrides=FUSED_TABLES))
+
+
 def _semi_sync_worker(cfg) -> None:
     init_process_group(cfg)
     batches = make_batches(cfg, 7, dist.get_rank())

@@ -44,6 +44,7 @@ __all__ = [
     "qcomm_codecs_registry",
     "stochastic_rounding",
     "supported_sharding_types",
+    "placed_type",
     "table_wise_ranks",
     "weights_precision",
 ]
@@ -260,19 +261,30 @@ def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", 
         raise ConfigError("invalid config for this model:\n" + "\n".join(problems))
 
 
+def placed_type(t: "TableSharding", world_size: int) -> str:
+    """The sharding type recpipe asks torchrec for: the configured one, except that on
+    one rank a row_wise table is placed table_wise. Both hold every row on the one GPU;
+    as table_wise, torchrec batches the table into one TBE with the other table_wise
+    tables: per step one lookup and one output dist fewer, and no row-wise bucketize
+    of the ids. The numbers are the same (tests/test_pipelines.py; with fp16 weights,
+    stochastic rounding draws from the merged TBE's random stream instead)."""
+    return "table_wise" if world_size == 1 and t.type == "row_wise" else t.type
+
+
 def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
-    """Rank of each table_wise table of ``tables`` (the model's, in model order): the
-    configured one, else the least-loaded rank (largest tables first, load = rows),
-    so placement is deterministic."""
+    """Rank of each table placed table_wise (``placed_type``) of ``tables`` (the
+    model's, in model order): the configured one, else the least-loaded rank (largest
+    tables first, load = rows), so placement is deterministic."""
     loads = [0] * world_size
     placed: dict[str, int] = {}
     resolved = {t.name: cfg.sharding.for_table(t.name) for t in tables}
     rows = {t.name: t.rows for t in tables}
+    tw = {name for name, t in resolved.items() if placed_type(t, world_size) == "table_wise"}
     for name, t in resolved.items():
-        if t.type == "table_wise" and t.rank is not None:
+        if name in tw and t.rank is not None:
             placed[name] = t.rank
             loads[t.rank] += rows[name]
-    free = [n for n, t in resolved.items() if t.type == "table_wise" and t.rank is None]
+    free = [n for n, t in resolved.items() if n in tw and t.rank is None]
     for name in sorted(free, key=lambda n: (-rows[n], n)):
         rank = min(range(world_size), key=lambda r: (loads[r], r))
         placed[name] = rank
@@ -281,15 +293,17 @@ def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[Ta
 
 
 def parameter_sharding_generator(t: "TableSharding", rank: int | None, world_size: int) -> Callable:
-    """torchrec's ``sharding_plan`` generator for one table (``rank``: table_wise only)."""
+    """torchrec's ``sharding_plan`` generator for one table (``rank``: placed
+    table_wise only; the type is ``placed_type``'s)."""
     from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
 
     kernel = KERNELS[t.kernel]
-    if t.type == "table_wise":
+    kind = placed_type(t, world_size)
+    if kind == "table_wise":
         return table_wise(rank=rank, compute_kernel=kernel)
-    if t.type == "row_wise":
+    if kind == "row_wise":
         return row_wise(compute_kernel=kernel)
-    if t.type == "column_wise":
+    if kind == "column_wise":
         return column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
     return data_parallel()
 

@@ -227,24 +227,54 @@ def _one_rank_ddp_worker(cfg) -> None:
 
     from recpipe.sharding import build as sharding_build
 
-    init_process_group(cfg)
+    device = init_process_group(cfg)
     batches = make_batches(cfg, 6, dist.get_rank())
     ddp_count = lambda model: sum(isinstance(m, DistributedDataParallel) for m in model.modules())  # noqa: E731
-    assert ddp_count(build(cfg, torch.device("cpu")).model) == 0
-    ours = {name: train(cfg, name, batches) for name in ("base", "sparse_dist")}
+    assert ddp_count(build(cfg, device).model) == 0
+    ours = {name: train(cfg, name, batches, device=device) for name in ("base", "sparse_dist")}
     real = sharding_build.DataParallelAcrossRanks.wrap
     sharding_build.DataParallelAcrossRanks.wrap = lambda self, dmp, env, device: DefaultDataParallelWrapper().wrap(
         dmp, env, device)
     try:
-        assert ddp_count(build(cfg, torch.device("cpu")).model) == 1
+        assert ddp_count(build(cfg, device).model) == 1
         for name, got in ours.items():
-            assert_same(train(cfg, name, batches), got, f"{name}: no DDP vs DDP at one rank")
+            assert_same(train(cfg, name, batches, device=device), got, f"{name}: no DDP vs DDP at one rank")
     finally:
         sharding_build.DataParallelAcrossRanks.wrap = real
 
 
 def test_one_rank_trains_without_ddp_exactly_as_with_it():
     launch_local(_one_rank_ddp_worker, 1, small_config(1, overrides=FUSED_TABLES))
+
+
+def _one_rank_row_wise_worker(cfg) -> None:
+    """One rank: a row_wise table is placed table_wise (torchrec batches it into the
+    table_wise tables' TBE) and trains exactly as torchrec's row-wise sharding of it."""
+    from recpipe import torchrec_args
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 6, dist.get_rank())
+
+    def placed(name: str) -> str:
+        plans = build(cfg, device).plan.plan.values()
+        return next(p[name].sharding_type for p in plans if name in p)
+
+    assert cfg.sharding.for_table("t_cat_1").type == "row_wise" and placed("t_cat_1") == "table_wise"
+    assert placed("t_cat_2") == "column_wise"
+    ours = {name: train(cfg, name, batches, device=device) for name in ("base", "sparse_dist")}
+    real = torchrec_args.placed_type
+    torchrec_args.placed_type = lambda t, world_size: t.type
+    try:
+        assert placed("t_cat_1") == "row_wise"
+        for name, got in ours.items():
+            assert_same(train(cfg, name, batches, device=device), got,
+                        f"{name}: row_wise placed table_wise vs row_wise at one rank")
+    finally:
+        torchrec_args.placed_type = real
+
+
+def test_one_rank_places_row_wise_tables_table_wise_with_the_same_numbers():
+    launch_local(_one_rank_row_wise_worker, 1, small_config(1, overrides=FUSED_TABLES))
 
 
 def _semi_sync_worker(cfg) -> None:

@@ -214,3 +214,13 @@ def test_cuda_graphs_by_module_path(nproc):
     if torch.cuda.device_count() < nproc:
         pytest.skip(f"needs {nproc} GPUs")
     launch_local(_graphs_user_model, nproc, small_config(nproc, ["train.device=cuda"]))
+
+
+def test_one_rank_shortcuts_are_exact_on_cuda():
+    """The two one-rank shortcuts of recpipe.sharding (no DDP; row_wise tables placed
+    table_wise) train bit-identically to torchrec's defaults on CUDA too."""
+    from test_pipelines import FUSED_TABLES, _one_rank_ddp_worker, _one_rank_row_wise_worker
+
+    cfg = small_config(1, ["train.device=cuda", *FUSED_TABLES])
+    launch_local(_one_rank_ddp_worker, 1, cfg)
+    launch_local(_one_rank_row_wise_worker, 1, cfg)

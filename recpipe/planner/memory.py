@@ -194,9 +194,10 @@ def static_terms(inputs: PlannerInputs, io: RankIO) -> tuple[Term, ...]:
     terms = [Term(name, side, "static", b, d) for g in io.tbes for name, side, b, d in tbe_static(inputs, g)]
     P = inputs.dense.num_params
     k = _DENSE_OPT[inputs.dense_optimizer]
+    terms += [Term("dense_params", "hbm", "static", 4 * P + inputs.dense.buffer_bytes, f"{P} params")]
+    if inputs.world_size > 1:  # on one rank there is no DDP: the backward makes them (alive_items)
+        terms.append(Term("dense_grads", "hbm", "static", 4 * P, f"{P} params (DDP buckets are views)"))
     terms += [
-        Term("dense_params", "hbm", "static", 4 * P + inputs.dense.buffer_bytes, f"{P} params"),
-        Term("dense_grads", "hbm", "static", 4 * P, f"{P} params (DDP buckets are views)"),
         Term("dense_optimizer", "hbm", "static", k * STATE_BYTES * P, f"{inputs.dense_optimizer}: {k} x params"),
         Term("cublas_workspace", "hbm", "static", CUBLAS_WORKSPACE_BYTES, "cuBLAS + cuBLASLt, default stream"),
     ]
@@ -248,6 +249,9 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
                       f"{pipe.pending_input_dists} x {sent} B, held by the all-to-all's awaitable until waited"))
     if pipe.early_pooled:
         items.append(("early_pooled_embeddings", io.lookup + io.pooled, _lookup_stream(inputs), "batch i+1"))
+    if inputs.world_size == 1:  # no DDP buckets (recpipe.sharding.DataParallelAcrossRanks): autograd makes them
+        items.append(("dense_grads", 4 * inputs.dense.num_params, "main",
+                      f"{inputs.dense.num_params} params, made by each backward (one rank: no DDP)"))
     if pipe.stash_dense_grads:
         items.append(("stashed_dense_grads", 4 * inputs.dense.num_params, "main", "dense grads"))
     if io.cached_indices:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes, dense_output_grad_bytes
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, stochastic_rounding, weights_precision
+from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, placed_type, stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
     from torch import nn
@@ -62,8 +62,11 @@ def pooling_factors(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...]) -> tu
     return out, assumed
 
 
-def table_specs(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float]) -> tuple[TableSpec, ...]:
-    """The planner's view of every table, with its resolved sharding."""
+def table_specs(
+    cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float], world_size: int
+) -> tuple[TableSpec, ...]:
+    """The planner's view of every table, with its resolved sharding (the type as
+    placed on ``world_size`` ranks: ``recpipe.torchrec_args.placed_type``)."""
     out = []
     for t in tables:
         ts = cfg.sharding.for_table(t.name)
@@ -74,7 +77,7 @@ def table_specs(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict
         # by it (an explicit value is a fused param, the default is not)
         cp = ts.cache_precision if ts.kernel == CACHED else None
         out.append(TableSpec(
-            t.name, t.rows, t.dim, pfs[t.name], ts.type, ts.kernel, clf, module=t.module,
+            t.name, t.rows, t.dim, pfs[t.name], placed_type(ts, world_size), ts.kernel, clf, module=t.module,
             num_features=len(t.features), pooled=t.pooled, weighted=t.weighted, feature_processed=t.feature_processed,
             weights_precision=weights_precision(cfg, t), cache_precision=cp, stochastic_rounding=stochastic_rounding(cfg, t),
         ))

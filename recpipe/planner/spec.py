@@ -383,7 +383,7 @@ def inputs_from_config(
     model = model_on_meta(cfg)
     infos = validated_tables(cfg, model)
     pfs, assumed = pooling_factors(cfg, infos)
-    tables_t = table_specs(cfg, infos, pfs)
+    tables_t = table_specs(cfg, infos, pfs, W)
     tw = table_wise_ranks(cfg, W, infos)
     if shards is None:
         shards = shards_for_tables(tables_t, W, tw)

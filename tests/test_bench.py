@@ -383,7 +383,8 @@ def test_isolated_prefetch_peak_by_hand():
     assert isolated_prefetch_peak_bytes([], 1, 1, (1, 6)) == 0
 
 
-# The 2026-11-22 H100 sweep: 4 cached row-wise tables of pooling 40, B = 8192, W = 1.
+# The 2026-11-22 H100 sweep: 4 cached row-wise tables of pooling 40, B = 8192, W = 1 (placed
+# table_wise on one rank since the ninth session: the same one TBE of the four cached tables).
 H100_SWEEP = ["sharding.prefetch_min_pass_size=65536", "data.synthetic.mean_pooling_factors=[40,40,40,40"
               + ",1" * 22 + "]", "model.num_embeddings_per_feature=[2000000,2000000,2000000,2000000"
               + ",1000000" * 8 + ",100000" * 14 + "]", "distributed.nproc=1"]
@@ -391,7 +392,8 @@ H100_SWEEP = ["sharding.prefetch_min_pass_size=65536", "data.synthetic.mean_pool
 
 @pytest.mark.parametrize("passes", [1, 2, 4, 8, 12])
 def test_isolated_prefetch_prediction_of_the_h100_sweep(passes):
-    """N = 4 x 40 x 8192 = 1,310,720 indices and b = 4 x 8192 bags in one TBE (row_wise/cached/d128).
+    """N = 4 x 40 x 8192 = 1,310,720 indices and b = 4 x 8192 bags in one TBE (table_wise/cached/d128:
+    row_wise tables on one rank are placed table_wise, ``recpipe.torchrec_args.placed_type``).
     Leaves: 4 N + 12 (b + 1) = 5,636,108 B. Scratch (FBGEMM >= 1.4): one pass 52.18 N; 2 passes
     44.18 N / 2 + 8 N; 4 passes 44.18 N / 4 + 8 N; from 8 passes on the last cat's 16 N floor."""
     cfg, why = sweep_config(load_config(CONFIGS / "uvm_caching.yaml", H100_SWEEP), passes)
@@ -401,7 +403,7 @@ def test_isolated_prefetch_prediction_of_the_h100_sweep(passes):
     assert scratch == max(math.ceil(44.18 * n / passes + 8 * n), 16 * n)
     pred = planner_prediction(cfg, 1)
     assert pred["isolated_prefetch_peak_bytes"] == [scratch + 4 * n + 12 * (4 * 8192 + 1)]
-    assert pred["passes_effective"] == {"row_wise/cached/d128": passes}
+    assert pred["passes_effective"] == {"table_wise/cached/d128": passes}
 
 
 def test_prefetch_memory_point_and_target():

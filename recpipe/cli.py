@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(bench)
     bench.add_argument("--pipelines", default=None,
                        help="comma-separated pipeline names (default: all five); a variant with its own pipeline "
-                            "options: name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only)")
+                            "options: name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only); "
+                            "a dotted key sets any other config key but data.* for that run, e.g. "
+                            "sparse_dist:sharding.default.weights_precision=fp16 (TorchRec's pipelines too)")
     bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
     bench.add_argument("--steps", type=int, default=100, help="timed steps per pipeline")
     bench.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")

@@ -266,8 +266,8 @@ def placed_type(t: "TableSharding", world_size: int) -> str:
     one rank a row_wise table is placed table_wise. Both hold every row on the one GPU;
     as table_wise, torchrec batches the table into one TBE with the other table_wise
     tables: per step one lookup and one output dist fewer, and no row-wise bucketize
-    of the ids. The numbers are the same (tests/test_pipelines.py; with fp16 weights,
-    stochastic rounding draws from the merged TBE's random stream instead)."""
+    of the ids. The numbers are the same (tests/test_pipelines.py, tests/test_sharding.py;
+    with fp16 weights, stochastic rounding draws from the merged TBE's random stream instead)."""
     return "table_wise" if world_size == 1 and t.type == "row_wise" else t.type
 
 

@@ -81,9 +81,9 @@ def split_variant(label: str) -> tuple[str, dict[str, Any]]:
     if bad or (options and not pairs):
         raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options "
                           "or dotted config keys)")
-    data = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline")]
-    if data:
-        raise ConfigError(f"pipeline variant {label!r}: {', '.join(data)}: a variant cannot set data.* (all runs "
+    refused = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline") and "." in key]
+    if refused:
+        raise ConfigError(f"pipeline variant {label!r}: {', '.join(refused)}: a variant cannot set data.* (all runs "
                           "share the pregenerated batches; use --set) nor pipeline.* by its dotted name (write the "
                           "bare pipeline option)")
     return name, {key.strip(): yaml.safe_load(value) for key, _, value in pairs}

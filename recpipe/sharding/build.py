@@ -114,7 +114,7 @@ class DataParallelAcrossRanks(DataParallelWrapper):
     over one rank, divided by one), yet its forward hooks, per-parameter autograd
     hooks and the all-reduce launch cost host time on every step of a step that is
     host-bound. There the unsharded modules are only moved to the device, and every
-    number is the same (tests/test_pipelines.py compares against the plain loop)."""
+    number is the same (tests/test_pipelines.py trains both ways and compares)."""
 
     def wrap(self, dmp: DistributedModelParallel, env, device: torch.device) -> None:
         if env.world_size > 1:

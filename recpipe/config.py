@@ -291,6 +291,11 @@ class ShardingConfig(_Section):
     # sequence length.
     mean_pooling_factors: dict[str, Annotated[float, Field(gt=0.0)]] = Field(default_factory=dict)
     comm_precision: CommPrecision = CommPrecision()
+    # How the replicated (dense) part's gradients are averaged over several ranks
+    # (recpipe.sharding.data_parallel): all_reduce = one flat all-reduce per dtype
+    # after each backward, no module hooks; ddp = torchrec's DDP wrapper (bucketed
+    # all-reduces during the backward). One rank needs neither.
+    dense_gradients: Literal["all_reduce", "ddp"] = "all_reduce"
 
     @model_validator(mode="after")
     def _tables_over_default(self) -> "ShardingConfig":

@@ -247,6 +247,40 @@ def test_one_rank_trains_without_ddp_exactly_as_with_it():
     launch_local(_one_rank_ddp_worker, 1, small_config(1, overrides=FUSED_TABLES))
 
 
+def _dense_gradients_worker(cfg) -> None:
+    """Two ranks: ``sharding.dense_gradients: all_reduce`` (recpipe's one flat
+    all-reduce after the backward, no DDP) trains bit-identically to torchrec's DDP
+    wrapper (``ddp``), for base and the pipelined schedules. (torchrec keeps its own
+    DDP inside a data_parallel table's lookup; both ways have it.)"""
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 6, dist.get_rank())
+    outer_ddp = lambda model: isinstance(model._dmp_wrapped_module, DistributedDataParallel)  # noqa: E731
+    sm = build(cfg, device)
+    sync = sm.model.gradient_all_reduce
+    assert not outer_ddp(sm.model) and len(sync.names) == 8 and all("_arch" in n for n in sync.names), sync.names
+    ddp = cfg.model_copy(update={"sharding": cfg.sharding.model_copy(update={"dense_gradients": "ddp"})})
+    assert outer_ddp(build(ddp, device).model)
+    device_set = [f"train.device={cfg.train.device}"]
+    fused = small_config(2, device_set + FUSED_TABLES)  # semi_sync refuses data_parallel tables
+    fused_ddp = small_config(2, device_set + FUSED_TABLES + ["sharding.dense_gradients=ddp"])
+    runs = [("base", cfg, ddp, {}), ("sparse_dist", cfg, ddp, {}), ("semi_sync", fused, fused_ddp, {"start_batch": 1})]
+    if device.type == "cuda":  # the dense part's backward replayed as a CUDA graph feeds the same hooks
+        runs += [("sparse_dist", fused, fused_ddp, {"cuda_graphs": True}),
+                 ("semi_sync", fused, fused_ddp, {"start_batch": 1, "cuda_graphs": True})]
+    for name, ours, theirs, options in runs:
+        got = train(ours, name, batches, device=device, **options)
+        assert build(ours, device).model.gradient_all_reduce is not None
+        assert_same(train(theirs, name, batches, device=device, **options), got, f"{name}: all_reduce vs DDP, two ranks")
+        assert_differs(train(ours, name, batches[:3] + batches[3:][::-1], device=device, **options), got,
+                       f"{name}: other batches")
+
+
+def test_two_ranks_average_dense_gradients_exactly_as_ddp():
+    launch_local(_dense_gradients_worker, 2, small_config())
+
+
 def _one_rank_row_wise_worker(cfg) -> None:
     """One rank: a row_wise table is placed table_wise (torchrec batches it into the
     table_wise tables' TBE) and trains exactly as torchrec's row-wise sharding of it."""

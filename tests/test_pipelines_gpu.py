@@ -224,3 +224,13 @@ def test_one_rank_shortcuts_are_exact_on_cuda():
     cfg = small_config(1, ["train.device=cuda", *FUSED_TABLES])
     launch_local(_one_rank_ddp_worker, 1, cfg)
     launch_local(_one_rank_row_wise_worker, 1, cfg)
+
+
+def test_two_ranks_average_dense_gradients_exactly_as_ddp_on_cuda():
+    """recpipe's flat all-reduce of the dense gradients (NCCL) trains bit-identically
+    to torchrec's DDP wrapper on two GPUs, with and without CUDA graphs."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from test_pipelines import _dense_gradients_worker
+
+    launch_local(_dense_gradients_worker, 2, small_config(2, ["train.device=cuda"]))

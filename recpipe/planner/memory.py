@@ -195,8 +195,8 @@ def static_terms(inputs: PlannerInputs, io: RankIO) -> tuple[Term, ...]:
     P = inputs.dense.num_params
     k = _DENSE_OPT[inputs.dense_optimizer]
     terms += [Term("dense_params", "hbm", "static", 4 * P + inputs.dense.buffer_bytes, f"{P} params")]
-    if inputs.world_size > 1:  # on one rank there is no DDP: the backward makes them (alive_items)
-        terms.append(Term("dense_grads", "hbm", "static", 4 * P, f"{P} params (DDP buckets are views)"))
+    if inputs.world_size > 1:  # on one rank nothing holds them between steps: the backward makes them (alive_items)
+        terms.append(Term("dense_grads", "hbm", "static", 4 * P, f"{P} params (views of the flat all-reduce buffer or DDP buckets)"))
     terms += [
         Term("dense_optimizer", "hbm", "static", k * STATE_BYTES * P, f"{inputs.dense_optimizer}: {k} x params"),
         Term("cublas_workspace", "hbm", "static", CUBLAS_WORKSPACE_BYTES, "cuBLAS + cuBLASLt, default stream"),
@@ -249,9 +249,9 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
                       f"{pipe.pending_input_dists} x {sent} B, held by the all-to-all's awaitable until waited"))
     if pipe.early_pooled:
         items.append(("early_pooled_embeddings", io.lookup + io.pooled, _lookup_stream(inputs), "batch i+1"))
-    if inputs.world_size == 1:  # no DDP buckets (recpipe.sharding.DataParallelAcrossRanks): autograd makes them
+    if inputs.world_size == 1:  # no all-reduce buffer (recpipe.sharding.data_parallel): autograd makes them
         items.append(("dense_grads", 4 * inputs.dense.num_params, "main",
-                      f"{inputs.dense.num_params} params, made by each backward (one rank: no DDP)"))
+                      f"{inputs.dense.num_params} params, made by each backward (one rank: no all-reduce)"))
     if pipe.stash_dense_grads:
         items.append(("stashed_dense_grads", 4 * inputs.dense.num_params, "main", "dense grads"))
     if io.cached_indices:

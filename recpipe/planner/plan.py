@@ -46,7 +46,7 @@ TERM_DOC: dict[str, str] = {
     "dp_emb_grads": "full dense gradient of data-parallel tables (= DDP bucket view)",
     "dp_emb_optimizer": "dense optimizer state of data-parallel tables",
     "dense_params": "dense (MLP) parameters and buffers",
-    "dense_grads": "dense gradients; DDP buckets are views of them (gradient_as_bucket_view=True)",
+    "dense_grads": "dense gradients; views of the flat all-reduce buffer (or of DDP's buckets) on several ranks",
     "dense_optimizer": "dense optimizer state (adagrad 1x, adam 2x parameters)",
     "cublas_workspace": "cuBLAS workspace of the default stream (taken from the caching allocator)",
     # per step, always alive

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan
 from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
@@ -27,6 +26,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recpipe.config import DenseOptimizerConfig, RecpipeConfig
 from recpipe.embedding_tables import TableInfo, find_embedding_modules, validated_tables
+from recpipe.sharding.data_parallel import DataParallelAcrossRanks
 from recpipe.torchrec_args import (
     apply_weights_precision,
     cache_params,
@@ -108,21 +108,6 @@ def dense_optimizer(model: nn.Module, opt: DenseOptimizerConfig) -> KeyedOptimiz
     return KeyedOptimizerWrapper(params, make)
 
 
-class DataParallelAcrossRanks(DataParallelWrapper):
-    """torchrec's default wrapper (DDP over the unsharded modules) on several ranks.
-    On one rank DDP has no peer: its all-reduce returns the gradients unchanged (a sum
-    over one rank, divided by one), yet its forward hooks, per-parameter autograd
-    hooks and the all-reduce launch cost host time on every step of a step that is
-    host-bound. There the unsharded modules are only moved to the device, and every
-    number is the same (tests/test_pipelines.py trains both ways and compares)."""
-
-    def wrap(self, dmp: DistributedModelParallel, env, device: torch.device) -> None:
-        if env.world_size > 1:
-            DefaultDataParallelWrapper().wrap(dmp, env, device)
-        else:
-            dmp._dmp_wrapped_module.to(device)  # what DefaultDataParallelWrapper does before DDP
-
-
 @dataclass
 class ShardedModel:
     model: DistributedModelParallel
@@ -137,8 +122,8 @@ def shard_model(
 ) -> ShardedModel:
     """Shard ``model`` (any module holding torchrec EmbeddingBagCollection,
     EmbeddingCollection or FeatureProcessedEmbeddingBagCollection modules, tables on
-    meta) over the default process group; the rest of the model is replicated (DDP;
-    none at one rank, ``DataParallelAcrossRanks``).
+    meta) over the default process group; the rest of the model is replicated, its
+    gradients averaged as ``sharding.dense_gradients`` says (``data_parallel``).
     ``extra_fused_params`` reach every FBGEMM TBE (``torchrec_args.make_sharders``)."""
     world_size = dist.get_world_size(pg)
     tables = validated_tables(cfg, model, device.type)
@@ -150,7 +135,7 @@ def shard_model(
     dmp = DistributedModelParallel(
         module=model, device=device, plan=plan, env=None,
         sharders=list(make_sharders(cfg, device.type, extra_fused_params=extra_fused_params).values()),
-        data_parallel_wrapper=DataParallelAcrossRanks(),
+        data_parallel_wrapper=DataParallelAcrossRanks(cfg.sharding.dense_gradients),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])
     return ShardedModel(model=dmp, optimizer=optimizer, plan=plan, tables=tables)

@@ -343,7 +343,7 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
                      op_tables: tuple[str, str] | None = None) -> dict[str, Any]:
     """Run ``steps`` calls of ``pipe.progress(it)`` under torch.profiler and return
     :func:`summarize_trace` of them. ``op_tables`` = (file, title): also append the
-    profiler's op tables (by self CPU time; on CUDA also by device time) to file."""
+    profiler's op tables (by self and by total CPU time; on CUDA also by device time) to file."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -359,6 +359,8 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         averages = prof.key_averages()
         tables = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+        # inclusive: the ranges (recpipe's steps, torchrec's modules) whose host time holds the ops above
+        tables += "\n" + averages.table(sort_by="cpu_time_total", row_limit=40)
         if cuda:
             tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=15)
         with open(path, "a") as f:

@@ -257,7 +257,10 @@ class CommPrecision(_Section):
     # Precision of the pooled / sequence embeddings on the wire (output all-to-all
     # and reduce-scatter) and of their gradients: torchrec's quantized comms
     # (QCommsConfig + get_qcomm_codecs_registry). Values are sent in this precision
-    # and decoded back to fp32. On CPU (Gloo) torchrec sends bf16 as fp16.
+    # and decoded back to fp32. On CPU (Gloo) torchrec sends bf16 as fp16. With both
+    # directions in the same half precision on several ranks (and no data_parallel
+    # table) the TBEs write their outputs in it and only casts run: two conversions a
+    # step instead of four (recpipe.torchrec_args.tbe_output_precision).
     forward: Literal["fp32", "fp16", "bf16"] = "fp32"
     backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 

@@ -43,6 +43,7 @@ __all__ = [
     "precision_warnings",
     "qcomm_codecs_registry",
     "stochastic_rounding",
+    "tbe_output_precision",
     "supported_sharding_types",
     "placed_type",
     "table_wise_ranks",
@@ -82,7 +83,8 @@ def make_sharder(cfg: "RecpipeConfig", device_type: str = "cuda") -> "EmbeddingB
 
 
 def make_sharders(
-    cfg: "RecpipeConfig", device_type: str = "cuda", *, comms: bool = True, extra_fused_params: dict | None = None
+    cfg: "RecpipeConfig", device_type: str = "cuda", *, comms: bool = True, extra_fused_params: dict | None = None,
+    world_size: int = 1,
 ) -> dict[str, "ModuleSharder"]:
     """One torchrec sharder per module type recpipe shards (keys: the type names of
     :data:`recpipe.embedding_tables.MODULE_TYPES`), all with the same fused params
@@ -90,15 +92,24 @@ def make_sharders(
     directions are fp32; ``comms=False`` leaves them out, for checks that only ask
     the sharders what they support). Each gets its own fused-params dict: torchrec's
     lookups may add keys to the one they hold. ``extra_fused_params``: more TBE keyword
-    arguments (the bench turns on FBGEMM's cache statistics, ``gather_uvm_cache_stats``)."""
+    arguments (the bench turns on FBGEMM's cache statistics, ``gather_uvm_cache_stats``).
+    ``world_size``: the ranks the model is sharded over (:func:`tbe_output_precision`
+    needs it; building a plan does not)."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 
-    def fused() -> dict:
-        return {**embedding_fused_params(cfg.optimizer.embedding, cfg), **(extra_fused_params or {})}
+    output = tbe_output_precision(cfg, world_size, device_type) if comms else None
 
-    codecs = qcomm_codecs_registry(cfg, device_type) if comms else None
+    def fused() -> dict:
+        params = {**embedding_fused_params(cfg.optimizer.embedding, cfg), **(extra_fused_params or {})}
+        if output is not None:
+            from fbgemm_gpu.split_embedding_configs import SparseType
+
+            params["output_dtype"] = SparseType(output)
+        return params
+
+    codecs = qcomm_codecs_registry(cfg, device_type, world_size) if comms else None
     return {
         EBC: EmbeddingBagCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
         EC: EmbeddingCollectionSharder(fused_params=fused(), qcomm_codecs_registry=codecs),
@@ -109,15 +120,81 @@ def make_sharders(
     }
 
 
-def qcomm_codecs_registry(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict | None:
-    """torchrec's quantized-comm codecs for ``sharding.comm_precision`` (pooled and
-    sequence all-to-alls, reduce-scatter), or None when both directions are fp32.
-    On CPU torchrec replaces bf16 by fp16 (Gloo); :func:`precision_warnings` says so."""
+def tbe_output_precision(cfg: "RecpipeConfig", world_size: int, device_type: str = "cuda") -> str | None:
+    """The precision the TBEs write their pooled outputs in, or None (fp32).
+
+    When ``sharding.comm_precision`` sends both directions in the same half precision
+    over several ranks, the TBEs write their outputs in it (FBGEMM ``output_dtype``)
+    and :class:`CastCodec` replaces torchrec's codecs: nothing is encoded before the
+    all-to-all (the TBE's output is what travels), the received values are decoded to
+    fp32 for the model, the gradient is encoded once and handed to the TBE backward in
+    the half precision (FBGEMM accumulates it in fp32). Two conversions a step instead
+    of torchrec's four, and the TBEs write half the bytes. On one rank torchrec's
+    all-to-alls return their input without decoding, so the outputs stay fp32 there;
+    so do they with a data_parallel table anywhere: the TBE setting reaches its lookup
+    too, whose output goes to the model without an all-to-all (torchrec's codecs then).
+    On CPU FBGEMM writes fp16 only, as torchrec's codecs send bf16 as fp16 there."""
+    comm = cfg.sharding.comm_precision
+    if world_size <= 1 or comm.forward != comm.backward or comm.forward == "fp32":
+        return None
+    if "data_parallel" in {cfg.sharding.default.type, *(t.type for t in cfg.sharding.tables.values())}:
+        return None
+    return "fp16" if device_type != "cuda" else comm.forward
+
+
+class CastCodec:
+    """A torchrec ``QuantizedCommCodec`` that only casts: values travel as ``wire``;
+    ``decode`` casts them to ``decoded`` (None: leaves them as they came)."""
+
+    def __init__(self, wire: "torch.dtype", decoded: "torch.dtype | None") -> None:
+        self.wire, self.decoded = wire, decoded
+
+    def __repr__(self) -> str:
+        return f"CastCodec(wire={self.wire}, decoded={self.decoded})"
+
+    def encode(self, input_tensor: "torch.Tensor", ctx: object = None) -> "torch.Tensor":
+        return input_tensor if input_tensor.dtype == self.wire else input_tensor.to(self.wire)
+
+    def decode(self, input_grad: "torch.Tensor", ctx: object = None) -> "torch.Tensor":
+        if self.decoded is None or input_grad.dtype == self.decoded:
+            return input_grad
+        return input_grad.to(self.decoded)
+
+    @property
+    def quantized_dtype(self) -> "torch.dtype":
+        return self.wire
+
+    def calc_quantized_size(self, input_len: int, ctx: object = None) -> int:
+        return input_len
+
+    def create_context(self) -> None:
+        return None
+
+    def padded_size(self, input_tensor: "torch.Tensor", dim_per_rank: list[int], my_rank: int,
+                    qcomm_ctx: object) -> tuple[int, int]:
+        return (input_tensor.shape[1] if input_tensor.dim() > 1 else input_tensor.shape[0]), 0
+
+
+def qcomm_codecs_registry(cfg: "RecpipeConfig", device_type: str = "cuda", world_size: int = 1) -> dict | None:
+    """The quantized-comm codecs for ``sharding.comm_precision`` (pooled and sequence
+    all-to-alls, reduce-scatter), or None when both directions are fp32: recpipe's
+    :class:`CastCodec` pair where the TBEs write the wire precision themselves
+    (:func:`tbe_output_precision`), else torchrec's codecs. On CPU torchrec replaces
+    bf16 by fp16 (Gloo); :func:`precision_warnings` says so."""
     comm = cfg.sharding.comm_precision
     if comm.forward == "fp32" and comm.backward == "fp32":
         return None
     import torch
     from torchrec.distributed.fbgemm_qcomm_codec import CommType, QCommsConfig, get_qcomm_codecs_registry
+    from torchrec.distributed.types import CommOp, QuantizedCommCodecs
+
+    output = tbe_output_precision(cfg, world_size, device_type)
+    if output is not None:
+        wire = {"fp16": torch.float16, "bf16": torch.bfloat16}[output]
+        pair = lambda: QuantizedCommCodecs(forward=CastCodec(wire, torch.float32), backward=CastCodec(wire, None))  # noqa: E731
+        ops = (CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
+               CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL)
+        return {op.name: pair() for op in ops}
 
     config = QCommsConfig(forward_precision=CommType(comm.forward), backward_precision=CommType(comm.backward))
     # torchrec logs its bf16 -> fp16 fallback on CPU to the root logger once per comm

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import SparseType
 from torch import nn
 
 import sharding_models
@@ -108,6 +109,66 @@ def _pipelines_worker(cfg) -> None:
 @pytest.mark.slow
 def test_every_pipeline_stays_exact_with_fp16_tables_and_comms():
     launch_local(_pipelines_worker, 2, small_config(overrides=PRECISE))
+
+
+# ------------------------------------------------------------------ TBEs that write the wire precision
+def _tbes(model: nn.Module) -> list:
+    """The FBGEMM TBEs of every sharded module (torchrec keeps its lookups in a list, a
+    data_parallel one inside DDP)."""
+    from recpipe.pipelines.sharded import find_sharded_modules
+
+    return [e._emb_module for m in find_sharded_modules(model).values() for lookup in m._lookups
+            for e in getattr(getattr(lookup, "module", lookup), "_emb_modules", [])]
+
+
+def _tbe_output_worker(cfg) -> None:
+    """The same half precision both ways on two ranks (fp16 on CPU, bf16 on CUDA): the
+    TBEs write it (FBGEMM output_dtype) and only cast codecs run
+    (recpipe.torchrec_args.tbe_output_precision). On CPU the first forward equals
+    torchrec's own codecs on fp32 TBE outputs (both round the same fp32 sums once); the
+    TBE backward then takes the half-precision gradient itself instead of its exact fp32
+    copy, and FBGEMM's kernel sums it in another order: later steps agree to rounding,
+    far closer than half-precision comms are to fp32 ones. base and sparse_dist stay
+    identical to each other."""
+    from pipeline_harness import build
+
+    from recpipe import torchrec_args
+    from recpipe.config import CommPrecision
+
+    device = init_process_group(cfg)
+    wire = SparseType(torchrec_args.tbe_output_precision(cfg, 2, device.type))
+    batches = make_batches(cfg, 6, dist.get_rank())
+    tbes = _tbes(build(cfg, device).model)
+    assert tbes and all(t.output_dtype == wire.as_int() for t in tbes), [t.output_dtype for t in tbes]
+    ours = {name: train(cfg, name, batches, device=device) for name in ("base", "sparse_dist")}
+    real = torchrec_args.tbe_output_precision
+    torchrec_args.tbe_output_precision = lambda cfg, world_size, device_type="cuda": None
+    try:
+        tbes = _tbes(build(cfg, device).model)
+        assert tbes and all(t.output_dtype == SparseType.FP32.as_int() for t in tbes)
+        codecs = train(cfg, "base", batches, device=device)
+        if device.type == "cpu":
+            assert codecs.losses[0] == ours["base"].losses[0], (codecs.losses[0], ours["base"].losses[0])
+        fp32 = cfg.model_copy(update={"sharding": cfg.sharding.model_copy(update={"comm_precision": CommPrecision()})})
+        mine, theirs = torch.stack(ours["base"].losses), torch.stack(codecs.losses)
+        gap = (mine - torch.stack(train(fp32, "base", batches, device=device).losses)).abs().max()
+        assert (mine - theirs).abs().max() < 0.1 * gap, ((mine - theirs).abs().max(), gap)
+    finally:
+        torchrec_args.tbe_output_precision = real
+    assert_same(ours["base"], ours["sparse_dist"], "sparse_dist vs base with half-precision TBE outputs")
+    # one rank: torchrec's all-to-alls return the TBE output without decoding: it stays fp32;
+    # so with a data_parallel table, whose lookup output reaches the model without one
+    assert torchrec_args.tbe_output_precision(cfg, 1, device.type) is None
+    comm = cfg.sharding.comm_precision.forward
+    with_dp = small_config(2, [f"train.device={device.type}", f"sharding.comm_precision={{forward: {comm}, backward: {comm}}}"])
+    assert torchrec_args.tbe_output_precision(with_dp, 2, device.type) is None
+    tbes = _tbes(build(with_dp, device).model)  # small_config's tables include a data_parallel one
+    assert any("Dense" in type(t).__name__ for t in tbes), tbes
+    assert all(t.output_dtype == SparseType.FP32.as_int() for t in tbes), [t.output_dtype for t in tbes]
+
+
+def test_tbes_write_the_wire_precision_and_train_as_torchrecs_codecs():
+    launch_local(_tbe_output_worker, 2, small_config(overrides=PRECISE))
 
 
 # ------------------------------------------------------------------ checkpoints

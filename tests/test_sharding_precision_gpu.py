@@ -74,3 +74,13 @@ def test_fp16_tables_resume_bit_identically_on_cuda(nproc, tmp_path):
     assert {v.dtype for k, v in a.items() if k.startswith("model.") and "embedding_bags" in k} == {torch.float16}
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"resumed run differs from the uninterrupted one in {different}"
+
+
+def test_tbes_write_bf16_and_train_as_torchrecs_codecs_on_cuda():
+    """bf16 both ways on two GPUs: the TBEs write bf16 pooled outputs, cast codecs only
+    (tests/test_sharding_precision.py, the CPU version with fp16)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from test_sharding_precision import _tbe_output_worker
+
+    launch_local(_tbe_output_worker, 2, small_config(2, PRECISE))

@@ -27,7 +27,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
-from recpipe.planner.memory import LOCATION_BYTES, OUTPUT_BYTES, estimate_memory, module_received_kjt_bytes
+from recpipe.planner.memory import LOCATION_BYTES, estimate_memory, module_received_kjt_bytes
 from recpipe.planner.spec import PlannerInputs, ShardSpec, inputs_from_config
 from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, shard_output_rows, tbe_static
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharders
@@ -60,7 +60,7 @@ def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel:
         hbm, ddr = (hbm + b, ddr) if side == "hbm" else (hbm, ddr + b)
     pipe = inputs.pipeline
     n, bags = shard_indices(one, s), shard_bags(one, s)
-    lookup = int(OUTPUT_BYTES * shard_output_rows(one, s) * s.cols)
+    lookup = int(one.tbe_output_bytes * shard_output_rows(one, s) * s.cols)
     copies = 1 + int(pipe.early_pooled) + int(pipe.keeps_emb_graph)
     hbm += copies * lookup
     if sharding_type != "data_parallel":

@@ -159,7 +159,7 @@ def rank_io(inputs: PlannerInputs, rank: int) -> RankIO:
     tbes = tuple(group_tbes(inputs, rank))
     ns = tuple(sum(shard_indices(inputs, s) for s in g.shards) for g in tbes)
     bags = tuple(sum(shard_bags(inputs, s) for s in g.shards) for g in tbes)
-    lookup = int(sum(OUTPUT_BYTES * shard_output_rows(inputs, s) * s.cols for g in tbes for s in g.shards))
+    lookup = int(sum(inputs.tbe_output_bytes * shard_output_rows(inputs, s) * s.cols for g in tbes for s in g.shards))
     pooled = pooled_output_bytes(inputs) if W > 1 else 0
     received = sum(module_received_kjt_bytes(g.tables[0], n, b, W)
                    for g, n, b in zip(tbes, ns, bags) if g.sharding_type != "data_parallel")
@@ -218,7 +218,7 @@ def shard_memory(inputs: PlannerInputs, io: RankIO) -> list[ShardMemory]:
                 kjt = pipe.dist_kjts_in_flight * module_received_kjt_bytes(t, n, shard_bags(inputs, s), inputs.world_size)
                 terms.append(Term("input_dist_kjts", "hbm", "per_step", kjt, f"{pipe.dist_kjts_in_flight} x {n:.0f} indices"))
             rows_what = "bags" if t.pooled else "ids"
-            terms.append(Term("pooled_lookup", "hbm", "per_step", int(OUTPUT_BYTES * out_rows * s.cols),
+            terms.append(Term("pooled_lookup", "hbm", "per_step", int(inputs.tbe_output_bytes * out_rows * s.cols),
                               f"{out_rows:.0f} {rows_what} x {s.cols}"))
             if t.cached:
                 name = "prefetch_cache_locations" if pipe.prefetch else "cache_locations"
@@ -302,7 +302,9 @@ def quantized_output_grad_bytes(inputs: PlannerInputs, io: RankIO) -> int:
     * forward: the TBE outputs are encoded and sent at ``p`` bytes per value and
       decoded into fp32 on arrival. The send and receive buffers replace fp32 ones
       of twice the size while the decoded copy adds one, so the forward peak (the
-      fp32 outputs, their send copy or received values, and the output) does not grow;
+      fp32 outputs, their send copy or received values, and the output) does not grow.
+      Where the TBEs write ``p`` bytes themselves (``PlannerInputs.tbe_output_bytes``)
+      their outputs shrink instead (``io.lookup``);
     * backward (the ``backward_output_dist`` phase, any precision, W > 1): the
       gradient of the embeddings and its per-rank regrouped copy (fp32, 2 x pooled)
       are alive while the copy is sent; a quantized backward encodes it first:

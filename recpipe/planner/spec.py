@@ -228,6 +228,15 @@ class PlannerInputs:
         """Bytes per value of the output dist (forward) and of its gradient (backward)."""
         return PRECISION_BYTES[self.comm_precision[0]], PRECISION_BYTES[self.comm_precision[1]]
 
+    @property
+    def tbe_output_bytes(self) -> int:
+        """Bytes per value of the TBEs' pooled outputs: the wire precision where the TBEs
+        write it themselves (``recpipe.torchrec_args.tbe_output_precision``: several ranks,
+        both directions the same half precision, no data_parallel table), else fp32."""
+        fwd, bwd = self.comm_precision
+        data_parallel = any(t.sharding_type == "data_parallel" for t in self.tables)
+        return PRECISION_BYTES[fwd] if self.world_size > 1 and fwd == bwd and fwd != "fp32" and not data_parallel else 4
+
     def table(self, name: str) -> TableSpec:
         for t in self.tables:
             if t.name == name:

@@ -134,7 +134,7 @@ def shard_model(
         plan = sharding_plan(model, cfg, world_size, device.type, tables)
     dmp = DistributedModelParallel(
         module=model, device=device, plan=plan, env=None,
-        sharders=list(make_sharders(cfg, device.type, extra_fused_params=extra_fused_params).values()),
+        sharders=list(make_sharders(cfg, device.type, extra_fused_params=extra_fused_params, world_size=world_size).values()),
         data_parallel_wrapper=DataParallelAcrossRanks(cfg.sharding.dense_gradients),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])

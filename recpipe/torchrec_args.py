@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from recpipe.embedding_tables import TableInfo
 
 __all__ = [
+    "CastCodec",
     "DEFAULT_CACHE_LOAD_FACTOR",
     "KERNELS",
     "PRECISION_BYTES",

@@ -57,7 +57,8 @@ def capture_with_torch(module: nn.Module, sample_args: tuple) -> Callable[..., A
     capture ("operation would make the legacy stream depend on a capturing blocking
     stream"; PyTorch PRs 180090 and 189591). At replay the real parameters are passed
     in: they share the aliases' storage, so nothing is copied, and their gradients
-    reach their own accumulators, where DDP's all-reduce hooks fire as in eager mode."""
+    reach their own accumulators, where the all-reduce hooks (recpipe's
+    ``GradientAllReduce`` or DDP's) fire as in eager mode."""
     named = dict(module.named_parameters())
     params = tuple(named.values())
     aliases = tuple(p.detach().requires_grad_(p.requires_grad) for p in params)

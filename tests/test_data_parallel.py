@@ -12,7 +12,7 @@ from torch import nn
 
 from pipeline_harness import small_config
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.sharding.data_parallel import GradientAllReduce
+from recpipe.sharding.data_parallel import DataParallelAcrossRanks, GradientAllReduce
 
 
 def _mean_over_ranks(t: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,30 @@ def _worker(cfg) -> None:
     differs = torch.tensor([int(not torch.equal(want["first.weight"], _mean_over_ranks(want["first.weight"])))])
     dist.all_reduce(differs)
     assert differs.item() > 0
+
+
+def _wrap_worker(cfg) -> None:
+    """DataParallelAcrossRanks on two ranks: rank 0's parameters everywhere (DDP's
+    construction), buffers left as each rank has them (torchrec's DDP wrapper passes
+    broadcast_buffers=False), and the all-reduce installed."""
+    from types import SimpleNamespace
+
+    init_process_group(cfg)
+    rank = dist.get_rank()
+    inner = nn.Sequential(nn.Linear(4, 3))
+    inner.register_buffer("local", torch.tensor([float(rank)]))
+    with torch.no_grad():
+        inner[0].weight.fill_(rank + 1.0)
+    holder = nn.Module()
+    holder._dmp_wrapped_module = inner
+    DataParallelAcrossRanks("all_reduce").wrap(holder, SimpleNamespace(world_size=2, process_group=dist.group.WORLD),
+                                               torch.device("cpu"))
+    assert torch.all(inner[0].weight == 1.0) and inner.local.item() == rank
+    assert holder.gradient_all_reduce.names == ["0.weight", "0.bias"]
+
+
+def test_replicated_modules_start_from_rank_0():
+    launch_local(_wrap_worker, 2, small_config(2))
 
 
 def test_gradient_all_reduce_averages_what_each_backward_reaches():

@@ -133,7 +133,8 @@ class DataParallelAcrossRanks(DataParallelWrapper):
         params = [(n, p) for n, p in module.named_parameters() if n not in ignore and p.requires_grad]
         if not params:
             return
-        # As DDP's construction: same shapes on every rank, then rank 0's values everywhere.
+        # As DDP's construction in torchrec's wrapper (broadcast_buffers=False): the same
+        # shapes on every rank, then rank 0's parameters everywhere; buffers stay as they are.
         _verify_param_shape_across_processes(env.process_group, [p for _, p in params])
-        _sync_module_states(module, env.process_group, BROADCAST_BUCKET_BYTES, 0, ignore)
+        _sync_module_states(module, env.process_group, BROADCAST_BUCKET_BYTES, 0, ignore, broadcast_buffers=False)
         dmp.gradient_all_reduce = GradientAllReduce(params, env.process_group)

@@ -59,7 +59,6 @@ class GradientAllReduce:
         self.params = [p for _, p in params]
         self.group = group
         self.scale = 1.0 / dist.get_world_size(group)
-        self.flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
         self.views: list[torch.Tensor] = []
         sizes: dict[tuple[torch.dtype, torch.device], int] = {}
         offsets = []
@@ -67,7 +66,8 @@ class GradientAllReduce:
             key = (p.dtype, p.device)
             offsets.append((key, sizes.get(key, 0)))
             sizes[key] = sizes.get(key, 0) + p.numel()
-        self.flat = {key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+        self.flat: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {
+            key: torch.zeros(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
         for p, (key, start) in zip(self.params, offsets):
             self.views.append(self.flat[key][start:start + p.numel()].view_as(p))
         self._index = {id(p): i for i, p in enumerate(self.params)}
@@ -86,7 +86,7 @@ class GradientAllReduce:
         self._arrived.append(self._index[id(param)])
 
     def _reduce(self) -> None:
-        arrived, self._arrived = sorted(self._arrived), []
+        arrived, self._arrived = sorted(set(self._arrived)), []
         grads, views = [], []
         for i in arrived:
             g, v = self.params[i].grad, self.views[i]

@@ -16,6 +16,11 @@ prefetch           PrefetchTrainPipelineSparseDist      -
 ``TrainPipelineSemiSync`` is not exported from ``torchrec.distributed.train_pipeline``
 in some versions, so everything is imported from ``...train_pipeline.train_pipelines``.
 
+Both implementations run on the same sharded model (``recpipe.sharding.shard_model``):
+its one-rank shortcuts and, on several ranks, its gradient all-reduce
+(``sharding.dense_gradients: all_reduce``; TorchRec's default DDP wrapper with a
+``name:sharding.dense_gradients=ddp`` variant, which runs on both).
+
 Options without a TorchRec counterpart (``pipeline.max_batches_ahead``,
 ``pipeline.uneven_data``, fused ``emb_lookup=after_optimizer``) are reported as notes
 on the row, never silently dropped.

@@ -204,3 +204,31 @@ def test_plan_from_config_follows_table_precision():
     other = next(s for s in plan.shards if s.table == "t_cat_1")
     weights = lambda s: next(t.bytes for t in s.terms if t.name == "emb_weights")  # noqa: E731
     assert weights(shard) * 2 == weights(other) == 1000 * 16 * 4
+
+
+def test_tbe_outputs_follow_the_wire_precision_where_the_tbes_write_it():
+    """The planner's TBE outputs take the comm precision exactly where sharding does
+    (recpipe.torchrec_args.tbe_output_precision): several ranks, both directions alike,
+    no data_parallel table."""
+    from recpipe.planner.memory import rank_io
+    from recpipe.torchrec_args import tbe_output_precision
+
+    base = ["distributed.nproc=2", "data.batch_size=2048", "model.num_embeddings_per_feature=[1000000,2000,3000,4000]"]
+    cases = {
+        "fp32": ([], 4),
+        "bf16 both ways": (["sharding.comm_precision={forward: bf16, backward: bf16}"], 2),
+        "fp16 forward only": (["sharding.comm_precision={forward: fp16, backward: fp32}"], 4),
+        "with a data_parallel table": (["sharding.comm_precision={forward: bf16, backward: bf16}",
+                                        "sharding.tables={t_cat_3: {type: data_parallel}}"], 4),
+    }
+    lookups = {}
+    for name, (extra, nbytes) in cases.items():
+        cfg = load_config(None, base + extra)
+        inputs = inputs_from_config(cfg)
+        assert inputs.tbe_output_bytes == nbytes, name
+        assert (tbe_output_precision(cfg, 2) is not None) == (nbytes == 2), name
+        lookups[name] = rank_io(inputs, 0).lookup
+    assert lookups["bf16 both ways"] * 2 == lookups["fp32"] == lookups["fp16 forward only"] > 0
+    one = inputs_from_config(load_config(None, base[1:] + cases["bf16 both ways"][0]))
+    assert one.world_size == 1 and one.tbe_output_bytes == 4
+    assert tbe_output_precision(load_config(None, base[1:] + cases["bf16 both ways"][0]), 1) is None

@@ -83,26 +83,29 @@ def start_rank(cfg: RecpipeConfig) -> torch.device:
     intra-op threads (:func:`intra_op_threads`). Returns the rank's device."""
     _quiet_library_deprecations()
     device = init_process_group(cfg)
-    threads = intra_op_threads(cfg, device, os.environ)
+    threads = intra_op_threads(device, os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
     return device
 
 
-def intra_op_threads(cfg: RecpipeConfig, device: torch.device, env: Mapping[str, str]) -> int | None:
-    """Intra-op threads for a GPU training process whose batches come from producers
-    (``data.num_workers > 0``): 1, as torchrun gives each of several processes per
-    node; None (torch's default, or OMP_NUM_THREADS if set) otherwise.
+def intra_op_threads(device: torch.device, env: Mapping[str, str]) -> int | None:
+    """Intra-op threads for a GPU training process: 1, as torchrun gives each of
+    several processes per node; None (torch's default, or OMP_NUM_THREADS if set)
+    on CPU, where the ranks compute on these threads (``launch_local`` splits the
+    cores among them).
 
-    Such a process launches GPU work and computes almost nothing on its own CPU,
-    but torch starts an OpenMP team of one thread per core, whose threads spin
-    for a while after each parallel region. Beside the producers (processes or
-    DataLoader workers, each on a core) they take cores from the producers and
-    the training thread. Measured on one H100 (16 cores, 4 producers,
-    configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98 with
-    the default team, 0.92-1.05 with one thread (benchmarks/README.md, eighth
-    session). A user's OMP_NUM_THREADS wins."""
-    if device.type != "cuda" or cfg.data.num_workers == 0 or "OMP_NUM_THREADS" in env:
+    Such a process launches GPU work and computes little on its own CPU, but torch
+    starts an OpenMP team of one thread per core, whose threads spin for a while
+    after each parallel region and take cores from the training thread, the data
+    producers and NCCL's threads. Measured (benchmarks/README.md): with producers on
+    one H100 (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s) 0.79-0.98
+    with the default team, 0.92-1.05 with one thread; with batches made in the loop
+    (``data.num_workers: 0``), configs/quickstart.yaml on CUDA: 2 x H200, 2 ranks,
+    12.3k / 11.9k samples/s with the default team, 76.1k with one thread (68.3k with
+    4); one H100, 1 rank, 24.1k / 18.7k vs 54.4k / 50.0k; configs/bench/dlrm_criteo.yaml
+    (8192 samples, 1 rank) 174k vs 195k. A user's OMP_NUM_THREADS wins."""
+    if device.type != "cuda" or "OMP_NUM_THREADS" in env:
         return None
     return 1
 

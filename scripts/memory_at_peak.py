@@ -110,6 +110,112 @@ def reserved_summary(segments: list[dict], trace: list[dict], streams: dict[int,
     return {"by_stream": per_stream, "free_by_site": sorted(by_site.items(), key=lambda kv: -kv[1])[:10]}
 
 
+_MIB = 2**20
+
+
+def gap_at_peak(snapshot: dict, device_index: int, streams: dict[int, str], min_hole: int = _MIB) -> dict:
+    """Reserved but free memory at the moment of peak allocated inside the recorded
+    steps: what makes peak reserved exceed peak allocated.
+
+    Replays the trace backwards from the end state (the snapshot's segments and their
+    allocated blocks): undoing an ``alloc`` frees its block, undoing a
+    ``free_completed`` makes it allocated again (so blocks from before the recording
+    are covered), undoing ``segment_map`` / ``segment_alloc`` removes the range from
+    the reserved memory (and ``segment_unmap`` / ``segment_free`` adds it). At the
+    largest allocated total, per stream: reserved, allocated, free, and the free
+    holes of at least ``min_hole`` bytes with the site that last held the range
+    before the peak and the one that takes it next."""
+    trace = snapshot["device_traces"][device_index]
+    live: dict[int, tuple[int, int]] = {}
+    mapped: dict[int, tuple[int, int]] = {}  # start -> (size, stream)
+    for seg in snapshot["segments"]:
+        if seg.get("device", device_index) != device_index:
+            continue
+        mapped[seg["address"]] = (seg["total_size"], seg["stream"])
+        for block in seg["blocks"]:
+            if block["state"] in ("active_allocated", "active_pending_free"):
+                live[block["address"]] = (block["size"], seg["stream"])
+    total = sum(size for size, _ in live.values())
+    best, best_index, best_live, best_mapped = total, len(trace), dict(live), dict(mapped)
+    for i in range(len(trace) - 1, -1, -1):
+        e = trace[i]
+        action = e["action"]
+        if action == "alloc":
+            if live.pop(e["addr"], None) is not None:
+                total -= e["size"]
+        elif action == "free_completed":
+            if e["addr"] not in live:
+                live[e["addr"]] = (e["size"], e["stream"])
+                total += e["size"]
+        elif action in ("segment_map", "segment_alloc"):
+            _unmap(mapped, e["addr"], e["size"])
+        elif action in ("segment_unmap", "segment_free"):
+            mapped[e["addr"]] = (e["size"], e["stream"])
+        if total > best:  # the state before event i, i.e. right after event i - 1
+            best, best_index, best_live, best_mapped = total, i, dict(live), dict(mapped)
+    per_stream: dict[str, dict] = {}
+    holes: list[tuple[int, int, str]] = []
+    starts = sorted(best_live)
+    for start, (size, stream) in sorted(best_mapped.items()):
+        name = streams.get(stream, str(stream))
+        row = per_stream.setdefault(name, {"reserved": 0, "allocated": 0, "free": 0, "holes": 0})
+        row["reserved"] += size
+        cursor, end = start, start + size
+        for addr in starts[bisect.bisect_left(starts, start):bisect.bisect_left(starts, end)]:
+            if addr > cursor:
+                holes.append((cursor, addr - cursor, name))
+            row["allocated"] += best_live[addr][0]
+            cursor = max(cursor, addr + best_live[addr][0])
+        if end > cursor:
+            holes.append((cursor, end - cursor, name))
+    for addr, size, name in holes:
+        per_stream[name]["free"] += size
+        per_stream[name]["holes"] += 1
+    big = sorted((h for h in holes if h[1] >= min_hole), key=lambda h: -h[1])[:15]
+    rows = []
+    for addr, size, name in big:
+        before = [e for e in trace[:best_index] if e["action"] == "free_completed" and _overlaps(e, addr, size)]
+        after = [e for e in trace[best_index:] if e["action"] == "alloc" and _overlaps(e, addr, size)]
+        rows.append({"stream": name, "size": size,
+                     "last_before": _event_site(before[-1]) if before else "(before recording)",
+                     "next_after": _event_site(after[0]) if after else "(not reused)"})
+    return {"peak_allocated": best, "event": best_index, "events": len(trace), "by_stream": per_stream,
+            "holes": rows}
+
+
+def _unmap(mapped: dict[int, tuple[int, int]], addr: int, size: int) -> None:
+    """Remove [addr, addr + size) from the mapped ranges (splitting a range that holds it)."""
+    for start, (length, stream) in list(mapped.items()):
+        end = start + length
+        if end <= addr or start >= addr + size:
+            continue
+        del mapped[start]
+        if start < addr:
+            mapped[start] = (addr - start, stream)
+        if end > addr + size:
+            mapped[addr + size] = (end - addr - size, stream)
+
+
+def _overlaps(event: dict, addr: int, size: int) -> bool:
+    return event["addr"] < addr + size and addr < event["addr"] + event["size"]
+
+
+def _event_site(event: dict) -> str:
+    return f"{event['size'] / _MIB:.0f} MiB at {_where(event.get('frames', []))}"
+
+
+def gap_markdown(gap: dict) -> list[str]:
+    lines = [f"At the peak allocated inside the recorded steps ({gap['peak_allocated'] / _GIB:.3f} GiB, event "
+             f"{gap['event']} of {gap['events']}):", "",
+             "| stream | reserved GiB | allocated GiB | free GiB | free holes |", "|---|---|---|---|---|"]
+    lines += [f"| {s} | {v['reserved'] / _GIB:.3f} | {v['allocated'] / _GIB:.3f} | {v['free'] / _GIB:.3f} | {v['holes']} |"
+              for s, v in gap["by_stream"].items()]
+    lines += ["", "| free hole MiB | stream | last held before the peak | next taken by |", "|---|---|---|---|"]
+    lines += [f"| {h['size'] / _MIB:.1f} | {h['stream']} | `{h['last_before']}` | `{h['next_after']}` |"
+              for h in gap["holes"]]
+    return lines + [""]
+
+
 def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     cfg_p, _, skip = config_for_pipeline(cfg, label)
     if cfg_p is None:
@@ -140,6 +246,8 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     result["peak_allocated_gib"] = torch.cuda.max_memory_allocated(device) / _GIB
     result["peak_reserved_gib"] = torch.cuda.max_memory_reserved(device) / _GIB
     result["reserved"] = reserved_summary(snapshot["segments"], trace, streams)
+    result["gap"] = gap_at_peak(snapshot, device.index if device.index is not None else torch.cuda.current_device(),
+                                streams)
     while _drain(pipe, it):
         pass
     del pipe, sharded
@@ -183,18 +291,32 @@ def markdown(results: dict[str, list[dict]], args) -> str:
                 lines += ["", "| free GiB | last occupant (stream: site) |", "|---|---|"]
                 lines += [f"| {b / _GIB:.3f} | `{site}` |" for site, b in res["free_by_site"]]
                 lines.append("")
+            if r.get("gap"):
+                lines += gap_markdown(r["gap"])
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config")
+    parser.add_argument("--snapshot", action="append", default=[], metavar="PICKLE",
+                        help="only analyse saved snapshots (e.g. tests/test_planner_gpu.py's): the free "
+                             "holes at the peak allocated of each (streams by id)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--pipelines", default="sparse_dist,semi_sync")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out")
     args = parser.parse_args()
+    if args.snapshot:
+        for path in args.snapshot:
+            with open(path, "rb") as f:
+                snap = pickle.load(f)
+            device = next(i for i, t in enumerate(snap["device_traces"]) if t)
+            print("\n".join([f"## {path}", ""] + gap_markdown(gap_at_peak(snap, device, {}))))
+        return 0
+    if not args.config or not args.out:
+        parser.error("--config and --out are required (or --snapshot)")
     cfg = load_config(args.config, args.overrides)
     if not torch.cuda.is_available():
         raise SystemExit("memory_at_peak needs CUDA (the allocator history is the CUDA caching allocator's)")

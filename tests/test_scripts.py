@@ -115,6 +115,44 @@ def test_memory_at_peak_names_the_last_occupant_of_each_free_block():
                                    ("compute: (before recording)", 20)]
 
 
+def test_memory_at_peak_finds_the_free_holes_at_the_peak_allocated():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import memory_at_peak as m
+
+    mib = 2**20
+    grad = [{"filename": "/site/torchrec/distributed/comm_ops.py", "line": 1235, "name": "recat"}]
+    mlp = [{"filename": "/site/torchrec/modules/mlp.py", "line": 80, "name": "forward"}]
+    # One 100 MiB segment; A [0, 10) and B [50, 60) alive throughout (allocated before recording).
+    segments = [{"device": 0, "address": 0, "total_size": 100 * mib, "stream": 7, "blocks": [
+        {"address": 0, "size": 10 * mib, "state": "active_allocated"},
+        {"address": 10 * mib, "size": 40 * mib, "state": "inactive"},
+        {"address": 50 * mib, "size": 10 * mib, "state": "active_allocated"},
+        {"address": 60 * mib, "size": 20 * mib, "state": "inactive"},
+        {"address": 80 * mib, "size": 20 * mib, "state": "inactive"}]},
+        # mapped only after the peak: not reserved at the peak
+        {"device": 0, "address": 200 * mib, "total_size": 4 * mib, "stream": 9, "blocks": [
+            {"address": 200 * mib, "size": 4 * mib, "state": "inactive"}]}]
+    trace = [
+        {"action": "alloc", "addr": 10 * mib, "size": 30 * mib, "stream": 7, "frames": mlp},
+        {"action": "free_completed", "addr": 10 * mib, "size": 30 * mib, "stream": 7, "frames": mlp},
+        {"action": "alloc", "addr": 10 * mib, "size": 20 * mib, "stream": 7, "frames": grad},
+        {"action": "alloc", "addr": 60 * mib, "size": 25 * mib, "stream": 7, "frames": grad},  # the peak: 65 MiB
+        {"action": "free_completed", "addr": 10 * mib, "size": 20 * mib, "stream": 7, "frames": grad},
+        {"action": "free_completed", "addr": 60 * mib, "size": 25 * mib, "stream": 7, "frames": grad},
+        {"action": "segment_map", "addr": 200 * mib, "size": 4 * mib, "stream": 9, "frames": []},
+        {"action": "alloc", "addr": 85 * mib, "size": 15 * mib, "stream": 7, "frames": mlp},
+        {"action": "free_completed", "addr": 85 * mib, "size": 15 * mib, "stream": 7, "frames": mlp},
+    ]
+    gap = m.gap_at_peak({"segments": segments, "device_traces": [trace]}, 0, {7: "compute"})
+    assert gap["peak_allocated"] == 65 * mib and gap["event"] == 4
+    assert gap["by_stream"] == {"compute": {"reserved": 100 * mib, "allocated": 65 * mib, "free": 35 * mib, "holes": 2}}
+    assert gap["holes"] == [
+        {"stream": "compute", "size": 20 * mib, "last_before": "30 MiB at torchrec/modules/mlp.py:80 forward",
+         "next_after": "(not reused)"},
+        {"stream": "compute", "size": 15 * mib, "last_before": "(before recording)",
+         "next_after": "15 MiB at torchrec/modules/mlp.py:80 forward"}]
+
+
 @pytest.mark.slow
 def test_precision_auc_script_trains_both_precisions_and_reports_the_difference(tmp_path: Path):
     """scripts/precision_auc.py: two runs that differ only in the precisions (every table,

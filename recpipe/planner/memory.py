@@ -61,8 +61,8 @@ from recpipe.planner.tbe import (
 
 MiB = 1 << 20
 # Fitted on one H100 run of tests/test_planner_gpu.py (W=1, 2026-11-23), where 0.45 put every
-# reserved row 2.7-10.6 % high. A second run measured 60-210 MiB more reserved for the small
-# UVM-cached configurations (prefetch rows then -14 to -18 %): not reproducible to 10 % there.
+# reserved row 2.7-10.6 % high. The multi-pass prefetch rows' 11-18 % shortfall of later runs
+# is the prefetch stream's cached segments (term prefetch_pass_segments).
 ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
 CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
 NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
@@ -346,6 +346,16 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     for s in inputs.pipeline.side_streams:
         allocator.append(Term(f"reserve_{s}_stream", "hbm", "allocator", pool[s] - at_peak[s],
                               f"pool {fmt_bytes(pool[s])}, {fmt_bytes(at_peak[s])} of it at the peak"))
+    if inputs.pipeline.prefetch and io.prefetch_scratch_one_pass > io.prefetch_scratch:
+        # Measured (H100, fbgemm-gpu 1.6, default allocator, tests/test_planner_gpu.py's
+        # snapshots): at 2, 4 and 12 passes of 4.2M indices the prefetch stream's segments
+        # hold 195, 199 and 204 MiB, about one pass's scratch (209 MiB), not the M-pass
+        # peak: the passes' temporaries and the growing torch.cat of merged indices do not
+        # reuse one another's blocks. The allocator releases them before it would fail.
+        extra = io.prefetch_scratch_one_pass - io.prefetch_scratch
+        allocator.append(Term("prefetch_pass_segments", "hbm", "cached", int((1 + ALLOCATOR_FRAGMENTATION) * extra),
+                              f"(1 + {ALLOCATOR_FRAGMENTATION}) x (one-pass scratch {fmt_bytes(io.prefetch_scratch_one_pass)}"
+                              f" - {fmt_bytes(io.prefetch_scratch)})"))
     return per_step, allocator, peak, totals
 
 

@@ -10,11 +10,15 @@ stable snake_case ``name`` (documented in :data:`TERM_DOC` and docs/planner.md),
   embeddings, scratch of the peak phase);
 * ``allocator``: reserved-but-not-allocated memory of the caching allocator
   (fragmentation of the default stream, and one pool per side stream);
+* ``cached``: segments the caching allocator keeps when memory is plentiful but
+  releases (and retries) before it raises out-of-memory: counted in what
+  ``max_memory_reserved`` reads, not in what the GPU must hold;
 * ``runtime``: outside PyTorch's allocator (CUDA context, NCCL).
 
 ``hbm_allocated_bytes`` (static + per_step) is what ``torch.cuda.max_memory_allocated``
-should read, ``hbm_reserved_bytes`` (+ allocator) what ``max_memory_reserved`` should
-read, ``hbm_bytes`` (+ runtime) what the GPU must hold.
+should read, ``hbm_reserved_bytes`` (+ allocator + cached) what ``max_memory_reserved``
+should read, ``hbm_bytes`` (static + per_step + allocator + runtime) what the GPU must
+hold.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from typing import Any
 GiB = float(1 << 30)
 MiB = float(1 << 20)
 
-CATEGORIES = ("static", "per_step", "allocator", "runtime")
+CATEGORIES = ("static", "per_step", "allocator", "cached", "runtime")
+NEEDED = ("static", "per_step", "allocator", "runtime")  # what the GPU must hold: all but ``cached``
 
 # Every term name the planner emits, with what it is. docs/planner.md has the formulas.
 TERM_DOC: dict[str, str] = {
@@ -79,6 +84,8 @@ TERM_DOC: dict[str, str] = {
     "reserve_dist_stream": "dist stream pool: input all-to-all staging (permuted/bucketized KJT)",
     "reserve_lookup_stream": "emb_lookup stream pool ('new'): early pooled embeddings not reusable by the default stream",
     "reserve_prefetch_stream": "prefetch stream pool: its scratch when not overlapping the peak",
+    # cached
+    "prefetch_pass_segments": "multi-pass prefetch: the prefetch pool's segments stay near one pass's (released under pressure)",
     # runtime
     "cuda_context": "CUDA context and kernel images (outside PyTorch's allocator)",
     "nccl_communicators": "NCCL communicator buffers (world size > 1)",
@@ -91,7 +98,7 @@ TERM_DOC: dict[str, str] = {
 class Term:
     name: str
     side: str  # hbm | ddr
-    category: str  # static | per_step | allocator | runtime
+    category: str  # static | per_step | allocator | cached | runtime
     bytes: int
     detail: str = ""  # the numbers that went into it
 
@@ -134,7 +141,7 @@ class ShardMemory:
 
     @property
     def hbm_bytes(self) -> int:
-        return _sum(self.terms, "hbm")
+        return _sum(self.terms, "hbm", NEEDED)
 
     @property
     def ddr_bytes(self) -> int:
@@ -160,7 +167,7 @@ class RankMemory:
 
     @property
     def hbm_bytes(self) -> int:
-        return _sum(self.terms, "hbm")
+        return _sum(self.terms, "hbm", NEEDED)
 
     @property
     def ddr_bytes(self) -> int:
@@ -172,7 +179,7 @@ class RankMemory:
 
     @property
     def hbm_reserved_bytes(self) -> int:
-        return _sum(self.terms, "hbm", ("static", "per_step", "allocator"))
+        return _sum(self.terms, "hbm", ("static", "per_step", "allocator", "cached"))
 
     @property
     def fits(self) -> bool:

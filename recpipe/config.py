@@ -407,6 +407,11 @@ class SemiSyncPipelineConfig(_PipelineCommon):
     # alive during backward(i)) or "early" (right after the lookup: the lookup's output is
     # freed before backward(i), which starts once that all-to-all is done).
     output_dist_wait: Literal["early", "in_forward"] = "in_forward"
+    # Where batch i+1's lookup is queued: "before_backward" (after forward(i), TorchRec's
+    # order) or "before_update" (inside backward(i): after the dense and output all-to-all
+    # backward, before the TBE backward that updates the tables). Same numbers; with
+    # before_update batch i+1's embeddings are not alive where backward(i) peaks.
+    emb_lookup: Literal["before_backward", "before_update"] = "before_backward"
 
 
 class PrefetchPipelineConfig(_PipelineCommon):

@@ -322,6 +322,12 @@ def _semi_sync_worker(cfg) -> None:
     # The variant that waits for the output all-to-all right after the lookup: same numbers.
     got = train(cfg, "semi_sync", batches, start_batch=2, output_dist_wait="early")
     assert_same(semi_sync_reference(cfg, batches, 2, False), got, "semi_sync output_dist_wait=early")
+    # The lookup of i+1 inside backward(i), before its TBE update: same numbers, with either wait.
+    for start_batch, stash, wait in [(0, False, "in_forward"), (2, True, "in_forward"), (1, False, "early")]:
+        got = train(cfg, "semi_sync", batches, start_batch=start_batch, stash_gradients=stash, output_dist_wait=wait,
+                    emb_lookup="before_update")
+        assert_same(semi_sync_reference(cfg, batches, start_batch, stash), got,
+                    f"semi_sync emb_lookup=before_update {start_batch} {stash} {wait}")
     # All warm-up: synchronous numerics, identical to base.
     assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
 

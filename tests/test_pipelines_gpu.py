@@ -43,6 +43,9 @@ def _numerics(cfg) -> None:
             got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash,
                         output_dist_wait=wait)
             assert_same(want, got, f"cuda semi_sync {start_batch} {stash} output_dist_wait={wait}")
+            got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash,
+                        output_dist_wait=wait, emb_lookup="before_update")
+            assert_same(want, got, f"cuda semi_sync {start_batch} {stash} output_dist_wait={wait} before_update")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])

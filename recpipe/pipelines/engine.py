@@ -64,6 +64,8 @@ class InFlight:
     emb: dict[str, Any] = field(default_factory=dict)  # early lookups: output-dist awaitables
     emb_ready: dict[str, Any] = field(default_factory=dict)  # early lookups, output dist already waited
     detached: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # semi_sync
+    lookup_out: dict[str, list[Any]] = field(default_factory=dict)  # semi_sync before_update: the lookups' output edges
+    lookup_grads: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # ... and their gradients
     consumed: set[str] = field(default_factory=set)
     events: dict[str, Event] = field(default_factory=dict)
     loss: torch.Tensor | None = None  # until backward (it holds the autograd graph)
@@ -210,6 +212,10 @@ class Pipeline:
 
     def _sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
         return steps.sharded_forward(self, batch, fqn, module)
+
+    def _own_forward(self, batch: InFlight, fqn: str, module: Any, features: Any) -> Any:
+        """The first batch's call of a sharded module: its own forward (``discovering``)."""
+        return type(module).forward(module, features)
 
     # ------------------------------------------------------------- public
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:

@@ -33,6 +33,8 @@ STEP_DOC = {
     "backward": "loss.backward(): dense grads + fused TBE update of the embedding rows",
     "backward_dense": "loss.backward() down to the (detached) pooled embeddings",
     "backward_emb": "pooled-embedding backward: output all-to-all backward + fused TBE update",
+    "backward_outdist": "pooled-embedding backward down to the lookups' outputs: output all-to-all backward only",
+    "backward_tbe": "TBE backward of the lookups' outputs: the fused embedding update",
     "optimizer": "dense optimizer step (the embedding optimizer ran inside the TBE backward)",
 }
 

@@ -28,14 +28,25 @@ backward(t); the TBE update of t runs later on the same stream, so stream order
 at detached pooled embeddings, then ``backward_emb`` runs the output all-to-all
 backward and the fused update. Warm-up (batches < start_batch) uses a schedule
 that looks up after the optimizer: the same order as ``sparse_dist``.
+
+``emb_lookup="before_update"`` queues the lookup of t+1 later in backward(t): after
+the dense backward and the output all-to-all backward (``backward_outdist``, which
+stops at the lookup's own outputs, captured by forward hooks on the sharded modules'
+lookup modules) and before the TBE backward that updates the tables
+(``backward_tbe``). Same numbers (the lookup still precedes the update in stream
+order); batch t+1's embeddings then do not live through the part of backward(t)
+where the step's memory peaks, and its output all-to-all overlaps only the TBE
+backward and the optimizer of t.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+from torchrec.distributed.types import LazyAwaitable
 
 from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.engine import InFlight, Pipeline
@@ -93,7 +104,43 @@ SCHEDULE_WARMUP = Schedule(
 ).validate()
 
 
-_PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP))
+# emb_lookup="before_update": the lookup of batch i+1 between the output all-to-all
+# backward of i and its TBE backward (the embedding update).
+_SPLIT_HEAD = (*_HEAD, Step("input_dist_wait", "dist", 2), Step("backward_dense", "compute", 0),
+               Step("backward_outdist", "compute", 0))
+_SPLIT_TAIL = (Step("backward_tbe", "compute", 0), Step("optimizer", "compute", 0))
+
+SCHEDULE_BEFORE_UPDATE = Schedule(
+    "semi_sync_before_update",
+    (*_SPLIT_HEAD, _LOOKUP, *_SPLIT_TAIL),
+    doc="Variant: lookup of batch i+1 after the dense and output all-to-all backward of i, before its TBE update; "
+    "one step stale, as the default.",
+).validate()
+
+SCHEDULE_BEFORE_UPDATE_WARMUP = Schedule(
+    "semi_sync_before_update_warmup",
+    (*_SPLIT_HEAD, *_SPLIT_TAIL, _LOOKUP),
+    doc="Warm-up of the before_update variant.",
+).validate()
+
+SCHEDULE_BEFORE_UPDATE_WAIT_EARLY = Schedule(
+    "semi_sync_before_update_wait_early",
+    (*_SPLIT_HEAD, _LOOKUP, _OUTPUT_WAIT, *_SPLIT_TAIL),
+    doc="Variant: before_update, its output all-to-all waited right after the lookup.",
+).validate()
+
+SCHEDULE_BEFORE_UPDATE_WAIT_EARLY_WARMUP = Schedule(
+    "semi_sync_before_update_wait_early_warmup",
+    (*_SPLIT_HEAD, *_SPLIT_TAIL, _LOOKUP, _OUTPUT_WAIT),
+    doc="Warm-up of the before_update, wait-early variant.",
+).validate()
+
+_PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP),
+          (SCHEDULE_BEFORE_UPDATE, SCHEDULE_BEFORE_UPDATE_WARMUP),
+          (SCHEDULE_BEFORE_UPDATE_WAIT_EARLY, SCHEDULE_BEFORE_UPDATE_WAIT_EARLY_WARMUP))
+_VARIANTS = {("before_backward", "in_forward"): SCHEDULE, ("before_backward", "early"): SCHEDULE_WAIT_EARLY,
+             ("before_update", "in_forward"): SCHEDULE_BEFORE_UPDATE,
+             ("before_update", "early"): SCHEDULE_BEFORE_UPDATE_WAIT_EARLY}
 
 
 def backward_dense(pipe: Pipeline, b: InFlight) -> None:
@@ -108,16 +155,70 @@ def backward_emb(pipe: Pipeline, b: InFlight) -> None:
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     b.detached.clear()
-    # The loss went with backward_dense; a hook gets a zero. Only made when there is a
-    # hook (on CUDA it is an allocation and a fill kernel each step).
+    _after_embedding_backward(pipe, b)
+
+
+def _after_embedding_backward(pipe: Pipeline, b: InFlight) -> None:
+    """The loss went with backward_dense; an ``after_backward`` hook gets a zero. Only
+    made when there is a hook (on CUDA it is an allocation and a fill kernel each step)."""
     if getattr(pipe.after_backward, "__func__", None) is not Pipeline.after_backward:
         pipe.after_backward(b.device, torch.zeros((), device=pipe.device))
+
+
+def backward_outdist(pipe: Pipeline, b: InFlight) -> None:
+    """Backward from the pooled embeddings down to the lookups' own outputs (their
+    autograd edges, captured when batch ``b`` was looked up): the output all-to-all
+    backward, not the TBE backward. Lookups inside forward are captured too (the
+    first batch's, ``_own_forward``); if a sharded module still has no captured edge
+    (no lookup output that needs a gradient), nothing happens here and
+    ``backward_tbe`` runs the whole embedding backward, still after the lookup of i+1."""
+    edges, b.lookup_out = b.lookup_out, {}
+    if not b.detached or any(not edges.get(fqn) for fqn in pipe._modules):
+        return
+    pairs = [(orig, leaf.grad) for orig, leaf in b.detached if leaf.grad is not None]
+    b.detached.clear()
+    if not pairs:
+        return
+    flat = [edge for fqn in pipe._modules for edge in edges[fqn]]
+    grads = torch.autograd.grad([o for o, _ in pairs], flat, [g for _, g in pairs], allow_unused=True)
+    b.lookup_grads = [(edge, g) for edge, g in zip(flat, grads) if g is not None]
+
+
+def backward_tbe(pipe: Pipeline, b: InFlight) -> None:
+    """The TBE backward of the lookups' outputs: the fused embedding update (the whole
+    embedding backward when ``backward_outdist`` left it)."""
+    if b.detached:
+        backward_emb(pipe, b)
+        return
+    pairs, b.lookup_grads = b.lookup_grads, []
+    if pairs:
+        torch.autograd.backward([e for e, _ in pairs], [g for _, g in pairs])
+    _after_embedding_backward(pipe, b)
+
+
+class _Capture:
+    """Where the lookup modules' forward hooks put the autograd edges of their outputs,
+    per sharded module (``target``: the InFlight's dict while its lookup runs, else
+    None). Edges, not the tensors: torchrec frees the lookup's output once its
+    all-to-all is waited, and keeping it would hold batch i+1's embeddings twice. The
+    hooks hold this object, not the pipeline."""
+
+    target: dict[str, list[GradientEdge]] | None = None
+
+    def hook_for(self, fqn: str) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.target is not None:
+                outputs = output if isinstance(output, (list, tuple)) else [output]
+                self.target.setdefault(fqn, []).extend(
+                    get_gradient_edge(t) for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad)
+
+        return hook
 
 
 class SemiSyncPipeline(Pipeline):
     name = "semi_sync"
     schedule = SCHEDULE
-    every_schedule = (SCHEDULE, SCHEDULE_WARMUP, SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP)  # default first
+    every_schedule = tuple(s for pair in _PAIRS for s in pair)  # default first
 
     def __init__(
         self,
@@ -128,14 +229,16 @@ class SemiSyncPipeline(Pipeline):
         start_batch: int = 0,
         stash_gradients: bool = False,
         output_dist_wait: str = "in_forward",
+        emb_lookup: str = "before_backward",
         **options: Any,
     ) -> None:
         if start_batch < 0:
             raise ValueError(f"start_batch={start_batch} must be >= 0")
-        variants = {"in_forward": SCHEDULE, "early": SCHEDULE_WAIT_EARLY}
-        if output_dist_wait not in variants:
-            raise ValueError(f"output_dist_wait={output_dist_wait!r}: choose one of {sorted(variants)}")
-        self.schedule = variants[output_dist_wait]
+        if output_dist_wait not in ("in_forward", "early"):
+            raise ValueError(f"output_dist_wait={output_dist_wait!r}: choose one of ['early', 'in_forward']")
+        if emb_lookup not in ("before_backward", "before_update"):
+            raise ValueError(f"emb_lookup={emb_lookup!r}: choose one of ['before_backward', 'before_update']")
+        self.schedule = _VARIANTS[(emb_lookup, output_dist_wait)]
         self.start_batch = start_batch
         self.stash_gradients = stash_gradients
         self._stash: dict[torch.nn.Parameter, torch.Tensor | None] | None = None
@@ -148,6 +251,19 @@ class SemiSyncPipeline(Pipeline):
             )
         super().__init__(model, optimizer, device, **options)
         self._dense_params = steps.dense_params(optimizer)
+        self._capture = _Capture()
+        if emb_lookup == "before_update":
+            no_lookups = [fqn for fqn, m in self._modules.items()
+                          if not (isinstance(getattr(m, "_lookups", None), (list, nn.ModuleList)) and m._lookups
+                                  and all(isinstance(lk, nn.Module) for lk in m._lookups))]
+            if no_lookups:
+                raise sharded.PipelineError(
+                    f"semi_sync emb_lookup=before_update stops the backward at the outputs of torchrec's lookup modules "
+                    f"(the sharded module's _lookups), which {no_lookups} do not have; use emb_lookup=before_backward"
+                )
+            for fqn, module in self._modules.items():
+                for lookup in module._lookups:
+                    lookup.register_forward_hook(self._capture.hook_for(fqn))
 
     def schedules(self) -> list[Schedule]:
         """The main schedule and its warm-up (the pair ``self.schedule`` belongs to)."""
@@ -158,11 +274,38 @@ class SemiSyncPipeline(Pipeline):
         return main if batch.index >= self.start_batch else warmup
 
     def step_function(self, name: str):
-        own = {"backward_dense": backward_dense, "backward_emb": backward_emb, "optimizer": self._optimizer_step}
+        own = {"backward_dense": backward_dense, "backward_emb": backward_emb, "backward_outdist": backward_outdist,
+               "backward_tbe": backward_tbe, "lookup": self._lookup, "optimizer": self._optimizer_step}
         return own.get(name) or steps.STEPS[name]
 
+    def _lookup(self, pipe: Pipeline, b: InFlight) -> None:
+        """The early lookup; with emb_lookup=before_update its lookup modules' outputs
+        are kept for ``backward_outdist``."""
+        self._capture.target = b.lookup_out
+        try:
+            steps.lookup(pipe, b)
+        finally:
+            self._capture.target = None
+
     def _sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
-        return steps.detach_pooled(batch, steps.sharded_forward(self, batch, fqn, module))
+        self._capture.target = batch.lookup_out  # a lookup inside forward (no early one) is captured too
+        try:
+            pooled = steps.sharded_forward(self, batch, fqn, module)
+        finally:
+            self._capture.target = None
+        return steps.detach_pooled(batch, pooled)
+
+    def _own_forward(self, batch: InFlight, fqn: str, module: Any, features: Any) -> Any:
+        """The first batch's modules run their own forward; its backward is split at their
+        outputs too, so batch 1's stale lookup precedes batch 0's embedding backward in
+        every variant (with emb_lookup=before_update it runs after backward_dense(0))."""
+        self._capture.target = batch.lookup_out
+        try:
+            pooled = super()._own_forward(batch, fqn, module, features)
+            pooled = pooled.wait() if isinstance(pooled, LazyAwaitable) else pooled
+        finally:
+            self._capture.target = None
+        return steps.detach_pooled(batch, pooled)
 
     def _optimizer_step(self, pipe: Pipeline, b: InFlight) -> None:
         semi = b.index >= self.start_batch

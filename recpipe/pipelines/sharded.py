@@ -119,7 +119,7 @@ class PipelinedForward:
         batch.consumed.add(self.fqn)
         if pipe.discovering:
             pipe._found_sources[self.fqn] = self._discover(batch.device, features)
-            return type(self.module).forward(self.module, features)
+            return pipe._own_forward(batch, self.fqn, self.module, features)
         source = pipe._sources[self.fqn]
         if isinstance(source, BatchPath) and features is not source.get(batch.device):
             raise PipelineError(

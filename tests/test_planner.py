@@ -242,6 +242,23 @@ def test_pipeline_terms(name):
         assert rank.peak_phase == "inline_prefetch" or dict(rank.phases)["inline_prefetch"] > 0
 
 
+def test_semi_sync_lookup_before_update_holds_batch_i1_only_in_the_tbe_backward():
+    """emb_lookup=before_update: batch i+1's pooled embeddings are made after the dense and
+    output all-to-all backward of i, so they are in the TBE-backward phase only (2 x H200,
+    65536 samples, measured over sparse_dist: +0.81 GiB, against +2.53 GiB for semi_sync's
+    default order; benchmarks/README.md, eleventh session)."""
+    default = estimate_memory(inputs_from_config(pipe_cfg("semi_sync"))).ranks[0]
+    late_inputs = inputs_from_config(pipe_cfg("semi_sync", **{"pipeline.emb_lookup": "before_update"}))
+    late = estimate_memory(late_inputs).ranks[0]
+    assert default.term("early_pooled_embeddings") > 0  # alive through the step
+    phases, late_phases = dict(default.phases), dict(late.phases)
+    early = default.term("early_pooled_embeddings")
+    held = default.term("semi_sync_emb_graph")
+    assert late_phases["backward_emb_after_dense"] == phases["backward_emb_after_dense"] - held + early
+    assert all(late_phases[p] == phases[p] for p in phases if p != "backward_emb_after_dense")
+    assert late.hbm_allocated_bytes < default.hbm_allocated_bytes
+
+
 def test_one_rank_all_to_alls_return_their_input():
     """torchrec's all-to-alls are no-ops at world size 1: no received KJT, no second
     copy of the pooled embeddings; the TBE's int64 offsets remain."""

@@ -281,6 +281,8 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     }
     if pipe.dense_backward_first:  # once running (spec.PipelineSpec); semi_sync holds batch i's TBE outputs
         held = [("semi_sync_emb_graph", io.lookup + io.pooled, "main")] if pipe.keeps_emb_graph else []
+        if pipe.early_pooled_at_update:  # semi_sync before_update: batch i+1's lookup before this TBE backward
+            held = [("early_pooled_embeddings", io.lookup + io.pooled, emb)]
         phases["backward_emb_after_dense"] = tbe_backward + held
     if pipe.lookup_after_backward:  # fused_sparse_dist: lookup(i+1) after backward(i), beside the optimizer
         phases["lookup_next"] = [("early_pooled_embeddings", io.lookup + io.pooled, emb)]

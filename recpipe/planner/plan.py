@@ -60,7 +60,8 @@ TERM_DOC: dict[str, str] = {
     "input_dist_sent_kjts": "the permuted local KJT a batch's input all-to-all sent, held by torchrec's awaitable "
                             "until the batch's forward / lookup waits it: the batch in input dist during backward (W > 1)",
     "early_pooled_embeddings": "pooled embeddings (TBE outputs + output dist) of batch i+1 made ahead of its forward: "
-                               "alive through backward(i) in semi_sync; made after it in fused_sparse_dist (phase lookup_next)",
+                               "alive through backward(i) in semi_sync; only in its TBE backward with emb_lookup=before_update; "
+                               "made after it in fused_sparse_dist (phase lookup_next)",
     "semi_sync_emb_graph": "semi_sync once running: batch i's TBE outputs kept until its embedding backward",
     "stashed_dense_grads": "semi_sync stash_gradients: one more copy of the dense gradients",
     "cache_locations": "int32 cache slot per index of the batch in training (lxu_cache_locations)",

@@ -152,6 +152,10 @@ class PipelineSpec:
       (``backward_emb``) once;
     * ``keeps_emb_graph``: batch i's TBE outputs kept until its delayed embedding
       backward (semi_sync, once running);
+    * ``early_pooled_at_update``: batch i+1's pooled embeddings made inside backward(i),
+      after its output all-to-all backward and before its TBE backward (semi_sync
+      ``emb_lookup: before_update``): alive only in the ``backward_emb_after_dense``
+      phase, not through the whole step;
     * ``side_streams``: streams besides the default one; each keeps its own pool in
       the caching allocator;
     * ``lookup_stream``: where the embedding lookup runs ("main", or fused_sparse_dist's
@@ -167,13 +171,14 @@ class PipelineSpec:
     lookup_after_backward: bool = False
     dense_backward_first: bool = False
     keeps_emb_graph: bool = False
+    early_pooled_at_update: bool = False
     prefetch: bool = False
     stash_dense_grads: bool = False
     lookup_stream: str = "main"
 
 
 def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False,
-                  input_dist_wait: str = "after_forward") -> PipelineSpec:
+                  input_dist_wait: str = "after_forward", emb_lookup: str | None = None) -> PipelineSpec:
     """The :class:`PipelineSpec` of a recpipe pipeline by name."""
     if name == "base":  # batch i on the device, batch i+1 being copied
         return PipelineSpec("base", 2, 1, ("memcpy",))
@@ -185,9 +190,11 @@ def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradie
         return PipelineSpec("fused_sparse_dist", 3, 2, streams, pending_input_dists=1, lookup_after_backward=True,
                             dense_backward_first=True, lookup_stream=lookup)
     if name == "semi_sync":  # received KJTs: i (its TBE backward), i+1 (looked up), i+2 (input dist waited)
+        late = emb_lookup == "before_update"
         return PipelineSpec(
-            "semi_sync", 3, 3, ("memcpy", "dist"), pending_input_dists=1, early_pooled=True, dense_backward_first=True,
-            keeps_emb_graph=True, stash_dense_grads=stash_gradients,
+            "semi_sync", 3, 3, ("memcpy", "dist"), pending_input_dists=1, early_pooled=not late,
+            dense_backward_first=True, keeps_emb_graph=not late, early_pooled_at_update=late,
+            stash_dense_grads=stash_gradients,
         )
     if name == "prefetch":  # + prefetched cache locations of batch i+1
         # early splits: the input dist of i+2 is launched at the start of step i, before backward(i)
@@ -404,6 +411,7 @@ def inputs_from_config(
         emb_lookup_stream=getattr(p, "emb_lookup_stream", "current"),
         stash_gradients=getattr(p, "stash_gradients", False),
         input_dist_wait=getattr(p, "input_dist_wait", "after_forward"),
+        emb_lookup=getattr(p, "emb_lookup", None),
     )
     return PlannerInputs(
         tables=tables_t,

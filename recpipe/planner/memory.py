@@ -281,7 +281,10 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     }
     if pipe.dense_backward_first:  # once running (spec.PipelineSpec); semi_sync holds batch i's TBE outputs
         held = [("semi_sync_emb_graph", io.lookup + io.pooled, "main")] if pipe.keeps_emb_graph else []
-        if pipe.early_pooled_at_update:  # semi_sync before_update: batch i+1's lookup before this TBE backward
+        if pipe.early_pooled_at_update:
+            # semi_sync before_update: batch i's pooled outputs are held through its dense backward
+            # and freed by the output all-to-all backward; batch i+1's lookup (the same bytes) then
+            # runs before this TBE backward. One at a time: counted once, under i+1's name.
             held = [("early_pooled_embeddings", io.lookup + io.pooled, emb)]
         phases["backward_emb_after_dense"] = tbe_backward + held
     if pipe.lookup_after_backward:  # fused_sparse_dist: lookup(i+1) after backward(i), beside the optimizer

@@ -36,9 +36,12 @@ def small_config(nproc: int = 2, overrides: list[str] | None = None) -> RecpipeC
     return load_config(None, base + list(overrides or []))
 
 
-def make_batches(cfg: RecpipeConfig, n: int, rank: int, seed: int = 0) -> list[Batch]:
+def make_batches(cfg: RecpipeConfig, n: int, rank: int, seed: int = 0, spread: bool = True) -> list[Batch]:
     """Deterministic host batches; few distinct ids so consecutive batches share rows
-    (otherwise one-step staleness would be invisible)."""
+    (otherwise one-step staleness would be invisible), spread over each whole table so a
+    row-wise table's ids fall in every rank's rows (otherwise the other ranks' partial
+    sums are zero and the row-wise reduction is not tested). ``spread=False``: ids 0-11,
+    the batches every test used before 2026-11-23."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
     B = cfg.data.batch_size
     out = []
@@ -47,7 +50,8 @@ def make_batches(cfg: RecpipeConfig, n: int, rank: int, seed: int = 0) -> list[B
         chunks, start = [], 0
         for f, rows in enumerate(cfg.model.num_embeddings_per_feature):
             count = int(lengths[f * B : (f + 1) * B].sum())
-            chunks.append(torch.randint(0, min(rows, 12), (count,), generator=g))
+            ids = torch.randint(0, min(rows, 12), (count,), generator=g)
+            chunks.append(ids * max(rows // 12, 1) if spread else ids)
             start += count
         kjt = KeyedJaggedTensor(keys=cfg.model.feature_names, values=torch.cat(chunks), lengths=lengths)
         dense = torch.randn(B, cfg.model.num_dense_features, generator=g)

@@ -424,6 +424,17 @@ class PrefetchPipelineConfig(_PipelineCommon):
     # "before_forward_early_splits": TorchRec's wait, with each batch's splits all-to-all
     # launched a step earlier, right after its copy (recpipe/pipelines/prefetch.py).
     input_dist_wait: Literal["before_forward", "after_forward", "before_forward_early_splits"] = "after_forward"
+    # Who runs the UVM-cache insert of the prefetch (recpipe/pipelines/cache_fill.py): "triton"
+    # (recpipe's kernels: FBGEMM's cache bookkeeping, and the rows moved by cache_fill_sms
+    # persistent programs with 64 rows in flight each) or "fbgemm" (its lru_cache_populate,
+    # whose kernel moves rows one PCIe round trip after another on #SMs/8 blocks of 1024
+    # threads, slowing the compute beside it). Same numbers. One H100, 32768 samples: 17.07
+    # vs 19.21 ms at 85 % misses, 16.59 vs 16.93 ms at the config's 20 % cache
+    # (benchmarks/README.md, thirteenth session). "triton" falls back to FBGEMM's, with a
+    # warning, where Triton is missing (it ships with torch's CUDA builds), and for tables whose
+    # cache rows are not in the weights' precision (an error when "triton" is set here).
+    cache_fill: Literal["fbgemm", "triton"] = "triton"
+    cache_fill_sms: int = Field(4, ge=1)
 
 
 PipelineConfig = Annotated[
@@ -599,6 +610,15 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             "(cache-line locking only exists with the prefetch pipeline); use kernel 'fused' or 'fused_uvm' "
             "for those tables, or pipeline.name='prefetch'"
         )
+    if "cache_fill" in cfg.pipeline.model_fields_set and cfg.pipeline.cache_fill == "triton":  # asked for by name
+        for name in cached:
+            t = cfg.table_sharding()[name]
+            if t.cache_precision is not None and t.cache_precision != (t.weights_precision or "fp32"):
+                problems.append(
+                    f"pipeline.cache_fill='triton' copies rows as they are, but sharding table {name} has "
+                    f"cache_precision={t.cache_precision!r} and weights_precision={t.weights_precision or 'fp32'!r}; "
+                    "make them equal or use pipeline.cache_fill='fbgemm'"
+                )
     if sh.prefetch_pipeline and cfg.pipeline.name != "prefetch":
         problems.append(
             f"sharding.prefetch_pipeline=true needs pipeline.name='prefetch' (got "

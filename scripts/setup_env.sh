@@ -16,7 +16,7 @@ echo "setup: installing the $flavour stack into .venv (versions from scripts/ver
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
 if [ "$flavour" = cpu ]; then
-  "${pip[@]}" "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_CPU_VERSION"
+  "${pip[@]}" "torch==$TORCH_VERSION" "fbgemm-gpu-cpu==$FBGEMM_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
 else
   "${pip[@]}" "torch==$TORCH_VERSION" "fbgemm-gpu==$FBGEMM_CUDA_VERSION"
 fi

@@ -79,17 +79,22 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
             cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
                            input_dist_wait=wait)
             assert_same(hbm, cached, f"prefetch ({wait}) with a small UVM cache, segments {segments}")
+        for wait, sms in (("after_forward", 2), ("before_forward", 8)):  # recpipe's cache insert (Triton)
+            cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
+                           input_dist_wait=wait, cache_fill="triton", cache_fill_sms=sms)
+            assert_same(hbm, cached, f"prefetch cache_fill=triton ({wait}, {sms} SMs), segments {segments}")
     _eval_releases_locks(cached_cfg, batches, device, start)
+    _eval_releases_locks(cached_cfg, batches, device, start, cache_fill="triton")
 
 
-def _eval_releases_locks(cfg, batches, device, start) -> None:
+def _eval_releases_locks(cfg, batches, device, start, **options) -> None:
     from pipeline_harness import build
     from recpipe.pipelines import PrefetchPipeline
     from recpipe.pipelines.prefetch import _cached_tbes
 
     sm = build(cfg, device)
     sm.model.load_state_dict(dict(start))
-    pipe = PrefetchPipeline(sm.model, sm.optimizer, device)
+    pipe = PrefetchPipeline(sm.model, sm.optimizer, device, **options)
     it = iter([b.pin_memory() for b in batches[:4]])
     while True:
         try:

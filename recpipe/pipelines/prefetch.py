@@ -33,6 +33,7 @@ import warnings
 
 import torch
 
+from recpipe.pipelines import cache_fill as cache_fill_module
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 
@@ -125,20 +126,44 @@ class PrefetchPipeline(Pipeline):
     name = "prefetch"
     schedule = SCHEDULE
     every_schedule = (SCHEDULE, SCHEDULE_WAIT_BEFORE_FORWARD, SCHEDULE_EARLY_SPLITS)  # default first
+    cache_fill_sms = 0  # cache_fill="triton": SMs of the row-moving kernel (0: FBGEMM's insert)
 
-    def __init__(self, model, optimizer, device, *, input_dist_wait: str = "after_forward", **options) -> None:
+    def __init__(self, model, optimizer, device, *, input_dist_wait: str = "after_forward", cache_fill: str = "triton",
+                 cache_fill_sms: int = 4, **options) -> None:
         variants = {"after_forward": SCHEDULE, "before_forward": SCHEDULE_WAIT_BEFORE_FORWARD,
                     "before_forward_early_splits": SCHEDULE_EARLY_SPLITS}
         if input_dist_wait not in variants:
             raise ValueError(f"input_dist_wait={input_dist_wait!r}: choose one of {sorted(variants)}")
+        if cache_fill not in ("fbgemm", "triton"):
+            raise ValueError(f"cache_fill={cache_fill!r}: choose 'fbgemm' or 'triton'")
         self.schedule = variants[input_dist_wait]
         super().__init__(model, optimizer, device, **options)
-        if not _cached_tbes(model):
+        tbes = _cached_tbes(model)
+        if not tbes:
             warnings.warn(
                 "prefetch pipeline: the model has no UVM-cached table with prefetch_pipeline, so the prefetch "
                 "step does nothing (the schedule still runs, as in CPU tests)",
                 stacklevel=2,
             )
+        # cache_fill="triton": FBGEMM's cache insert with the rows moved by a kernel on cache_fill_sms SMs
+        # (recpipe.pipelines.cache_fill), inside this pipeline's prefetch step only.
+        self.cache_fill_sms = cache_fill_sms if cache_fill == "triton" and tbes else 0
+        if self.cache_fill_sms and cache_fill_module.available():
+            warnings.warn(f"pipeline.cache_fill='triton' falls back to FBGEMM's cache insert: "
+                          f"{cache_fill_module.available()}; set pipeline.cache_fill=fbgemm to silence this", stacklevel=2)
+            self.cache_fill_sms = 0
+
+    def step_function(self, name: str):
+        fn = super().step_function(name)
+        if name != "prefetch" or not self.cache_fill_sms:
+            return fn
+        sms = self.cache_fill_sms
+
+        def prefetch_triton_fill(pipe, b) -> None:
+            with cache_fill_module.routing(sms):
+                fn(pipe, b)
+
+        return prefetch_triton_fill
 
     def after_detached_run(self) -> None:
         """Release cache locks taken by forwards outside the pipeline.

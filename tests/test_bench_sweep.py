@@ -109,7 +109,7 @@ def test_sweep_markdown_and_plot(tmp_path):
     md = "\n".join(sweep_md(sweep))
     assert "| 0.05 | 0.6 | 8.00 | 10.00 | 0.800 | 0.300 | 700 | 100.0% | 0.60 (0.10) | 2.50 (2.00) | 20.0% | prefetch |" in md
     assert "| 0.2 | 0.6 | failed | 10.00 | - |" in md
-    assert "**use sparse_dist**" in md and "**not met**" in md and "**met** at 1 points" in md
+    assert "**use sparse_dist**" in md and "**not met**" in md and "**met** at all 1 such points (prefetch / sparse_dist 0.800)" in md
     assert "cache was" not in md  # every point's cache was full
     sweep["recommendation"]["for_this_config"]["occupancy"] = 0.25
     assert "That point's cache was 25% full" in "\n".join(sweep_md(sweep))

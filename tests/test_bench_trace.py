@@ -101,6 +101,20 @@ def test_summary_of_a_gpu_trace():
     assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["streams"] == [9]
 
 
+def test_recpipes_cache_insert_counts_as_cache_work():
+    """pipeline.cache_fill=triton: the populate is a record_function range (not an op), its
+    row-moving kernel is ``_move_kernel``; both count as FBGEMM's do."""
+    trace = _gpu_trace()
+    for event in trace["traceEvents"]:
+        if event.get("name") == "fbgemm::lru_cache_populate":
+            event["cat"], event["name"] = "user_annotation", "recpipe::lru_cache_populate"
+        if event.get("name") == "lru_cache_insert_kernel":
+            event["name"] = "_move_kernel"
+    cache = summarize_trace(parse_chrome_trace(trace), steps=2, device_type="cuda")["cache"]
+    assert cache["by_op_ms"] == {"recpipe::lru_cache_populate": pytest.approx(0.02)}
+    assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["gpu_ms"] == pytest.approx(0.02)
+
+
 def test_host_syncs_by_site():
     """Per step: an .item() in the input dist's wait (a copy to pageable memory), a
     cudaStreamSynchronize in the backward on the autograd thread, a pinned copy (not a

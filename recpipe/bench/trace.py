@@ -72,7 +72,8 @@ LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _RANGE = re.compile(r"^## (.+) ##$")
 _RECORD_FUNCTION = re.compile(r'record_function\(\s*f?"(## .*? ##)"', re.DOTALL)
 LIBRARY_TOP = 8  # library ranges kept per row
-_CACHE_OP = re.compile(r"^fbgemm::.*cache")
+_CACHE_OP = re.compile(r"^(fbgemm|recpipe)::.*cache")  # FBGEMM's cache ops, recpipe's populate (cache_fill)
+_ROW_MOVES = re.compile(r"lru_cache_insert|_move_kernel")  # the kernels that move cache rows
 
 Interval = tuple[float, float]
 
@@ -243,8 +244,9 @@ def _phases(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
 
 
 def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
-    """Device work launched inside FBGEMM's cache ops, by op, and its overlap."""
-    cache_ranges = [r for r in trace.ranges if r.cat == "cpu_op" and _CACHE_OP.match(r.name)]
+    """Device work launched inside FBGEMM's cache ops (and recpipe's populate), by op, and its overlap."""
+    # FBGEMM's ops are cpu_op ranges; recpipe's populate is a record_function range (user_annotation)
+    cache_ranges = [r for r in trace.ranges if r.cat in ("cpu_op", "user_annotation") and _CACHE_OP.match(r.name)]
     if not cache_ranges or not trace.device_ops:
         return None
     # correlation -> the outermost cache op whose range holds the launch (the op the
@@ -272,7 +274,8 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
         "exposed_ms": _per_step(gpu - overlap, steps),
         "overlap_fraction": overlap / gpu if gpu else None,
         "by_op_ms": {name: _per_step(union_length(iv), steps) for name, iv in sorted(by_op.items())},
-        "insert_kernels_ms": _per_step(union_length((op.start, op.end) for op in mine if "insert" in op.name), steps),
+        "insert_kernels_ms": _per_step(union_length((op.start, op.end) for op in mine if _ROW_MOVES.search(op.name)),
+                                       steps),
         "kernels_per_step": len(mine) / steps,
         "streams": sorted({op.stream for op in mine}),
     }

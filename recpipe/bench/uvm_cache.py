@@ -128,7 +128,8 @@ def cache_metrics(deltas: list[list[dict[str, int]]], steps: int,
     per_rank = [_rank_numbers(rank, steps) for rank in deltas]
     for numbers, work in zip(per_rank, traced):
         if work:
-            populate = work["by_op_ms"].get("fbgemm::lru_cache_populate")
+            populate = (work["by_op_ms"].get("fbgemm::lru_cache_populate")
+                        or work["by_op_ms"].get("recpipe::lru_cache_populate"))  # pipeline.cache_fill=triton
             numbers.update(gpu_ms=work["gpu_ms"], overlap_ms=work["overlap_ms"], exposed_ms=work["exposed_ms"],
                            overlap_compute_ms=work.get("overlap_compute_ms"),
                            overlap_fraction=work["overlap_fraction"], by_op_ms=work["by_op_ms"],

@@ -330,6 +330,20 @@ def _semi_sync_worker(cfg) -> None:
                     f"semi_sync emb_lookup=before_update {start_batch} {stash} {wait}")
     # All warm-up: synchronous numerics, identical to base.
     assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
+    # before_update's forward hooks on torchrec's lookup modules live while the pipeline is attached
+    from pipeline_harness import build
+    from recpipe.pipelines import SemiSyncPipeline, sharded
+
+    sm = build(cfg, torch.device("cpu"))
+    lookups = [lk for m in sharded.find_sharded_modules(sm.model).values() for lk in m._lookups]
+    before = sum(len(lk._forward_hooks) for lk in lookups)
+    pipe = SemiSyncPipeline(sm.model, sm.optimizer, torch.device("cpu"), emb_lookup="before_update")
+    assert sum(len(lk._forward_hooks) for lk in lookups) == before + len(lookups)
+    pipe.detach()
+    assert sum(len(lk._forward_hooks) for lk in lookups) == before, "hooks left after detach"
+    pipe.attach()
+    assert sum(len(lk._forward_hooks) for lk in lookups) == before + len(lookups)
+    pipe.detach()
 
 
 @pytest.mark.slow

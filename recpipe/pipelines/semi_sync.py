@@ -261,9 +261,28 @@ class SemiSyncPipeline(Pipeline):
                     f"semi_sync emb_lookup=before_update stops the backward at the outputs of torchrec's lookup modules "
                     f"(the sharded module's _lookups), which {no_lookups} do not have; use emb_lookup=before_backward"
                 )
-            for fqn, module in self._modules.items():
-                for lookup in module._lookups:
-                    lookup.register_forward_hook(self._capture.hook_for(fqn))
+            self._capture_lookups = True
+            self._install_lookup_hooks()
+
+    _capture_lookups = False  # emb_lookup="before_update": forward hooks on torchrec's lookup modules
+    _lookup_hooks: list = []  # their handles while attached (set per instance)
+
+    def _install_lookup_hooks(self) -> None:
+        self._lookup_hooks = [lookup.register_forward_hook(self._capture.hook_for(fqn))
+                              for fqn, module in self._modules.items() for lookup in module._lookups]
+
+    def attach(self) -> None:
+        was = self.attached
+        super().attach()
+        if not was and self._capture_lookups:
+            self._install_lookup_hooks()
+
+    def detach(self) -> None:
+        """Also removes the lookup modules' forward hooks (a model outlives its pipelines)."""
+        super().detach()
+        for handle in self._lookup_hooks:
+            handle.remove()
+        self._lookup_hooks = []
 
     def schedules(self) -> list[Schedule]:
         """The main schedule and its warm-up (the pair ``self.schedule`` belongs to)."""

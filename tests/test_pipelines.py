@@ -218,6 +218,44 @@ def test_one_rank_pipelines_run_no_collective():
     launch_local(_one_rank_worker, 1, small_config(1, overrides=FUSED_TABLES))
 
 
+def _pass_fence_worker(cfg) -> None:
+    """Every pass over data starts with the side streams fenced on the caller's stream
+    (``Streams.start_pass``), before any step of the pass; never with a batch in
+    flight. Work queued between passes (an eval, FBGEMM's cache reset) must come
+    before the pass's first prefetch (GPU test: test_prefetch_with_small_uvm_cache_trains_like_hbm)."""
+    from recpipe.pipelines.streams import Streams
+
+    device = init_process_group(cfg)
+    batches = make_batches(cfg, 6, 0)
+    for name in sorted(PIPELINES):
+        sm = build(cfg, device)
+        events: list = []
+        pipe = PIPELINES[name](sm.model, sm.optimizer, device)
+        real = Streams.start_pass
+        Streams.start_pass = lambda self: events.append(("start", pipe.in_flight()))
+        pipe.on_batch_fetched = lambda batch: events.append(("fetch", pipe.in_flight()))
+        try:
+            for part in (batches[:4], batches[4:]):
+                _drain(pipe, iter(part))
+                events.append(("drained", pipe.in_flight()))
+                with pipe.detached():
+                    pass
+        finally:
+            Streams.start_pass = real
+        assert all(n == 0 for kind, n in events if kind == "start"), (name, events)
+        passes = [list(g) for k, g in itertools.groupby(events, lambda e: e[0] == "drained") if not k]
+        assert len(passes) == 2, (name, events)
+        for got, size in zip(passes, (4, 2)):
+            assert got[0][0] == "start", (name, got)  # before the pass's first batch is fetched
+            assert sum(kind == "fetch" for kind, _ in got) == size, (name, got)
+            # once at the first call, once at the call that finds nothing left (StopIteration)
+            assert sum(kind == "start" for kind, _ in got) == 2, (name, got)
+
+
+def test_every_pass_starts_with_the_side_streams_fenced():
+    launch_local(_pass_fence_worker, 1, small_config(1, overrides=FUSED_TABLES))
+
+
 def _one_rank_ddp_worker(cfg) -> None:
     """One rank: no DDP around the unsharded modules (it has no peer; its hooks cost
     host time every step), and training is bit-identical to torchrec's default DDP

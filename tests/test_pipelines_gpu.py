@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
+from pipeline_harness import assert_same, local_state, make_batches, semi_sync_reference, small_config, train
 from recpipe.distributed import init_process_group, launch_local
 
 pytestmark = [
@@ -85,6 +85,51 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
             assert_same(hbm, cached, f"prefetch cache_fill=triton ({wait}, {sms} SMs), segments {segments}")
     _eval_releases_locks(cached_cfg, batches, device, start)
     _eval_releases_locks(cached_cfg, batches, device, start, cache_fill="triton")
+    for fill in ("fbgemm", "triton"):
+        _cache_reset_between_passes(cached_cfg, batches, device, start, cache_fill=fill)
+
+
+def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
+    """Work queued on the compute stream between two passes (here a long kernel, then
+    FBGEMM's flush and reset_cache_states, as the bench's cache sweep does) comes
+    before the next pass's first prefetch on the prefetch stream: the pass trains as if
+    the host had waited for it, and no cache-line lock is left over or negative."""
+    from pipeline_harness import build
+    from recpipe.pipelines import PrefetchPipeline
+    from recpipe.pipelines.prefetch import _cached_tbes
+
+    def run(host_waits: bool):
+        sm = build(cfg, device)
+        sm.model.load_state_dict(dict(start))
+        pipe = PrefetchPipeline(sm.model, sm.optimizer, device, **options)
+        losses = []
+        for part in (batches[:5], batches[5:]):
+            if losses:  # between the passes
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: the next pass's host work runs well ahead of it
+                for tbe in _cached_tbes(sm.model, locked=False):
+                    tbe.flush()
+                    tbe.reset_cache_states()
+                if host_waits:
+                    torch.cuda.synchronize()
+            it = iter([b.pin_memory() for b in part])
+            while True:
+                try:
+                    losses.append(pipe.progress(it)[0])
+                except StopIteration:
+                    break
+        torch.cuda.synchronize()
+        locks = [t.lxu_cache_locking_counter for t in _cached_tbes(sm.model)]
+        return losses, locks, {k: v.cpu() for k, v in local_state(sm.model).items()}
+
+    want, _, want_state = run(host_waits=True)
+    got, locks, got_state = run(host_waits=False)
+    what = f"prefetch {options}, flush + reset_cache_states queued between passes"
+    assert all(int(c.min()) >= 0 for c in locks), f"{what}: negative cache-line lock counts {[int(c.min()) for c in locks]}"
+    assert all(int(c.sum()) == 0 for c in locks), f"{what}: locks left after the drain {[int(c.sum()) for c in locks]}"
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert torch.equal(a, b), f"{what}: loss of step {i} differs: {a.item()!r} vs {b.item()!r}"
+    for key in want_state:
+        assert torch.equal(want_state[key], got_state[key]), f"{what}: {key} differs"
 
 
 def _eval_releases_locks(cfg, batches, device, start, **options) -> None:

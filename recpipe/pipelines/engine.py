@@ -224,6 +224,8 @@ class Pipeline:
         if not self.attached:
             self.attach()
         self._ambient = self._on = self.streams.ambient()
+        if not self.in_flight():
+            self.streams.start_pass()
         if self._sources is None:
             return self._progress_discovering(dataloader_iter)
         self._fill(dataloader_iter)

@@ -225,8 +225,12 @@ def move_reference(cache: Cache, insert: Insert) -> None:
 
 # ------------------------------------------------------------ the Triton kernels
 if triton is not None:
+    # Triton compiles a kernel again for an int argument that is 1 or a multiple of 16
+    # the first time it sees one: the step stamp and the row counts change every call,
+    # so such a compile (0.2-0.9 s) would land inside training steps (seen on one H100:
+    # a 907 ms step at stamp 16). They are passed unspecialized.
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "time_stamp"])
     def _find_kernel(uniq_ptr, length_ptr, n, total, state_ptr, lru_ptr, lock_ptr, sets_ptr, time_stamp, sets,
                      LOCK: tl.constexpr, BLOCK: tl.constexpr):
         p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -251,7 +255,7 @@ if triton is not None:
         tl.store(lru_ptr + slot, tl.full([BLOCK], 0, tl.int64) + time_stamp, mask=hit)
         tl.store(sets_ptr + p, tl.where(valid & ~hit, home, sets), mask=inside)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n", "time_stamp"])
     def _insert_kernel(by_set_ptr, ids_ptr, n, sets, state_ptr, lru_ptr, lock_ptr, slot_ptr, old_ptr, time_stamp,
                        LOCK: tl.constexpr):
         p = tl.program_id(0)
@@ -278,7 +282,7 @@ if triton is not None:
             if LOCK:
                 tl.store(lock_ptr + slot, tl.full([32], 1, tl.int32), mask=eligible)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["n"])
     def _move_kernel(slot_ptr, new_ptr, new_dim_ptr, old_ptr, old_dim_ptr, n, weights_ptr, rows_ptr, row_width,
                      ROWS: tl.constexpr, COLS: tl.constexpr):
         cols = tl.arange(0, COLS)

@@ -435,6 +435,11 @@ class PrefetchPipelineConfig(_PipelineCommon):
     # cache rows are not in the weights' precision (an error when "triton" is set here).
     cache_fill: Literal["fbgemm", "triton"] = "triton"
     cache_fill_sms: int = Field(4, ge=1)
+    # Where FBGEMM's backward pre-hook work for batch i runs (the release of its cache-line locks
+    # and the recompute of its cache locations after prefetch(i+1)): "prefetch_stream" (right
+    # after prefetch(i+1), beside forward(i): recpipe/pipelines/cache_bookkeeping.py) or
+    # "backward" (FBGEMM's hook, on the compute stream inside backward(i)). Same numbers.
+    cache_bookkeeping: Literal["prefetch_stream", "backward"] = "prefetch_stream"
 
 
 PipelineConfig = Annotated[

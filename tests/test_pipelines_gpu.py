@@ -83,6 +83,9 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
             cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
                            input_dist_wait=wait, cache_fill="triton", cache_fill_sms=sms)
             assert_same(hbm, cached, f"prefetch cache_fill=triton ({wait}, {sms} SMs), segments {segments}")
+        cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
+                       cache_fill="fbgemm", cache_bookkeeping="backward")  # FBGEMM's insert and backward hook
+        assert_same(hbm, cached, f"prefetch cache_fill=fbgemm cache_bookkeeping=backward, segments {segments}")
     _eval_releases_locks(cached_cfg, batches, device, start)
     _eval_releases_locks(cached_cfg, batches, device, start, cache_fill="triton")
     for fill in ("fbgemm", "triton"):

@@ -29,10 +29,12 @@ numerically ``sparse_dist``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
+from recpipe.pipelines import cache_bookkeeping as cache_bookkeeping_module
 from recpipe.pipelines import cache_fill as cache_fill_module
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
@@ -127,15 +129,18 @@ class PrefetchPipeline(Pipeline):
     schedule = SCHEDULE
     every_schedule = (SCHEDULE, SCHEDULE_WAIT_BEFORE_FORWARD, SCHEDULE_EARLY_SPLITS)  # default first
     cache_fill_sms = 0  # cache_fill="triton": SMs of the row-moving kernel (0: FBGEMM's insert)
+    _bookkept: tuple = ()  # cache_bookkeeping="prefetch_stream": TBEs whose hook work runs after the prefetch
 
     def __init__(self, model, optimizer, device, *, input_dist_wait: str = "after_forward", cache_fill: str = "triton",
-                 cache_fill_sms: int = 4, **options) -> None:
+                 cache_fill_sms: int = 4, cache_bookkeeping: str = "prefetch_stream", **options) -> None:
         variants = {"after_forward": SCHEDULE, "before_forward": SCHEDULE_WAIT_BEFORE_FORWARD,
                     "before_forward_early_splits": SCHEDULE_EARLY_SPLITS}
         if input_dist_wait not in variants:
             raise ValueError(f"input_dist_wait={input_dist_wait!r}: choose one of {sorted(variants)}")
         if cache_fill not in ("fbgemm", "triton"):
             raise ValueError(f"cache_fill={cache_fill!r}: choose 'fbgemm' or 'triton'")
+        if cache_bookkeeping not in ("prefetch_stream", "backward"):
+            raise ValueError(f"cache_bookkeeping={cache_bookkeeping!r}: choose 'prefetch_stream' or 'backward'")
         self.schedule = variants[input_dist_wait]
         super().__init__(model, optimizer, device, **options)
         tbes = _cached_tbes(model)
@@ -152,18 +157,30 @@ class PrefetchPipeline(Pipeline):
             warnings.warn(f"pipeline.cache_fill='triton' falls back to FBGEMM's cache insert: "
                           f"{cache_fill_module.available()}; set pipeline.cache_fill=fbgemm to silence this", stacklevel=2)
             self.cache_fill_sms = 0
+        # cache_bookkeeping="prefetch_stream": FBGEMM's backward pre-hook work for batch i (lock
+        # release, location recompute) on the prefetch stream after prefetch(i+1)
+        # (recpipe.pipelines.cache_bookkeeping).
+        if cache_bookkeeping == "prefetch_stream" and tbes:
+            self._bookkept = tuple(t for t in tbes if cache_bookkeeping_module.install(t))
+            if len(self._bookkept) < len(tbes):
+                warnings.warn("pipeline.cache_bookkeeping='prefetch_stream': FBGEMM's backward pre-hook "
+                              f"{cache_bookkeeping_module.FBGEMM_HOOK} was not found on {len(tbes) - len(self._bookkept)} "
+                              "cached TBEs; they keep it; set pipeline.cache_bookkeeping=backward to silence this",
+                              stacklevel=2)
 
     def step_function(self, name: str):
         fn = super().step_function(name)
-        if name != "prefetch" or not self.cache_fill_sms:
+        if name != "prefetch" or not (self.cache_fill_sms or self._bookkept):
             return fn
-        sms = self.cache_fill_sms
+        sms, bookkept = self.cache_fill_sms, self._bookkept
 
-        def prefetch_triton_fill(pipe, b) -> None:
-            with cache_fill_module.routing(sms):
+        def prefetch_with(pipe, b) -> None:
+            with cache_fill_module.routing(sms) if sms else contextlib.nullcontext():
                 fn(pipe, b)
+            for tbe in bookkept:
+                cache_bookkeeping_module.after_prefetch(tbe)
 
-        return prefetch_triton_fill
+        return prefetch_with
 
     def after_detached_run(self) -> None:
         """Release cache locks taken by forwards outside the pipeline.
@@ -175,3 +192,4 @@ class PrefetchPipeline(Pipeline):
             tbe.lxu_cache_locking_counter.zero_()
             tbe.lxu_cache_locations_list.clear()
             tbe.timesteps_prefetched.clear()
+            cache_bookkeeping_module.clear(tbe)

@@ -375,6 +375,12 @@ class _PipelineCommon(_Section):
     # stream to reach it; "host": over a Gloo group of the same ranks, from host memory,
     # so that wait is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
+    # What a sharded EmbeddingBagCollection with several sharding groups hands the model:
+    # "grouped" (the same KeyedTensor, kept as the groups' tensors: to_dict() and kt[key] are
+    # views, values() concatenates on first use; recpipe/pipelines/pooled.py) or
+    # "concatenated" (torchrec's: one tensor in the groups' key order). Same numbers; "grouped"
+    # saves a forward and a backward copy of the pooled output for models that read it by key.
+    pooled_output: Literal["grouped", "concatenated"] = "grouped"
 
 
 class BasePipelineConfig(_PipelineCommon):

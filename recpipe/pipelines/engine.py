@@ -124,9 +124,13 @@ class Pipeline:
         cuda_graph_modules: list[str] | tuple[str, ...] = (),
         cuda_graph_optimizer: bool = True,
         splits_exchange: str = "device",
+        pooled_output: str = "grouped",
     ) -> None:
         if uneven_data not in ("pad", "error"):
             raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
+        if pooled_output not in ("grouped", "concatenated"):
+            raise ValueError(f"pooled_output={pooled_output!r}: choose 'grouped' or 'concatenated'")
+        self.pooled_grouped = pooled_output == "grouped"
         if splits_exchange not in ("device", "host"):
             raise ValueError(f"splits_exchange={splits_exchange!r}: choose 'device' or 'host'")
         self.splits_exchange = splits_exchange

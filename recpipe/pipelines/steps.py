@@ -18,6 +18,7 @@ import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recpipe.pipelines.inputs import BatchPath
+from recpipe.pipelines.pooled import GroupedKeyedTensor, grouped
 from recpipe.pipelines.sharded import PipelineError, fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, use_stream
 
@@ -91,8 +92,13 @@ def lookup(pipe: "Pipeline", b: "InFlight") -> None:
         # The input all-to-all's output, made on dist; nothing to do when the lookup
         # runs on dist too (emb_lookup_stream=data_dist, the default).
         pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, stream)
-        b.emb[fqn] = module.compute_and_output_dist(b.ctxs[fqn], data)
+        b.emb[fqn] = _pooled(pipe, module.compute_and_output_dist(b.ctxs[fqn], data))
         del b.dist_in[fqn]
+
+
+def _pooled(pipe: "Pipeline", result: Any) -> Any:
+    """``pipeline.pooled_output``: the module's output kept as its groups' tensors, or torchrec's."""
+    return grouped(result) if pipe.pooled_grouped else result
 
 
 def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
@@ -184,7 +190,7 @@ def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> A
     data = _dist_input(pipe, b, fqn)
     pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, compute)
     del b.dist_in[fqn]
-    return module.compute_and_output_dist(b.ctxs[fqn], data)
+    return _pooled(pipe, module.compute_and_output_dist(b.ctxs[fqn], data))
 
 
 def dense_params(optimizer: Any) -> list[torch.Tensor]:
@@ -206,6 +212,9 @@ def detach_pooled(b: "InFlight", pooled: Any) -> Any:
         b.detached.append((values, cut))
         return cut
 
+    if isinstance(pooled, GroupedKeyedTensor) and pooled.grouped():  # a leaf per group: no concatenation
+        return GroupedKeyedTensor(pooled.keys(), pooled.length_per_key(), [leaf(g) for g in pooled.groups()],
+                                  pooled.keys_per_group())
     if isinstance(pooled, KeyedTensor):
         return KeyedTensor(
             keys=pooled.keys(), length_per_key=pooled.length_per_key(), values=leaf(pooled.values()), key_dim=pooled.key_dim()

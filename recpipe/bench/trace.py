@@ -365,7 +365,7 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
         # inclusive: the ranges (recpipe's steps, torchrec's modules) whose host time holds the ops above
         tables += "\n" + averages.table(sort_by="cpu_time_total", row_limit=40)
         if cuda:
-            tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=15)
+            tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=40)
         with open(path, "a") as f:
             f.write(f"\n===== {title}: {steps} steps =====\n{tables}\n")
     with tempfile.TemporaryDirectory() as tmp:

@@ -108,24 +108,32 @@ class GroupedKeyedTensor(KeyedTensor):
             t.record_stream(stream)
 
 
-def _wait_grouped(self: EmbeddingBagCollectionAwaitable) -> KeyedTensor:
-    """torchrec's ``EmbeddingBagCollectionAwaitable._wait_impl`` (1.6.1 to 1.8.0), with
-    :class:`GroupedKeyedTensor` for its ``construct_output_kt``."""
-    embeddings = [w.wait() for w in self._awaitables]
-    for awaitable in self._resize_awaitables or ():  # torchrec frees memory and resizes here
-        awaitable.wait()
-    names, dims = list(self._embedding_names), list(self._embedding_dims)
+def _keys_per_group(embeddings: list[torch.Tensor], dims: list[int]) -> Optional[list[int]]:
+    """How many of the keys (in order, ``dims`` wide each) each 2-D tensor holds; None when
+    the tensors are not consecutive column groups of exactly those keys."""
     per_group, first = [], 0
     for t in embeddings:
         width, n = t.size(1) if t.dim() == 2 else -1, 0
         while width > 0 and first + n < len(dims):
             width -= dims[first + n]
             n += 1
-        if width != 0:  # not consecutive column groups: torchrec's own concatenation
-            return KeyedTensor(keys=names, length_per_key=dims, values=torch.cat(embeddings, dim=1), key_dim=1)
+        if width != 0:
+            return None
         per_group.append(n)
         first += n
-    if first != len(dims):
+    return per_group if first == len(dims) else None
+
+
+def _wait_grouped(self: EmbeddingBagCollectionAwaitable) -> KeyedTensor:
+    """torchrec's ``EmbeddingBagCollectionAwaitable._wait_impl`` (1.6.1 to 1.8.0), with
+    :class:`GroupedKeyedTensor` for its ``construct_output_kt`` (without torchrec's
+    profiler annotations of each group's wait)."""
+    embeddings = [w.wait() for w in self._awaitables]
+    for awaitable in self._resize_awaitables or ():  # torchrec frees memory and resizes here
+        awaitable.wait()
+    names, dims = list(self._embedding_names), list(self._embedding_dims)
+    per_group = _keys_per_group(embeddings, dims)
+    if per_group is None:  # torchrec's own concatenation
         return KeyedTensor(keys=names, length_per_key=dims, values=torch.cat(embeddings, dim=1), key_dim=1)
     return GroupedKeyedTensor(names, dims, embeddings, per_group)
 

@@ -3,7 +3,7 @@ communication against fp32 tables with fp32 communication, same config and seed
 (issue 13's target: within 0.002 after 2000 steps).
 
     .venv/bin/python scripts/precision_auc.py --config configs/quickstart.yaml --out runs/precision_auc \\
-        --report benchmarks/2026-11-22-cpu-precision_auc.md
+        --report benchmarks/results/cpu/precision_auc.md
     # on a GPU machine (one process per GPU; stochastic rounding of fp16 updates is on there):
     python3 scripts/precision_auc.py --config configs/quickstart.yaml --out runs/precision_auc_gpu \\
         --set train.device=cuda --set distributed.backend=nccl --report runs/precision_auc_gpu/report.md

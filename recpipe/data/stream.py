@@ -12,7 +12,7 @@ into one of its shared-memory slots (made once, reused); a receiver thread of th
 training process copies it out in one memcpy (no GIL) and rebuilds the batch (about
 25 us of Python), so the training process does almost no per-batch work: on the
 2-core dev machine 0.6 ms of its CPU per synthetic batch, against 6.2 ms with a
-producer thread (``recpipe data bench``, benchmarks/data_loader.md). The earlier
+producer thread (``recpipe data bench``, benchmarks/results/cpu/data_loader.md). The earlier
 objection to worker processes was torch's DataLoader hand-off: a new shared-memory
 segment per tensor and an unpickle per batch in the trainer (1.3-1.8 ms), spawned
 workers that import torch, torchrec and fbgemm again (about 15 s, and a screen of

@@ -1,4 +1,4 @@
-"""``recpipe`` command line: train, plan, schedule, bench, data, checkpoint.
+"""The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``,
@@ -12,7 +12,58 @@ from __future__ import annotations
 import argparse
 import sys
 
+from recpipe import exit_codes as codes
 from recpipe.errors import exit_code_of, report
+
+DESCRIPTION = (
+    "recpipe: train sharded recommendation models (TorchRec modules, FBGEMM embeddings) with pipelines "
+    "that are schedule tables; plan their memory, print their schedules and benchmark them beside TorchRec's."
+)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default, except where there is nothing to show (a flag, no default) or
+    the help text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.option_strings
+            and "default" not in text
+            and action.default not in (None, False, [], argparse.SUPPRESS)
+            and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def version() -> str:
+    """recpipe's version (installed package metadata, else ``recpipe.__version__``) and its stack's."""
+    from importlib import metadata
+
+    def installed(*names: str) -> str | None:
+        for name in names:
+            try:
+                return metadata.version(name)
+            except metadata.PackageNotFoundError:
+                continue
+        return None
+
+    import recpipe
+
+    ours = installed("recpipe") or recpipe.__version__
+    stack = [(label, installed(*names)) for label, names in (
+        ("torch", ("torch",)),
+        ("torchrec", ("torchrec", "torchrec-nightly")),
+        ("fbgemm-gpu", ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-genai")),
+    )]
+    found = ", ".join(f"{label} {v}" for label, v in stack if v)
+    return f"recpipe {ours}" + (f" ({found})" if found else "")
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, help: str, description: str, **kwargs) -> argparse.ArgumentParser:
+    """A subcommand with a one-line ``help`` (in ``recpipe --help``) and a ``description`` (in its own help)."""
+    return sub.add_parser(name, help=help, description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -23,28 +74,51 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override any YAML key, e.g. --set train.steps=50 (repeatable)",
+        help="override any YAML key, e.g. --set train.steps=50; the value is read as YAML (repeatable)",
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recpipe", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="recpipe",
+        description=DESCRIPTION,
+        epilog="Run 'recpipe COMMAND --help' for a command's options. Exit codes: "
+        f"{codes.EXIT_OK} done, {codes.EXIT_WORKER_FAILED} a rank failed, {codes.EXIT_BAD_CONFIG} bad config or "
+        f"arguments, {codes.EXIT_DOES_NOT_FIT} the memory plan does not fit, {codes.EXIT_NONFINITE_LOSS} non-finite "
+        f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged or not writable, "
+        f"{codes.EXIT_DIR_IN_USE} directory in use by another run, 128 + N stopped by signal N "
+        f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT).",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=version(), help="print the versions and exit")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print the traceback of user errors too")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    train = sub.add_parser(
+    train = add_command(
+        sub,
         "train",
         parents=[common],
         help="train the configured model (starts distributed.nproc processes)",
-        description="Train the configured model. SIGTERM / SIGINT stop every rank at a step boundary, after a "
-        "checkpoint (exit 143 / 130); a second signal stops at once. Exit codes: README, 'When things go wrong'.",
+        description="Train the configured model: distributed.nproc processes on this machine, or one rank "
+        "under torchrun. Prints the plan's per-rank summary, a log line every logging interval and the eval "
+        "AUC at the end; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT "
+        "stop every rank at a step boundary, after a checkpoint (exit 143 / 130); a second signal stops at once.",
     )
     _add_config_args(train)
 
-    plan = sub.add_parser("plan", parents=[common], help="estimate per-shard and per-rank memory (no GPU needed)")
+    plan = add_command(
+        sub,
+        "plan",
+        parents=[common],
+        help="estimate per-shard and per-rank memory (no GPU needed)",
+        description="Estimate the memory of every shard and every rank for the config's sharding and pipeline, "
+        "without a GPU or a process group. Exits with 3, naming the rank and what to change, when a rank "
+        "does not fit.",
+    )
     _add_config_args(plan)
-    plan.add_argument("--format", choices=("table", "json"), default="table")
+    plan.add_argument("--format", choices=("table", "json"), default="table",
+                      help="table: per-shard and per-rank tables; json: the whole plan as JSON")
     plan.add_argument(
         "--scaling",
         default=None,
@@ -52,11 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="predict per-rank all-to-all volume and the step's hardware bound at these GPU counts (weak scaling)",
     )
 
-    schedule = sub.add_parser("schedule", parents=[common], help="print a pipeline's schedule table")
+    schedule = add_command(
+        sub,
+        "schedule",
+        parents=[common],
+        help="print a pipeline's schedule table",
+        description="Print a pipeline's schedule: which step of which batch runs on which stream, and what it "
+        "waits for.",
+    )
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
 
-    bench = sub.add_parser(
-        "bench", parents=[common], help="time every pipeline on the same batches (recpipe's and TorchRec's)"
+    bench = add_command(
+        sub,
+        "bench",
+        parents=[common],
+        help="time every pipeline on the same batches (recpipe's and TorchRec's)",
+        description="Time recpipe's pipelines (and, with --with-torchrec, TorchRec's counterparts) on the same "
+        "model, sharding and pre-generated batches, in interleaved rounds. Reports P50/P90 step time, "
+        "samples/s, GPU busy time, host time and memory as OUT/bench.md, bench.json and PNG plots.",
     )
     _add_config_args(bench)
     bench.add_argument("--pipelines", default=None,
@@ -89,7 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_parser(sub, _add_config_args, parents=[common])
 
-    checkpoint = sub.add_parser("checkpoint", parents=[common], help="check checkpoints")
+    checkpoint = add_command(
+        sub,
+        "checkpoint",
+        parents=[common],
+        help="check checkpoints",
+        description="Check a checkpoint directory by hand: every file's size and CRC-32 against metadata.json.",
+    )
     checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
     checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
     return parser

@@ -99,6 +99,7 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     assert rows["fused_sparse_dist", "torchrec"]["options"]["emb_lookup_stream"] == "current"
 
     md = (out / "bench.md").read_text()
+    assert "CPU (Gloo)" in md and "none" not in md.split("- command:")[0] and "CUDA None" not in md
     for needle in ("torch ", "fbgemm-gpu ", "torchrec ", "CUDA ", "GPU:", "world size 2", "## Resolved config",
                    "## Stages timed alone", "**Stages alone: ", "## Multi-pass prefetch sweep", "## Weak scaling",
                    "## GPU busy time and host time", "## Host time by phase", "n/a: CPU run"):

@@ -105,7 +105,7 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
             "python": platform.python_version(),
         },
         "gpu": {
-            "name": ", ".join(sorted(set(gpu_names))) if cuda else "none (CPU run)",
+            "name": ", ".join(sorted(set(gpu_names))) if cuda else "CPU (Gloo)",
             "count_visible": torch.cuda.device_count() if cuda else 0,
             "per_rank": gpu_names if cuda else [],
         },
@@ -208,8 +208,8 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         "# recpipe bench",
         "",
         f"- date: {header['date']}",
-        f"- versions: torch {v['torch']}, fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, "
-        f"CUDA {v['cuda']}, NCCL {v['nccl']}",
+        f"- versions: torch {v['torch']}, fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}"
+        + "".join(f", {k} {v[key]}" for k, key in (("CUDA", "cuda"), ("NCCL", "nccl")) if v[key]),
         f"- GPU: {gpu['name']} ({gpu['count_visible']} visible); world size {header['world_size']}; "
         f"PYTORCH_CUDA_ALLOC_CONF: {header.get('cuda_alloc_conf') or 'PyTorch default'}",
         f"- command: `{header['command']}`",

@@ -266,7 +266,7 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions) -> list[Row]:
         v = header["versions"]
         print(
             f"recpipe bench: {len(runs)} runs on {world} x {header['gpu']['name']}; torch {v['torch']}, "
-            f"fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}, CUDA {v['cuda']}; "
+            f"fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}{f', CUDA ' + v['cuda'] if v['cuda'] else ''}; "
             f"{len(batches)} batches/rank made in {generation_s:.1f} s",
             flush=True,
         )

@@ -12,7 +12,7 @@
   pays for its loader (producer processes excluded). The last line is
   ``<N> samples/s``.
 
-Exit codes: 0; 2 bad arguments or config; 4 malformed or damaged data
+Exit codes: 0; 2 bad arguments or config; 5 malformed or damaged data
 (``recpipe.exit_codes``).
 """
 
@@ -30,10 +30,18 @@ __all__ = ["add_data_parser", "main_data"]
 
 
 def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: list | None = None) -> None:
-    data = sub.add_parser("data", parents=parents or [],
-                          help="convert TSV click logs to the binary format; verify it; time the loader")
-    cmds = data.add_subparsers(dest="data_command", required=True)
-    convert = cmds.add_parser("convert", help="TSV files (plain or .gz) -> a binary dataset directory")
+    from recpipe.cli import HelpFormatter, add_command
+
+    data = add_command(sub, "data", parents=parents or [],
+                       help="convert TSV click logs to the binary format; verify it; time the loader",
+                       description="Convert Criteo-layout TSV click logs (plain or gzip) into recpipe's binary "
+                                   "format once, check a converted dataset, or time the configured loader.")
+    cmds = data.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
+    convert = cmds.add_parser("convert", help="TSV files (plain or .gz) -> a binary dataset directory",
+                              description="Convert TSV files into a binary dataset directory, one process per "
+                                          "file; layout and table sizes come from the config's model section. "
+                                          "Re-running the same command resumes an interrupted conversion.",
+                              formatter_class=HelpFormatter)
     add_config_args(convert)
     convert.add_argument("--out", required=True, help="dataset directory (created; re-running resumes)")
     convert.add_argument("--workers", type=int, default=None, help="files converted at once (default: one per core)")
@@ -41,10 +49,17 @@ def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: l
                          help="skip up to N malformed lines per file, counted and reported (default 0: stop at the first)")
     convert.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     convert.add_argument("files", nargs="+", metavar="FILE", help="TSV files, in row order")
-    verify = cmds.add_parser("verify", help="check a binary dataset: complete, file sizes, SHA-256 checksums")
-    verify.add_argument("directory")
+    verify = cmds.add_parser("verify", help="check a binary dataset: complete, file sizes, SHA-256 checksums",
+                             description="Check a binary dataset: every part converted, every file of its "
+                                         "manifest size and SHA-256.",
+                             formatter_class=HelpFormatter)
+    verify.add_argument("directory", help="a dataset directory written by 'recpipe data convert'")
     verify.add_argument("--sizes-only", action="store_true", help="skip the checksums (fast)")
-    bench = cmds.add_parser("bench", help="samples/s of the configured loader on this machine (no GPU needed)")
+    bench = cmds.add_parser("bench", help="samples/s of the configured loader on this machine (no GPU needed)",
+                            description="Time the configured loader for rank 0 (batches are made and dropped, no "
+                                        "model): samples/s and the CPU this process spends per batch. The last "
+                                        "line is '<N> samples/s'.",
+                            formatter_class=HelpFormatter)
     add_config_args(bench)
     bench.add_argument("--batches", type=int, default=100, help="timed batches (across epochs if the data is short)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed batches first (>= 1: the clock starts after one)")

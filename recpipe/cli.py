@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="train the configured model (starts distributed.nproc processes)",
         description="Train the configured model: distributed.nproc processes on this machine, or one rank "
-        "under torchrun. Prints the plan's per-rank summary, a log line every logging interval and the eval "
-        "AUC at the end; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT "
+        "under torchrun. Prints the placement of the tables (on GPUs also the memory plan's per-rank summary, "
+        "refusing with exit 3 a plan that does not fit), the eval metrics at every evaluation and the final eval "
+        "AUC; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT "
         "stop every rank at a step boundary, after a checkpoint (exit 143 / 130); a second signal stops at once.",
     )
     _add_config_args(train)

@@ -152,6 +152,22 @@ def check_model_config(cfg: RecpipeConfig, model: nn.Module | None = None, devic
     return tables
 
 
+def plan_summary(plan: ShardingPlan, tables: tuple[TableInfo, ...]) -> str:
+    """The resolved placement in one line (what ``recpipe train`` prints at start): how many
+    tables of each sharding type and kernel, over how many ranks. ``recpipe plan`` prints
+    every shard (:func:`plan_table`)."""
+    kinds: dict[str, int] = {}
+    ranks: set[int] = set()
+    for t in tables:
+        ps = plan.plan[t.module][t.name]
+        kind = f"{ps.sharding_type} ({ps.compute_kernel})"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        ranks.update(ps.ranks or [])
+    where = f" over {len(ranks)} rank{'s' if len(ranks) != 1 else ''}" if ranks else ""
+    parts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+    return f"sharding: {len(tables)} table{'s' if len(tables) != 1 else ''}{where}: {parts}"
+
+
 def plan_table(plan: ShardingPlan, cfg: RecpipeConfig, tables: tuple[TableInfo, ...] | None = None) -> str:
     """The resolved placement as a fixed-width table, one row per table of every
     embedding module (``tables``: ``ShardedModel.tables``; rebuilt from ``cfg`` on

@@ -36,19 +36,20 @@ from recpipe.train.trainer import run_worker
 
 
 def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:
-    """Print the planner's per-rank memory summary; on CUDA, return 3 (and say why)
-    when the plan does not fit the GPU, before anything is allocated. On CPU the
-    tables live in host memory, so the estimate is printed for information only.
-    Every rank evaluates it (a pure function), so under torchrun all refuse together."""
+    """On CUDA: print the planner's per-rank HBM summary and return 3 (and say why)
+    when the plan does not fit the GPU, before anything is allocated. Every rank
+    evaluates it (a pure function), so under torchrun all refuse together. On CPU the
+    tables live in host memory and the plan's GPU terms do not apply: nothing is
+    printed (``recpipe plan`` shows what the config would need on GPUs)."""
+    if not on_cuda:
+        return None
     from recpipe.planner import check_fits, plan_from_config, summary
 
     plan = plan_from_config(cfg, world_size=world_size)
     if verbose:
-        if not on_cuda:
-            print("(this run trains on CPU; the plan below is what the config would need on GPUs)")
         print(summary(plan), flush=True)
     problem = check_fits(plan)
-    if problem is None or not on_cuda:
+    if problem is None:
         return None
     if verbose:
         print(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}", file=sys.stderr)

@@ -57,7 +57,7 @@ from recpipe.distributed import control_group, init_process_group, shutdown_proc
 from recpipe.errors import NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
-from recpipe.sharding import plan_table, shard_model
+from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
@@ -114,7 +114,7 @@ def _quiet_library_deprecations() -> None:
     """torch and torchrec warn about their own internals on every rank (torchrec's
     DDP arguments, ShardedTensor in DCP, deprecated collectives it calls, its
     is_fx_tracing checks): nothing a user of recpipe can act on, and it buries the
-    plan table and the metrics."""
+    metrics."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
@@ -128,7 +128,7 @@ class Trainer:
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
         torch.manual_seed(cfg.train.seed)
         self.sharded = shard_model(make_model(cfg), cfg, device)
-        self._say(plan_table(self.sharded.plan, cfg, self.sharded.tables))
+        self._say(plan_summary(self.sharded.plan, self.sharded.tables))
         self.position = self._resume()
         self.start_step = self.position.step
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
@@ -263,7 +263,8 @@ class Trainer:
         """Keep what the next log needs of this step (device tensors: no host sync)."""
         if self._has_clicks is None:
             self._has_clicks = click_outputs(output) is not None
-            self._say(self.pipeline.describe())
+            if getattr(self.pipeline, "intercepts", True):  # base runs the model's own forward: nothing to say
+                self._say(self.pipeline.describe())
             if not self._has_clicks:
                 self._say("the model's output has no logits and labels (docs/models.md, 'Metrics'): only the loss is logged")
         padding = self.pipeline.last_is_padding

@@ -1,4 +1,5 @@
-# The two commands of the README. Each sets up .venv by itself (scripts/setup_env.sh).
+# The README's quick path: make setup, make train, make test. train and test set up .venv
+# by themselves first (scripts/setup_env.sh).
 PY := .venv/bin/python
 CONFIG ?= configs/quickstart.yaml
 PYTEST_ARGS ?=

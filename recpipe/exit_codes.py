@@ -1,4 +1,4 @@
-"""Exit codes of every ``recpipe`` command, in one place (README: "When things go wrong").
+"""Exit codes of every ``recpipe`` command, in one place (docs/fault_tolerance.md, "When things go wrong").
 
 A module of its own so that components (train, plan, bench, data, checkpoint) can
 return them without importing the command-line parser.

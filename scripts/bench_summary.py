@@ -1,5 +1,5 @@
-"""One markdown report per hardware and date from the suites' ``bench.json`` files,
-and the README's headline table, both generated (no number is typed by hand).
+"""One markdown report per hardware from the suites' ``bench.json`` files, and a
+headline table of recpipe beside TorchRec, both generated (no number is typed by hand).
 
     python scripts/bench_summary.py report OUT.md --title "1 x H100" SUITE.json ...
     python scripts/bench_summary.py headline SUITE.json ...

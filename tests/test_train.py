@@ -103,8 +103,8 @@ def test_torchrun_world_size_drives_the_rank_rules(tmp_path):
 
 
 def test_gpu_training_process_runs_one_intra_op_thread():
-    # The rule run_worker applies after joining the process group (the GPU runs are in
-    # benchmarks/README.md): one OpenMP thread per process on CUDA, with producers or
+    # The rule run_worker applies after joining the process group (measured on one H100:
+    # benchmarks/results/h100x1/trainer_vs_bench.md): one OpenMP thread per process on CUDA, with producers or
     # batches made in the loop, as torchrun gives several processes per node; CPU
     # training keeps torch's default (launch_local splits the cores among the ranks).
     from recpipe.train.trainer import intra_op_threads

@@ -98,13 +98,10 @@ def intra_op_threads(device: torch.device, env: Mapping[str, str]) -> int | None
     Such a process launches GPU work and computes little on its own CPU, but torch
     starts an OpenMP team of one thread per core, whose threads spin for a while
     after each parallel region and take cores from the training thread, the data
-    producers and NCCL's threads. Measured (benchmarks/README.md): with producers on
-    one H100 (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s) 0.79-0.98
-    with the default team, 0.92-1.05 with one thread; with batches made in the loop
-    (``data.num_workers: 0``), configs/quickstart.yaml on CUDA: 2 x H200, 2 ranks,
-    12.3k / 11.9k samples/s with the default team, 76.1k with one thread (68.3k with
-    4); one H100, 1 rank, 24.1k / 18.7k vs 54.4k / 50.0k; configs/bench/dlrm_criteo.yaml
-    (8192 samples, 1 rank) 174k vs 195k. A user's OMP_NUM_THREADS wins."""
+    producers and NCCL's threads. Measured with producers on one H100
+    (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98 with the
+    default team, 0.92-1.05 with one thread (benchmarks/results/h100x1/trainer_vs_bench.md).
+    A user's OMP_NUM_THREADS wins."""
     if device.type != "cuda" or "OMP_NUM_THREADS" in env:
         return None
     return 1

@@ -1,6 +1,6 @@
 """Does fp16 + bf16 training keep the model's quality? Eval AUC of fp16 tables with bf16
 communication against fp32 tables with fp32 communication, same config and seed
-(issue 13's target: within 0.002 after 2000 steps).
+(the target: within 0.002 after 2000 steps).
 
     .venv/bin/python scripts/precision_auc.py --config configs/quickstart.yaml --out runs/precision_auc \\
         --report benchmarks/results/cpu/precision_auc.md

@@ -40,8 +40,7 @@ def make_batches(cfg: RecpipeConfig, n: int, rank: int, seed: int = 0, spread: b
     """Deterministic host batches; few distinct ids so consecutive batches share rows
     (otherwise one-step staleness would be invisible), spread over each whole table so a
     row-wise table's ids fall in every rank's rows (otherwise the other ranks' partial
-    sums are zero and the row-wise reduction is not tested). ``spread=False``: ids 0-11,
-    the batches every test used before 2026-11-23."""
+    sums are zero and the row-wise reduction is not tested). ``spread=False``: ids 0-11 only."""
     g = torch.Generator().manual_seed(1000 * seed + rank)
     B = cfg.data.batch_size
     out = []

@@ -232,8 +232,8 @@ def test_pipeline_variants_run_with_their_own_options_and_typos_are_config_error
 
 
 def test_variants_with_config_keys_change_that_run_only_and_run_on_both_impls(tmp_path: Path, capsys):
-    """A dotted variant key sets any config key but data.* for that row (issue 13's
-    fp16 vs fp32 rows interleaved in one run); TorchRec's pipelines get it too."""
+    """A dotted variant key sets any config key but data.* for that row (e.g. fp16 vs
+    fp32 rows interleaved in one run); TorchRec's pipelines get it too."""
     cfg = load_config(CONFIGS / "dlrm_criteo.yaml")
     label = "sparse_dist:sharding.default.weights_precision=fp16+sharding.comm_precision.forward=bf16"
     cfg_p, overrides, skip = config_for_pipeline(cfg, label)
@@ -384,8 +384,8 @@ def test_isolated_prefetch_peak_by_hand():
     assert isolated_prefetch_peak_bytes([], 1, 1, (1, 6)) == 0
 
 
-# The 2026-11-22 H100 sweep: 4 cached row-wise tables of pooling 40, B = 8192, W = 1 (placed
-# table_wise on one rank since the ninth session: the same one TBE of the four cached tables).
+# The H100 multipass sweep (benchmarks/results/h100x1/multipass.md): 4 cached row-wise tables of
+# pooling 40, B = 8192, W = 1 (placed table_wise on one rank: the same one TBE of the four cached tables).
 H100_SWEEP = ["sharding.prefetch_min_pass_size=65536", "data.synthetic.mean_pooling_factors=[40,40,40,40"
               + ",1" * 22 + "]", "model.num_embeddings_per_feature=[2000000,2000000,2000000,2000000"
               + ",1000000" * 8 + ",100000" * 14 + "]", "distributed.nproc=1"]

@@ -246,7 +246,7 @@ def test_semi_sync_lookup_before_update_holds_batch_i1_only_in_the_tbe_backward(
     """emb_lookup=before_update: batch i+1's pooled embeddings are made after the dense and
     output all-to-all backward of i, so they are in the TBE-backward phase only (2 x H200,
     65536 samples, measured over sparse_dist: +0.81 GiB, against +2.53 GiB for semi_sync's
-    default order; benchmarks/README.md, eleventh session)."""
+    default order; benchmarks/results/h200x2/semi_sync_memory_65536.md)."""
     default = estimate_memory(inputs_from_config(pipe_cfg("semi_sync"))).ranks[0]
     late_inputs = inputs_from_config(pipe_cfg("semi_sync", **{"pipeline.emb_lookup": "before_update"}))
     late = estimate_memory(late_inputs).ranks[0]

@@ -10,7 +10,7 @@ with the plan's ``hbm_allocated_bytes`` / ``hbm_reserved_bytes`` of that rank
 (10 %) and prints the table, also written to
 ``$RECPIPE_REPORT_DIR/planner_precision_gpu_w{W}.{md,json}``.
 
-    source .devstack/activate.sh && RECPIPE_REPORT_DIR=$OUT python3 -m pytest -m gpu -s tests/test_planner_precision_gpu.py
+    RECPIPE_REPORT_DIR=$OUT python -m pytest -m gpu -s tests/test_planner_precision_gpu.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 computes what the unsharded model computes; on CUDA that includes data_parallel
 EmbeddingCollection tables, which FBGEMM's CPU kernel cannot run.
 
-    source .devstack/activate.sh && python3 -m pytest -m gpu -q tests/test_sharding_gpu.py
+    python -m pytest -m gpu -q tests/test_sharding_gpu.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ trains exactly like the plain loop (semi_sync like its reference), so the
 cross-stream hand-offs stay correct when torchrec's quantized all-to-alls encode
 and decode the pooled embeddings; and a checkpoint of fp16 tables resumes exactly.
 
-    source .devstack/activate.sh && python3 -m pytest -m gpu -q tests/test_sharding_precision_gpu.py
+    python -m pytest -m gpu -q tests/test_sharding_precision_gpu.py
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_train_two_ranks_uneven_data_two_epochs(tmp_path, capfd):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 50 and summary["epoch"] == 2
     assert summary["samples"] == 50 * 256 * 2
-    assert summary["pipeline"] == "base" and summary["world_size"] == 2 and summary["device"] == "cpu"
+    assert summary["pipeline"] == "sparse_dist" and summary["world_size"] == 2 and summary["device"] == "cpu"
     for key in ("loss", "eval_auc", "eval_ne", "wall_time_s", "versions"):
         assert summary[key] is not None, key
     assert set(summary["versions"]) >= {"torch", "torchrec", "fbgemm_gpu"}

@@ -13,6 +13,7 @@ the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -531,9 +532,22 @@ class CheckpointConfig(_Section):
     on_preempt: bool = True
 
 
+class WandbConfig(_Section):
+    # Weights & Biases run of rank 0 (recpipe/train/wandb_logger.py): the TensorBoard
+    # scalars, at the same steps. Needs the wandb package (an error before any process
+    # starts without it).
+    project: str = Field(min_length=1)
+    entity: str | None = None  # team or user; null = the wandb login's default
+    name: str | None = None  # run name; null = W&B picks one
+    # online: sync while training; offline: write logging.run_dir/wandb only (`wandb sync`
+    # later); disabled: wandb calls do nothing.
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class LoggingConfig(_Section):
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # null = no W&B logging
 
 
 class RecpipeConfig(_Section):
@@ -723,6 +737,9 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("pipeline.cuda_graphs=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
+        problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
+                        "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")
     if problems:
         raise ConfigError("invalid config for this machine:\n" + "\n".join(f"  {p}" for p in problems))
 

@@ -22,11 +22,11 @@ file                                   dtype, shape        used as
 
 (``data.npy.sparse_suffix`` names another sparse file, e.g. ``_sparse_contig_freq.npy``
 as TorchRec's ``sparse_to_contiguous`` writes it.) Ids (``data.npy.ids``):
-``modulo`` takes ``id % model.num_embeddings_per_feature[f]`` when a batch is made,
-as TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` and MLPerf's
-``MultiHotCriteoIterDataPipe`` do with ``hashes``; ``contiguous`` uses the ids as
-they are and refuses one beyond its table. Either way a negative id, a label other
-than 0 or 1, or a dense value that is not finite is an error naming the file and row.
+``modulo`` takes ``id % model.num_embeddings_per_feature[f]`` (numpy's, never
+negative) when a batch is made, as TorchRec's ``InMemoryBinaryCriteoIterDataPipe`` and
+MLPerf's ``MultiHotCriteoIterDataPipe`` do with ``hashes``; ``contiguous`` uses the
+ids as they are and refuses a negative one or one beyond its table. A label other
+than 0 or 1, or a dense value that is not finite, is an error naming the file and row.
 
 Every file's ``.npy`` header (dtype, shape, C order) and row count is checked when
 the data is opened (``recpipe train`` does it before any process starts), and an
@@ -232,12 +232,11 @@ class CriteoNpyDataset:
             "labels": (lambda v: (v != 0) & (v != 1), "labels 0 or 1"),
             "dense": (lambda v: ~np.isfinite(v).all(axis=1), "finite dense values"),
         }
-        for name, limit in limits.items():
-            if self.ids == "contiguous":
-                checks[name] = (lambda v, limit=limit: ((v < 0) | (v >= limit)).any(axis=1),
-                                "ids 0 .. table rows - 1 (data.npy.ids=contiguous)")
-            else:
-                checks[name] = (lambda v: (v < 0).any(axis=1), "ids >= 0")
+        # modulo: every id hashes into its table, a negative one too (numpy's % as in
+        # TorchRec; older torchrec stored raw ids as int32, wrapping those >= 2**31).
+        for name, limit in limits.items() if self.ids == "contiguous" else ():
+            checks[name] = (lambda v, limit=limit: ((v < 0) | (v >= limit)).any(axis=1),
+                            "ids 0 .. table rows - 1 (data.npy.ids=contiguous)")
         for name, (bad, valid) in checks.items():
             values = columns[name] if name in ("labels", "dense") else raw[name]
             if values.size == 0 or not bad(values).any():

@@ -274,3 +274,27 @@ def test_config_rules_and_no_eval_message(days):
     cfg = config(days["prefixes"])
     assert num_batches(cfg, rank=0, world_size=1, split="eval") == 0
     assert no_eval_data(cfg) == "data.npy.eval is empty"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", ["process", "thread"])
+def test_cuda_batches_are_pinned_and_copy_exactly(tmp_path, kind):
+    rng = np.random.default_rng(1)  # numpy only: no torchrec dataset tooling needed on the GPU machine
+    prefix = _day(tmp_path, rng.integers(0, 2**32, (200, 26), dtype=np.int64), rng.integers(0, 2, (200, 1), dtype=np.int32),
+                  rng.random((200, 13), dtype=np.float32))
+    pinned_cfg = config([prefix], "data.num_workers=2", f"data.workers_kind={kind}", "data.pin_memory=true",
+                        "data.shuffle=true", "data.shuffle_block_rows=8")
+    plain = config([prefix], "data.pin_memory=false", "data.shuffle=true", "data.shuffle_block_rows=8")
+    torch.cuda._sleep(1_000_000_000)  # the copies wait behind a long kernel while each pinned batch is dropped
+    on_gpu = []
+    for pinned in make_dataloader(pinned_cfg, rank=0, world_size=1, split="train"):
+        assert pinned.dense_features.is_pinned() and pinned.sparse_features.values().is_pinned()
+        on_gpu.append(pinned.to(torch.device("cuda"), non_blocking=True))
+    torch.cuda.synchronize()
+    want = batches(plain)
+    assert len(on_gpu) == len(want)
+    for got, ref in zip(on_gpu, want):
+        got = got.to(torch.device("cpu"))
+        assert torch.equal(got.dense_features, ref.dense_features) and torch.equal(got.labels, ref.labels)
+        assert torch.equal(got.sparse_features.values(), ref.sparse_features.values())

@@ -1,8 +1,8 @@
-"""The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint.
+"""The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``,
-``recpipe.train.integrity``); this file only parses. A user error (a bad config,
+``recpipe.train.integrity``, ``recpipe.export``); this file only parses. A user error (a bad config,
 bad data, a directory in use, ...) prints one line and exits with its code
 (``recpipe.exit_codes``); ``--debug`` adds the traceback.
 """
@@ -186,6 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
     checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
+
+    from recpipe.export import add_export_parser
+
+    add_export_parser(sub, _add_config_args, parents=[common])
     return parser
 
 
@@ -216,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             from recpipe.train.integrity import main_checkpoint
 
             return main_checkpoint(args)
+        if args.command == "export":
+            from recpipe.export import main_export
+
+            return main_export(args)
     except Exception as err:
         if exit_code_of(err) is None:
             raise  # a bug: keep the traceback

@@ -13,6 +13,7 @@ the CLI prints it and exits with code 2.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -140,6 +141,23 @@ class BinaryConfig(_Section):
     eval_dir: str | None = None  # None = no evaluation data
 
 
+class NpyConfig(_Section):
+    # Day prefixes of Criteo preprocessed by TorchRec or MLPerf DLRM-DCNv2, rows in list
+    # order: PREFIX_dense.npy (float, used as is), PREFIX_labels.npy and PREFIX_sparse.npy
+    # (int [rows, features]), or with data.multi_hot_sizes MLPerf's
+    # PREFIX_sparse_multi_hot.npz (recpipe/data/criteo_npy.py, docs/data.md).
+    train: list[str] = Field(default_factory=list)
+    eval: list[str] = Field(default_factory=list)  # empty = no evaluation data
+    # modulo: id % model.num_embeddings_per_feature[f] when batches are made (TorchRec's
+    # and MLPerf's hashing of raw ids); contiguous: the files hold ids below the table
+    # sizes already (TorchRec's sparse_to_contiguous), any other id is an error.
+    ids: Literal["modulo", "contiguous"] = "modulo"
+    # The sparse file's name after the prefix, ending in .npy ([rows, features], one id
+    # each) or .npz (member "f.npy" [rows, h_f] per feature); null = "_sparse.npy", or
+    # "_sparse_multi_hot.npz" with data.multi_hot_sizes.
+    sparse_suffix: Annotated[Union[str, None], Field(pattern=r"\.np[yz]$")] = None
+
+
 class DataConfig(_Section):
     # User batches instead of a built-in source: "package.module:function", a
     # function(cfg, *, rank, world_size, split, epoch, start_batch) -> Iterable[batch]
@@ -148,8 +166,9 @@ class DataConfig(_Section):
     factory: FactorySpec = None
     options: dict[str, Any] = Field(default_factory=dict)
     # synthetic: generated clicks; criteo_tsv: parse TSV files while training;
-    # binary: memory-mapped arrays made once from TSV by ``recpipe data convert``.
-    source: Literal["synthetic", "criteo_tsv", "binary"] = "synthetic"
+    # binary: memory-mapped arrays made once from TSV by ``recpipe data convert``;
+    # criteo_npy: TorchRec's / MLPerf's preprocessed Criteo .npy days (data.npy).
+    source: Literal["synthetic", "criteo_tsv", "binary", "criteo_npy"] = "synthetic"
     batch_size: int = Field(512, gt=0, description="samples per rank and step")
     # Parallel batch makers per rank (0 = made in the training loop itself).
     # criteo_tsv: forked DataLoader worker processes. synthetic and binary: see
@@ -164,18 +183,19 @@ class DataConfig(_Section):
     # host memory, which a fork copies into every producer): threads.
     workers_kind: Literal["process", "thread"] = "process"
     pin_memory: bool = True
-    # binary only: a new row order every epoch, deterministic in (train.seed, epoch):
+    # binary and criteo_npy: a new row order every epoch, deterministic in (train.seed, epoch):
     # blocks of ``shuffle_block_rows`` consecutive rows are permuted, then the rows
     # inside each batch. The eval split is never shuffled.
     shuffle: bool = False
     shuffle_block_rows: int = Field(1024, gt=0)
-    # Ids per sample of each sparse feature in criteo_tsv / binary data (one entry
-    # per feature; None = one id each, the Criteo layout). A TSV field then holds
+    # Ids per sample of each sparse feature in criteo_tsv / binary / criteo_npy data (one
+    # entry per feature; None = one id each, the Criteo layout). A TSV field then holds
     # exactly that many comma-separated hex ids, or is empty (that many id 0).
     multi_hot_sizes: list[Annotated[int, Field(gt=0)]] | None = None
     synthetic: SyntheticConfig = SyntheticConfig()
     criteo: CriteoConfig = CriteoConfig()
     binary: BinaryConfig = BinaryConfig()
+    npy: NpyConfig = NpyConfig()
 
     @model_validator(mode="after")
     def _files(self) -> "DataConfig":
@@ -186,13 +206,16 @@ class DataConfig(_Section):
         if self.source == "binary" and self.binary.train_dir is None:
             raise ValueError("data.binary.train_dir is not set but data.source='binary' (a directory made by "
                              "`recpipe data convert`)")
-        if self.shuffle and self.source != "binary":
-            raise ValueError(f"data.shuffle=true needs data.source='binary' (got data.source={self.source!r}): "
-                             "only memory-mapped data can be read in a shuffled order; convert TSV files with "
-                             "`recpipe data convert`")
+        if self.source == "criteo_npy" and not self.npy.train:
+            raise ValueError("data.npy.train is empty but data.source='criteo_npy' (day prefixes such as "
+                             "DIR/day_0 for DIR/day_0_dense.npy, ...)")
+        if self.shuffle and self.source not in ("binary", "criteo_npy"):
+            raise ValueError(f"data.shuffle=true needs data.source='binary' or 'criteo_npy' (got data.source="
+                             f"{self.source!r}): only memory-mapped data can be read in a shuffled order; convert "
+                             "TSV files with `recpipe data convert`")
         if self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None:
-            raise ValueError("data.multi_hot_sizes describes criteo_tsv / binary data, but data.source='synthetic' "
-                             "(its ids per sample come from data.synthetic.mean_pooling_factors)")
+            raise ValueError("data.multi_hot_sizes describes criteo_tsv / binary / criteo_npy data, but "
+                             "data.source='synthetic' (its ids per sample come from data.synthetic.mean_pooling_factors)")
         return self
 
 
@@ -509,9 +532,22 @@ class CheckpointConfig(_Section):
     on_preempt: bool = True
 
 
+class WandbConfig(_Section):
+    # Weights & Biases run of rank 0 (recpipe/train/wandb_logger.py): the TensorBoard
+    # scalars, at the same steps. Needs the wandb package (an error before any process
+    # starts without it).
+    project: str = Field(min_length=1)
+    entity: str | None = None  # team or user; null = the wandb login's default
+    name: str | None = None  # run name; null = W&B picks one
+    # online: sync while training; offline: write logging.run_dir/wandb only (`wandb sync`
+    # later); disabled: wandb calls do nothing.
+    mode: Literal["online", "offline", "disabled"] = "online"
+
+
 class LoggingConfig(_Section):
     run_dir: str = "runs/default"
     tensorboard: bool = True
+    wandb: WandbConfig | None = None  # null = no W&B logging
 
 
 class RecpipeConfig(_Section):
@@ -701,6 +737,9 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("pipeline.cuda_graphs=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
+        problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
+                        "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")
     if problems:
         raise ConfigError("invalid config for this machine:\n" + "\n".join(f"  {p}" for p in problems))
 

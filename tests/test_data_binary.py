@@ -102,10 +102,16 @@ def test_convert_writes_parts_and_manifest(tmp_path, tsv_files):
     first = manifest.sources[0]
     entry = manifest.parts[first["part"]]
     assert entry["source"]["sha256"] == hashlib.sha256(tsv_files[0].read_bytes()).hexdigest()
-    labels = np.fromfile(column_path(out, first["part"], "labels"), dtype=np.uint8)
-    assert labels.tolist() == [int(line[0]) for line in random_lines(45, 0)]
-    cat3 = np.fromfile(column_path(out, first["part"], "cat_3"), dtype="<i4")
-    assert cat3.max() < ROWS[3] and (np.fromfile(column_path(out, first["part"], "cat_2"), dtype="<i4") == 0).all()
+    # Self-describing arrays: numpy reads them without recpipe.
+    labels = np.load(column_path(out, first["part"], "labels"))
+    assert labels.dtype == np.uint8 and labels.shape == (45, 1)
+    assert labels[:, 0].tolist() == [int(line[0]) for line in random_lines(45, 0)]
+    cat3 = np.load(column_path(out, first["part"], "cat_3"), mmap_mode="r")
+    assert cat3.dtype == np.dtype("<i4") and cat3.shape == (45, 1) and cat3.max() < ROWS[3]
+    assert (np.load(column_path(out, first["part"], "cat_2")) == 0).all()
+    assert np.load(column_path(out, first["part"], "dense")).shape == (45, 13)
+    assert np.load(column_path(out, "00001-empty.tsv", "dense")).shape == (0, 13)
+    assert manifest.version == 2 and manifest.hashing == "recpipe"
     again = convert(manifest.layout, [str(f) for f in tsv_files], out, progress=False)
     assert again.converted == [] and len(again.already) == 3
 
@@ -196,7 +202,7 @@ def test_interrupted_convert_resumes_and_leaves_nothing_that_looks_finished(tmp_
     with pytest.raises(BinaryDataError, match="conversion incomplete, 1 of 3 files not converted"):
         batches(config("binary", directory=tmp_path / "bin"))
     # A killed run (no cleanup) leaves temporary files and an unrecorded final file behind.
-    (tmp_path / "bin" / ".00002-day_1.tsv.labels.bin.tmp-999").write_bytes(b"\x01" * 5)
+    (tmp_path / "bin" / ".00002-day_1.tsv.labels.npy.tmp-999").write_bytes(b"\x01" * 5)
     column_path(tmp_path / "bin", "00002-day_1.tsv", "dense").write_bytes(b"\x00" * 12)
     monkeypatch.setattr(conv, "convert_file", real)
     report = convert(layout, sources, tmp_path / "bin", workers=1, progress=False)
@@ -215,6 +221,67 @@ def test_convert_refuses_another_layout_or_changed_source(tmp_path, tsv_files):
     write(tsv_files[0], random_lines(46, 0))
     with pytest.raises(BinaryDataError, match=r"day_0\.tsv changed since it was converted"):
         convert(read_manifest(out).layout, [str(f) for f in tsv_files], out, progress=False)
+
+
+def _as_format_version_1(out: Path) -> None:
+    """Rewrite a converted dataset as format version 1 wrote it: headerless ``.bin``
+    arrays, a manifest without the hashing name."""
+    raw = json.loads((out / "manifest.json").read_text())
+    for part in raw["parts"]:
+        for column in raw["layout"]["columns"]:
+            npy = column_path(out, part, column)
+            column_path(out, part, column, version=1).write_bytes(np.load(npy).tobytes())
+            npy.unlink()
+    raw.update(version=1, hashing="criteo_tsv: hex v -> 1 + v mod (rows - 1), empty -> 0, one-row table -> 0")
+    del raw["hashing_rule"]
+    (out / "manifest.json").write_text(json.dumps(raw))
+
+
+def test_format_version_1_datasets_are_still_read_and_verified(tmp_path, tsv_files, capsys):
+    out, _ = converted(tmp_path, tsv_files)
+    expected = batches(config("binary", "data.shuffle=true", "data.shuffle_block_rows=4", directory=out))
+    _as_format_version_1(out)
+    assert not list(out.glob("*.npy")) and read_manifest(out).version == 1
+    assert_same_batches(batches(config("binary", "data.shuffle=true", "data.shuffle_block_rows=4", directory=out)), expected)
+    assert main(["data", "verify", str(out)]) == EXIT_OK  # the checksums of the arrays' data hold for both
+    assert "format version 1, ids hashed by recpipe's rule" in capsys.readouterr().out
+    victim = column_path(out, "00002-day_1.tsv", "cat_1", version=1)
+    victim.write_bytes(victim.read_bytes()[:-4])
+    with pytest.raises(BinaryDataError, match=rf"{victim}: 148 bytes, but the manifest lists 38 rows = 152 bytes \(truncated\)"):
+        batches(config("binary", directory=out))
+    with pytest.raises(BinaryDataError, match="format version 1, which recpipe still reads as it is; a conversion writes "
+                                              "version 2: use another --out"):
+        convert(read_manifest(out).layout, [str(f) for f in tsv_files], out, progress=False)
+
+
+def test_a_header_unlike_the_manifest_is_an_error_naming_the_file(tmp_path, tsv_files):
+    out, _ = converted(tmp_path, tsv_files)
+    victim = column_path(out, "00000-day_0.tsv", "dense")
+    np.save(victim, np.load(victim).astype(np.int64))
+    with pytest.raises(BinaryDataError, match=rf"{victim}: its .npy header says int64 \[45, 13\], the manifest int32 \[45, 13\]"):
+        batches(config("binary", directory=out))
+    victim.write_bytes(b"not an array")
+    with pytest.raises(BinaryDataError, match=rf"{victim}: not a readable .npy file"):
+        batches(config("binary", directory=out))
+
+
+def test_torchrec_hashing_gives_torchrecs_ids_and_is_recorded(tmp_path, tsv_files, capsys):
+    lines = random_lines(45, 0)
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"# test\nmodel: {{num_embeddings_per_feature: {ROWS}}}\n")
+    out = tmp_path / "torchrec"
+    assert main(["data", "convert", "--config", str(cfg_file), "--out", str(out), "--hashing", "torchrec",
+                 "--no-progress", str(tsv_files[0])]) == EXIT_OK
+    manifest = read_manifest(out)
+    assert manifest.hashing == "torchrec" and "v mod rows" in json.loads((out / "manifest.json").read_text())["hashing_rule"]
+    for f in range(4):
+        # torchrec.datasets.criteo: int(v or "0", 16), then % num_embeddings when batches are made
+        want = [int(line.rstrip("\n").split("\t")[14 + f] or "0", 16) % ROWS[f] for line in lines]
+        assert np.load(column_path(out, manifest.sources[0]["part"], f"cat_{f}"))[:, 0].tolist() == want
+    recpipe_ids = np.load(column_path(converted(tmp_path, tsv_files[:1])[0], "00000-day_0.tsv", "cat_3"))
+    assert not np.array_equal(recpipe_ids, np.load(column_path(out, "00000-day_0.tsv", "cat_3")))
+    with pytest.raises(BinaryDataError, match="ids hashed by torchrec's rule, this run hashes by recpipe's"):
+        convert(manifest.layout, [str(tsv_files[0])], out, progress=False)
 
 
 # ------------------------------------------------------------------ shuffle
@@ -261,7 +328,7 @@ def test_truncated_or_missing_file_is_an_error_naming_it_before_training(tmp_pat
     out, _ = converted(tmp_path, tsv_files)
     victim = column_path(out, "00002-day_1.tsv", "cat_1")
     victim.write_bytes(victim.read_bytes()[:-4])
-    with pytest.raises(BinaryDataError, match=rf"{victim}: 148 bytes, but the manifest lists 38 rows = 152 bytes \(truncated\)"):
+    with pytest.raises(BinaryDataError, match=rf"{victim}: 276 bytes, but the manifest lists 128 header bytes \+ 38 rows = 280 bytes \(truncated\)"):
         make_dataloader(config("binary", directory=out), rank=0, world_size=1, split="train")
     cfg_file = tmp_path / "c.yaml"
     cfg_file.write_text(f"# test\nmodel: {{num_embeddings_per_feature: {ROWS}}}\ndata: {{source: binary, "
@@ -278,9 +345,10 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
     assert main(["data", "verify", str(out)]) == EXIT_OK
     assert "83 rows in 3 parts, sizes and SHA-256 as in the manifest" in capsys.readouterr().out
     victim = column_path(out, "00000-day_0.tsv", "cat_1")
-    ids = np.fromfile(victim, dtype="<i4")
+    ids = np.load(victim, mmap_mode="r+")
     ids[20] = 300  # table t_cat_1 has 300 rows: ids 0..299
-    ids.tofile(victim)
+    ids.flush()
+    del ids
     assert main(["data", "verify", str(out), "--sizes-only"]) == EXIT_OK
     assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
     assert f"{victim}: SHA-256 differs" in capsys.readouterr().err
@@ -292,9 +360,10 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
 def test_a_corrupt_batch_made_by_a_producer_is_raised_at_its_turn(tmp_path, tsv_files, kind):
     out, _ = converted(tmp_path, tsv_files)
     victim = column_path(out, "00000-day_0.tsv", "cat_1")
-    ids = np.fromfile(victim, dtype="<i4")
+    ids = np.load(victim, mmap_mode="r+")
     ids[20] = 300  # row 20: batch 1 of 16 rows
-    ids.tofile(victim)
+    ids.flush()
+    del ids
     it = data_errors(make_dataloader(config("binary", "data.num_workers=2", f"data.workers_kind={kind}", directory=out),
                                      rank=0, world_size=1, split="train"))
     assert next(it).batch_size == 16

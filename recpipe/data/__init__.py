@@ -1,8 +1,9 @@
 """Input data: the :class:`Batch` type and loaders that yield it.
 
 ``make_dataloader(cfg, rank=, world_size=, split=, epoch=, start_batch=)`` yields
-rank-local batches in index order (synthetic click log, Criteo TSV, or a binary
-dataset made by ``recpipe data convert``, by ``data.source``); ``num_batches`` says
+rank-local batches in index order (synthetic click log, Criteo TSV, a binary
+dataset made by ``recpipe data convert``, or TorchRec's / MLPerf's Criteo ``.npy``
+days, by ``data.source``; docs/data.md); ``num_batches`` says
 how many a rank has (None for TSV), ``no_eval_data`` names the key that leaves a
 source without eval batches; ``check_data`` checks the configured files before any
 process starts.

@@ -2,17 +2,17 @@
 ``data.source: binary``.
 
 A dataset is a directory. Every converted TSV file (a *part*, named
-``NNNNN-<file name>``, NNNNN its position on the command line) has one file per
-column, each a headerless C-order array of fixed-width little-endian values, one row
-per TSV line, readable with ``numpy.memmap``:
+``NNNNN-<file name>``, NNNNN its position on the command line) has one ``.npy`` file
+per column: a 2-D C-order array of little-endian values, one row per TSV line,
+self-describing (``numpy.load(path, mmap_mode="r")`` opens it):
 
 =================  ==========================  ===================================
 file               dtype, shape                content
 =================  ==========================  ===================================
-``P.labels.bin``   uint8 [rows]                0 or 1
-``P.dense.bin``    int32 [rows, D]             counts, negative ones clamped to 0
-``P.cat_F.bin``    int32 [rows, h_F]           ids hashed into table F's rows as
-                                               the TSV reader does (int64 when a
+``P.labels.npy``   uint8 [rows, 1]             0 or 1
+``P.dense.npy``    int32 [rows, D]             counts, negative ones clamped to 0
+``P.cat_F.npy``    int32 [rows, h_F]           ids hashed into table F's rows
+                                               (``hashing`` below; int64 when a
                                                table has more than 2**31 rows)
 =================  ==========================  ===================================
 
@@ -20,12 +20,20 @@ The log1p of the counts is taken when batches are made (``recpipe.data.columns``
 so the files hold the data, not one model's transform of it.
 
 ``manifest.json`` names the layout (D, table sizes, hotness ``h_F`` per feature),
-the sources in row order, and for every finished part its row count, the source's
-size, mtime and SHA-256, the bytes and SHA-256 of each column file, and the
-malformed lines that were skipped. A part is finished only once its entry is in
-the manifest, and the entry is written last (after the column files are fsynced
-and renamed to their final names), so an interrupted conversion never leaves a
-part that looks finished.
+the id hashing (``recpipe``: hex ``v`` -> ``1 + v mod (rows - 1)``, an empty field
+-> 0, the TSV reader's; ``torchrec``: ``v mod rows``, empty -> 0, the ids TorchRec's
+Criteo tooling gives), the sources in row order, and for every finished part its row
+count, the source's size, mtime and SHA-256, each column file's size and the SHA-256
+of its array data (the bytes after the ``.npy`` header), and the malformed lines
+that were skipped. A part is finished only once its entry is in the manifest, and
+the entry is written last (after the column files are fsynced and renamed to their
+final names), so an interrupted conversion never leaves a part that looks finished.
+Opening a dataset checks every file's ``.npy`` header (dtype, shape) and size
+against the manifest.
+
+Format version 1 (headerless ``P.<column>.bin`` files, the same arrays without the
+``.npy`` header, ids always hashed by ``recpipe``) is still read as it is; a
+conversion resumes only into a directory of the current version.
 """
 
 from __future__ import annotations
@@ -47,16 +55,28 @@ __all__ = [
     "Layout",
     "MANIFEST",
     "Manifest",
+    "HASHINGS",
+    "check_part_files",
     "column_path",
+    "npy_header",
+    "open_column",
     "part_name",
     "read_manifest",
+    "read_npy_header",
     "verify_dataset",
+    "write_npy_header",
     "write_json_atomic",
 ]
 
-FORMAT, VERSION = "recpipe-binary", 1
+FORMAT, VERSION = "recpipe-binary", 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
-HASHING = "criteo_tsv: hex v -> 1 + v mod (rows - 1), empty -> 0, one-row table -> 0"
+# Id hashing of a TSV hex field v into a table of ``rows`` rows (criteo.parse_line).
+HASHINGS = {
+    "recpipe": "hex v -> 1 + v mod (rows - 1), empty -> 0, one-row table -> 0",
+    "torchrec": "hex v -> v mod rows, empty -> 0 (torchrec.datasets.criteo: int(v or '0', 16) % num_embeddings)",
+}
+_SUFFIX = {1: ".bin", 2: ".npy"}
 
 
 class BinaryDataError(DataError, ValueError):
@@ -123,8 +143,38 @@ def part_name(index: int, source: str) -> str:
     return f"{index:05d}-" + re.sub(r"[^A-Za-z0-9._-]", "_", base)
 
 
-def column_path(directory: str | Path, part: str, column: str) -> Path:
-    return Path(directory) / f"{part}.{column}.bin"
+def column_path(directory: str | Path, part: str, column: str, version: int = VERSION) -> Path:
+    return Path(directory) / f"{part}.{column}{_SUFFIX[version]}"
+
+
+def npy_header(path: Path) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """(dtype, shape, fortran_order, data offset) from a ``.npy`` file's header;
+    ``ValueError`` if it has none."""
+    with open(path, "rb") as fh:
+        shape, fortran, dtype = read_npy_header(fh)
+        return dtype, shape, fortran, fh.tell()
+
+
+def read_npy_header(fh: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, fortran_order, dtype) of the ``.npy`` header at ``fh``'s position, which
+    is left at the array data. Versions 1.0 and 2.0 (numpy writes 3.0 only for
+    structured dtypes with non-Latin-1 field names)."""
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(fh)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(fh)
+    raise ValueError(f".npy format version {version[0]}.{version[1]} is not read here (1.0 and 2.0 are)")
+
+
+def write_npy_header(fh: Any, dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    """A ``.npy`` (1.0) header for a C-order array at the file position; its length.
+    numpy pads it to 64 bytes, so any 2-D shape of up to 19-digit sizes gives the same
+    length (128): the converter writes a placeholder first and the real row count last."""
+    start = fh.tell()
+    np.lib.format.write_array_header_1_0(fh, {"descr": np.lib.format.dtype_to_descr(dtype),
+                                              "fortran_order": False, "shape": shape})
+    return fh.tell() - start
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -154,6 +204,8 @@ class Manifest:
     layout: Layout
     sources: list[dict[str, Any]]  # {"path", "part"} in row order
     parts: dict[str, dict[str, Any]]  # finished parts by name
+    hashing: str = "recpipe"  # a key of HASHINGS
+    version: int = VERSION
 
     @property
     def missing(self) -> list[str]:
@@ -166,11 +218,16 @@ class Manifest:
     def num_rows(self) -> int:
         return sum(rows for _, rows in self.part_rows())
 
+    def column_path(self, part: str, column: str) -> Path:
+        return column_path(self.directory, part, column, self.version)
+
     def to_json(self) -> dict[str, Any]:
+        assert self.version == VERSION, "only the current version is written"
         return {
             "format": FORMAT,
             "version": VERSION,
-            "hashing": HASHING,
+            "hashing": self.hashing,
+            "hashing_rule": HASHINGS[self.hashing],
             "layout": self.layout.to_json(),
             "sources": self.sources,
             "parts": self.parts,
@@ -187,46 +244,83 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise BinaryDataError(f"{path}: no manifest; is {str(d)!r} a directory made by `recpipe data convert`?")
     try:
         raw = json.loads(path.read_text())
-        if raw.get("format") != FORMAT or raw.get("version") != VERSION:
-            raise BinaryDataError(f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}; "
-                                  f"this recpipe reads {FORMAT!r} version {VERSION}")
-        return Manifest(d, Layout.from_json(raw["layout"]), list(raw["sources"]), dict(raw["parts"]))
+        version = raw.get("version")
+        if raw.get("format") != FORMAT or version not in READABLE_VERSIONS:
+            raise BinaryDataError(f"{path}: format {raw.get('format')!r} version {version!r}; this recpipe reads "
+                                  f"{FORMAT!r} versions {', '.join(map(str, READABLE_VERSIONS))}")
+        # Version 1 wrote a description of recpipe's hashing under "hashing".
+        hashing = raw["hashing"] if version >= 2 else "recpipe"
+        if hashing not in HASHINGS:
+            raise BinaryDataError(f"{path}: unknown id hashing {hashing!r} (known: {', '.join(HASHINGS)})")
+        return Manifest(d, Layout.from_json(raw["layout"]), list(raw["sources"]), dict(raw["parts"]), hashing, version)
     except (ValueError, KeyError, TypeError) as err:
         if isinstance(err, BinaryDataError):
             raise
         raise BinaryDataError(f"{path}: not a valid manifest ({type(err).__name__}: {err})") from None
 
 
+def data_offset(manifest: Manifest, path: Path) -> int:
+    """Where the array data starts in a column file (after the ``.npy`` header)."""
+    return 0 if manifest.version == 1 else npy_header(path)[3]
+
+
 def check_part_files(manifest: Manifest, part: str) -> list[str]:
-    """Problems with one finished part's column files (missing, or sized unlike the manifest)."""
+    """Problems with one finished part's column files: missing, a ``.npy`` header
+    unlike the manifest's dtype and shape, or a size unlike header + rows."""
     entry, problems = manifest.parts[part], []
     rows = int(entry["rows"])
-    for column in manifest.layout.columns():
-        path = column_path(manifest.directory, part, column)
-        want = rows * manifest.layout.row_bytes(column)
+    for column, (dtype, width) in manifest.layout.columns().items():
+        path = manifest.column_path(part, column)
+        data = rows * manifest.layout.row_bytes(column)
         if not path.is_file():
-            problems.append(f"{path}: missing (the manifest lists {rows} rows, {want} bytes)")
+            problems.append(f"{path}: missing (the manifest lists {rows} rows, {data} bytes of data)")
             continue
-        size = path.stat().st_size
+        offset = 0
+        if manifest.version >= 2:
+            try:
+                got_dtype, shape, fortran, offset = npy_header(path)
+            except (ValueError, OSError) as err:  # numpy's own words: no magic string, a bad header, ...
+                problems.append(f"{path}: not a readable .npy file ({err})")
+                continue
+            if (got_dtype, shape, fortran) != (dtype, (rows, width), False):
+                problems.append(f"{path}: its .npy header says {got_dtype} {list(shape)}"
+                                f"{' Fortran order' if fortran else ''}, the manifest {dtype} [{rows}, {width}]")
+                continue
+        size, want = path.stat().st_size, offset + data
         if size != want:
-            problems.append(f"{path}: {size} bytes, but the manifest lists {rows} rows = {want} bytes "
+            what = f"{offset} header bytes + {rows} rows" if offset else f"{rows} rows"
+            problems.append(f"{path}: {size} bytes, but the manifest lists {what} = {want} bytes "
                             f"({'truncated' if size < want else 'too long'})")
     return problems
 
 
-def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+def open_column(manifest: Manifest, part: str, column: str) -> np.ndarray:
+    """A read-only memory map of one checked column file, as a plain [rows, width]
+    ndarray view (numpy's memmap subclass adds Python work to every slice)."""
+    dtype, width = manifest.layout.columns()[column]
+    rows = int(manifest.parts[part]["rows"])
+    if rows == 0:  # older numpy cannot map an empty array
+        return np.empty((0, width), dtype=dtype)
+    path = manifest.column_path(part, column)
+    offset = data_offset(manifest, path)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(rows, width)).view(np.ndarray)
+
+
+def file_sha256(path: Path, offset: int = 0, chunk: int = 1 << 22) -> str:
+    """SHA-256 of a file's bytes from ``offset`` on."""
     import hashlib
 
     h = hashlib.sha256()
     with open(path, "rb") as fh:
+        fh.seek(offset)
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
 
 
 def verify_dataset(directory: str | Path, checksums: bool = True) -> list[str]:
-    """Every problem of a dataset: unfinished parts, file sizes, and (``checksums``)
-    column files whose SHA-256 differs from the manifest's."""
+    """Every problem of a dataset: unfinished parts, headers and file sizes, and
+    (``checksums``) column files whose data's SHA-256 differs from the manifest's."""
     manifest = read_manifest(directory)
     problems = [f"{p}: not converted yet (re-run `recpipe data convert`)" for p in manifest.missing]
     for source in manifest.sources:
@@ -237,7 +331,7 @@ def verify_dataset(directory: str | Path, checksums: bool = True) -> list[str]:
         problems += sized
         if checksums and not sized:
             for column, record in manifest.parts[part]["files"].items():
-                path = column_path(directory, part, column)
-                if file_sha256(path) != record["sha256"]:
+                path = manifest.column_path(part, column)
+                if file_sha256(path, data_offset(manifest, path)) != record["sha256"]:
                     problems.append(f"{path}: SHA-256 differs from the manifest's (corrupt)")
     return problems

@@ -1,8 +1,9 @@
 """``recpipe data convert | verify | bench``.
 
-* ``convert --config PATH --out DIR [--workers N] [--skip-malformed N] FILE...``:
+* ``convert --config PATH --out DIR [--workers N] [--skip-malformed N] [--hashing H] FILE...``:
   TSV files -> binary dataset (``recpipe.data.convert``); layout and table sizes
-  from the config's ``model`` section (and ``data.multi_hot_sizes``).
+  from the config's ``model`` section (and ``data.multi_hot_sizes``); ids hashed by
+  recpipe's rule or TorchRec's (``--hashing torchrec``).
 * ``verify DIR``: every part converted, every file of its manifest size and
   SHA-256 (``--sizes-only`` skips the checksums).
 * ``bench --config PATH``: samples/s of the configured loader (``data.source``,
@@ -47,6 +48,10 @@ def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: l
     convert.add_argument("--workers", type=int, default=None, help="files converted at once (default: one per core)")
     convert.add_argument("--skip-malformed", type=int, default=0, metavar="N",
                          help="skip up to N malformed lines per file, counted and reported (default 0: stop at the first)")
+    convert.add_argument("--hashing", choices=("recpipe", "torchrec"), default="recpipe",
+                         help="id of hex value v in a table of R rows: recpipe = 1 + v mod (R - 1) (the criteo_tsv "
+                              "reader's), torchrec = v mod R (TorchRec's Criteo .npy tooling); an empty field is "
+                              "id 0 under both (default: %(default)s)")
     convert.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     convert.add_argument("files", nargs="+", metavar="FILE", help="TSV files, in row order")
     verify = cmds.add_parser("verify", help="check a binary dataset: complete, file sizes, SHA-256 checksums",
@@ -104,7 +109,7 @@ def _convert(args: argparse.Namespace) -> int:
     if missing:
         raise ConfigError(f"input files not found: {missing}")
     report = convert(Layout.from_config(cfg), args.files, args.out, workers=args.workers,
-                     skip_malformed=args.skip_malformed, progress=args.progress)
+                     skip_malformed=args.skip_malformed, progress=args.progress, hashing=args.hashing)
     print("\n".join(report.lines()))
     return EXIT_OK
 
@@ -118,7 +123,8 @@ def _verify(args: argparse.Namespace) -> int:
         return EXIT_BAD_DATA
     manifest = read_manifest(args.directory)
     what = "sizes" if args.sizes_only else "sizes and SHA-256"
-    print(f"{args.directory}: {manifest.num_rows:,} rows in {len(manifest.sources)} parts, {what} as in the manifest")
+    print(f"{args.directory}: {manifest.num_rows:,} rows in {len(manifest.sources)} parts, {what} as in the manifest "
+          f"(format version {manifest.version}, ids hashed by {manifest.hashing}'s rule)")
     return EXIT_OK
 
 

@@ -6,7 +6,8 @@ Legend: B = samples, D = dense features, F = sparse features, h_f = ids per samp
 of feature f (its hotness; 1 for Criteo).
 
 * dense: ``float32(log1p(float64(count)))`` by numpy on a C-contiguous [B, D]
-  float64 array. numpy's SIMD loops treat every element alike (no vector body /
+  float64 array (``log1p=False``: the values as they are, for data whose dense
+  features are already the model's float32 input, as TorchRec's ``.npy`` files). numpy's SIMD loops treat every element alike (no vector body /
   scalar tail split as in torch's), so a value's result does not depend on where it
   sits in the batch or on the number of threads.
 * ids: the KJT is feature-major: feature f's ``B * h_f`` ids (sample by sample),
@@ -62,9 +63,11 @@ class ColumnLayout:
         num_real: int,
         batch_size: int,
         pin: bool = False,
+        log1p: bool = True,
     ) -> Batch:
         """``labels`` [n], ``counts`` [n, D], ``ids[f]`` [n, h_f] for the first ``n = num_real``
-        samples; samples ``n .. batch_size-1`` are padding."""
+        samples; samples ``n .. batch_size-1`` are padding. ``log1p=False``: ``counts``
+        are the dense features themselves (copied to float32)."""
         n, B = num_real, batch_size
         assert 0 <= n <= B and len(ids) == len(self.hotness)
         labels_t, labels_np = self._empty((B,), torch.float32, pin)
@@ -74,8 +77,10 @@ class ColumnLayout:
         weights_np[:n] = 1
         weights_np[n:] = 0
         dense_t, dense_np = self._empty((B, self.num_dense), torch.float32, pin)
-        if n:
+        if n and log1p:
             dense_from_counts(counts[:n], out=dense_np[:n])
+        elif n:
+            np.copyto(dense_np[:n], counts[:n], casting="same_kind")
         dense_np[n:] = 0
         values_t, values_np = self._empty((B * self.ids_per_sample,), torch.int64, pin)
         start = 0

@@ -4,13 +4,17 @@ Each input file becomes one part (``binary_format``), converted by one process o
 pool (``--workers``, default one per core); rows keep the order of the lines, and
 parts the order of the files on the command line, so the dataset's row stream is
 the TSV reader's line stream. Lines are parsed by the TSV reader's own
-``parse_line`` (same validation, same id hashing).
+``parse_line`` (same validation, same id hashing, or TorchRec's with
+``hashing="torchrec"``).
 
 Restartable: the first run writes the manifest with the list of sources; each part's
 entry is added when the part is complete. A later run with the same files skips the
 finished parts (after checking that their sources did not change and that their
-files still have the manifest's sizes) and redoes the others. Column files are
-written under temporary names, fsynced, renamed, and only then recorded.
+files still have the manifest's headers and sizes) and redoes the others. Column
+files are written under temporary names (a ``.npy`` header with a placeholder row
+count first, the real one once the rows are known: numpy pads the header to 128
+bytes for any 2-D shape, so it is rewritten in place), fsynced, renamed, and only
+then recorded.
 
 Malformed lines raise ``ValueError("<file>:<line>: ...")``; with ``skip_malformed=N``
 up to N malformed lines *per file* are skipped, counted and listed in the manifest
@@ -34,14 +38,16 @@ import numpy as np
 from tqdm import tqdm
 
 from recpipe.data.binary_format import (
+    HASHINGS,
+    VERSION,
     BinaryDataError,
     Layout,
     Manifest,
     check_part_files,
-    column_path,
     fsync_dir,
     part_name,
     read_manifest,
+    write_npy_header,
 )
 from recpipe.data.criteo import open_lines, parse_line
 
@@ -97,13 +103,15 @@ class _HashingReader(io.RawIOBase):
 
 
 class _PartWriter:
-    """Column files of one part under temporary names, with a SHA-256 each."""
+    """Column files of one part under temporary names, with a SHA-256 of each one's data."""
 
-    def __init__(self, directory: Path, part: str, layout: Layout) -> None:
-        self.layout, self.rows = layout, 0
-        self.final = {c: column_path(directory, part, c) for c in layout.columns()}
+    def __init__(self, manifest: Manifest, part: str) -> None:
+        self.layout, self.rows = manifest.layout, 0
+        self.final = {c: manifest.column_path(part, c) for c in self.layout.columns()}
         self.tmp = {c: p.with_name(f".{p.name}.tmp-{os.getpid()}") for c, p in self.final.items()}
         self.files = {c: open(p, "wb") for c, p in self.tmp.items()}
+        self.header_bytes = {c: write_npy_header(self.files[c], dtype, (0, width))
+                             for c, (dtype, width) in self.layout.columns().items()}
         self.hashes = {c: hashlib.sha256() for c in self.final}
 
     def write(self, table: np.ndarray) -> None:
@@ -117,7 +125,11 @@ class _PartWriter:
         self.rows += len(table)
 
     def commit(self) -> dict[str, Any]:
-        for fh in self.files.values():
+        for column, fh in self.files.items():
+            dtype, width = self.layout.columns()[column]
+            fh.seek(0)
+            length = write_npy_header(fh, dtype, (self.rows, width))
+            assert length == self.header_bytes[column], (column, length, self.header_bytes[column])
             fh.flush()
             os.fsync(fh.fileno())
             fh.close()
@@ -132,8 +144,8 @@ class _PartWriter:
             self.tmp[column].unlink(missing_ok=True)
 
 
-def _parse(raw: bytes, layout: Layout, where: str) -> list[int]:
-    label, dense, ids = parse_line(raw, list(layout.table_sizes), layout.num_dense, where, list(layout.hotness))
+def _parse(raw: bytes, layout: Layout, where: str, hashing: str) -> list[int]:
+    label, dense, ids = parse_line(raw, list(layout.table_sizes), layout.num_dense, where, list(layout.hotness), hashing)
     for j, value in enumerate(dense):
         if value > _INT32_MAX:
             raise ValueError(f"{where}: dense column {j} (column {j + 2}) is {value}, beyond the binary format's "
@@ -145,8 +157,7 @@ def _parse(raw: bytes, layout: Layout, where: str) -> list[int]:
 class _Task:
     source: str
     part: str
-    directory: Path
-    layout: Layout
+    manifest: Manifest  # of the dataset, as it was before this run (layout, hashing, paths)
     skip_malformed: int
 
 
@@ -154,13 +165,14 @@ def convert_file(task: _Task, on_bytes: Callable[[int], None]) -> dict[str, Any]
     """Convert one TSV file into one finished part; returns its manifest entry."""
     stat = os.stat(task.source)
     raw = _HashingReader(task.source, on_bytes)
-    writer = _PartWriter(task.directory, task.part, task.layout)
+    writer = _PartWriter(task.manifest, task.part)
+    layout, hashing = task.manifest.layout, task.manifest.hashing
     skipped, examples, rows = 0, [], []
     try:
         with open_lines(task.source, raw) as lines:
             for lineno, line in enumerate(lines, start=1):
                 try:
-                    rows.append(_parse(line, task.layout, f"{task.source}:{lineno}"))
+                    rows.append(_parse(line, layout, f"{task.source}:{lineno}", hashing))
                 except ValueError as err:
                     if skipped >= task.skip_malformed:
                         if task.skip_malformed:
@@ -202,13 +214,18 @@ def _convert_in_worker(task: _Task) -> tuple[str, dict[str, Any]]:
     return task.part, convert_file(task, _progress.put)
 
 
-def _open_manifest(out: Path, layout: Layout, sources: list[dict[str, str]]) -> Manifest:
+def _open_manifest(out: Path, layout: Layout, sources: list[dict[str, str]], hashing: str) -> Manifest:
     if not (out / "manifest.json").exists():
-        manifest = Manifest(out, layout, sources, {})
+        manifest = Manifest(out, layout, sources, {}, hashing)
         manifest.save()
         return manifest
     manifest = read_manifest(out)
+    if manifest.version != VERSION:
+        raise BinaryDataError(f"{out} holds a dataset of format version {manifest.version}, which recpipe still "
+                              f"reads as it is; a conversion writes version {VERSION}: use another --out")
     problems = manifest.layout.differences(layout)
+    if manifest.hashing != hashing:
+        problems.append(f"ids hashed by {manifest.hashing}'s rule, this run hashes by {hashing}'s (--hashing)")
     if [s["path"] for s in manifest.sources] != [s["path"] for s in sources]:
         problems.append(f"sources {[s['path'] for s in manifest.sources]}, this run converts "
                         f"{[s['path'] for s in sources]} (same files in the same order to resume)")
@@ -260,8 +277,12 @@ def convert(
     workers: int | None = None,
     skip_malformed: int = 0,
     progress: bool = True,
+    hashing: str = "recpipe",
 ) -> ConvertReport:
-    """Convert ``files`` into the dataset directory ``out`` (created if needed)."""
+    """Convert ``files`` into the dataset directory ``out`` (created if needed), ids
+    hashed by ``hashing``'s rule (``binary_format.HASHINGS``)."""
+    if hashing not in HASHINGS:
+        raise ValueError(f"hashing={hashing!r}: choose one of {', '.join(HASHINGS)}")
     missing = [f for f in files if not os.path.isfile(f)]
     if missing:
         raise FileNotFoundError(f"input files not found: {missing}")
@@ -274,10 +295,11 @@ def convert(
         for stale in out.glob(".*.tmp-*"):  # left by an interrupted run; the lock says none is running
             stale.unlink()
         sources = [{"path": os.path.abspath(f), "part": part_name(i, f)} for i, f in enumerate(files)]
-        manifest = _open_manifest(out, layout, sources)
+        manifest = _open_manifest(out, layout, sources, hashing)
         todo = set(_pending(manifest))
         report = ConvertReport(out, already=[s["part"] for s in sources if s["part"] not in todo])
-        tasks = [_Task(s["path"], s["part"], out, layout, skip_malformed) for s in sources if s["part"] in todo]
+        target = Manifest(out, layout, [], {}, hashing)  # what a worker needs: paths, layout, hashing
+        tasks = [_Task(s["path"], s["part"], target, skip_malformed) for s in sources if s["part"] in todo]
         total = sum(os.stat(t.source).st_size for t in tasks)
         with tqdm(total=total, unit="B", unit_scale=True, desc="convert", disable=None if progress else True) as bar:
             for part, entry in _run(tasks, workers or os.cpu_count() or 1, bar.update):

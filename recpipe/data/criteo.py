@@ -11,7 +11,10 @@ D = ``model.num_dense_features`` and F = ``len(model.num_embeddings_per_feature)
 * categorical: every sample has exactly one id per feature (length 1). Id 0 of
   each table is reserved for an empty field; a hex value ``v`` maps to
   ``1 + v mod (rows - 1)`` (all to 0 for a one-row table), so "missing" never
-  shares a row with a real value.
+  shares a row with a real value. ``recpipe data convert --hashing torchrec`` uses
+  TorchRec's rule instead (``parse_line(..., hashing="torchrec")``): ``v mod rows``,
+  an empty field -> 0, the ids of ``torchrec.datasets.criteo`` (``int(v or "0", 16)``
+  hashed ``% num_embeddings`` at load).
 * multi-hot (``data.multi_hot_sizes``, ``h_f`` ids for feature f, as in the MLPerf
   DLRM-DCNv2 data): a categorical field holds exactly ``h_f`` comma-separated hex
   values, each mapped as above, or is empty (``h_f`` times id 0).
@@ -66,21 +69,26 @@ def hotness_of(cfg: RecpipeConfig) -> list[int]:
     return list(hot) if hot is not None else [1] * cfg.model.num_sparse_features
 
 
-def _hex_id(field: bytes, rows: int, f: int, num_dense: int, where: str) -> int:
+def _hex_id(field: bytes, rows: int, f: int, num_dense: int, where: str, hashing: str = "recpipe") -> int:
     if field.lstrip(_HEX_DIGITS):  # stricter than int(x, 16): no sign, space or "_"
         raise ValueError(
             f"{where}: categorical column {f} (column {f + 2 + num_dense}) is not hex: "
             f"{field.decode(errors='replace')!r}"
         )
+    if hashing == "torchrec":
+        return int(field, 16) % rows
     return 1 + int(field, 16) % (rows - 1) if rows > 1 else 0
 
 
 def parse_line(
-    raw: bytes, rows: list[int], num_dense: int, where: str, hotness: list[int] | None = None
+    raw: bytes, rows: list[int], num_dense: int, where: str, hotness: list[int] | None = None,
+    hashing: str = "recpipe",
 ) -> tuple[float, list[int], list[int]]:
     """(label, dense ints clamped at 0, ids) of one line; ``where`` = "file:line".
 
-    ``ids`` holds ``hotness[f]`` ids of feature f (default 1 each), features in order."""
+    ``ids`` holds ``hotness[f]`` ids of feature f (default 1 each), features in order,
+    hashed by recpipe's rule or (``hashing="torchrec"``) TorchRec's; an empty field
+    is id 0 under both."""
     fields = raw.rstrip(b"\r\n").split(b"\t")
     expected = 1 + num_dense + len(rows)
     if len(fields) != expected:
@@ -105,7 +113,7 @@ def parse_line(
         if not field:
             ids.extend([0] * h)
         elif h == 1:
-            ids.append(_hex_id(field, rows[f], f, num_dense, where))
+            ids.append(_hex_id(field, rows[f], f, num_dense, where, hashing))
         else:
             parts = field.split(b",")
             if len(parts) != h:
@@ -113,7 +121,7 @@ def parse_line(
                     f"{where}: categorical column {f} (column {f + 2 + num_dense}) has {len(parts)} ids, "
                     f"data.multi_hot_sizes[{f}]={h}"
                 )
-            ids.extend(_hex_id(part, rows[f], f, num_dense, where) for part in parts)
+            ids.extend(_hex_id(part, rows[f], f, num_dense, where, hashing) for part in parts)
     return float(fields[0] == b"1"), dense, ids
 
 

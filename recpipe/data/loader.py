@@ -1,10 +1,11 @@
-"""Loaders of whole :class:`Batch` objects: synthetic log, Criteo TSV or binary.
+"""Loaders of whole :class:`Batch` objects: synthetic log, Criteo TSV, binary or
+Criteo ``.npy`` days.
 
 Contract of :func:`make_dataloader`: iterating yields ``Batch`` objects in
 batch-index order ``start_batch, start_batch + 1, ...`` of ``rank``'s ``split``
 stream, bit-for-bit identical whatever ``data.num_workers`` is.
 
-* synthetic, binary: a :class:`~recpipe.data.stream.BatchStream`, whose
+* synthetic, binary, criteo_npy: a :class:`~recpipe.data.stream.BatchStream`, whose
   ``data.num_workers`` producers make the batches: forked processes that hand them
   over through shared-memory slots (``data.workers_kind: process``, the default),
   or threads of the training process (``thread``); ``num_workers: 0`` makes them in
@@ -36,7 +37,8 @@ from recpipe.config import ConfigError, RecpipeConfig
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
-from recpipe.data.criteo import CriteoTsvReader
+from recpipe.data.criteo import CriteoTsvReader, hotness_of
+from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
@@ -60,6 +62,10 @@ def _binary_dir(cfg: RecpipeConfig, split: str) -> str | None:
     return b.train_dir if split == "train" else b.eval_dir
 
 
+def _npy_days(cfg: RecpipeConfig, split: str) -> list[str]:
+    return list(cfg.data.npy.train if split == "train" else cfg.data.npy.eval)
+
+
 def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> int | None:
     """Batches ``rank`` has in ``split`` per epoch; None when only reading would tell (TSV).
 
@@ -76,6 +82,9 @@ def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -
             return 0
         rows = read_manifest(directory).num_rows
         return -(-rows // (world_size * cfg.data.batch_size))
+    if cfg.data.source == "criteo_npy":
+        rows = sum(part.rows for part in _open_npy_days(cfg, split))  # headers only
+        return -(-rows // (world_size * cfg.data.batch_size))
     return None if _tsv_files(cfg, split) else 0
 
 
@@ -87,13 +96,17 @@ def no_eval_data(cfg: RecpipeConfig) -> str:
         return "data.binary.eval_dir is not set" if eval_dir is None else f"data.binary.eval_dir={eval_dir!r} holds no rows"
     if cfg.data.source == "criteo_tsv":
         return "data.criteo.eval_files is empty"
+    if cfg.data.source == "criteo_npy":
+        return "data.npy.eval is empty" if not cfg.data.npy.eval else f"data.npy.eval={cfg.data.npy.eval} holds no rows"
     return f"data.synthetic.num_eval_batches={cfg.data.synthetic.num_eval_batches}"
 
 
 def check_data(cfg: RecpipeConfig) -> None:
     """Before any process starts: the TSV files exist; a binary dataset is complete,
-    of the config's layout, and every file has its manifest size. Raises
-    ``BinaryDataError`` naming the file (``ConfigError`` for missing TSV files)."""
+    of the config's layout, and every file has its manifest header and size, and the
+    train and eval datasets hash ids alike; every ``.npy`` day has its three files,
+    of the config's layout. Raises ``BinaryDataError`` naming the file
+    (``ConfigError`` for missing TSV files)."""
     if cfg.data.factory is not None:
         return
     if cfg.data.source == "criteo_tsv":
@@ -103,9 +116,44 @@ def check_data(cfg: RecpipeConfig) -> None:
             if missing:
                 raise ConfigError(f"data.criteo.{key}: no such file(s) {missing}")
     if cfg.data.source == "binary":
+        hashing = {}
         for split in ("train", "eval"):
             if _binary_dir(cfg, split) is not None:
                 _binary_dataset(cfg, rank=0, world_size=1, split=split)
+                hashing[split] = read_manifest(_binary_dir(cfg, split)).hashing
+        if len(set(hashing.values())) > 1:
+            raise BinaryDataError(f"data.binary.train_dir holds ids hashed by {hashing['train']}'s rule, "
+                                  f"data.binary.eval_dir by {hashing['eval']}'s: convert both with the same "
+                                  "`recpipe data convert --hashing`")
+    if cfg.data.source == "criteo_npy":
+        for split in ("train", "eval"):
+            _open_npy_days(cfg, split)
+
+
+def _open_npy_days(cfg: RecpipeConfig, split: str) -> list:
+    d = cfg.data
+    return open_days(_npy_days(cfg, split), num_dense=cfg.model.num_dense_features, hotness=hotness_of(cfg),
+                     suffix=sparse_suffix(d.npy.sparse_suffix, d.multi_hot_sizes is not None), key=f"data.npy.{split}")
+
+
+def _npy_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> CriteoNpyDataset:
+    d = cfg.data
+    return CriteoNpyDataset(
+        _npy_days(cfg, split),
+        key=f"data.npy.{split}",
+        keys=cfg.model.feature_names,
+        table_sizes=list(cfg.model.num_embeddings_per_feature),
+        num_dense=cfg.model.num_dense_features,
+        hotness=hotness_of(cfg),
+        sparse_suffix=sparse_suffix(d.npy.sparse_suffix, d.multi_hot_sizes is not None),
+        ids=d.npy.ids,
+        batch_size=d.batch_size,
+        rank=rank,
+        world_size=world_size,
+        shuffle=d.shuffle and split == "train",
+        block_rows=d.shuffle_block_rows,
+        seed=cfg.train.seed,
+    )
 
 
 def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:
@@ -244,10 +292,13 @@ def make_dataloader(
         stop = num_synthetic_batches(cfg, rank=rank, split=split)
         make = _SyntheticBatch(cfg, rank, split, epoch, pin_made)
         return BatchStream(make, start_batch, stop, workers, pin_device, kind)
-    if cfg.data.source == "binary":
-        if _binary_dir(cfg, split) is None:
+    if cfg.data.source in ("binary", "criteo_npy"):
+        if cfg.data.source == "binary" and _binary_dir(cfg, split) is None:
             return []
-        dataset = _binary_dataset(cfg, rank=rank, world_size=world_size, split=split)
+        if cfg.data.source == "criteo_npy" and not _npy_days(cfg, split):
+            return []
+        dataset = (_binary_dataset if cfg.data.source == "binary" else _npy_dataset)(
+            cfg, rank=rank, world_size=world_size, split=split)
         order = dataset.block_order(epoch)
         make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
         return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind)

@@ -19,7 +19,7 @@ device work that the host does not wait for; the values are read one log interva
 later (their TensorBoard step is still their own), when the device has long
 finished them, so logging never drains the pipeline. Segment ends (evaluation,
 checkpoint, the end) wait and publish everything. Rank 0 updates the tqdm bar and
-the TensorBoard scalars. With ``train.on_nonfinite=skip_step`` a log point waits
+the TensorBoard scalars (and the same ones in W&B with ``logging.wandb``). With ``train.on_nonfinite=skip_step`` a log point waits
 for the non-finite check of its interval, whose skipped steps the metrics leave out. At the end rank 0 writes ``summary.json`` in ``logging.run_dir``
 (also when the run stops early; its ``status`` says why; always strict JSON).
 
@@ -139,6 +139,11 @@ class Trainer:
         if not self.has_eval:
             self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
         self.writer = self._open_run_dir()
+        self.wandb = None  # rank 0, with logging.wandb: the same scalars as TensorBoard
+        if self.rank == 0 and cfg.logging.wandb is not None:
+            from recpipe.train.wandb_logger import WandbLogger
+
+            self.wandb = WandbLogger(cfg, resumed=self.start_step > 0)
         # The bar is rank 0's, and only on a terminal (tqdm's disable=None): in a log
         # file every refresh would be one more line; eval lines and TensorBoard remain.
         show_bar = self.rank == 0 and cfg.train.progress
@@ -443,12 +448,16 @@ class Trainer:
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log(step, scalars)
 
     def _finish(self, status: str = "completed") -> None:
         """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
         non-finite number is written as null) and, when completed, the final line."""
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish(status)
         if self.rank != 0:
             return
         summary = {**self.summary(), "status": status}

@@ -1,0 +1,187 @@
+"""``recpipe export --config C --checkpoint DIR --out FILE [--fp16-tables]``: a sharded
+checkpoint -> one unsharded ``state_dict`` file that plain PyTorch loads.
+
+The checkpoint (``recpipe.train.checkpoint``: DCP, tables as ShardedTensors split
+row- or column-wise over any number of ranks) is read without a process group by
+``torch.distributed.checkpoint.load`` into full tensors of the unsharded model's
+shapes: DCP reassembles each tensor from the stored shards that overlap it. The
+keys and shapes come from the config's model (``model.factory`` or the built-in
+DLRM/DCNv2) built on the meta device, so a checkpoint of another model is an error
+naming what differs. Only the model is exported (no optimizer state).
+
+Memory: the dense tensors are loaded in one read, then each embedding table in a
+read of its own, straight into its place in the output (a table saved in another
+precision, or exported with ``--fp16-tables``, passes through one buffer of its saved
+dtype, freed before the next table). Host memory holds the output once, plus one
+table at most; the output is written with ``torch.save`` to a temporary name and
+renamed, so ``FILE`` is complete or absent.
+
+The file loads with::
+
+    model = recpipe.models.build_model(cfg.model, device=torch.device("cpu"))  # or model.factory(cfg)
+    model.load_state_dict(torch.load(FILE, weights_only=True))
+
+``--fp16-tables`` stores the embedding tables in float16 (half the bytes; the
+dense weights stay as they are); ``load_state_dict`` casts them into an fp32
+model's tables, or keep them half with ``model.half()`` for the tables only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from recpipe.config import RecpipeConfig, load_config
+from recpipe.errors import CheckpointError
+from recpipe.exit_codes import EXIT_OK
+
+__all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
+
+_MODEL_PREFIX = "model."  # the model's state under DCP (recpipe.train.checkpoint._dcp_state)
+_GIB = 2**30
+
+
+@dataclass
+class ExportReport:
+    checkpoint: Path
+    out: Path
+    tables: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # key -> shape, dtype
+    dense: int = 0  # dense tensors
+    bytes: int = 0
+
+    def lines(self) -> list[str]:
+        return [f"{self.out}: {len(self.tables)} embedding tables and {self.dense} dense tensors from "
+                f"{self.checkpoint} ({self.bytes / _GIB:.3f} GiB)"] + [
+            f"  {key}: {list(shape)} {str(dtype).removeprefix('torch.')}" for key, (shape, dtype) in self.tables.items()]
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """``path`` if it is one complete checkpoint (``step_*`` with its metadata), else
+    the newest complete one in the ``checkpoint.dir`` ``path``; its files verified."""
+    from recpipe.train.checkpoint import latest_checkpoint
+    from recpipe.train.integrity import METADATA_FILE, verify_checkpoint
+
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"--checkpoint {root}: no such directory")
+    chosen = root if (root / METADATA_FILE).is_file() else latest_checkpoint(root)
+    if chosen is None:
+        raise CheckpointError(f"--checkpoint {root}: no complete checkpoint in it (a checkpoint.dir holds step_* "
+                              f"directories, each complete once it has {METADATA_FILE})")
+    problems = verify_checkpoint(chosen)
+    if problems:
+        raise CheckpointError(f"checkpoint {chosen} is damaged: {'; '.join(problems)}")
+    return chosen
+
+
+def table_keys(model: nn.Module) -> set[str]:
+    """State-dict keys of the embedding tables of every torchrec embedding module of ``model``."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    keys = set()
+    for path, module in model.named_modules():
+        if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+            keys.update(f"{path}.{name}" if path else name for name in module.state_dict())
+    return keys
+
+
+def _target(cfg: RecpipeConfig) -> nn.Module:
+    """The unsharded model on meta: its keys, shapes and dtypes are the export's."""
+    from recpipe.models import make_model
+
+    return make_model(cfg)
+
+
+def _load(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Fill ``tensors`` (checkpoint key -> full tensor) from the checkpoint, in place."""
+    with warnings.catch_warnings():  # DCP says it assumes a single process: that is the intent
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        dcp.load(tensors, storage_reader=FileSystemReader(str(path)), no_dist=True)
+
+
+def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Path, *, fp16_tables: bool = False) -> ExportReport:
+    """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring)."""
+    path = resolve_checkpoint(checkpoint)
+    model = _target(cfg)
+    target, tables = model.state_dict(), table_keys(model)
+    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    stored = {key.removeprefix(_MODEL_PREFIX): meta for key, meta in saved.items() if key.startswith(_MODEL_PREFIX)
+              and isinstance(meta, TensorStorageMetadata)}
+    _check_same_model(path, cfg, target, stored)
+    report = ExportReport(path, Path(out))
+    state: dict[str, torch.Tensor] = {}
+    dense = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
+             for key in target if key not in tables}
+    if dense:
+        _load(path, {_MODEL_PREFIX + key: t for key, t in dense.items()})
+    for key, t in dense.items():
+        state[key] = t.to(target[key].dtype)
+    report.dense = len(dense)
+    for key in (k for k in target if k in tables):  # one read per table
+        want = torch.float16 if fp16_tables else target[key].dtype
+        buffer = torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
+        _load(path, {_MODEL_PREFIX + key: buffer})
+        state[key] = buffer.to(want)
+        del buffer
+        report.tables[key] = (tuple(state[key].shape), want)
+    ordered = {key: state[key] for key in target}  # the model's own order
+    report.bytes = sum(t.numel() * t.element_size() for t in ordered.values())
+    _save_atomic(ordered, report.out)
+    return report
+
+
+def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict) -> None:
+    missing = sorted(set(target) - set(stored))
+    unexpected = sorted(set(stored) - set(target))
+    shapes = [f"{k}: {list(stored[k].size)} saved, {list(target[k].shape)} in the config's model"
+              for k in target if k in stored and tuple(stored[k].size) != tuple(target[k].shape)]
+    if not (missing or unexpected or shapes):
+        return
+    what = "model.factory=" + repr(cfg.model.factory) if cfg.model.factory else "the built-in model"
+    problems = ([f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
+        ([f"not in the config's model: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"] if unexpected else []) + shapes
+    raise CheckpointError(f"checkpoint {path} does not hold the config's model ({what}): " + "; ".join(problems) +
+                          "; export with the config the checkpoint was trained with")
+
+
+def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def add_export_parser(sub: argparse._SubParsersAction, add_config_args, parents: list) -> None:
+    export = sub.add_parser(
+        "export", parents=parents,
+        help="a sharded checkpoint -> one unsharded state_dict file (for serving, plain PyTorch)",
+        description="Write the model state of a checkpoint as one unsharded state_dict (torch.save), loadable with "
+        "model.load_state_dict(torch.load(FILE, weights_only=True)) into the config's model built on CPU "
+        "(docs/export.md). Reads table by table; needs no GPU and no process group.",
+    )
+    add_config_args(export)
+    export.add_argument("--checkpoint", required=True,
+                        help="a checkpoint.dir (its newest complete checkpoint) or one step_* checkpoint in it")
+    export.add_argument("--out", required=True, help="the state_dict file to write (replaced atomically)")
+    export.add_argument("--fp16-tables", action="store_true",
+                        help="store the embedding tables in float16 (default: off, every tensor in the config's "
+                             "model's dtype, float32 for the built-in model)")
+
+
+def main_export(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    report = export_checkpoint(cfg, args.checkpoint, args.out, fp16_tables=args.fp16_tables)
+    print("\n".join(report.lines()))
+    return EXIT_OK

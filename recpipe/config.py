@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, ValidationError, WrapValidator,
+                      model_validator)
+
+from recpipe.errors import ConfigError
+from recpipe.pipelines.options import PipelineOptions
+from recpipe.pipelines.registry import PIPELINES
+from recpipe.sections import FactorySpec, Section
+from recpipe.speedups.step_graph import refusal as step_graph_refusal
 
 __all__ = [
     "ConfigError",
@@ -31,32 +38,14 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A config that cannot run. ``str(err)`` lists every problem, one per line."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
 # --------------------------------------------------------------------- model
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
 
 
-_FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _factory_spec(value: str | None) -> str | None:
-    if value is not None and not _FACTORY_RE.match(value):
-        raise ValueError("expected 'package.module:function', e.g. 'my_models.two_tower:build'")
-    return value
-
-
-FactorySpec = Annotated[Union[str, None], AfterValidator(_factory_spec)]
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     # A user model instead of the built-in DLRM/DCNv2: "package.module:function", a
     # function(cfg: RecpipeConfig) -> torch.nn.Module whose forward(batch) returns
     # (loss, output) (docs/models.md). Imported from the working directory or
@@ -113,7 +102,7 @@ class ModelConfig(_Section):
 
 
 # ---------------------------------------------------------------------- data
-class SyntheticConfig(_Section):
+class SyntheticConfig(Section):
     # Mean number of ids per sample and feature (a scalar applies to every feature).
     # Lengths are 1 + Poisson(mean - 1), so every sample has at least one id.
     mean_pooling_factors: Union[Annotated[float, Field(ge=1.0)], list[Annotated[float, Field(ge=1.0)]]] = 1.0
@@ -129,19 +118,19 @@ class SyntheticConfig(_Section):
     signal_scale: float = Field(3.0, gt=0)
 
 
-class CriteoConfig(_Section):
+class CriteoConfig(Section):
     train_files: list[str] = Field(default_factory=list)
     eval_files: list[str] = Field(default_factory=list)
 
 
-class BinaryConfig(_Section):
+class BinaryConfig(Section):
     # Directories written by ``recpipe data convert`` (recpipe/data/binary_format.py):
     # one set of fixed-width arrays per converted TSV file plus manifest.json.
     train_dir: str | None = None
     eval_dir: str | None = None  # None = no evaluation data
 
 
-class NpyConfig(_Section):
+class NpyConfig(Section):
     # Day prefixes of Criteo preprocessed by TorchRec or MLPerf DLRM-DCNv2, rows in list
     # order: PREFIX_dense.npy (float, used as is), PREFIX_labels.npy and PREFIX_sparse.npy
     # (int [rows, features]), or with data.multi_hot_sizes MLPerf's
@@ -158,7 +147,7 @@ class NpyConfig(_Section):
     sparse_suffix: Annotated[Union[str, None], Field(pattern=r"\.np[yz]$")] = None
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     # User batches instead of a built-in source: "package.module:function", a
     # function(cfg, *, rank, world_size, split, epoch, start_batch) -> Iterable[batch]
     # (batches are torchrec Pipelineables: ``to(device, non_blocking)`` and
@@ -188,9 +177,10 @@ class DataConfig(_Section):
     # inside each batch. The eval split is never shuffled.
     shuffle: bool = False
     shuffle_block_rows: int = Field(1024, gt=0)
-    # Ids per sample of each sparse feature in criteo_tsv / binary / criteo_npy data (one
-    # entry per feature; None = one id each, the Criteo layout). A TSV field then holds
-    # exactly that many comma-separated hex ids, or is empty (that many id 0).
+    # Ids per sample of each sparse feature (one entry per feature; None = one id each,
+    # the Criteo layout). criteo_tsv / binary / criteo_npy: a TSV field holds exactly that many
+    # comma-separated hex ids, or is empty (that many id 0). synthetic: every sample has
+    # exactly that many ids (fixed shapes, as MLPerf DLRM-DCNv2's multi-hot data).
     multi_hot_sizes: list[Annotated[int, Field(gt=0)]] | None = None
     synthetic: SyntheticConfig = SyntheticConfig()
     criteo: CriteoConfig = CriteoConfig()
@@ -213,9 +203,10 @@ class DataConfig(_Section):
             raise ValueError(f"data.shuffle=true needs data.source='binary' or 'criteo_npy' (got data.source="
                              f"{self.source!r}): only memory-mapped data can be read in a shuffled order; convert "
                              "TSV files with `recpipe data convert`")
-        if self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None:
-            raise ValueError("data.multi_hot_sizes describes criteo_tsv / binary / criteo_npy data, but "
-                             "data.source='synthetic' (its ids per sample come from data.synthetic.mean_pooling_factors)")
+        if (self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None
+                and "mean_pooling_factors" in self.synthetic.model_fields_set):
+            raise ValueError("data.multi_hot_sizes (fixed ids per sample) and data.synthetic.mean_pooling_factors "
+                             "(drawn ids per sample) both set the synthetic data's lengths; set one")
         return self
 
 
@@ -224,7 +215,7 @@ SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
 COMPUTE_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
 
 
-class TableSharding(_Section):
+class TableSharding(Section):
     type: Literal["table_wise", "row_wise", "column_wise", "data_parallel"] = "table_wise"
     # fused = FBGEMM TBE with weights in HBM; fused_uvm = weights in UVM (host);
     # fused_uvm_caching = UVM weights with an HBM cache; dense = data-parallel only.
@@ -276,7 +267,7 @@ def _over_default(default: TableSharding, entry: TableSharding) -> TableSharding
     return TableSharding.model_construct(_fields_set=set(own), **values)
 
 
-class CommPrecision(_Section):
+class CommPrecision(Section):
     # Precision of the pooled / sequence embeddings on the wire (output all-to-all
     # and reduce-scatter) and of their gradients: torchrec's quantized comms
     # (QCommsConfig + get_qcomm_codecs_registry). Values are sent in this precision
@@ -288,17 +279,16 @@ class CommPrecision(_Section):
     backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 
 
-class ShardingConfig(_Section):
+class ShardingConfig(Section):
     default: TableSharding = TableSharding()
     # Per-table overrides keyed by table name (t_cat_0 ..., or the names of a
     # model.factory model's tables, checked once it is built). An entry overrides the
     # fields it sets; every other field comes from ``default`` (resolved once, here).
     tables: dict[str, TableSharding] = Field(default_factory=dict)
-    # FBGEMM UVM-cache prefetch pipeline (cache-line locking). Needs a
-    # fused_uvm_caching table; the `prefetch` pipeline needs it on.
-    prefetch_pipeline: bool = False
-    # FBGEMM multi-pass prefetch: number of passes (1 = no splitting) and
-    # min_splitable_pass_size (indices; below it a batch is not split).
+    # FBGEMM multi-pass prefetch (pipeline.name=prefetch with fused_uvm_caching tables): number
+    # of passes (1 = no splitting) and min_splitable_pass_size (indices; below it a batch is not
+    # split). FBGEMM's cache-line locking (its prefetch_pipeline mode) is on for cached tables
+    # exactly when the prefetch pipeline runs them (RecpipeConfig.cache_line_locking).
     prefetch_passes: int = Field(1, ge=1)
     prefetch_min_pass_size: int = Field(6 * 1024 * 1024, gt=0)
     # UVM placements pin host memory instead of managed memory.
@@ -343,7 +333,7 @@ class ShardingConfig(_Section):
 
 
 # ----------------------------------------------------------------- optimizer
-class EmbeddingOptimizerConfig(_Section):
+class EmbeddingOptimizerConfig(Section):
     name: Literal["sgd", "rowwise_adagrad", "adam"] = "rowwise_adagrad"
     lr: float = Field(0.05, gt=0)
     eps: float = Field(1e-8, gt=0)
@@ -352,7 +342,7 @@ class EmbeddingOptimizerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
 
 
-class DenseOptimizerConfig(_Section):
+class DenseOptimizerConfig(Section):
     name: Literal["sgd", "adagrad", "adam"] = "adagrad"
     lr: float = Field(0.05, gt=0)
     eps: float = Field(1e-8, gt=0)
@@ -361,130 +351,35 @@ class DenseOptimizerConfig(_Section):
     weight_decay: float = Field(0.0, ge=0)
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     embedding: EmbeddingOptimizerConfig = EmbeddingOptimizerConfig()
     dense: DenseOptimizerConfig = DenseOptimizerConfig()
 
 
 # ------------------------------------------------------------------ pipeline
-class _PipelineCommon(_Section):
-    # How far side streams may run ahead in batches (memory rate limiter); None =
-    # as far as the schedule allows.
-    max_batches_ahead: int | None = Field(None, ge=1)
-    # Every rank trains every batch it has: ranks that run out early feed padding
-    # batches with zero loss weight until the last rank is done ("pad"), or the
-    # run stops with an error naming the ranks and their counts ("error").
-    uneven_data: Literal["pad", "error"] = "pad"
-    # Sharded modules whose input the model builds inside forward: module path in the
-    # model (e.g. "sparse.ebc") -> "package.module:function", a function(batch) ->
-    # KeyedJaggedTensor the pipeline runs ahead of forward (docs/models.md).
-    inputs: dict[str, Annotated[str, AfterValidator(_factory_spec)]] = Field(default_factory=dict)
-    # Replay the model's dense modules (forward and backward) as CUDA graphs, captured
-    # at the first batch's shapes, and the dense optimizer's step: cuts the host's launch
-    # work (recpipe/pipelines/graphs.py). CUDA only. Which modules: the model's
-    # cuda_graph_modules() (recpipe's DLRM/DCNv2: dense arch and interaction+over
-    # arch+loss), or the paths in cuda_graph_modules.
-    cuda_graphs: bool = False
-    cuda_graph_modules: list[str] = Field(default_factory=list)
-    # With cuda_graphs: also replay the dense torch.optim step, bit-identical to the eager
-    # step (recpipe/pipelines/optimizer_graph.py): SGD, and Adagrad with lr_decay 0. Other
-    # optimizers (Adam, ...) step eagerly with a warning; so does a step after its lr or
-    # state changed (recaptured once it holds; eager for good after 8 changes, e.g. an lr
-    # scheduler). false: the optimizer steps eagerly.
-    cuda_graph_optimizer: bool = True
-    # Where the splits of each batch's input all-to-all are exchanged (several ranks):
-    # "device" (as TorchRec does): copied to the GPU, one all-to-all on the model's
-    # process group, read back at input_dist_wait, a host sync that waits for the dist
-    # stream to reach it; "host": over a Gloo group of the same ranks, from host memory,
-    # so that wait is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
-    splits_exchange: Literal["device", "host"] = "device"
-    # What a sharded EmbeddingBagCollection with several sharding groups hands the model:
-    # "grouped" (the same KeyedTensor, kept as the groups' tensors: to_dict() and kt[key] are
-    # views, values() concatenates on first use; recpipe/pipelines/pooled.py) or
-    # "concatenated" (torchrec's: one tensor in the groups' key order). Same numbers; "grouped"
-    # saves a forward and a backward copy of the pooled output for models that read it by key.
-    pooled_output: Literal["grouped", "concatenated"] = "grouped"
+# Each pipeline owns its keys of this section (its Options, recpipe/pipelines/<name>.py; the
+# common keys and the speed features' sections: recpipe/pipelines/options.py); the registry
+# (recpipe.pipelines.registry.PIPELINES) says which Options class ``pipeline.name`` picks.
+def _pipeline_options(value: Any, handler: Any, info: Any) -> PipelineOptions:
+    if isinstance(value, PipelineOptions):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a mapping of pipeline options, got {type(value).__name__}")
+    allowed = ", ".join(PIPELINES)
+    if "name" not in value:
+        raise ValueError(f"pipeline.name is missing (required when the pipeline section is given); choose one of: "
+                         f"{allowed}")
+    definition = PIPELINES.get(value["name"])
+    if definition is None:
+        raise ValueError(f"pipeline.name={value['name']!r} is not a pipeline; choose one of: {allowed}")
+    return definition.options.model_validate(value)
 
 
-class BasePipelineConfig(_PipelineCommon):
-    name: Literal["base"] = "base"
-
-
-class SparseDistPipelineConfig(_PipelineCommon):
-    name: Literal["sparse_dist"]
-
-
-class FusedSparseDistPipelineConfig(_PipelineCommon):
-    name: Literal["fused_sparse_dist"]
-    # Stream for the early embedding lookup + output dist of batch i+1. Default "current"
-    # (the compute stream; TorchRec's default is "data_dist"): on one H100, 65536
-    # samples, it stepped 4 % faster than data_dist with 2 % less reserved memory
-    # (benchmarks/README.md). The bench gives TorchRec's pipeline the same choice.
-    emb_lookup_stream: Literal["data_dist", "new", "current"] = "current"
-    # Issue the early lookup before or after the dense optimizer step of batch i.
-    emb_lookup: Literal["before_optimizer", "after_optimizer"] = "before_optimizer"
-
-
-class SemiSyncPipelineConfig(_PipelineCommon):
-    name: Literal["semi_sync"]
-    # Synchronous (sparse_dist-equivalent) warm-up steps before going semi-sync.
-    start_batch: int = Field(0, ge=0)
-    # Apply the dense gradient one step late too, so dense and sparse are equally stale.
-    stash_gradients: bool = False
-    # Where batch i+1's output all-to-all is waited: "in_forward" (in forward(i+1), TorchRec's
-    # order: it overlaps backward(i), and both the lookup's output and the all-to-all's are
-    # alive during backward(i)) or "early" (right after the lookup: the lookup's output is
-    # freed before backward(i), which starts once that all-to-all is done).
-    output_dist_wait: Literal["early", "in_forward"] = "in_forward"
-    # Where batch i+1's lookup is queued: "before_backward" (after forward(i), TorchRec's
-    # order) or "before_update" (inside backward(i): after the dense and output all-to-all
-    # backward, before the TBE backward that updates the tables). Same numbers; with
-    # before_update batch i+1's embeddings are not alive where backward(i) peaks.
-    emb_lookup: Literal["before_backward", "before_update"] = "before_backward"
-
-
-class PrefetchPipelineConfig(_PipelineCommon):
-    name: Literal["prefetch"]
-    # Where the host waits for batch i+1's splits: "after_forward" (default: the GPU runs
-    # forward(i) while the host waits, as in sparse_dist) or "before_forward" (TorchRec's
-    # order: the tensors all-to-all and so the prefetch of i+1 start early, but the GPU
-    # has only backward(i-1) queued while the host waits: measured 1.10-1.17x its busy
-    # time at 32768 samples on one H100, benchmarks/2026-11-23-h100x1-prefetch_sweep.md).
-    # "before_forward_early_splits": TorchRec's wait, with each batch's splits all-to-all
-    # launched a step earlier, right after its copy (recpipe/pipelines/prefetch.py).
-    input_dist_wait: Literal["before_forward", "after_forward", "before_forward_early_splits"] = "after_forward"
-    # Who runs the UVM-cache insert of the prefetch (recpipe/pipelines/cache_fill.py): "triton"
-    # (recpipe's kernels: FBGEMM's cache bookkeeping, and the rows moved by cache_fill_sms
-    # persistent programs with 64 rows in flight each) or "fbgemm" (its lru_cache_populate,
-    # whose kernel moves rows one PCIe round trip after another on #SMs/8 blocks of 1024
-    # threads, slowing the compute beside it). Same numbers. One H100, 32768 samples: 17.07
-    # vs 19.21 ms at 85 % misses, 16.59 vs 16.93 ms at the config's 20 % cache
-    # (benchmarks/README.md, thirteenth session). "triton" falls back to FBGEMM's, with a
-    # warning, where Triton is missing (it ships with torch's CUDA builds), and for tables whose
-    # cache rows are not in the weights' precision (an error when "triton" is set here).
-    cache_fill: Literal["fbgemm", "triton"] = "triton"
-    cache_fill_sms: int = Field(4, ge=1)
-    # Where FBGEMM's backward pre-hook work for batch i runs (the release of its cache-line locks
-    # and the recompute of its cache locations after prefetch(i+1)): "prefetch_stream" (right
-    # after prefetch(i+1), beside forward(i): recpipe/pipelines/cache_bookkeeping.py) or
-    # "backward" (FBGEMM's hook, on the compute stream inside backward(i)). Same numbers.
-    cache_bookkeeping: Literal["prefetch_stream", "backward"] = "prefetch_stream"
-
-
-PipelineConfig = Annotated[
-    Union[
-        BasePipelineConfig,
-        SparseDistPipelineConfig,
-        FusedSparseDistPipelineConfig,
-        SemiSyncPipelineConfig,
-        PrefetchPipelineConfig,
-    ],
-    Field(discriminator="name"),
-]
+PipelineSection = Annotated[SerializeAsAny[PipelineOptions], WrapValidator(_pipeline_options)]
 
 
 # ------------------------------------------------------------- train & co.
-class TrainConfig(_Section):
+class TrainConfig(Section):
     steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
     epochs: int = Field(1, gt=0)
     seed: int = 0
@@ -516,13 +411,13 @@ class TrainConfig(_Section):
     )
 
 
-class DistributedConfig(_Section):
+class DistributedConfig(Section):
     # Processes to start on this machine when not already under torchrun.
     nproc: int = Field(1, gt=0)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     dir: str | None = None
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
@@ -532,7 +427,7 @@ class CheckpointConfig(_Section):
     on_preempt: bool = True
 
 
-class WandbConfig(_Section):
+class WandbConfig(Section):
     # Weights & Biases run of rank 0 (recpipe/train/wandb_logger.py): the TensorBoard
     # scalars, at the same steps. Needs the wandb package (an error before any process
     # starts without it).
@@ -544,18 +439,18 @@ class WandbConfig(_Section):
     mode: Literal["online", "offline", "disabled"] = "online"
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     run_dir: str = "runs/default"
     tensorboard: bool = True
     wandb: WandbConfig | None = None  # null = no W&B logging
 
 
-class RecpipeConfig(_Section):
+class RecpipeConfig(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     sharding: ShardingConfig = ShardingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    pipeline: PipelineConfig = BasePipelineConfig()
+    pipeline: PipelineSection = Field(default_factory=lambda: PIPELINES["base"].options())
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -586,6 +481,14 @@ class RecpipeConfig(_Section):
         if self.model.factory is not None:
             return {**self.sharding.tables, "sharding.default": self.sharding.default}
         return {name: self.sharding.for_table(name) for name in self.model.table_names}
+
+    @property
+    def cache_line_locking(self) -> bool:
+        """FBGEMM's cache-line locking (its ``prefetch_pipeline`` mode) for the UVM-cached
+        tables: on exactly when the pipeline prefetches batch i+1 before backward(i)
+        (``prefetch``) and some table is ``fused_uvm_caching``."""
+        return self.pipeline.locks_cache_lines and any(
+            t.kernel == "fused_uvm_caching" for t in self.table_sharding().values())
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -634,44 +537,14 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"
             )
     cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
-    if sh.prefetch_pipeline and not cached:
+    if sh.prefetch_passes > 1 and not cfg.cache_line_locking:
         problems.append(
-            "sharding.prefetch_pipeline=true needs at least one table with kernel "
-            "'fused_uvm_caching' (none is configured)"
+            f"sharding.prefetch_passes={sh.prefetch_passes} (multi-pass prefetch) needs pipeline.name='prefetch' "
+            f"(got {cfg.pipeline.name!r}) and a table with kernel 'fused_uvm_caching' "
+            f"({'none is configured' if not cached else 'cached: ' + ', '.join(cached)})"
         )
-    if sh.prefetch_passes > 1 and not sh.prefetch_pipeline:
-        problems.append(
-            f"sharding.prefetch_passes={sh.prefetch_passes} (multi-pass prefetch) needs "
-            "sharding.prefetch_pipeline=true"
-        )
-    if cfg.pipeline.name == "prefetch" and cached and not sh.prefetch_pipeline:
-        problems.append(
-            f"pipeline.name='prefetch' with cached tables {cached} needs sharding.prefetch_pipeline=true: "
-            "without FBGEMM's cache-line locking, the prefetch of batch i+1 can evict rows batch i's "
-            "backward still needs"
-        )
-    if cfg.pipeline.name == "semi_sync" and cached:
-        problems.append(
-            f"pipeline.name='semi_sync' with UVM-cached tables {cached}: it looks up batch i+1 before the "
-            "backward of batch i, and the cache populate of i+1 can evict rows that backward still updates "
-            "(cache-line locking only exists with the prefetch pipeline); use kernel 'fused' or 'fused_uvm' "
-            "for those tables, or pipeline.name='prefetch'"
-        )
-    if "cache_fill" in cfg.pipeline.model_fields_set and cfg.pipeline.cache_fill == "triton":  # asked for by name
-        for name in cached:
-            t = cfg.table_sharding()[name]
-            if t.cache_precision is not None and t.cache_precision != (t.weights_precision or "fp32"):
-                problems.append(
-                    f"pipeline.cache_fill='triton' copies rows as they are, but sharding table {name} has "
-                    f"cache_precision={t.cache_precision!r} and weights_precision={t.weights_precision or 'fp32'!r}; "
-                    "make them equal or use pipeline.cache_fill='fbgemm'"
-                )
-    if sh.prefetch_pipeline and cfg.pipeline.name != "prefetch":
-        problems.append(
-            f"sharding.prefetch_pipeline=true needs pipeline.name='prefetch' (got "
-            f"{cfg.pipeline.name!r}): FBGEMM locks prefetched cache lines until the "
-            "backward of the same batch, which only the prefetch pipeline schedules"
-        )
+    problems += PIPELINES[cfg.pipeline.name].check(cfg)
+    problems += step_graph_refusal(cfg)
     if cfg.train.device == "cpu" and any(
         t.kernel in ("fused_uvm", "fused_uvm_caching") for t in cfg.table_sharding().values()
     ):
@@ -733,8 +606,10 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
         if cfg.optimizer.embedding.name == "adam":
             problems.append("optimizer.embedding.name='adam': FBGEMM's CPU kernels have no Adam; use 'sgd' or "
                             "'rowwise_adagrad' on CPU")
-        if cfg.pipeline.cuda_graphs:
+        if cfg.pipeline.cuda_graphs.enabled:
             problems.append("pipeline.cuda_graphs=true needs a CUDA GPU; this run is on CPU")
+        if cfg.pipeline.step_graph.enabled:
+            problems.append("pipeline.step_graph=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
@@ -770,60 +645,38 @@ def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _allowed_keys(loc: tuple) -> list[str]:
-    """Field names of the section at ``loc`` (a pydantic error location), for messages."""
+def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
+    """Field names of the section at ``loc`` (a pydantic error location), for messages;
+    the ``pipeline`` section's are those of the pipeline ``raw`` names."""
     model: Any = RecpipeConfig
     parts = list(loc)
     while parts:
         part = parts.pop(0)
-        if part in _PIPELINE_VARIANTS:
-            model = _PIPELINE_VARIANTS[part]
-            continue
         if isinstance(part, int) or model is None or part not in model.model_fields:
             return []
         if part == "tables":  # dict of table name -> TableSharding
             model = TableSharding
             parts = parts[1:]
             continue
+        if model is RecpipeConfig and part == "pipeline":
+            name = (raw.get("pipeline") or {}).get("name") if isinstance(raw.get("pipeline"), dict) else None
+            model = PIPELINES[name].options if name in PIPELINES else PipelineOptions
+            continue
         ann = model.model_fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
     return sorted(model.model_fields) if model is not None else []
 
 
-_PIPELINE_VARIANTS: dict[str, type[BaseModel]] = {
-    "base": BasePipelineConfig,
-    "sparse_dist": SparseDistPipelineConfig,
-    "fused_sparse_dist": FusedSparseDistPipelineConfig,
-    "semi_sync": SemiSyncPipelineConfig,
-    "prefetch": PrefetchPipelineConfig,
-}
-
-
-def _discriminator_problem(loc: str, error: dict) -> str:
-    """pydantic says "Input tag 'x' found using 'name' does not match any of the
-    expected tags"; say which key, which value, and what is allowed instead."""
-    name = error["ctx"]["discriminator"].strip("'")
-    key = f"{loc}.{name}"
-    allowed = ", ".join(_PIPELINE_VARIANTS)
-    if error["type"] == "union_tag_invalid":
-        return f"  {key}={error['ctx']['tag']!r} is not a pipeline; choose one of: {allowed}"
-    return f"  {key} is missing (required when the {loc} section is given); choose one of: {allowed}"
-
-
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _format_validation_error(err: ValidationError, source: str, raw: dict[str, Any]) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
-        # Discriminated unions put the variant name in the path: drop it.
-        loc = loc.replace("pipeline.base.", "pipeline.").replace("pipeline.sparse_dist.", "pipeline.")
-        for name in ("fused_sparse_dist", "semi_sync", "prefetch"):
-            loc = loc.replace(f"pipeline.{name}.", "pipeline.")
         msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] in ("union_tag_invalid", "union_tag_not_found"):  # pipeline.name (the discriminator)
-            lines.append(_discriminator_problem(loc, e))
+        if loc == "pipeline" and msg.startswith("pipeline.name"):  # the registry's own message
+            lines.append(f"  {msg}")
             continue
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1])
+            allowed = _allowed_keys(e["loc"][:-1], raw)
             msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
         value = e.get("input")
         shown = "" if e["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
@@ -838,7 +691,7 @@ def config_from_dict(raw: dict[str, Any], source: str = "<dict>") -> RecpipeConf
     try:
         return RecpipeConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, raw)) from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] | None = None) -> RecpipeConfig:

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
-from recpipe.config import RecpipeConfig
 from recpipe.exit_codes import EXIT_WORKER_FAILED, exit_code_for_signal
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
 
 
 def under_torchrun() -> bool:

@@ -15,7 +15,6 @@ import sys
 import traceback
 from typing import Iterable, Iterator, TypeVar
 
-from recpipe.config import ConfigError
 from recpipe.exit_codes import (
     EXIT_BAD_CONFIG,
     EXIT_BAD_DATA,
@@ -28,9 +27,11 @@ from recpipe.exit_codes import (
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
     "DataError",
     "DirInUseError",
     "NonFiniteLossError",
+    "PipelineError",
     "Preempted",
     "UserError",
     "data_errors",
@@ -39,6 +40,14 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run. ``str(err)`` lists every problem, one per line (exit 2)."""
+
+
+class PipelineError(RuntimeError):
+    """A model or call pattern a pipeline cannot run; the message says what to change."""
 
 
 class UserError(Exception):

@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from recpipe.embedding_tables import EBC, EC, FPEBC
+from recpipe.embedding_tables import (EBC, EC, FPEBC, MODULE_TYPES, check_table_names, model_on_meta, model_tables,
+                                       unsupported_modules)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -409,6 +410,46 @@ def cache_params(t: "TableSharding", cfg: "RecpipeConfig") -> "CacheParams | Non
         algorithm=CacheAlgorithm.LRU,
         load_factor=t.cache_load_factor if t.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR,
         precision=precision,
-        prefetch_pipeline=cfg.sharding.prefetch_pipeline,
+        prefetch_pipeline=cfg.cache_line_locking,
         multipass_prefetch_config=multipass,
     )
+
+
+def validated_tables(
+    cfg: "RecpipeConfig", model: "nn.Module | None" = None, device_type: str = "cuda"
+) -> tuple[TableInfo, ...]:
+    """The tables of ``model`` (default: ``cfg``'s model, built on meta), with every
+    sharding rule that needs the real tables checked: names under
+    ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type
+    is one its module supports on ``device_type``, column_wise dims split over the
+    ranks, the prefetch pipeline has a cached table, every table's precision (its
+    own data_type included) is one FBGEMM trains. ``recpipe train`` (with the
+    run's device type) and ``recpipe plan`` (GPUs) call it before any process
+    starts; every problem is a ``ConfigError`` (exit code 2)."""
+    from recpipe.config import ConfigError
+
+    if model is None:
+        model = model_on_meta(cfg)
+    source = f"model.factory={cfg.model.factory!r}" if cfg.model.factory else "the built-in model"
+    bad = unsupported_modules(model)
+    if bad:
+        listed = ", ".join(f"{fqn or '<model>'} ({kind})" for fqn, kind in bad.items())
+        raise ConfigError(f"{source}: recpipe cannot shard {listed}; it shards {', '.join(MODULE_TYPES)}")
+    try:
+        tables = model_tables(model)
+    except ValueError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    if not tables:
+        raise ConfigError(f"{source}: the model holds no {', '.join(MODULE_TYPES)}; there is nothing to shard")
+    check_table_names(cfg, tables)
+    check_sharding_support(cfg, tables, device_type)
+    W = cfg.distributed.nproc
+    problems = [
+        f"  {_key(cfg, t.name)}.type='column_wise' splits table {t.name!r} (dim {t.dim}) over distributed.nproc={W} "
+        "ranks; it must divide evenly"
+        for t in tables if cfg.sharding.for_table(t.name).type == "column_wise" and t.dim % W
+    ]
+    problems += check_precisions(cfg, tables)
+    if problems:
+        raise ConfigError("invalid config for this model:\n" + "\n".join(problems))
+    return tables

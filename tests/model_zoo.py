@@ -11,6 +11,7 @@ EmbeddingCollection and FeatureProcessedEmbeddingBagCollection.
 from __future__ import annotations
 
 import itertools
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -257,8 +258,10 @@ def run_pipeline(case: Case, name: str, batches: list, segments: list[int] | Non
     model, opt = case.build(device)
     if device.type == "cuda" and hasattr(batches[0], "pin_memory"):
         batches = [b.pin_memory() for b in batches]
-    pipe = PIPELINES[name](model, opt, device, **({"inputs": case.pipeline_inputs} if PIPELINES[name].intercepts else {}),
-                           **options)
+    from pipeline_harness import make
+
+    pipe = make(name, types.SimpleNamespace(model=model, optimizer=opt), device,
+                **({"inputs": case.pipeline_inputs} if PIPELINES[name].cls.intercepts else {}), **options)
     losses, it = [], iter(batches)
     for size in segments or [len(batches)]:
         seg = itertools.islice(it, size)

@@ -3,6 +3,8 @@ one seed on fixed batches, and return what a numerics comparison needs."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import itertools
 from dataclasses import dataclass
 
@@ -82,6 +84,26 @@ def build(cfg: RecpipeConfig, device: torch.device):
     return shard_model(make_model(cfg), cfg, device)
 
 
+def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
+         cuda_graph_modules: tuple[str, ...] = (), cuda_graph_optimizer: bool = True, cache_fill: bool = True,
+         cache_fill_sms: int = 4, **options: Any) -> Any:
+    """Pipeline ``name`` on the sharded model ``sm`` with the speed features
+    ``make_pipeline`` applies for the same config: ``cuda_graphs=True``
+    (recpipe.speedups.cuda_graphs on its model and optimizer) and, for ``prefetch``,
+    recpipe's cache insert unless ``cache_fill=False`` (recpipe.speedups.cache_fill)."""
+    if cuda_graphs:
+        from recpipe.speedups.cuda_graphs import CudaGraphsOptions, apply_cuda_graphs
+
+        apply_cuda_graphs(sm.model, sm.optimizer, device, CudaGraphsOptions(
+            enabled=True, modules=list(cuda_graph_modules), optimizer=cuda_graph_optimizer))
+    pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
+    if name == "prefetch":
+        from recpipe.speedups.cache_fill import CacheFillOptions, apply_cache_fill
+
+        apply_cache_fill(pipe, pipe.tbes, CacheFillOptions(enabled=cache_fill, sms=cache_fill_sms))
+    return pipe
+
+
 def train(
     cfg: RecpipeConfig,
     name: str,
@@ -99,7 +121,7 @@ def train(
         sm.model.load_state_dict(dict(init_from))
     if device.type == "cuda":
         batches = [b.pin_memory() for b in batches]
-    pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
+    pipe = make(name, sm, device, **options)
     losses, weights = [], []
     it = iter(batches)
     for size in segments or [len(batches)]:

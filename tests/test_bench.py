@@ -203,15 +203,15 @@ def test_bad_bench_arguments_exit_2(capsys, tmp_path: Path):
 def test_prefetch_runs_only_with_a_locked_cache_and_others_drop_the_lock():
     cfg = load_config(CONFIGS / "uvm_caching.yaml")
     cfg_p, overrides, skip = config_for_pipeline(cfg, "prefetch")
-    assert not skip and overrides == {} and cfg_p.sharding.prefetch_pipeline
+    assert not skip and overrides == {} and cfg_p.cache_line_locking
     # semi_sync looks up batch i+1 before backward(i): refused on unlocked UVM caches.
     _, _, skip = config_for_pipeline(cfg, "semi_sync")
     assert "semi_sync" in skip and "evict" in skip, skip
     for name in ("base", "sparse_dist", "fused_sparse_dist"):
         cfg_p, overrides, skip = config_for_pipeline(cfg, name)
         assert not skip and cfg_p.pipeline.name == name
-        assert not cfg_p.sharding.prefetch_pipeline
-        assert overrides == {"pipeline.name": name, "sharding.prefetch_pipeline": False}
+        assert not cfg_p.cache_line_locking
+        assert overrides == {"pipeline.name": name}
         assert cfg_p.sharding.uvm_host_mapped and cfg_p.model == cfg.model
     _, _, skip = config_for_pipeline(load_config(CONFIGS / "dlrm_criteo.yaml"), "prefetch")
     assert "fused_uvm_caching" in skip
@@ -224,7 +224,7 @@ def test_pipeline_variants_run_with_their_own_options_and_typos_are_config_error
     assert cfg_p.pipeline.output_dist_wait == "early" and cfg_p.pipeline.stash_gradients is True
     assert overrides == {"pipeline.name": "semi_sync", "pipeline.output_dist_wait": "early",
                          "pipeline.stash_gradients": True}
-    _, _, skip = config_for_pipeline(cfg, "prefetch:input_dist_wait=after_forward")
+    _, _, skip = config_for_pipeline(cfg, "prefetch:cache_fill=false")
     assert "fused_uvm_caching" in skip  # the variant's pipeline is still checked against the tables
     for bad in ("semi_sync:output_dist_wait=late", "semi_sync:no_such_option=1", "sparse_dist:oops"):
         assert main(["bench", "--config", SMOKE, "--pipelines", f"base,{bad}"]) == EXIT_BAD_CONFIG
@@ -255,11 +255,11 @@ def test_variants_with_config_keys_change_that_run_only_and_run_on_both_impls(tm
     out = tmp_path / "b"
     fp16 = "sparse_dist:sharding.default.weights_precision=fp16"
     code = main(["bench", "--config", SMOKE, "--steps", "2", "--warmup", "1", "--trace-steps", "0", "--with-torchrec",
-                 "--pipelines", f"sparse_dist,{fp16},sparse_dist:cuda_graph_optimizer=false", "--out", str(out)])
+                 "--pipelines", f"sparse_dist,{fp16},sparse_dist:max_batches_ahead=1", "--out", str(out)])
     assert code == 0, capsys.readouterr().err
     rows = {(r["pipeline"], r["impl"]): r for r in json.loads((out / "bench.json").read_text())["rows"]}
     assert set(rows) == {("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"), (fp16, "recpipe"),
-                         (fp16, "torchrec"), ("sparse_dist:cuda_graph_optimizer=false", "recpipe")}
+                         (fp16, "torchrec"), ("sparse_dist:max_batches_ahead=1", "recpipe")}
     assert all(r["status"] == "ok" for r in rows.values()), {k: r["reason"] for k, r in rows.items()}
     assert rows[fp16, "torchrec"]["config_overrides"]["sharding.default.weights_precision"] == "fp16"
 

@@ -25,7 +25,7 @@ def _cached(lf: float = 0.05, alpha: float = 1.05) -> list[str]:
             f"model.dense_arch_layer_sizes=[32,{DIM}]", "model.num_embeddings_per_feature=[20000,20000,5000,100]",
             "data.batch_size=512", "data.synthetic.mean_pooling_factors=3.0", f"data.synthetic.zipf_alpha={alpha}",
             f"sharding.default={table}", "sharding.tables={t_cat_3: {type: table_wise, kernel: fused}}",
-            "sharding.prefetch_pipeline=true", "sharding.uvm_host_mapped=true", "pipeline.name=prefetch"]
+            "sharding.uvm_host_mapped=true", "pipeline.name=prefetch"]
 
 
 def _rows(overrides: list[str], names: tuple[str, ...], **opts):

@@ -37,7 +37,7 @@ def test_point_configs_set_every_cached_table_and_the_ids():
         assert not why and p.pipeline.name == name and p.data.synthetic.zipf_alpha == 0.6
         cached = {t: s for t, s in p.table_sharding().items() if s.kernel == "fused_uvm_caching"}
         assert len(cached) == 4 and {s.cache_load_factor for s in cached.values()} == {0.05}
-        assert p.sharding.prefetch_pipeline == (name == "prefetch")
+        assert p.cache_line_locking == (name == "prefetch")
     assert "fused_uvm_caching" in point_config(load_config(SMOKE), "prefetch", 0.1, 1.0)[1]
 
 

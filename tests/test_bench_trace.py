@@ -102,7 +102,7 @@ def test_summary_of_a_gpu_trace():
 
 
 def test_recpipes_cache_insert_counts_as_cache_work():
-    """pipeline.cache_fill=triton: the populate is a record_function range (not an op), its
+    """pipeline.cache_fill (recpipe's insert): the populate is a record_function range (not an op), its
     row-moving kernel is ``_move_kernel``; both count as FBGEMM's do."""
     trace = _gpu_trace()
     for event in trace["traceEvents"]:

@@ -1,4 +1,4 @@
-"""``pipeline.cache_fill: triton`` on CPU: the torch reference against a line-by-line
+"""``pipeline.cache_fill`` (recpipe's insert) on CPU: the torch reference against a line-by-line
 Python port of FBGEMM's LRU kernels (``lru_cache_find_uncached_kernel`` and
 ``lru_cache_insert_kernel``, fbgemm-gpu 1.6/1.8), rows included, on a hand-built
 TBE-shaped module (FBGEMM's CPU TBE has no cache); the Triton kernels against the
@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from recpipe.pipelines import cache_fill
-from recpipe.pipelines.cache_fill import ASSOC, Cache, cache_set, insert_reference, populate
+from recpipe.speedups import cache_fill
+from recpipe.speedups.cache_fill import ASSOC, Cache, cache_set, insert_reference, populate
 
 U64 = (1 << 64) - 1
 
@@ -285,11 +285,13 @@ def test_config_names_what_cache_fill_triton_needs():
     from recpipe.config import ConfigError, load_config
 
     config = Path(__file__).parent.parent / "configs" / "bench" / "uvm_caching.yaml"
-    cfg = load_config(config, ["pipeline.cache_fill=triton"])
-    assert cfg.pipeline.cache_fill == "triton" and cfg.pipeline.cache_fill_sms == 4
+    cfg = load_config(config, ["pipeline.cache_fill=true"])
+    assert cfg.pipeline.cache_fill.enabled and cfg.pipeline.cache_fill.sms == 4
     # by default a table with its cache in another precision just keeps FBGEMM's insert (a warning at run time)
-    assert load_config(config, ["sharding.tables.t_cat_0.cache_precision=fp16"]).pipeline.cache_fill == "triton"
+    assert load_config(config, ["sharding.tables.t_cat_0.cache_precision=fp16"]).pipeline.cache_fill.enabled
     with pytest.raises(ConfigError, match="table t_cat_0 has cache_precision='fp16' and weights_precision='fp32'"):
-        load_config(config, ["pipeline.cache_fill=triton", "sharding.tables.t_cat_0.cache_precision=fp16"])
-    with pytest.raises(ConfigError, match="cache_fill_sms"):
-        load_config(config, ["pipeline.cache_fill=triton", "pipeline.cache_fill_sms=0"])
+        load_config(config, ["pipeline.cache_fill=true", "sharding.tables.t_cat_0.cache_precision=fp16"])
+    assert not load_config(config, ["pipeline.cache_fill=false",
+                                    "sharding.tables.t_cat_0.cache_precision=fp16"]).pipeline.cache_fill.enabled
+    with pytest.raises(ConfigError, match="cache_fill.sms"):
+        load_config(config, ["pipeline.cache_fill={sms: 0}"])

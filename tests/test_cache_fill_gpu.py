@@ -1,4 +1,4 @@
-"""``pipeline.cache_fill: triton`` on CUDA: the compiled kernels against the torch
+"""``pipeline.cache_fill`` (recpipe's insert) on CUDA: the compiled kernels against the torch
 reference (every cache and host row, exactly), and on FBGEMM's own TBE against
 FBGEMM's populate: the same outputs and tables bit for bit over training steps with
 evictions and conflicts, the same cache counters up to ties between equal LRU times."""
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def test_compiled_kernels_match_the_reference():
     import test_cache_fill
-    from recpipe.pipelines import cache_fill
+    from recpipe.speedups import cache_fill
 
     if cache_fill.available():
         pytest.skip(cache_fill.available())
@@ -48,7 +48,7 @@ def _tbe(seed: int):
 
 
 def test_fbgemm_tbe_trains_the_same_with_either_insert():
-    from recpipe.pipelines import cache_fill
+    from recpipe.speedups import cache_fill
 
     if cache_fill.available():
         pytest.skip(cache_fill.available())

@@ -1,4 +1,4 @@
-"""The CUDA-graph wiring of recpipe.pipelines.graphs, on CPU with a stand-in capture
+"""The CUDA-graph wiring of recpipe.speedups.cuda_graphs, on CPU with a stand-in capture
 (the real capture, torch.cuda.make_graphed_callables, and the numerics are checked on
 the GPU by tests/test_pipelines_gpu.py)."""
 
@@ -11,7 +11,7 @@ from torch import nn
 from recpipe.config import ConfigError, check_device, load_config
 from recpipe.models.dlrm import build_model
 from recpipe.pipelines import PipelineError
-from recpipe.pipelines.graphs import GraphedPart, graph_parts, install, remove
+from recpipe.speedups.cuda_graphs import GraphedPart, graph_parts, install, remove
 
 
 class FakeCapture:

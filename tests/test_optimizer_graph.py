@@ -1,4 +1,4 @@
-"""The bookkeeping of recpipe.pipelines.optimizer_graph on CPU: when the dense
+"""The bookkeeping of recpipe.speedups.optimizer_graph on CPU: when the dense
 optimizer's step is captured, replayed or run eagerly, and that parameters and state
 (Adagrad's host-side step counts included) come out bit-identical to the eager step.
 
@@ -20,7 +20,7 @@ from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 
 from recpipe.pipelines import PipelineError
-from recpipe.pipelines.optimizer_graph import (
+from recpipe.speedups.optimizer_graph import (
     HOST_STATE,
     MAX_CHANGES,
     WARMUP_CALLS,
@@ -269,6 +269,6 @@ def test_a_failed_capture_is_named_and_leaves_the_step_counts_as_they_were():
         _backward(model, i)
         opt.step()
     _backward(model, 9)
-    with pytest.raises(PipelineError, match="cannot capture the dense optimizer's step.*cuda_graph_optimizer=false"):
+    with pytest.raises(PipelineError, match="cannot capture the dense optimizer's step.*cuda_graphs.optimizer=false"):
         opt.step()
     assert all(int(s["step"]) == WARMUP_CALLS for s in opt.state.values())

@@ -1,5 +1,5 @@
 """The dense optimizer's step replayed as a CUDA graph (``pipeline.cuda_graphs`` with
-``cuda_graph_optimizer``) gives bit for bit the parameters, losses and optimizer state
+``pipeline.cuda_graphs.optimizer``) gives bit for bit the parameters, losses and optimizer state
 (Adagrad's sums and host-side step counts) of the eager step, on a small sharded DLRM
 with the dense part graphed in both runs: over pipelines and optimizers, across an lr
 change, a checkpoint loaded into a live pipeline and a resume into a fresh one.
@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_harness import RunResult, assert_same, build, local_state, make_batches, small_config
+from pipeline_harness import RunResult, assert_same, build, local_state, make, make_batches, small_config
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.pipelines import PIPELINES
-from recpipe.pipelines.optimizer_graph import WARMUP_CALLS, torch_optimizers
+from recpipe.speedups.optimizer_graph import WARMUP_CALLS, GraphedOptimizerStep, torch_optimizers
 from recpipe.train.checkpoint import TrainPosition, load_checkpoint, save_checkpoint
 
 pytestmark = [
@@ -40,9 +39,10 @@ def _run(cfg, name, batches, device, graph_optimizer, segments, between=None, sm
     graphed; ``between(k, sm)`` runs after segment k. Returns (result with the dense
     optimizer's state among the model's, the pipeline's GraphedOptimizerSteps)."""
     sm = sm or build(cfg, device)
-    pipe = PIPELINES[name](sm.model, sm.optimizer, device, cuda_graphs=True, cuda_graph_optimizer=graph_optimizer,
-                           **options)
-    assert len(pipe.optimizer_graphs) == int(graph_optimizer), pipe
+    pipe = make(name, sm, device, cuda_graphs=True, cuda_graph_optimizer=graph_optimizer, **options)
+    steps = [vars(opt)["step"] for opt in torch_optimizers(sm.optimizer)
+             if isinstance(vars(opt).get("step"), GraphedOptimizerStep)]
+    assert len(steps) == int(graph_optimizer), steps
     losses, weights = [], []
     it = iter([b.pin_memory() for b in batches])
     for k, size in enumerate(segments):
@@ -55,7 +55,7 @@ def _run(cfg, name, batches, device, graph_optimizer, segments, between=None, sm
     dist.barrier()
     state = {k: v.cpu() for k, v in local_state(sm.model).items()}
     state.update(_dense_state(sm))
-    return RunResult([x.cpu() for x in losses], [w.cpu() for w in weights], state), pipe.optimizer_graphs
+    return RunResult([x.cpu() for x in losses], [w.cpu() for w in weights], state), steps
 
 
 def _progress(pipe, seg):

@@ -22,18 +22,19 @@ from pipeline_harness import (
 )
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
-from recpipe.pipelines import all_schedules
+from recpipe.pipelines import all_schedules, fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
+from study_schedules import schedule_variants as variants
 
 FUSED_TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
 SYNCHRONOUS = [
     ("sparse_dist", {}),
     ("fused_sparse_dist", {}),
-    ("fused_sparse_dist", {"emb_lookup": "after_optimizer", "emb_lookup_stream": "new"}),
-    ("fused_sparse_dist", {"emb_lookup_stream": "current"}),
+    ("fused_sparse_dist", {"schedule": fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER}),
+    ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_OWN_STREAM}),
     ("prefetch", {}),
-    ("prefetch", {"input_dist_wait": "before_forward"}),
-    ("prefetch", {"input_dist_wait": "before_forward_early_splits"}),
+    ("prefetch", {"schedule": variants.PREFETCH_WAIT_BEFORE_FORWARD}),
+    ("prefetch", {"schedule": variants.PREFETCH_EARLY_SPLITS}),
     ("sparse_dist", {"max_batches_ahead": 1}),
 ]
 
@@ -513,7 +514,11 @@ def _errors_worker(cfg) -> None:
 
     dp_cfg = small_config(overrides=["sharding.tables={t_cat_3: {type: data_parallel, kernel: dense}}"])
     sm = sharded(c=dp_cfg)
-    expect(lambda: PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, cpu), "t_cat_3", "after_optimizer")
+    # The dense optimizer steps a data_parallel table: the lookup of i+1 waits for it.
+    assert PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, cpu).schedule is fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER
+    sm = sharded(c=dp_cfg)
+    expect(lambda: PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, cpu, schedule=fused_sparse_dist.SCHEDULE),
+           "t_cat_3", "data_parallel")
     expect(lambda: PIPELINES["semi_sync"](sm.model, sm.optimizer, cpu), "t_cat_3", "data_parallel")
 
     plain = RecModel(build_model(cfg.model, device=cpu).model)
@@ -599,9 +604,10 @@ def test_compiled_plans_drop_only_same_stream_fences(lookup_on, max_batches_ahea
     s = {role: object() for role in ("compute", "memcpy", "dist", "prefetch", "new")}
     streams = Streams(s["compute"], s["memcpy"], s["dist"], s[lookup_on] if lookup_on != "dist" else s["dist"], s["prefetch"])
     for name, schedules in all_schedules().items():
-        for schedule in schedules:
-            pipe = object.__new__(PIPELINES[name])  # only what compiling a plan reads
+        for schedule in (*schedules, *variants.VARIANTS.get(name, ())):
+            pipe = object.__new__(PIPELINES[name].cls)  # only what compiling a plan reads
             pipe.streams, pipe.max_batches_ahead, pipe._plans, pipe.schedule = streams, max_batches_ahead, {}, schedule
+            pipe._wrappers, pipe._extra_steps = {}, {}
             _, ops, by_name = pipe._plan(schedule)
             stream_of = {step.name: streams.by_role(step.stream) for step in schedule.steps}
             for op in ops:

@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pipeline_harness import assert_same, local_state, make_batches, semi_sync_reference, small_config, train
+from pipeline_harness import assert_same, local_state, make, make_batches, semi_sync_reference, small_config, train
 from recpipe.distributed import init_process_group, launch_local
+from recpipe.pipelines import fused_sparse_dist
+from study_schedules import schedule_variants as variants
 
 pytestmark = [
     pytest.mark.gpu,
@@ -19,11 +21,12 @@ FUSED = "sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise
 SYNCHRONOUS = [
     ("sparse_dist", {}),
     ("fused_sparse_dist", {}),
-    ("fused_sparse_dist", {"emb_lookup_stream": "new"}),
-    ("fused_sparse_dist", {"emb_lookup_stream": "current", "emb_lookup": "after_optimizer"}),
+    ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_OWN_STREAM}),
+    ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_DIST}),
+    ("fused_sparse_dist", {"schedule": fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER}),
     ("prefetch", {}),
-    ("prefetch", {"input_dist_wait": "before_forward"}),
-    ("prefetch", {"input_dist_wait": "before_forward_early_splits"}),
+    ("prefetch", {"schedule": variants.PREFETCH_WAIT_BEFORE_FORWARD}),
+    ("prefetch", {"schedule": variants.PREFETCH_EARLY_SPLITS}),
     ("sparse_dist", {"max_batches_ahead": 1}),
     ("sparse_dist", {"splits_exchange": "host"}),  # a Gloo group beside NCCL on 2 GPUs
     ("fused_sparse_dist", {"splits_exchange": "host"}),
@@ -75,20 +78,21 @@ def _prefetch_vs_hbm(hbm_cfg, cached_cfg) -> None:
     start = {k: v for k, v in build(hbm_cfg, device).model.state_dict().items()}
     hbm = train(hbm_cfg, "base", batches, device=device, init_from=start)
     for segments in ([10], [4, 6]):  # [4, 6]: a drain (and an eval, below) in the middle
-        for wait in ("before_forward", "after_forward", "before_forward_early_splits"):
+        orders = {"the product's order": {}, "wait before forward": {"schedule": variants.PREFETCH_WAIT_BEFORE_FORWARD},
+                  "early splits": {"schedule": variants.PREFETCH_EARLY_SPLITS}}
+        for order, options in orders.items():  # recpipe's cache insert (the default)
             cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
-                           input_dist_wait=wait)
-            assert_same(hbm, cached, f"prefetch ({wait}) with a small UVM cache, segments {segments}")
-        for wait, sms in (("after_forward", 2), ("before_forward", 8)):  # recpipe's cache insert (Triton)
+                           **options)
+            assert_same(hbm, cached, f"prefetch ({order}) with a small UVM cache, segments {segments}")
+        for options, sms in (({}, 2), ({"schedule": variants.PREFETCH_WAIT_BEFORE_FORWARD}, 8)):
             cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
-                           input_dist_wait=wait, cache_fill="triton", cache_fill_sms=sms)
-            assert_same(hbm, cached, f"prefetch cache_fill=triton ({wait}, {sms} SMs), segments {segments}")
+                           cache_fill_sms=sms, **options)
+            assert_same(hbm, cached, f"prefetch cache_fill on {sms} SMs {options}, segments {segments}")
         cached = train(cached_cfg, "prefetch", batches, device=device, init_from=start, segments=segments,
-                       cache_fill="fbgemm", cache_bookkeeping="backward")  # FBGEMM's insert and backward hook
-        assert_same(hbm, cached, f"prefetch cache_fill=fbgemm cache_bookkeeping=backward, segments {segments}")
-    _eval_releases_locks(cached_cfg, batches, device, start)
-    _eval_releases_locks(cached_cfg, batches, device, start, cache_fill="triton")
-    for fill in ("fbgemm", "triton"):
+                       cache_fill=False)  # FBGEMM's insert
+        assert_same(hbm, cached, f"prefetch cache_fill=false, segments {segments}")
+    for fill in (False, True):
+        _eval_releases_locks(cached_cfg, batches, device, start, cache_fill=fill)
         _cache_reset_between_passes(cached_cfg, batches, device, start, cache_fill=fill)
 
 
@@ -98,18 +102,17 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
     before the next pass's first prefetch on the prefetch stream: the pass trains as if
     the host had waited for it, and no cache-line lock is left over or negative."""
     from pipeline_harness import build
-    from recpipe.pipelines import PrefetchPipeline
-    from recpipe.pipelines.prefetch import _cached_tbes
+    from recpipe.pipelines.prefetch import cached_tbes
 
     def run(host_waits: bool):
         sm = build(cfg, device)
         sm.model.load_state_dict(dict(start))
-        pipe = PrefetchPipeline(sm.model, sm.optimizer, device, **options)
+        pipe = make("prefetch", sm, device, **options)
         losses = []
         for part in (batches[:5], batches[5:]):
             if losses:  # between the passes
                 torch.cuda._sleep(200_000_000)  # ~0.1 s: the next pass's host work runs well ahead of it
-                for tbe in _cached_tbes(sm.model, locked=False):
+                for tbe in cached_tbes(sm.model, locked=False):
                     tbe.flush()
                     tbe.reset_cache_states()
                 if host_waits:
@@ -121,7 +124,7 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
                 except StopIteration:
                     break
         torch.cuda.synchronize()
-        locks = [t.lxu_cache_locking_counter for t in _cached_tbes(sm.model)]
+        locks = [t.lxu_cache_locking_counter for t in cached_tbes(sm.model)]
         return losses, locks, {k: v.cpu() for k, v in local_state(sm.model).items()}
 
     want, _, want_state = run(host_waits=True)
@@ -137,19 +140,18 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
 
 def _eval_releases_locks(cfg, batches, device, start, **options) -> None:
     from pipeline_harness import build
-    from recpipe.pipelines import PrefetchPipeline
-    from recpipe.pipelines.prefetch import _cached_tbes
+    from recpipe.pipelines.prefetch import cached_tbes
 
     sm = build(cfg, device)
     sm.model.load_state_dict(dict(start))
-    pipe = PrefetchPipeline(sm.model, sm.optimizer, device, **options)
+    pipe = make("prefetch", sm, device, **options)
     it = iter([b.pin_memory() for b in batches[:4]])
     while True:
         try:
             pipe.progress(it)
         except StopIteration:
             break
-    tbes = _cached_tbes(sm.model)
+    tbes = cached_tbes(sm.model)
     assert tbes, "no cached TBE found"
     assert all(int(t.lxu_cache_locking_counter.sum()) == 0 for t in tbes), "locks left after a drained pass"
     with pipe.detached(), torch.no_grad():
@@ -180,7 +182,6 @@ def test_prefetch_with_small_uvm_cache_trains_like_hbm(nproc, passes):
         + [
             "sharding.default={type: table_wise, kernel: fused_uvm_caching, cache_load_factor: 0.02}",
             "sharding.tables={t_cat_1: {type: row_wise, kernel: fused_uvm_caching, cache_load_factor: 0.02}}",
-            "sharding.prefetch_pipeline=true",
             "sharding.uvm_host_mapped=true",
             f"sharding.prefetch_passes={passes}",
             "sharding.prefetch_min_pass_size=1",
@@ -204,7 +205,8 @@ def _models(cfg) -> None:
         batches = case.batches(rank, 6)
         ref = model_zoo.plain_loop(case, batches, device=device)
         runs = [("base", {}), ("sparse_dist", {}), ("prefetch", {})]
-        runs += [("fused_sparse_dist", {}), ("fused_sparse_dist", {"emb_lookup_stream": "new"})] if case.fused_ok else []
+        runs += [("fused_sparse_dist", {}), ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_OWN_STREAM})
+                 ] if case.fused_ok else []
         for name, options in runs + [("semi_sync", {})]:
             try:
                 got = model_zoo.run_pipeline(case, name, batches, device=device, **options)
@@ -251,7 +253,7 @@ def test_cuda_graphs_keep_pipelines_bit_identical(nproc):
 
 
 def _graphs_user_model(cfg) -> None:
-    """Capture by module path (pipeline.cuda_graph_modules) in a model recpipe has not seen."""
+    """Capture by module path (pipeline.cuda_graphs.modules) in a model recpipe has not seen."""
     import model_zoo
 
     device = init_process_group(cfg)

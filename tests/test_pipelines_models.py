@@ -15,7 +15,8 @@ import torch.distributed as dist
 import model_zoo
 from pipeline_harness import assert_differs, assert_same, expect_pipeline_error, small_config
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.pipelines import PIPELINES, PipelineError
+from recpipe.pipelines import PIPELINES, PipelineError, fused_sparse_dist
+from study_schedules import schedule_variants as variants
 
 CASES = {
     "TestSparseNN": model_zoo.sparse_nn,
@@ -34,7 +35,8 @@ def _numerics_worker(cfg, case_name: str) -> None:
     reference = model_zoo.plain_loop(case, batches)
     runs = [("base", {}), ("sparse_dist", {}), ("prefetch", {}), ("sparse_dist", {"max_batches_ahead": 1})]
     if case.fused_ok:
-        runs += [("fused_sparse_dist", {}), ("fused_sparse_dist", {"emb_lookup": "after_optimizer", "emb_lookup_stream": "new"})]
+        runs += [("fused_sparse_dist", {}), ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_OWN_STREAM}),
+                 ("fused_sparse_dist", {"schedule": fused_sparse_dist.SCHEDULE_AFTER_OPTIMIZER})]
     for name, options in runs:
         assert_same(reference, model_zoo.run_pipeline(case, name, batches, **options), f"{case.name}: {name} {options}")
     # Drains between segments (eval / checkpoint points) change nothing.

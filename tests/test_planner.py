@@ -22,6 +22,7 @@ from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, local_s
 from recpipe.planner.plan import TERM_DOC
 from recpipe.planner.spec import shards_from_plan
 from recpipe.planner.tbe import group_tbes, prefetch_pass_sizes, prefetch_scratch_bytes
+from study_schedules import schedule_variants as variants
 
 GiB = 1 << 30
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"
@@ -38,7 +39,7 @@ def cached_cfg(pipeline="prefetch", passes=4, min_pass=1024, nproc=2, **kv):
         "distributed.nproc": nproc, "data.batch_size": 1024, "data.synthetic.mean_pooling_factors": 8.0,
         "model.num_embeddings_per_feature": [200_000] * 4 + [5000] * 4,
         "sharding.default": {"kernel": "fused_uvm_caching", "cache_load_factor": 0.1},
-        "sharding.prefetch_pipeline": prefetch, "sharding.prefetch_passes": passes if prefetch else 1,
+        "sharding.prefetch_passes": passes if prefetch else 1,
         "sharding.prefetch_min_pass_size": min_pass, "pipeline": {"name": pipeline}, "sharding.hbm_gb": 80, **kv,
     })
 
@@ -65,7 +66,7 @@ MIXED = {
         "t_cat_4": {"kernel": "fused"},
         "t_cat_5": {"kernel": "fused_uvm"},
     },
-    "sharding.prefetch_pipeline": True, "sharding.prefetch_passes": 4, "pipeline": {"name": "prefetch"},
+    "sharding.prefetch_passes": 4, "pipeline": {"name": "prefetch"},
 }
 
 
@@ -187,9 +188,20 @@ def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch():
         assert r.term("prefetch_scratch") + r.term("reserve_prefetch_stream") > 0
 
 
+def _plan_with_schedule(cfg, schedule):
+    """The plan of ``cfg`` run with another schedule of its pipeline (a study's variant):
+    the memory facts come from the schedule (recpipe.pipelines.schedule.memory_facts)."""
+    from recpipe.pipelines.schedule import memory_facts
+    from recpipe.planner.spec import PipelineSpec
+
+    inputs = inputs_from_config(cfg)
+    facts = {**dataclasses.asdict(inputs.pipeline), **memory_facts(schedule)}
+    return estimate_memory(dataclasses.replace(inputs, pipeline=PipelineSpec(**facts)))
+
+
 def test_prefetch_early_splits_hold_the_next_input_dist_through_the_backward():
     plain = plan_from_config(cached_cfg()).ranks[0]
-    early = plan_from_config(cached_cfg(**{"pipeline.input_dist_wait": "before_forward_early_splits"})).ranks[0]
+    early = _plan_with_schedule(cached_cfg(), variants.PREFETCH_EARLY_SPLITS).ranks[0]
     assert plain.term("input_dist_sent_kjts") == 0 < early.term("input_dist_sent_kjts")
     assert early.hbm_allocated_bytes == plain.hbm_allocated_bytes + early.term("input_dist_sent_kjts")
 
@@ -288,7 +300,7 @@ def test_pipelines_order_by_memory():
 
 def test_new_lookup_stream_adds_a_pool_and_stash_adds_dense_grads():
     base = plan_from_config(fused_cfg("fused_sparse_dist")).ranks[0]
-    new = plan_from_config(fused_cfg("fused_sparse_dist", **{"pipeline.emb_lookup_stream": "new"})).ranks[0]
+    new = _plan_with_schedule(fused_cfg("fused_sparse_dist"), variants.FUSED_LOOKUP_ON_OWN_STREAM).ranks[0]
     assert "reserve_lookup_stream" in {t.name for t in new.terms} and "reserve_lookup_stream" not in {t.name for t in base.terms}
     assert new.hbm_allocated_bytes == base.hbm_allocated_bytes
     assert new.hbm_reserved_bytes > base.hbm_reserved_bytes  # the dist pool's staging no longer reuses lookup blocks
@@ -352,7 +364,7 @@ def _write(tmp_path, data) -> str:
 def test_cli_table(tmp_path, capsys):
     path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [100_000] * 4},
                              "data": {"batch_size": 2048, "synthetic": {"mean_pooling_factors": 4.0}},
-                             "sharding": {"default": {"kernel": "fused_uvm_caching"}, "prefetch_pipeline": True,
+                             "sharding": {"default": {"kernel": "fused_uvm_caching"},
                                           "prefetch_passes": 4, "prefetch_min_pass_size": 256, "hbm_gb": 40},
                              "pipeline": {"name": "prefetch"}, "distributed": {"nproc": 2}})
     assert main(["plan", "--config", path]) == 0
@@ -362,7 +374,7 @@ def test_cli_table(tmp_path, capsys):
 
 
 def test_cli_json(tmp_path, capsys):
-    path = _write(tmp_path, {"sharding": {"default": {"kernel": "fused_uvm_caching"}, "prefetch_pipeline": True,
+    path = _write(tmp_path, {"sharding": {"default": {"kernel": "fused_uvm_caching"},
                                           "prefetch_passes": 2}, "pipeline": {"name": "prefetch"}})
     assert main(["plan", "--config", path, "--format", "json", "--set", "distributed.nproc=2"]) == 0
     doc = json.loads(capsys.readouterr().out)

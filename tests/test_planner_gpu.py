@@ -45,7 +45,7 @@ _CACHED = {"sharding.default": {"kernel": "fused_uvm_caching", "cache_load_facto
 
 
 def _prefetch(passes: int) -> dict:
-    return {**_CACHED, "sharding.prefetch_pipeline": True, "sharding.prefetch_passes": passes,
+    return {**_CACHED, "sharding.prefetch_passes": passes,
             "sharding.prefetch_min_pass_size": 65536, "pipeline": {"name": "prefetch"}}
 
 
@@ -149,7 +149,7 @@ def test_estimate_matches_measured(name, process_group):
     meas = _measure(cfg, name)
     row = {
         "config": name, "pipeline": cfg.pipeline.name, "kernel": cfg.sharding.default.kernel,
-        "passes": cfg.sharding.prefetch_passes if cfg.sharding.prefetch_pipeline else 0,
+        "passes": cfg.sharding.prefetch_passes if cfg.cache_line_locking else 0,
         "est_allocated": rank.hbm_allocated_bytes, "meas_allocated": meas["allocated"],
         "err_allocated": _err(rank.hbm_allocated_bytes, meas["allocated"]),
         "est_reserved": rank.hbm_reserved_bytes, "meas_reserved": meas["reserved"],

@@ -38,6 +38,8 @@ outputs in semi_sync, the dense arch's activations and its output's gradient.
 
 from __future__ import annotations
 
+import dataclasses
+
 import gc
 import json
 from pathlib import Path
@@ -46,6 +48,7 @@ import pytest
 import torch
 
 from recpipe.config import load_config
+from study_schedules import schedule_variants as variants
 from recpipe.distributed import launch_local
 
 PIPELINES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync")
@@ -133,25 +136,46 @@ def live_bytes_at_tbe_backward(prof) -> list[dict]:
     return out
 
 
-def _measure(cfg, rank: int) -> list[dict[str, int]]:
+def _pipeline(cfg, sharded, schedule=None):
+    """The configured pipeline, or its pipeline run with another schedule (a study's variant)."""
+    from recpipe.pipelines import PIPELINES, make_pipeline
+
+    if schedule is None:
+        return make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
+    return PIPELINES[cfg.pipeline.name](sharded.model, sharded.optimizer, torch.device("cpu"), schedule=schedule)
+
+
+def _inputs(cfg, schedule=None):
+    """The planner's inputs for ``cfg``, with the memory facts of ``schedule`` if given."""
+    from recpipe.pipelines.schedule import memory_facts
+    from recpipe.planner import inputs_from_config
+    from recpipe.planner.spec import PipelineSpec
+
+    inputs = inputs_from_config(cfg)
+    if schedule is None:
+        return inputs
+    facts = {**dataclasses.asdict(inputs.pipeline), **memory_facts(schedule)}
+    return dataclasses.replace(inputs, pipeline=PipelineSpec(**facts))
+
+
+def _measure(cfg, rank: int, schedule=None) -> list[dict[str, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     from recpipe.data.synthetic import SyntheticClickLog
     from recpipe.models import make_model
-    from recpipe.pipelines import make_pipeline
     from recpipe.sharding import shard_model
 
     log = SyntheticClickLog(cfg)
     batches = [log.batch(rank=rank, split="train", epoch=0, index=i) for i in range(STEPS + 2)]
     torch.manual_seed(cfg.train.seed)
     sharded = shard_model(make_model(cfg), cfg, torch.device("cpu"))
-    warm = make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
+    warm = _pipeline(cfg, sharded, schedule)
     it = iter(batches[:3])
     with pytest.raises(StopIteration):  # three steps, then drained
         while True:
             warm.progress(it)
     warm.detach()
-    pipeline = make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
+    pipeline = _pipeline(cfg, sharded, schedule)
     it = iter(batches)
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(STEPS):
@@ -160,7 +184,7 @@ def _measure(cfg, rank: int) -> list[dict[str, int]]:
     return live_bytes_at_tbe_backward(prof)
 
 
-def _worker(cfgs: dict, out_dir: str) -> None:
+def _worker(cfgs: dict, out_dir: str, schedules: dict | None = None) -> None:
     import torch.distributed as dist
 
     from recpipe.distributed import init_process_group, shutdown_process_group
@@ -168,18 +192,17 @@ def _worker(cfgs: dict, out_dir: str) -> None:
     init_process_group(next(iter(cfgs.values())))
     rank = dist.get_rank()
     try:
-        results = {name: _measure(cfg, rank) for name, cfg in cfgs.items()}
+        results = {name: _measure(cfg, rank, (schedules or {}).get(name)) for name, cfg in cfgs.items()}
     finally:
         shutdown_process_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def predicted(cfg, rank: int, phase: str) -> dict[str, int]:
+def predicted(cfg, rank: int, phase: str, schedule=None) -> dict[str, int]:
     """The plan's items alive at the start of the TBE backward (``phase``) that a CPU run makes."""
-    from recpipe.planner import inputs_from_config
     from recpipe.planner.memory import alive_items, phase_items, rank_io
 
-    inputs = inputs_from_config(cfg)
+    inputs = _inputs(cfg, schedule)
     io = rank_io(inputs, rank)
     items = {name: b for name, b, _, _ in alive_items(inputs, io)}
     for name, b, _ in phase_items(inputs, io)[phase]:
@@ -224,19 +247,19 @@ def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_
     counts; and the plan counts nothing more than is alive (one-sided: Gloo's late
     releases only add to the measurement)."""
     cfgs = {name: _config(name, 2) for name in ("sparse_dist", "fused_sparse_dist")}
-    # prefetch launches the next input dist before the backward only with early splits
-    cfgs["prefetch/early_splits"] = load_config(None, {**_CONFIG, "distributed.nproc": 2, "pipeline": {
-        "name": "prefetch", "input_dist_wait": "before_forward_early_splits"}})
-    launch_local(_worker, 2, cfgs, str(tmp_path))
+    # prefetch launches the next input dist before the backward only with early splits (a study's schedule)
+    cfgs["prefetch/early_splits"] = _config("prefetch", 2)
+    schedules = {"prefetch/early_splits": variants.PREFETCH_EARLY_SPLITS}
+    launch_local(_worker, 2, cfgs, str(tmp_path), schedules)
     report, bad = [], []
     for rank in range(2):
         measured = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for key, cfg in cfgs.items():
             steps = measured[key]
             assert len(steps) == STEPS, f"{key}: {len(steps)} TBE backwards profiled"
-            items = predicted(cfg, rank, _later_phase(cfg))
+            items = predicted(cfg, rank, _later_phase(cfg), schedules.get(key))
             assert items["input_dist_sent_kjts"] > 0
-            pending = _pending_input_dists(cfg)
+            pending = _inputs(cfg, schedules.get(key)).pipeline.pending_input_dists
             unseen = []
             for i, m in enumerate(steps[1:]):
                 by_age = {int(age): b for age, b in m["input_dist_by_age"].items()}
@@ -263,13 +286,6 @@ def test_two_ranks_hold_the_next_batch_s_sent_kjt_and_nothing_the_plan_adds(tmp_
                                  sum(items.values()), min(totals), bad, one_sided=True))
     print("\n".join(report))
     assert not bad, "\n".join(bad)
-
-
-def _pending_input_dists(cfg) -> int:
-    """Batches whose sent KJT the plan counts at the TBE backward (PipelineSpec.pending_input_dists)."""
-    from recpipe.planner import inputs_from_config
-
-    return inputs_from_config(cfg).pipeline.pending_input_dists
 
 
 def _later_phase(cfg) -> str:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
 from recpipe.distributed import init_process_group, launch_local
+from study_schedules import schedule_variants as variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -28,8 +29,9 @@ def _numerics(cfg) -> None:
     batches = make_batches(cfg, 8, dist.get_rank())
     reference = train(cfg, "base", batches, device=device)
     assert all(v.dtype == torch.float16 for k, v in reference.state.items() if "embedding_bags" in k)
-    for name, options in [("sparse_dist", {}), ("fused_sparse_dist", {}), ("fused_sparse_dist", {"emb_lookup_stream": "new"}),
-                          ("fused_sparse_dist", {"emb_lookup_stream": "data_dist"}), ("prefetch", {})]:
+    for name, options in [("sparse_dist", {}), ("fused_sparse_dist", {}),
+                          ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_OWN_STREAM}),
+                          ("fused_sparse_dist", {"schedule": variants.FUSED_LOOKUP_ON_DIST}), ("prefetch", {})]:
         assert_same(reference, train(cfg, name, batches, device=device, **options), f"cuda fp16/bf16 {name} {options}")
     for start_batch, stash in [(0, False), (2, True)]:
         got = train(cfg, "semi_sync", batches, device=device, start_batch=start_batch, stash_gradients=stash)

@@ -12,7 +12,7 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from recpipe.pipelines import cache_fill  # noqa: E402
+from recpipe.speedups import cache_fill  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
 dev = torch.device("cuda")

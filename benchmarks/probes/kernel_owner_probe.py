@@ -22,7 +22,7 @@ from recpipe.bench.trace import parse_chrome_trace
 from recpipe.config import load_config
 from recpipe.distributed import init_process_group
 
-HBM = "+".join(f"sharding.tables.t_cat_{i}.kernel=fused+sharding.tables.t_cat_{i}.cache_load_factor=null" for i in range(4)) + "+sharding.prefetch_pipeline=false"
+HBM = "+".join(f"sharding.tables.t_cat_{i}.kernel=fused+sharding.tables.t_cat_{i}.cache_load_factor=null" for i in range(4))
 RUNS = [("prefetch", "recpipe"), ("prefetch", "torchrec"), (f"sparse_dist:{HBM}", "recpipe")]
 STEPS = 3
 

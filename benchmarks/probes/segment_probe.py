@@ -20,7 +20,7 @@ from recpipe.bench.sweep import _empty_cache
 from recpipe.bench.uvm_cache import COUNTERS, read_counters, stats_fused_params
 from recpipe.config import load_config
 from recpipe.distributed import init_process_group
-from recpipe.pipelines.prefetch import _cached_tbes
+from recpipe.pipelines.prefetch import cached_tbes
 
 out_path = sys.argv[1]
 LF, ALPHA = float(sys.argv[2]) if len(sys.argv) > 2 else 0.2, float(sys.argv[3]) if len(sys.argv) > 3 else 0.6
@@ -36,11 +36,11 @@ results = []
 
 
 def locks(model):
-    return [int(t.lxu_cache_locking_counter.sum()) for t in _cached_tbes(model)]
+    return [int(t.lxu_cache_locking_counter.sum()) for t in cached_tbes(model)]
 
 
 def lists(model):
-    return [(len(t.lxu_cache_locations_list), len(t.timesteps_prefetched), t.timestep) for t in _cached_tbes(model)]
+    return [(len(t.lxu_cache_locations_list), len(t.timesteps_prefetched), t.timestep) for t in cached_tbes(model)]
 
 
 for variant in variants:

@@ -58,7 +58,7 @@ from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
 from recpipe.models import make_model
-from recpipe.pipelines.prefetch import _cached_tbes  # the one finder of lock-cached TBEs (torchrec hides them)
+from recpipe.pipelines.prefetch import cached_tbes  # the one finder of lock-cached TBEs (torchrec hides them)
 from recpipe.pipelines.sharded import find_sharded_modules
 from recpipe.pipelines.steps import dense_params
 from recpipe.pipelines.streams import use_stream
@@ -276,7 +276,7 @@ def _build(cfg: RecpipeConfig, device: torch.device) -> _Bench:
     sharded = shard_model(make_model(cfg), cfg, device)
     model = sharded.model
     ddp = next((x for x in model.modules() if isinstance(x, DistributedDataParallel)), None)
-    cached = _cached_tbes(model) if device.type == "cuda" else []
+    cached = cached_tbes(model) if device.type == "cuda" else []
     stream = torch.cuda.Stream(device=device) if cached else None
     dense_model = ddp.module if ddp is not None else model
     return _Bench(model, sharded.optimizer, find_sharded_modules(model), device, dense_model, cached, stream)
@@ -378,7 +378,7 @@ def _na(cfg: RecpipeConfig, stage: str, ran_prefetch: bool) -> str:
     cached = cached_tables(cfg)
     if not cached:
         return "n/a: no fused_uvm_caching table"
-    if not cfg.sharding.prefetch_pipeline:
+    if not cfg.cache_line_locking:
         return f"n/a: cached tables {cached} without sharding.prefetch_pipeline prefetch inside the lookup (in c1)"
     return "n/a: CPU run (no UVM cache)" if not ran_prefetch else "not run"
 

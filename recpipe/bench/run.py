@@ -34,10 +34,12 @@ from recpipe.bench.uvm_cache import (
     stats_fused_params,
     unavailable,
 )
-from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, apply_override, config_from_dict
+from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model
-from recpipe.pipelines import PipelineError, make_pipeline
+from recpipe.errors import PipelineError
+from recpipe.pipelines.options import PipelineOptions
+from recpipe.pipelines.registry import make_pipeline
 from recpipe.sharding import shard_model
 
 if TYPE_CHECKING:
@@ -109,17 +111,15 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
     if name == "prefetch" and prefetch_unavailable(probe):
         return None, overrides, prefetch_unavailable(probe)
     if name != cfg.pipeline.name:
-        common = {k: v for k, v in raw["pipeline"].items() if k in BasePipelineConfig.model_fields and k != "name"}
+        common = {k: v for k, v in raw["pipeline"].items() if k in PipelineOptions.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
     pipe_opts = pipeline_options(options)
     raw["pipeline"].update(pipe_opts)
     overrides.update({f"pipeline.{k}": v for k, v in pipe_opts.items()})
-    if name != "prefetch" and probe.sharding.prefetch_pipeline:
-        raw["sharding"].update(prefetch_pipeline=False, prefetch_passes=1)
-        overrides["sharding.prefetch_pipeline"] = False
-        if probe.sharding.prefetch_passes != 1:
-            overrides["sharding.prefetch_passes"] = 1
+    if name != "prefetch" and probe.cache_line_locking and probe.sharding.prefetch_passes != 1:
+        raw["sharding"].update(prefetch_passes=1)  # multi-pass prefetch is the prefetch pipeline's
+        overrides["sharding.prefetch_passes"] = 1
     try:
         return config_from_dict(raw, f"bench config for {name}"), overrides, ""
     except ConfigError as err:  # e.g. semi_sync on UVM-cached tables (no cache-line locking)

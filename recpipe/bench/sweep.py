@@ -50,7 +50,7 @@ from recpipe.bench.run import (
 from recpipe.bench.uvm_cache import cached_tables, counter_delta, prefetch_unavailable, read_counters, unavailable
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict
 from recpipe.data import Batch
-from recpipe.pipelines.prefetch import _cached_tbes
+from recpipe.pipelines.prefetch import cached_tbes
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR
 
 __all__ = ["SWEPT", "WIN_MARGIN", "parse_grid", "point_config", "recommend", "run_sweep", "skip_reason"]
@@ -113,7 +113,7 @@ def _empty_cache(model: torch.nn.Module) -> None:
     with no batch in flight (after a drain: no line is locked)."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()  # host sync: the drain's work on every stream is done before the flush
-    for tbe in _cached_tbes(model, locked=False):
+    for tbe in cached_tbes(model, locked=False):
         tbe.flush()
         tbe.reset_cache_states()
 

@@ -7,7 +7,7 @@ recpipe            TorchRec class                       options passed
 =================  ===================================  ==========================================
 base               TrainPipelineBase                    -
 sparse_dist        TrainPipelineSparseDist              execute_all_batches=True
-fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream (config; recpipe's default current)
+fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream="current" (recpipe's stream)
 semi_sync          TrainPipelineSemiSync                start_batch, stash_gradients (config; recpipe's
                                                         default start_batch is 0, TorchRec's 900)
 prefetch           PrefetchTrainPipelineSparseDist      -
@@ -43,38 +43,24 @@ import torch
 from torch import nn
 
 from recpipe.config import RecpipeConfig
+from recpipe.pipelines.registry import PIPELINES
 
-__all__ = ["build_torchrec_pipeline", "pipelined_module_count", "TORCHREC_CLASSES"]
-
-TORCHREC_CLASSES = {
-    "base": "TrainPipelineBase",
-    "sparse_dist": "TrainPipelineSparseDist",
-    "fused_sparse_dist": "TrainPipelineFusedSparseDist",
-    "semi_sync": "TrainPipelineSemiSync",
-    "prefetch": "PrefetchTrainPipelineSparseDist",
-}
-
+__all__ = ["build_torchrec_pipeline", "pipelined_module_count"]
 
 def _options(cfg: RecpipeConfig) -> tuple[dict[str, Any], list[str]]:
-    """TorchRec keyword arguments for ``cfg.pipeline`` and notes on what does not map."""
+    """TorchRec keyword arguments for ``cfg.pipeline`` and notes on what does not map
+    (the pipeline's registry entry says, ``PipelineDef.torchrec_options``)."""
     p = cfg.pipeline
     notes: list[str] = []
     if p.max_batches_ahead is not None:
         notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
-    if p.cuda_graphs:
-        notes.append("pipeline.cuda_graphs is recpipe's: TorchRec's pipeline runs the dense part eagerly")
+    for feature in ("compile", "cuda_graphs", "step_graph"):
+        if getattr(p, feature).enabled:
+            notes.append(f"pipeline.{feature} is recpipe's: TorchRec's pipeline runs the dense part eagerly")
     if p.inputs:
         notes.append(f"pipeline.inputs {sorted(p.inputs)} has no TorchRec counterpart here")
-    if p.name == "base":
-        return {}, notes
-    kwargs: dict[str, Any] = {"execute_all_batches": True}
-    if p.name == "fused_sparse_dist":
-        kwargs["emb_lookup_stream"] = p.emb_lookup_stream
-        if p.emb_lookup != "before_optimizer":
-            notes.append(f"pipeline.emb_lookup={p.emb_lookup!r} has no TorchRec counterpart (it looks up before)")
-    elif p.name == "semi_sync":
-        kwargs.update(start_batch=p.start_batch, stash_gradients=p.stash_gradients)
-    return kwargs, notes
+    kwargs, own_notes = PIPELINES[p.name].torchrec_options(p)
+    return kwargs, notes + own_notes
 
 
 def build_torchrec_pipeline(
@@ -83,7 +69,7 @@ def build_torchrec_pipeline(
     """(pipeline, the options it was given, notes) for ``cfg.pipeline.name``."""
     from torchrec.distributed.train_pipeline import train_pipelines
 
-    cls = getattr(train_pipelines, TORCHREC_CLASSES[cfg.pipeline.name])
+    cls = getattr(train_pipelines, PIPELINES[cfg.pipeline.name].torchrec)
     kwargs, notes = _options(cfg)
     return cls(model, optimizer, device, **kwargs), kwargs, notes
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from recpipe.config import RecpipeConfig
-from recpipe.pipelines.prefetch import _cached_tbes  # the one finder of FBGEMM's cached TBEs
+from recpipe.pipelines.prefetch import cached_tbes  # the one finder of FBGEMM's cached TBEs
 
 __all__ = ["COUNTERS", "cache_metrics", "cached_tables", "prefetch_unavailable", "read_counters", "stats_fused_params",
            "unavailable"]
@@ -64,10 +64,10 @@ def cached_tables(cfg: RecpipeConfig) -> list[str]:
 def prefetch_unavailable(cfg: RecpipeConfig) -> str:
     """Why the prefetch pipeline cannot run on ``cfg``'s tables ('' if it can)."""
     cached = cached_tables(cfg)
-    if cached and cfg.sharding.prefetch_pipeline:
+    if cached and cfg.cache_line_locking:
         return ""
     return ("needs a fused_uvm_caching table and sharding.prefetch_pipeline=true "
-            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.sharding.prefetch_pipeline})")
+            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.cache_line_locking})")
 
 
 def stats_fused_params(cfg: RecpipeConfig) -> dict[str, Any]:
@@ -87,7 +87,7 @@ def unavailable(cfg: RecpipeConfig, device: torch.device) -> str:
 def read_counters(model: torch.nn.Module) -> list[dict[str, int]]:
     """Every cached TBE's counters and its cache row's bytes. Host sync (``tolist``)."""
     out = []
-    for tbe in _cached_tbes(model, locked=False):
+    for tbe in cached_tbes(model, locked=False):
         stats = tbe.get_uvm_cache_stats().tolist()
         weights, state = tbe.lxu_cache_weights, tbe.lxu_cache_state
         out.append({**dict(zip(COUNTERS, stats)), "occupied": int((state >= 0).sum()), "slots": state.numel(),

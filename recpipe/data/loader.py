@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Literal
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from recpipe.callables import load_callable
 from recpipe.config import ConfigError, RecpipeConfig
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
@@ -199,8 +200,6 @@ class CriteoTsvDataset(IterableDataset):
 def user_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int) -> Iterable[Any]:
     """``data.factory(cfg, rank=, world_size=, split=, epoch=, start_batch=)``: the
     user's batches (None = no batches for this split, e.g. no eval data)."""
-    from recpipe.models.factory import load_callable
-
     fn = load_callable(cfg.data.factory, "data.factory")
     try:
         batches = fn(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)

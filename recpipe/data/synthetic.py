@@ -9,7 +9,9 @@ so evaluations at different epochs are comparable.
 
 Per sample and feature ``f`` (table of ``rows_f`` rows):
 
-* length = 1 + Poisson(mean_pooling_factor_f - 1), so every bag has an id;
+* length = 1 + Poisson(mean_pooling_factor_f - 1), so every bag has an id; or, with
+  ``data.multi_hot_sizes``, exactly that many ids (fixed shapes, as MLPerf DLRM-DCNv2's
+  multi-hot data: every batch holds the same number of ids per feature);
 * ids: Zipf(alpha) over ranks ``0..rows_f-1`` (alpha 0 = uniform), sampled by the
   inverse CDF of the continuous density ``x^-alpha`` on ``[0.5, rows_f + 0.5]``
   rounded to the nearest integer (midpoint rule: close to the discrete Zipf law,
@@ -141,7 +143,9 @@ class SyntheticClickLog:
         if max(rows) ** 2 >= 2**63:
             raise ValueError(f"tables of {max(rows)} rows overflow the int64 id permutation")
         num_features = len(rows)
-        pooling = syn.mean_pooling_factors
+        pooling = syn.mean_pooling_factors if cfg.data.multi_hot_sizes is None else list(cfg.data.multi_hot_sizes)
+        self.fixed_lengths = (None if cfg.data.multi_hot_sizes is None
+                              else torch.tensor(cfg.data.multi_hot_sizes, dtype=torch.int32))
         self.mean_pooling = torch.tensor(
             pooling if isinstance(pooling, list) else [pooling] * num_features, dtype=torch.float64
         )
@@ -184,9 +188,12 @@ class SyntheticClickLog:
         dense = torch.floor(torch.exp(self.dense_mu + self.dense_sigma * z)).log1p_()
         num_features = len(self.keys)
         lengths = torch.ones(num_features, size, dtype=torch.int32)
-        if self.drawn.numel():  # some bags hold several ids: per-table constants repeated per id
-            rates = (self.mean_pooling[self.drawn] - 1.0).unsqueeze(1).expand(-1, size).contiguous()
-            lengths[self.drawn] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
+        if self.fixed_lengths is not None or self.drawn.numel():  # per-table constants repeated per id
+            if self.fixed_lengths is not None:  # data.multi_hot_sizes: no draw
+                lengths = self.fixed_lengths.unsqueeze(1).expand(-1, size).contiguous()
+            else:
+                rates = (self.mean_pooling[self.drawn] - 1.0).unsqueeze(1).expand(-1, size).contiguous()
+                lengths[self.drawn] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
             per_feature = lengths.sum(dim=1)
             total = int(per_feature.sum())
             length_per_key = per_feature.tolist()

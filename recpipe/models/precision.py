@@ -73,14 +73,21 @@ class _Numerics:
         self.precision = check_precision(precision)
         self.device_type: str | None = None
 
-    def context(self, module: nn.Module) -> ContextManager[Any]:
+    def resolve(self, module: nn.Module) -> None:
+        """Where the module computes, found once (after DistributedModelParallel placed it)."""
         if self.device_type is None:
             self.device_type = _device_type(module)
             self._warn_once()
-        if self.device_type == "cuda":
-            want = "high" if self.precision == "tf32" else "highest"
-            if torch.get_float32_matmul_precision() != want:
-                torch.set_float32_matmul_precision(want)
+
+    def context(self, module: nn.Module) -> ContextManager[Any]:
+        # Inside a compiled region (recpipe.speedups.compile) only the autocast is traced: the
+        # device was resolved and the matmul precision set by the eager code around it.
+        if not torch.compiler.is_compiling():
+            self.resolve(module)
+            if self.device_type == "cuda":
+                want = "high" if self.precision == "tf32" else "highest"
+                if torch.get_float32_matmul_precision() != want:
+                    torch.set_float32_matmul_precision(want)
         if self.precision == "bf16":
             # No cast cache: each forward casts each weight once anyway (DLRM uses each once),
             # and CUDA graph capture of autocast regions needs it off (make_graphed_callables).

@@ -9,7 +9,11 @@ output dist run inline in the model's own forward.
 
 from __future__ import annotations
 
+from typing import Literal
+
+from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
+from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.schedule import Schedule, Step
 
 SCHEDULE = Schedule(
@@ -25,8 +29,15 @@ SCHEDULE = Schedule(
 ).validate()
 
 
+class Options(PipelineOptions):
+    name: Literal["base"] = "base"
+
+
 class BasePipeline(Pipeline):
     name = "base"
     schedule = SCHEDULE
-    every_schedule = (SCHEDULE,)  # the default first, then the variants options pick
     intercepts = False
+
+
+PIPELINE = PipelineDef("base", BasePipeline, Options, "the plain loop; only the next batch's copy overlaps",
+                       schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE, torchrec="TrainPipelineBase")

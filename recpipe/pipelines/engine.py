@@ -4,6 +4,9 @@ A pipeline is a ``Pipeline`` subclass that names its schedule(s) and, where it
 differs, how a step behaves; this engine owns everything they share: batches in
 flight (slots), fill and drain, the end-of-data agreement across ranks, the GPU
 fences named by ``Step.waits``, the sharded-module interception, and user hooks.
+Speed features (``recpipe.speedups``) are applied to the model and to the pipeline
+from outside, through two public hooks: ``wrap_step`` (a step's function, wrapped)
+and ``replace_schedule`` (another schedule, with step functions of its own).
 
 Slots: ``_slots[k]`` holds the batch k places ahead of the one being trained.
 Each ``progress()`` runs the schedule's steps in order on the batches in their
@@ -33,7 +36,6 @@ iterator object reused). So every batch is trained exactly once, on every rank.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
@@ -44,7 +46,8 @@ import torch.distributed as dist
 from torch import nn
 
 from recpipe.distributed import control_group
-from recpipe.pipelines import graphs, optimizer_graph, sharded, steps
+from recpipe.errors import PipelineError
+from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
@@ -107,9 +110,7 @@ class Pipeline:
 
     name = "pipeline"
     schedule: Schedule
-    every_schedule: tuple[Schedule, ...] = ()  # for `recpipe schedule`: the default first, then variants
     intercepts = True  # does forward take prepared inputs from the pipeline?
-    lookup_stream = "dist"
 
     def __init__(
         self,
@@ -117,36 +118,30 @@ class Pipeline:
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
+        schedule: Schedule | None = None,
         max_batches_ahead: int | None = None,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
-        cuda_graphs: bool = False,
-        cuda_graph_modules: list[str] | tuple[str, ...] = (),
-        cuda_graph_optimizer: bool = True,
         splits_exchange: str = "device",
-        pooled_output: str = "grouped",
     ) -> None:
-        if uneven_data not in ("pad", "error"):
-            raise ValueError(f"uneven_data={uneven_data!r}: choose 'pad' or 'error'")
-        if pooled_output not in ("grouped", "concatenated"):
-            raise ValueError(f"pooled_output={pooled_output!r}: choose 'grouped' or 'concatenated'")
-        self.pooled_grouped = pooled_output == "grouped"
-        if splits_exchange not in ("device", "host"):
-            raise ValueError(f"splits_exchange={splits_exchange!r}: choose 'device' or 'host'")
+        """``schedule``: run this schedule instead of the pipeline's own (a variant order,
+        made of the steps this pipeline has functions for). The other
+        options are the ``pipeline`` config section's common keys
+        (``recpipe.pipelines.options.PipelineOptions``, where they are validated)."""
+        if schedule is not None:
+            self.schedule = schedule.validate()
         self.splits_exchange = splits_exchange
-        if max_batches_ahead is not None and max_batches_ahead < 1:
-            raise ValueError(f"max_batches_ahead={max_batches_ahead} must be >= 1 (or None)")
         self.model = model
         self.optimizer = optimizer
         self.device = device
         self.max_batches_ahead = max_batches_ahead
         self.uneven_data = uneven_data
-        self.streams = Streams.create(device, self.all_roles(), self.lookup_stream)
+        self.streams = Streams.create(device, self.all_roles())
         self._modules = sharded.find_sharded_modules(model) if self.intercepts else {}
         self.inputs = dict(inputs or {})
         unknown = sorted(set(self.inputs) - set(self._modules))
         if unknown:
-            raise sharded.PipelineError(
+            raise PipelineError(
                 f"inputs names {unknown}, which are not sharded modules of the model; its sharded modules are "
                 f"{sorted(self._modules) or 'none (this pipeline does not intercept them)'}"
             )
@@ -156,18 +151,11 @@ class Pipeline:
         self.discovering = False  # inside the first batch's forward
         self.last_loss: torch.Tensor | None = None
         self.last_is_padding = False
-        # Dense modules and the dense optimizer's step replayed as CUDA graphs while attached
-        # (recpipe.pipelines.graphs, recpipe.pipelines.optimizer_graph).
-        self.graphs: list[graphs.GraphedPart] = []
-        self.optimizer_graphs: list[optimizer_graph.GraphedOptimizerStep] = []
-        if cuda_graphs:
-            if device.type != "cuda":
-                raise sharded.PipelineError(f"pipeline.cuda_graphs=true needs a CUDA device (this pipeline runs on {device})")
-            self.graphs = graphs.graph_parts(model, list(cuda_graph_modules))
-            if cuda_graph_optimizer:
-                self.optimizer_graphs = optimizer_graph.graph_steps(optimizer, device)
-        elif cuda_graph_modules:
-            warnings.warn(f"pipeline.cuda_graph_modules={list(cuda_graph_modules)} is ignored: pipeline.cuda_graphs is false")
+        # Speed features applied to this pipeline and its model (recpipe.speedups), for repr.
+        self.applied: list[Any] = []
+        # Step functions wrapped by speed features or studies (wrap_step), in the order applied.
+        self._wrappers: dict[str, list[Callable[[Callable], Callable]]] = {}
+        self._extra_steps: dict[str, Callable[["Pipeline", "InFlight"], None]] = {}  # replace_schedule's
         self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
         self._recent: OrderedDict[int, InFlight] = OrderedDict()  # for delta=-1 waits and the rate limiter
@@ -197,9 +185,46 @@ class Pipeline:
 
     def after_optimizer_step(self, batch: Any) -> None: ...
 
+    # --------------------------------------------- for speed features and studies
+    def wrap_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+        """Run step ``name`` as ``wrapper(fn)(pipeline, batch)``, ``fn`` being the step's
+        function so far (a speed feature: ``recpipe.speedups.cache_fill``; a study: a clock
+        around a step). Before the first ``progress()``, with no batch in flight."""
+        if name not in {s.name for sched in self.schedules() for s in sched.steps}:
+            raise PipelineError(f"{self.name}: no step {name!r} to wrap in its schedules")
+        self._check_idle("wrap a step")
+        self._wrappers.setdefault(name, []).append(wrapper)
+        self._plans.clear()
+
+    def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[["Pipeline", "InFlight"], None]],
+                         *, intercepts: bool) -> None:
+        """Run ``schedule`` from now on, its steps without a function of this pipeline
+        taken from ``functions`` (``recpipe.speedups.step_graph``: the whole training step
+        as one CUDA graph). ``intercepts``: whether its steps hand sharded modules their
+        prepared inputs (False: the model's sharded modules run their own forward)."""
+        self._check_idle("change its schedule")
+        missing = [s.name for s in schedule.steps if s.name not in functions and s.name not in steps.STEPS]
+        if missing:
+            raise PipelineError(f"{self.name}: schedule {schedule.name} has steps {missing} without a function")
+        if self.attached:
+            self.detach()
+        self.schedule = schedule
+        self._extra_steps = dict(functions)
+        self._modules = self._modules if intercepts else {}
+        self._sources = None if self._modules else {}
+        self.streams = Streams.create(self.device, self.all_roles() | schedule.roles)
+        self._slots = [None] * schedule.depth
+        self._depth = schedule.depth
+        self._plans.clear()
+        self.attach()
+
+    def _check_idle(self, what: str) -> None:
+        if self.in_flight():
+            raise PipelineError(f"{self.name}: cannot {what} with batches in flight")
+
     # ------------------------------------------------------ for subclasses
     def all_roles(self) -> frozenset[str]:
-        return self.schedule.roles
+        return frozenset().union(*(s.roles for s in self.schedules()))
 
     def schedules(self) -> list[Schedule]:
         """Every schedule this pipeline may run (pipelines with phases override)."""
@@ -210,9 +235,16 @@ class Pipeline:
         return self.schedule
 
     def step_function(self, name: str) -> Callable[["Pipeline", InFlight], None]:
-        """The function of step ``name``. Resolved once per schedule, on the first
-        ``progress()`` (after every subclass ``__init__`` has run)."""
-        return steps.STEPS[name]
+        """The function of step ``name`` (subclasses override it for their own steps).
+        Resolved once per schedule, on the first ``progress()`` (after every subclass
+        ``__init__`` has run)."""
+        return self._extra_steps.get(name) or steps.STEPS[name]
+
+    def _step_function(self, name: str) -> Callable[["Pipeline", InFlight], None]:
+        fn = self._extra_steps.get(name) or self.step_function(name)
+        for wrapper in self._wrappers.get(name, ()):
+            fn = wrapper(fn)
+        return fn
 
     def _sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
         return steps.sharded_forward(self, batch, fqn, module)
@@ -279,7 +311,7 @@ class Pipeline:
         needs = ("to", "record_stream") if self.device.type == "cuda" else ("to",)
         missing = [m for m in needs if not callable(getattr(batch.host, m, None))]
         if missing:
-            raise sharded.PipelineError(
+            raise PipelineError(
                 f"{self.name}: the batch ({type(batch.host).__name__}) has no {' or '.join(missing)} method; pipelines "
                 "copy batches ahead on their own streams, so a batch must be a torchrec Pipelineable: "
                 "to(device, non_blocking) -> batch and record_stream(stream) (docs/models.md)"
@@ -316,21 +348,17 @@ class Pipeline:
     def attach(self) -> None:
         if not self.attached:
             sharded.install(self, self._modules)
-            graphs.install(self.graphs)
-            optimizer_graph.install(self.optimizer_graphs)
             self.attached = True
 
     def detach(self) -> None:
         """Restore the sharded modules' own forward. Only with no batch in flight."""
         if self.in_flight():
-            raise sharded.PipelineError(
+            raise PipelineError(
                 f"{self.name}: cannot detach with {self.in_flight()} batches in flight; "
                 "call progress() until StopIteration first"
             )
         sharded.remove(self._modules)
         sharded.remove_splits_only(self._modules)
-        graphs.remove(self.graphs)
-        optimizer_graph.remove(self.optimizer_graphs)
         self._splits_fused = False
         self.attached = False
 
@@ -351,8 +379,7 @@ class Pipeline:
         lines = [f"{type(self).__name__}(schedule={self.schedule.name}, depth={self.schedule.depth})"]
         lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in self._modules.items()]
         lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(self._modules)]
-        lines += [f"  cuda graphs: {part!r}" for part in self.graphs]
-        lines += [f"  cuda graphs: {step!r}" for step in self.optimizer_graphs]
+        lines += [f"  {line}" for applied in self.applied for line in repr(applied).splitlines()]
         return "\n".join(lines)
 
     # ------------------------------------------------------------ internals
@@ -384,7 +411,7 @@ class Pipeline:
         for step in schedule.steps:
             stream = self.streams.by_role(step.stream)
             fences = tuple((dep, delta) for dep, delta in step.waits if not same_stream(dep, stream))
-            ops.append(_Op(step, self.step_function(step.name), stream, fences, step.name in waited and stream is not None))
+            ops.append(_Op(step, self._step_function(step.name), stream, fences, step.name in waited and stream is not None))
         plan = (schedule, ops, {op.step.name: op for op in ops})
         self._plans[id(schedule)] = plan
         return plan
@@ -450,7 +477,7 @@ class Pipeline:
         if is_padding:
             template = self._last_host if self._last_host is not None else self.padding_template
             if self.uneven_data == "error" or template is None:
-                raise sharded.PipelineError(
+                raise PipelineError(
                     f"{self.name}: this rank ran out of data after {self._fetched} batches while {have} of "
                     f"{total} ranks still have data; give every rank the same number of batches or set "
                     "pipeline.uneven_data=pad (ranks that run out then train zero-weight padding batches)"
@@ -458,7 +485,7 @@ class Pipeline:
             zero_loss = not hasattr(template, "as_padding")
             host = template if zero_loss else template.as_padding()
         elif have is not None and have < total and self.uneven_data == "error":
-            raise sharded.PipelineError(
+            raise PipelineError(
                 f"{self.name}: {total - have} of {total} ranks ran out of data at batch {self._fetched} while this "
                 "rank still has data; give every rank the same number of batches or set pipeline.uneven_data=pad"
             )

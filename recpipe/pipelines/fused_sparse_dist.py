@@ -3,26 +3,33 @@ backward has updated the tables, overlapping the dense optimizer step.
 
 The fused TBE backward applies the embedding optimizer in place, so once it is
 done the lookup (TBE forward + output all-to-all) of i+1 reads exactly the weights
-``sparse_dist`` would read: bit-identical numerics. The lookup stream is fenced on
-an event recorded after backward(i) — TorchRec 1.8 does not fence here, so its
-lookup on a side stream can race the update (see the reference notes, PR #4497).
-Two schedules: the lookup before the dense optimizer (default) or after it. The
-lookup runs on the compute stream by default (``emb_lookup_stream='current'``:
-stream order is then the fence, and its outputs stay in the compute stream's
-allocator pool), on the input-dist stream, or on a stream of its own.
-Modules with feature processors are refused: their output depends on dense
-parameters the optimizer has not stepped yet (TorchRec PR #2916).
+``sparse_dist`` would read: bit-identical numerics. The lookup runs on the compute
+stream, right after backward(i) in stream order — TorchRec 1.8 runs it on a side
+stream without a fence, where it can race the update (see the reference notes, PR
+#4497). On the compute stream its outputs also stay in the compute stream's allocator
+pool: on one H100 at 65536 samples it stepped 4 % faster than on the input-dist stream
+(TorchRec's ``data_dist``) with 2 % less reserved memory; the bench gives TorchRec's
+pipeline the same stream.
+
+The lookup comes before the dense optimizer step of batch i, unless the dense
+optimizer updates embedding tables (``data_parallel`` tables): then the lookup waits
+for that step (``SCHEDULE_AFTER_OPTIMIZER``). Modules with feature processors are
+refused: their output depends on dense parameters the optimizer has not stepped yet
+(TorchRec PR #2916).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded
+from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
+from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.schedule import Schedule, Step
 
 _HEAD = (
@@ -33,57 +40,57 @@ _HEAD = (
     Step("input_dist_wait", "dist", 1),
     Step("backward", "compute", 0),
 )
-# Fenced on the previous batch's backward: the TBE update it applies must land first.
-_LOOKUP = Step("lookup", "lookup", 1, waits=(("input_dist_wait", 0), ("backward", -1)))
+# Fenced on the previous batch's backward: the TBE update it applies must land first (on the
+# compute stream, stream order is that fence; a schedule with the lookup on another stream needs it).
+LOOKUP = Step("lookup", "compute", 1, waits=(("input_dist_wait", 0), ("backward", -1)))
 _OPTIMIZER = Step("optimizer", "compute", 0)
 
 SCHEDULE = Schedule(
     "fused_sparse_dist",
-    (*_HEAD, _LOOKUP, _OPTIMIZER),
+    (*_HEAD, LOOKUP, _OPTIMIZER),
     doc="Lookup of batch i+1 right after backward(i), beside the dense optimizer step of batch i.",
 ).validate()
 
 SCHEDULE_AFTER_OPTIMIZER = Schedule(
     "fused_sparse_dist_lookup_after_optimizer",
-    (*_HEAD, _OPTIMIZER, _LOOKUP),
-    doc="Variant: lookup of batch i+1 issued after the dense optimizer step of batch i.",
+    (*_HEAD, _OPTIMIZER, LOOKUP),
+    doc="With data_parallel tables (the dense optimizer updates them): lookup of batch i+1 after optimizer(i).",
 ).validate()
+
+
+class Options(PipelineOptions):
+    name: Literal["fused_sparse_dist"]
 
 
 class FusedSparseDistPipeline(Pipeline):
     name = "fused_sparse_dist"
     schedule = SCHEDULE
-    every_schedule = (SCHEDULE, SCHEDULE_AFTER_OPTIMIZER)  # the default first, then the variants options pick
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        device: torch.device,
-        *,
-        emb_lookup_stream: str = "current",
-        emb_lookup: str = "before_optimizer",
-        **options: Any,
-    ) -> None:
-        streams = {"data_dist": "dist", "new": "new", "current": "compute"}
-        if emb_lookup_stream not in streams:
-            raise ValueError(f"emb_lookup_stream={emb_lookup_stream!r}: choose one of {sorted(streams)}")
-        schedules = {"before_optimizer": SCHEDULE, "after_optimizer": SCHEDULE_AFTER_OPTIMIZER}
-        if emb_lookup not in schedules:
-            raise ValueError(f"emb_lookup={emb_lookup!r}: choose one of {sorted(schedules)}")
-        self.lookup_stream = streams[emb_lookup_stream]
-        self.schedule = schedules[emb_lookup]
-        refused = [fqn for fqn, m in sharded.find_sharded_modules(model).items() if sharded.has_feature_processor(m)]
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
+                 schedule: Schedule | None = None, **options: Any) -> None:
+        modules = sharded.find_sharded_modules(model)
+        refused = [fqn for fqn, m in modules.items() if sharded.has_feature_processor(m)]
         if refused:
-            raise sharded.PipelineError(
+            raise PipelineError(
                 f"fused_sparse_dist cannot pipeline {refused}: they have feature processors, whose dense "
                 "parameters would be read before the optimizer steps them. Use pipeline.name=sparse_dist."
             )
-        stepped = sharded.dense_optimized_tables(sharded.find_sharded_modules(model), optimizer)
-        if stepped and emb_lookup == "before_optimizer":
-            raise sharded.PipelineError(
-                f"fused_sparse_dist looks up batch i+1 before the dense optimizer step of batch i, but {stepped} "
-                "are updated by the dense optimizer (data_parallel tables); set pipeline.emb_lookup=after_optimizer "
-                "or shard those tables with a fused kernel"
+        stepped = sharded.dense_optimized_tables(modules, optimizer)
+        if schedule is None:
+            schedule = SCHEDULE_AFTER_OPTIMIZER if stepped else SCHEDULE
+        elif stepped and schedule.steps.index(_OPTIMIZER) > schedule.steps.index(LOOKUP):
+            raise PipelineError(
+                f"schedule {schedule.name} looks up batch i+1 before the dense optimizer step of batch i, but "
+                f"{stepped} are updated by the dense optimizer (data_parallel tables)"
             )
-        super().__init__(model, optimizer, device, **options)
+        super().__init__(model, optimizer, device, schedule=schedule, **options)
+
+
+def _torchrec_options(options: Any) -> tuple[dict[str, Any], list[str]]:
+    return {"execute_all_batches": True, "emb_lookup_stream": "current"}, []
+
+
+PIPELINE = PipelineDef("fused_sparse_dist", FusedSparseDistPipeline, Options,
+                       "the lookup of batch i+1 right after backward(i), beside the dense optimizer",
+                       schedules=(SCHEDULE, SCHEDULE_AFTER_OPTIMIZER), schedule_of=lambda options: SCHEDULE,
+                       torchrec="TrainPipelineFusedSparseDist", torchrec_options=_torchrec_options)

@@ -36,7 +36,12 @@ STEP_DOC = {
     "backward_outdist": "pooled-embedding backward down to the lookups' outputs: output all-to-all backward only",
     "backward_tbe": "TBE backward of the lookups' outputs: the fused embedding update",
     "optimizer": "dense optimizer step (the embedding optimizer ran inside the TBE backward)",
+    "train_step": "the whole training step (forward, backward, both optimizers) as one CUDA graph replay",
 }
+
+# The stream a step's role names, as the planner calls it ("main": the caller's stream).
+_STREAM_NAMES = {"compute": "main", "memcpy": "memcpy", "dist": "dist", "lookup": "lookup", "prefetch": "prefetch"}
+_BACKWARD = ("backward", "backward_dense", "train_step")
 
 
 @dataclass(frozen=True)
@@ -129,3 +134,52 @@ class Schedule:
         lines += [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         lines += [fmt.format(*r).rstrip() for r in rows]
         return "\n".join(lines)
+
+
+def memory_facts(schedule: Schedule) -> dict[str, object]:
+    """What the planner needs to know about a schedule (the fields of
+    ``recpipe.planner.spec.PipelineSpec``), read off its table at the point where a step's
+    memory peaks: the backward of batch i (offset 0).
+
+    * ``batches_in_flight``: its depth; ``side_streams``: its stream roles besides compute;
+    * ``dist_kjts_in_flight``: batches whose received KJTs are alive there: batch i, and
+      each batch ahead whose ``input_dist_wait`` ran in an earlier call or earlier in this one;
+    * ``pending_input_dists``: batches ahead whose input dist was launched by then but whose
+      consumer (lookup, prefetch or forward) has not run yet;
+    * ``lookup_stream``, ``prefetch``; and for early lookups of batch i+1: before the
+      backward (``early_pooled``), inside it before the TBE update (``early_pooled_at_update``)
+      or after it (``lookup_after_backward``); ``dense_backward_first`` (batch i was looked up
+      before its forward), ``keeps_emb_graph`` (the embedding backward is a step of its own)."""
+    steps = list(schedule.steps)
+    names = [s.name for s in steps]
+    backward = next(i for i, s in enumerate(steps) if s.offset == 0 and s.name in _BACKWARD)
+
+    def position(name: str) -> tuple[int, int] | None:
+        return next(((s.offset, i) for i, s in enumerate(steps) if s.name == name), None)
+
+    def done_by_backward(name: str, k: int) -> bool:
+        """Has step ``name`` run for the batch at offset ``k`` before backward(0)?"""
+        where = position(name)
+        return where is not None and (where[0] > k or (where[0] == k and where[1] < backward))
+
+    ahead = range(1, schedule.depth)
+    consumers = [n for n in names if n in ("lookup", "prefetch", "forward")]
+    first_consumer = min(consumers, key=lambda n: (-position(n)[0], position(n)[1]))
+    lookup = position("lookup")
+    lookup_step = next((s for s in steps if s.name == "lookup"), None)
+    early = lookup is not None and lookup[0] >= 1
+    at_update = early and "backward_outdist" in names and names.index("backward_outdist") < lookup[1]
+    return {
+        "batches_in_flight": schedule.depth,
+        "dist_kjts_in_flight": 1 + sum(done_by_backward("input_dist_wait", k) for k in ahead),
+        "pending_input_dists": sum(done_by_backward("input_dist", k) and not done_by_backward(first_consumer, k)
+                                   for k in ahead),
+        "side_streams": tuple(r for r in STREAM_ROLES if r != "compute" and r in schedule.roles),
+        "lookup_stream": _STREAM_NAMES[lookup_step.stream] if lookup_step is not None else "main",
+        "prefetch": "prefetch" in names,
+        "early_pooled": early and lookup[1] < backward and not at_update,
+        "early_pooled_at_update": at_update,
+        "lookup_after_backward": early and lookup[1] > backward and not at_update,
+        "dense_backward_first": early,
+        "keeps_emb_graph": "backward_emb" in names,
+    }

@@ -29,14 +29,11 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.errors import PipelineError
 from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
 
 if TYPE_CHECKING:
     from recpipe.pipelines.engine import Pipeline
-
-
-class PipelineError(RuntimeError):
-    """A model or call pattern the pipeline cannot run; the message says what to change."""
 
 
 def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:

@@ -9,7 +9,11 @@ the host blocks. Numerically identical to ``base``: only where work runs changes
 
 from __future__ import annotations
 
+from typing import Any, Literal
+
+from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
+from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.schedule import Schedule, Step
 
 SCHEDULE = Schedule(
@@ -27,7 +31,20 @@ SCHEDULE = Schedule(
 ).validate()
 
 
+class Options(PipelineOptions):
+    name: Literal["sparse_dist"]
+
+
 class SparseDistPipeline(Pipeline):
     name = "sparse_dist"
     schedule = SCHEDULE
-    every_schedule = (SCHEDULE,)  # the default first, then the variants options pick
+
+
+def _torchrec_options(options: Any) -> tuple[dict[str, Any], list[str]]:
+    return {"execute_all_batches": True}, []
+
+
+PIPELINE = PipelineDef("sparse_dist", SparseDistPipeline, Options,
+                       "the input all-to-all of batch i+1 overlaps the step of batch i",
+                       schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE,
+                       torchrec="TrainPipelineSparseDist", torchrec_options=_torchrec_options)

@@ -19,7 +19,8 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, Keyed
 
 from recpipe.pipelines.inputs import BatchPath
 from recpipe.pipelines.pooled import GroupedKeyedTensor, grouped
-from recpipe.pipelines.sharded import PipelineError, fuse_splits, install_splits_only
+from recpipe.errors import PipelineError
+from recpipe.pipelines.sharded import fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, use_stream
 
 if TYPE_CHECKING:
@@ -92,13 +93,8 @@ def lookup(pipe: "Pipeline", b: "InFlight") -> None:
         # The input all-to-all's output, made on dist; nothing to do when the lookup
         # runs on dist too (emb_lookup_stream=data_dist, the default).
         pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, stream)
-        b.emb[fqn] = _pooled(pipe, module.compute_and_output_dist(b.ctxs[fqn], data))
+        b.emb[fqn] = grouped(module.compute_and_output_dist(b.ctxs[fqn], data))
         del b.dist_in[fqn]
-
-
-def _pooled(pipe: "Pipeline", result: Any) -> Any:
-    """``pipeline.pooled_output``: the module's output kept as its groups' tensors, or torchrec's."""
-    return grouped(result) if pipe.pooled_grouped else result
 
 
 def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
@@ -190,7 +186,7 @@ def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> A
     data = _dist_input(pipe, b, fqn)
     pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, compute)
     del b.dist_in[fqn]
-    return _pooled(pipe, module.compute_and_output_dist(b.ctxs[fqn], data))
+    return grouped(module.compute_and_output_dist(b.ctxs[fqn], data))
 
 
 def dense_params(optimizer: Any) -> list[torch.Tensor]:

@@ -28,7 +28,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
 from recpipe.planner.memory import LOCATION_BYTES, estimate_memory, module_received_kjt_bytes
-from recpipe.planner.spec import PlannerInputs, ShardSpec, inputs_from_config
+from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec, inputs_from_config
 from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, shard_output_rows, tbe_static
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharders
 
@@ -198,8 +198,12 @@ def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None
         return planner.plan(model, list(make_sharders(cfg).values()))
 
 
-_PIPELINE_TYPE = {"base": "TRAIN_BASE", "sparse_dist": "TRAIN_SPARSE_DIST", "fused_sparse_dist": "TRAIN_SPARSE_DIST",
-                  "semi_sync": "TRAIN_SPARSE_DIST", "prefetch": "TRAIN_PREFETCH_SPARSE_DIST"}
+def torchrec_pipeline_type(pipeline: PipelineSpec) -> str:
+    """TorchRec's planner ``PipelineType`` of the same memory shape: the prefetch pipeline's,
+    the SparseDist family's (an input dist ahead on its own stream), or the plain loop's."""
+    if pipeline.prefetch:
+        return "TRAIN_PREFETCH_SPARSE_DIST"
+    return "TRAIN_SPARSE_DIST" if "dist" in pipeline.side_streams else "TRAIN_BASE"
 
 
 def torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None, *,
@@ -224,7 +228,7 @@ def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_awa
 
     topology = _topology(inputs)
     constraints = constraints_from_config(cfg, inputs)
-    ptype = getattr(PipelineType, _PIPELINE_TYPE[inputs.pipeline.name]) if pipeline_aware else PipelineType.NONE
+    ptype = getattr(PipelineType, torchrec_pipeline_type(inputs.pipeline)) if pipeline_aware else PipelineType.NONE
     estimator = EmbeddingStorageEstimator(topology=topology, constraints=constraints, pipeline_type=ptype)
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=inputs.batch_size, constraints=constraints,
                                      estimator=[estimator])

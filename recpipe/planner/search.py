@@ -79,7 +79,7 @@ def min_prefetch_passes(inputs: PlannerInputs, budget_bytes: int | None = None, 
     budget = budget_bytes or inputs.hbm_capacity_bytes
     key = "sharding.prefetch_passes"
     if not inputs.prefetch_pipeline:
-        raise ValueError("min_prefetch_passes: multi-pass prefetch needs sharding.prefetch_pipeline=true")
+        raise ValueError("min_prefetch_passes: multi-pass prefetch needs pipeline.name=prefetch with UVM-cached tables")
     prev = None
     for m in range(1, max_passes + 1):
         plan = estimate_memory(dataclasses.replace(inputs, prefetch_passes=m))

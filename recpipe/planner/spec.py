@@ -33,6 +33,7 @@ from recpipe.torchrec_args import PRECISION_BYTES, table_wise_ranks
 
 if TYPE_CHECKING:
     from recpipe.config import ModelConfig, RecpipeConfig
+    from recpipe.pipelines.options import PipelineOptions
 
 GiB = 1 << 30
 DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
@@ -177,31 +178,12 @@ class PipelineSpec:
     lookup_stream: str = "main"
 
 
-def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False,
-                  input_dist_wait: str = "after_forward", emb_lookup: str | None = None) -> PipelineSpec:
-    """The :class:`PipelineSpec` of a recpipe pipeline by name."""
-    if name == "base":  # batch i on the device, batch i+1 being copied
-        return PipelineSpec("base", 2, 1, ("memcpy",))
-    if name == "sparse_dist":  # i in fwd/bwd, i+1 after input a2a, i+2 H2D
-        return PipelineSpec("sparse_dist", 3, 2, ("memcpy", "dist"), pending_input_dists=1)
-    if name == "fused_sparse_dist":
-        streams = ("memcpy", "dist", "lookup") if emb_lookup_stream == "new" else ("memcpy", "dist")
-        lookup = {"data_dist": "dist", "new": "lookup"}.get(emb_lookup_stream, "main")
-        return PipelineSpec("fused_sparse_dist", 3, 2, streams, pending_input_dists=1, lookup_after_backward=True,
-                            dense_backward_first=True, lookup_stream=lookup)
-    if name == "semi_sync":  # received KJTs: i (its TBE backward), i+1 (looked up), i+2 (input dist waited)
-        late = emb_lookup == "before_update"
-        return PipelineSpec(
-            "semi_sync", 3, 3, ("memcpy", "dist"), pending_input_dists=1, early_pooled=not late,
-            dense_backward_first=True, keeps_emb_graph=not late, early_pooled_at_update=late,
-            stash_dense_grads=stash_gradients,
-        )
-    if name == "prefetch":  # + prefetched cache locations of batch i+1
-        # early splits: the input dist of i+2 is launched at the start of step i, before backward(i)
-        pending = 1 if input_dist_wait == "before_forward_early_splits" else 0
-        return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True,
-                            pending_input_dists=pending)
-    raise ValueError(f"unknown pipeline {name!r}; choose base, sparse_dist, fused_sparse_dist, semi_sync, prefetch")
+def pipeline_spec(options: "PipelineOptions") -> PipelineSpec:
+    """The :class:`PipelineSpec` of a recpipe pipeline's options (``cfg.pipeline``): read
+    off its schedule by the pipeline's registry entry (``PipelineDef.memory``)."""
+    from recpipe.pipelines.registry import PIPELINES
+
+    return PipelineSpec(**PIPELINES[options.name].memory(options))
 
 
 @dataclass(frozen=True)
@@ -391,7 +373,8 @@ def inputs_from_config(
     """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``):
     the model is built on meta (``recpipe.models.make_model``, so a ``model.factory``
     model too) and its tables checked against the config (``ConfigError``)."""
-    from recpipe.embedding_tables import model_on_meta, validated_tables
+    from recpipe.embedding_tables import model_on_meta
+    from recpipe.torchrec_args import validated_tables
     from recpipe.planner.model_spec import dense_spec, model_notes, pooling_factors, table_specs
 
     W = world_size or cfg.distributed.nproc
@@ -405,14 +388,7 @@ def inputs_from_config(
         shards = shards_for_tables(tables_t, W, tw)
     if hbm_capacity_bytes is None:
         hbm_capacity_bytes = int(cfg.sharding.hbm_gb * GiB) if cfg.sharding.hbm_gb else default_hbm_bytes()
-    p = cfg.pipeline
-    pipe = pipeline_spec(
-        p.name,
-        emb_lookup_stream=getattr(p, "emb_lookup_stream", "current"),
-        stash_gradients=getattr(p, "stash_gradients", False),
-        input_dist_wait=getattr(p, "input_dist_wait", "after_forward"),
-        emb_lookup=getattr(p, "emb_lookup", None),
-    )
+    pipe = pipeline_spec(cfg.pipeline)
     return PlannerInputs(
         tables=tables_t,
         shards=tuple(shards),
@@ -424,7 +400,7 @@ def inputs_from_config(
         dense_optimizer=cfg.optimizer.dense.name,
         pipeline=pipe,
         hbm_capacity_bytes=int(hbm_capacity_bytes),
-        prefetch_pipeline=cfg.sharding.prefetch_pipeline,
+        prefetch_pipeline=cfg.cache_line_locking,
         prefetch_passes=cfg.sharding.prefetch_passes,
         prefetch_min_pass_size=cfg.sharding.prefetch_min_pass_size,
         uvm_host_mapped=cfg.sharding.uvm_host_mapped,

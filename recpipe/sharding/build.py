@@ -25,7 +25,8 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimiz
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recpipe.config import DenseOptimizerConfig, RecpipeConfig
-from recpipe.embedding_tables import TableInfo, find_embedding_modules, validated_tables
+from recpipe.embedding_tables import TableInfo, find_embedding_modules
+from recpipe.torchrec_args import validated_tables
 from recpipe.sharding.data_parallel import DataParallelAcrossRanks
 from recpipe.torchrec_args import (
     apply_weights_precision,

@@ -1,5 +1,5 @@
 """The dense optimizer's step as a CUDA graph (``pipeline.cuda_graphs`` with
-``pipeline.cuda_graph_optimizer``, the default).
+``pipeline.cuda_graphs.optimizer``, the default).
 
 Why: at 8192 samples per GPU a step of a Criteo-sized DLRM is bound by the host, and
 ``torch.optim.Adagrad``'s foreach step spends about 0.8 ms of host time per step
@@ -31,7 +31,7 @@ does on the host, so only optimizers whose host part is known are replayed:
   step), ``fused=True``, tensor-valued hyperparameters.
 
 Lifetime: a ``GraphedOptimizerStep`` is the torch optimizer's instance ``step`` while
-the pipeline is attached (``detached()`` steps eagerly). Its first ``WARMUP_CALLS``
+applied (``recpipe.speedups.cuda_graphs.apply_cuda_graphs``). Its first ``WARMUP_CALLS``
 calls run eagerly (state created, kernels loaded); the next one with the same bindings
 captures (``torch.cuda.graph``, on a side stream; the device is synchronized once) and
 replays. Every call first compares what the graph baked in, its bindings: every
@@ -58,6 +58,8 @@ from typing import Any, Callable
 
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+from recpipe.errors import PipelineError
 
 WARMUP_CALLS = 2  # eager calls with the same bindings before a capture
 MAX_CHANGES = 8  # binding changes after which the step stays eager
@@ -214,8 +216,6 @@ class GraphedOptimizerStep:
         """Capture the step on this call's gradients, then replay it: this call's update.
         The capture runs the step's host part (Adagrad's step counts +1) but none of its
         kernels."""
-        from recpipe.pipelines.sharded import PipelineError
-
         opt = self.optimizer
         static = [p.grad.detach().clone() for p in with_grad]
         host = [opt.state[p][key] for p in with_grad for key in HOST_STATE[type(opt)]]
@@ -238,7 +238,7 @@ class GraphedOptimizerStep:
                 t.copy_(b)
             raise PipelineError(
                 f"pipeline.cuda_graphs: cannot capture the dense optimizer's step ({type(opt).__name__}: "
-                f"{type(err).__name__}: {err}); set pipeline.cuda_graph_optimizer=false to run it eagerly"
+                f"{type(err).__name__}: {err}); set pipeline.cuda_graphs.optimizer=false to run it eagerly"
             ) from err
         if not all(torch.equal(t, b + 1) for t, b in zip(host, before)):
             for t, b in zip(host, before):
@@ -270,20 +270,18 @@ def graph_steps(optimizer: Any, device: torch.device) -> list[GraphedOptimizerSt
             reason = f"its step is already replaced ({vars(opt)['step']!r}: an lr scheduler, or another pipeline?)"
         if reason:
             warnings.warn(f"pipeline.cuda_graphs: the dense optimizer's step ({kind.__module__}.{kind.__name__}) runs "
-                          f"eagerly: {reason}; set pipeline.cuda_graph_optimizer=false to silence this", stacklevel=3)
+                          f"eagerly: {reason}; set pipeline.cuda_graphs.optimizer=false to silence this", stacklevel=3)
             continue
         out.append(GraphedOptimizerStep(opt))
     return out
 
 
 def install(steps: list[GraphedOptimizerStep]) -> None:
-    from recpipe.pipelines.sharded import PipelineError
-
     for graphed in steps:
         own = vars(graphed.optimizer).get("step")
         if own is not None and own is not graphed:
-            raise PipelineError(f"pipeline.cuda_graphs: the dense optimizer's step was replaced ({own!r}) while the "
-                                "pipeline was detached; is another pipeline attached to this optimizer?")
+            raise PipelineError(f"pipeline.cuda_graphs: the dense optimizer's step was already replaced ({own!r}); "
+                                "is another graphed step applied to this optimizer?")
         graphed.optimizer.step = graphed
 
 

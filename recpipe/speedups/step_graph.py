@@ -1,0 +1,564 @@
+"""The whole training step as one CUDA graph: ``pipeline.step_graph``, applied from outside.
+
+With the dense part graphed (``pipeline.cuda_graphs``) a step at 8192 samples is still
+the host's time: torchrec's input dist, lookups and awaitables, FBGEMM's TBE calls and
+the autograd engine launch a few hundred kernels one by one. When every batch has the
+same shapes (Criteo: one id per feature; MLPerf DLRM-DCNv2: a fixed number of ids per
+feature), the step can be captured once and replayed: NVIDIA's MLPerf DLRM submissions
+capture their whole iteration for that reason.
+
+:func:`apply_step_graph` turns a ``base`` or ``sparse_dist`` pipeline into a two-step
+schedule (``recpipe schedule``'s ``step_graph``): the next batch's host-to-device copy
+on the memcpy stream, as before, and ``train_step``: the batch copied into the graph's
+static input buffers, then one replay of the captured step: input dist (one rank:
+nothing to exchange; several ranks: the id all-to-all with splits known from the
+shapes, :class:`FixedSplitsForward`), TBE lookups, output dist, the dense forward and
+backward (the compiled modules when ``pipeline.compile`` is on), the output dist
+backward, the TBE backward with its fused update, the dense gradients' all-reduce and
+the dense optimizer. The step's outputs (loss, logits, labels, weights) are copied out
+of the graph's buffers for the metrics.
+
+Life of a pipeline with a step graph:
+
+1. The first ``capacity_batches`` steps run eagerly (the same steps as ``base``): they
+   create what the first calls create lazily (torchrec's input dists, cuBLAS
+   workspaces, optimizer state) and count each feature's ids per batch.
+2. Capacity: a feature listed in ``capacity`` holds that many ids a batch; the others
+   as many as the measured batches had, if they all had the same (fixed shapes: nothing
+   is padded), else the largest times ``headroom``. Where a capacity is above a batch's
+   ids, the batch is padded (:func:`pad_features`): every feature gets one more bag, the
+   padding bag, holding its missing ids (copies of the feature's own ids); the sharded
+   modules' pooled output loses that bag's row again before the model reads it
+   (:class:`DropPaddingBag`), so its gradient is zero and no table row moves: pooling
+   over padded entries adds nothing. EmbeddingCollection (sequence) outputs have no
+   bag to drop: models with them need fixed shapes.
+3. The next batch that fits is copied into static buffers and the step captured
+   (``torch.cuda.graph``); every later batch with the same shapes is a copy and a
+   replay. A batch over capacity (or of other shapes: a last, smaller batch) trains
+   eagerly on its own, unpadded: counted in ``eager_steps``, named once in a warning,
+   and in ``summary()`` (the trainer's summary.json). On several ranks the ranks agree
+   first (one Gloo all-reduce a step), so all take the same path.
+
+Exactness: a replay launches the captured kernels on the same buffers, so a graphed
+step trains bit-identically to the same pipeline run eagerly on the same (padded)
+batches (GPU tests). The host state the captured step changes is kept as the eager
+step keeps it: the dense optimizer's step counts (Adagrad's, +1 a step) and FBGEMM's
+device ``iter`` counter (captured), so checkpoints are the eager ones.
+
+Refused, with the setting to change (:func:`refusal`): pipelines other than ``base`` and
+``sparse_dist`` (their overlap of two batches is not one step), UVM-cached tables (the
+rows a prefetch moves vary per batch), row_wise tables on several ranks (each rank's
+share of a batch's ids varies), an embedding optimizer whose FBGEMM kernel reads the
+host step count (Adam), DDP (its gradient hooks belong to the default stream),
+``pipeline.cuda_graphs`` beside it (the step graph holds the dense part already), a
+pipeline subclass with per-step hooks (they run on the host each step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, model_validator
+from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
+from torchrec.distributed.types import Awaitable, LazyAwaitable
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from recpipe.distributed import control_group
+from recpipe.errors import PipelineError
+from recpipe.pipelines import sharded, steps
+from recpipe.pipelines.engine import Pipeline
+from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.sections import Section
+from recpipe.speedups.optimizer_graph import HOST_STATE, torch_optimizers
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
+
+__all__ = ["DropPaddingBag", "FixedSplitsForward", "SCHEDULE", "StepGraph", "StepGraphOptions",
+           "apply_step_graph", "pad_features", "refusal"]
+
+SCHEDULE = Schedule(
+    "step_graph",
+    (
+        Step("h2d", "memcpy", 1),
+        Step("train_step", "compute", 0, waits=(("h2d", 0),)),
+    ),
+    doc="pipeline.step_graph: the next batch's copy overlaps a replay of the whole captured step.",
+).validate()
+
+
+class StepGraphOptions(Section):
+    """``pipeline.step_graph``: capture the whole training step as one CUDA graph (CUDA
+    only; ``base`` and ``sparse_dist``). ``true`` / ``false`` stand for ``{enabled: ...}``."""
+
+    enabled: bool = False
+    # Ids per batch each feature holds in the graph (feature name -> count). Features not
+    # listed: measured on the first capacity_batches batches (see capacity_batches).
+    capacity: dict[str, int] = Field(default_factory=dict)
+    # Eager steps before the capture; their batches set the capacity of unlisted features:
+    # the count they all had (fixed shapes: no padding), else the largest times headroom.
+    capacity_batches: int = Field(4, ge=1)
+    headroom: float = Field(1.25, ge=1.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+def refusal(cfg: "RecpipeConfig") -> list[str]:
+    """Why ``cfg`` cannot run with ``pipeline.step_graph`` (config rules; the model's are
+    checked by :func:`apply_step_graph`)."""
+    p = cfg.pipeline
+    if not p.step_graph.enabled:
+        return []
+    problems = []
+    key = "pipeline.step_graph"
+    if p.name not in ("base", "sparse_dist"):
+        problems.append(f"{key} captures one batch's whole step, but pipeline.name={p.name!r} overlaps the work of "
+                        "two batches; use pipeline.name=sparse_dist (or base)")
+    if p.cuda_graphs.enabled:
+        problems.append(f"{key} replays the whole step, dense part included: set pipeline.cuda_graphs=false")
+    cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
+    if cached:
+        problems.append(f"{key}: UVM-cached tables {cached} move a different number of rows each step (cache "
+                        "misses); use kernel 'fused' or 'fused_uvm' for them, or pipeline.step_graph=false")
+    row_wise = [n for n, t in cfg.table_sharding().items() if t.type == "row_wise"]
+    if row_wise and cfg.distributed.nproc > 1:
+        problems.append(f"{key}: row_wise tables {row_wise} on {cfg.distributed.nproc} ranks send each rank a "
+                        "data-dependent number of ids; shard them table_wise or column_wise, or "
+                        "pipeline.step_graph=false")
+    if cfg.optimizer.embedding.name == "adam":
+        problems.append(f"{key}: FBGEMM's Adam reads its step count on the host each step, which a replay cannot "
+                        "advance; use optimizer.embedding.name=rowwise_adagrad or sgd, or pipeline.step_graph=false")
+    if cfg.sharding.dense_gradients == "ddp":
+        problems.append(f"{key}: DDP's gradient hooks were made on the default stream and cannot be captured; use "
+                        "sharding.dense_gradients=all_reduce")
+    return problems
+
+
+# ----------------------------------------------------------------- batches
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor of a batch, in a fixed order (a KJT's values, lengths, offsets, weights)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, KeyedJaggedTensor):
+        return [t for t in (obj.values(), obj.lengths(), obj.offsets_or_none(), obj.weights_or_none())
+                if t is not None]
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in _tensors(item)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in _tensors(item)]
+    if dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__"):
+        return [t for item in vars(obj).values() for t in _tensors(item)]
+    return []
+
+
+def _kjts(obj: Any) -> list[KeyedJaggedTensor]:
+    if isinstance(obj, KeyedJaggedTensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [k for item in obj for k in _kjts(item)]
+    if isinstance(obj, dict):
+        return [k for item in obj.values() for k in _kjts(item)]
+    if dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__") and not isinstance(obj, torch.Tensor):
+        return [k for item in vars(obj).values() for k in _kjts(item)]
+    return []
+
+
+def signature(batch: Any) -> tuple:
+    """What a captured step bakes in of its batch: every tensor's shape and dtype, and
+    each KJT's keys, stride and ids per key (torchrec reads them on the host)."""
+    return (tuple((tuple(t.shape), t.dtype) for t in _tensors(batch)),
+            tuple((tuple(k.keys()), k.stride(), tuple(k.length_per_key())) for k in _kjts(batch)))
+
+
+def _clone(obj: Any) -> Any:
+    """A deep copy of a device batch with its own buffers (the graph's static inputs)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, KeyedJaggedTensor):
+        w = obj.weights_or_none()
+        return KeyedJaggedTensor(keys=obj.keys(), values=obj.values().clone(), lengths=obj.lengths().clone(),
+                                 weights=None if w is None else w.clone(), stride=obj.stride(),
+                                 length_per_key=obj.length_per_key(), offset_per_key=obj.offset_per_key())
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(item) for item in obj)
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _clone(getattr(obj, f.name)) for f in dataclasses.fields(obj)})
+    if hasattr(obj, "__dict__"):
+        copy = object.__new__(type(obj))
+        copy.__dict__.update({k: _clone(v) for k, v in vars(obj).items()})
+        return copy
+    return obj
+
+
+# ----------------------------------------------------------------- padding
+def pad_features(kjt: KeyedJaggedTensor, capacity: list[int]) -> KeyedJaggedTensor | None:
+    """``kjt`` (on the host) with each key's ids padded to ``capacity`` in one extra bag
+    per key (stride + 1); None if a key has more ids than its capacity. The padding ids
+    are copies of the key's own ids (row 0 for a key without ids), so no row is touched
+    that the batch does not touch; their per-id weights are 0."""
+    counts = kjt.length_per_key()
+    if any(n > c for n, c in zip(counts, capacity)):
+        return None
+    stride = kjt.stride()
+    lengths = kjt.lengths().view(len(counts), stride)
+    pads = torch.tensor([c - n for n, c in zip(counts, capacity)], dtype=lengths.dtype)
+    new_lengths = torch.cat([lengths, pads.view(-1, 1)], dim=1).view(-1)
+    values, weights = [], []
+    w = kjt.weights_or_none()
+    for key_values, key_weights, n, c in zip(kjt.values().split(counts), (w.split(counts) if w is not None
+                                                                         else [None] * len(counts)), counts, capacity):
+        values.append(key_values)
+        if c > n:
+            source = key_values if n > 0 else torch.zeros(1, dtype=key_values.dtype)
+            values.append(source[torch.arange(c - n) % source.numel()])
+        if key_weights is not None:
+            weights += [key_weights, torch.zeros(c - n, dtype=key_weights.dtype)]
+    return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=new_lengths,
+                             weights=torch.cat(weights) if w is not None else None, stride=stride + 1,
+                             length_per_key=list(capacity))
+
+
+class DropPaddingBag:
+    """Stands in for a sharded EmbeddingBagCollection's ``forward`` in padding mode: a
+    KJT with the padded stride gives its pooled output without the last (padding) row."""
+
+    def __init__(self, fqn: str, module: Any, padded_stride: int) -> None:
+        self.fqn, self.module, self.padded_stride = fqn, module, padded_stride
+
+    def __repr__(self) -> str:
+        return f"DropPaddingBag({self.fqn!r}, padded stride {self.padded_stride}; recpipe.speedups.step_graph)"
+
+    def __call__(self, features: KeyedJaggedTensor) -> Any:
+        out = type(self.module).forward(self.module, features)
+        if features.stride() != self.padded_stride:
+            return out
+        if isinstance(out, (LazyAwaitable, Awaitable)):
+            out = out.wait()
+        if not isinstance(out, KeyedTensor) or out.key_dim() != 1:
+            raise PipelineError(
+                f"pipeline.step_graph pads features in one extra bag, but sharded module {self.fqn!r} returns "
+                f"{type(out).__name__}, which has no bag to drop (an EmbeddingCollection); give its features fixed "
+                "lengths (pipeline.step_graph.capacity equal to their ids per batch)"
+            )
+        return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(),
+                           values=out.values()[: self.padded_stride - 1], key_dim=1)
+
+
+# -------------------------------------------------------- fixed splits
+class _FixedSplits(Awaitable):
+    """torchrec's splits awaitable without the splits all-to-all: every rank sends the
+    same shapes, so what rank s sends here is what this rank sends itself."""
+
+    def __init__(self, kjt_dist: KJTAllToAll, kjt: KeyedJaggedTensor) -> None:
+        super().__init__()
+        pg = kjt_dist._pg
+        rank, world = dist.get_rank(pg), pg.size()
+        cumsum = [0]
+        for s in kjt_dist._splits:
+            cumsum.append(cumsum[-1] + s)
+        self._args = dict(
+            pg=pg, input=kjt, splits=kjt_dist._splits, input_splits=kjt.dist_splits(kjt_dist._splits),
+            labels=kjt.dist_labels(), keys=kjt.keys()[cumsum[rank]:cumsum[rank + 1]], device=kjt.device(),
+            stagger=kjt_dist._stagger, stride_per_rank=[kjt.stride()] * world, input_tensors=kjt.dist_tensors())
+        self._args["output_splits"] = [[row[rank]] * world for row in self._args["input_splits"]]
+
+    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
+        return KJTAllToAllTensorsAwaitable(**self._args)
+
+
+class FixedSplitsForward:
+    """Stands in for ``KJTAllToAll.forward`` while a step graph captures (several ranks):
+    the id all-to-all with splits known from the shapes, no host sync."""
+
+    def __init__(self, kjt_dist: KJTAllToAll) -> None:
+        self.kjt_dist = kjt_dist
+
+    def __repr__(self) -> str:
+        return "FixedSplitsForward(splits from the batch shapes; recpipe.speedups.step_graph)"
+
+    def __call__(self, kjt: KeyedJaggedTensor) -> _FixedSplits:
+        if kjt.variable_stride_per_key():
+            raise PipelineError("pipeline.step_graph: a KJT with variable stride per key has no fixed splits")
+        return _FixedSplits(self.kjt_dist, kjt)
+
+
+def _install_fixed_splits(modules: dict[str, Any]) -> list[KJTAllToAll]:
+    targets = [d for d in sharded.kjt_all_to_alls(modules) if d._pg.size() > 1]
+    for d in targets:
+        d.forward = FixedSplitsForward(d)
+    return targets
+
+
+def _remove_fixed_splits(targets: list[KJTAllToAll]) -> None:
+    for d in targets:
+        if isinstance(vars(d).get("forward"), FixedSplitsForward):
+            del d.forward
+
+
+# ----------------------------------------------------------------- capture
+Capture = Callable[[Callable[[], None]], Callable[[], None]]
+
+
+def capture_with_torch(step: Callable[[], None]) -> Callable[[], None]:
+    """Capture ``step()`` (``torch.cuda.graph``: the device is synchronized once, the
+    capture runs on a side stream); returns the graph's replay, on the current stream."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        step()
+    return graph.replay
+
+
+def _host_step_counts(optimizer: Any) -> list[torch.Tensor]:
+    """The dense optimizers' host-side step counts a replay does not advance (Adagrad's)."""
+    counts = []
+    for opt in torch_optimizers(optimizer):
+        keys = HOST_STATE.get(type(opt), ())
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state.get(p, {})
+                counts += [state[k] for k in keys if isinstance(state.get(k), torch.Tensor)
+                           and state[k].device.type == "cpu"]
+    return counts
+
+
+@dataclass
+class StepGraph:
+    """The ``train_step`` of a pipeline with ``pipeline.step_graph`` (see the module docstring)."""
+
+    options: StepGraphOptions
+    capture: Capture = capture_with_torch
+    capacity: list[int] | None = None  # per key of the batch's first KJT, once known
+    keys: list[str] = field(default_factory=list)
+    padded: bool = False  # batches get the padding bag
+    eager_steps: int = 0  # steps that could not replay (before the capture, or over capacity)
+    over_capacity: int = 0
+    replays: int = 0
+    _counts: list[list[int]] = field(default_factory=list)  # ids per key of the measured batches
+    _replay: Callable[[], None] | None = None
+    _static: Any = None
+    _signature: tuple | None = None
+    _outputs: dict[str, Any] = field(default_factory=dict)
+    _host_counts: list[torch.Tensor] = field(default_factory=list)
+    _host_base: list[torch.Tensor] = field(default_factory=list)
+    _dropping: list[DropPaddingBag] = field(default_factory=list)
+    _warned: bool = False
+
+    def __repr__(self) -> str:
+        state = "captured" if self._replay is not None else "not captured yet"
+        cap = "measuring" if self.capacity is None else (f"capacity {dict(zip(self.keys, self.capacity))}"
+                                                          f"{', padded' if self.padded else ''}")
+        return (f"StepGraph({state}; {cap}; {self.replays} replays, {self.eager_steps} eager steps, "
+                f"{self.over_capacity} over capacity)")
+
+    def summary(self) -> dict[str, Any]:
+        return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
+                "padded": self.padded, "capacity": dict(zip(self.keys, self.capacity or []))}
+
+    # ------------------------------------------------ on the host, at fetch
+    def h2d(self, fn: Callable) -> Callable:
+        """Wraps the ``h2d`` step: measure, then pad the host batch before its copy."""
+
+        def h2d(pipe: Any, b: Any) -> None:
+            kjts = _kjts(b.host)
+            if kjts:
+                kjts[0].length_per_key()  # on the host: the device copy carries it (else a host sync to read it)
+                self._see(pipe, kjts[0])
+                if self.padded and self.capacity is not None:
+                    padded = pad_features(kjts[0], self.capacity)
+                    if padded is not None:
+                        b.host = _replace_kjt(b.host, kjts[0], padded)
+            fn(pipe, b)
+
+        return h2d
+
+    def _see(self, pipe: Any, kjt: KeyedJaggedTensor) -> None:
+        if self.capacity is not None:
+            return
+        self.keys = list(kjt.keys())
+        self._counts.append(list(kjt.length_per_key()))
+        if len(self._counts) < self.options.capacity_batches:
+            return
+        unknown = sorted(set(self.options.capacity) - set(self.keys))
+        if unknown:
+            raise PipelineError(f"pipeline.step_graph.capacity names features {unknown}, which the batches do not "
+                                f"have; they have {self.keys}")
+        measured = list(zip(*self._counts))
+        fixed = [len(set(per_key)) == 1 for per_key in measured]
+        self.capacity = [self.options.capacity.get(k, per_key[0] if same else
+                                                   math.ceil(max(per_key) * self.options.headroom))
+                         for k, per_key, same in zip(self.keys, measured, fixed)]
+        self.padded = any(c != per_key[0] or not same for c, per_key, same in zip(self.capacity, measured, fixed))
+        if self.padded:
+            stride = kjt.stride() + 1
+            for fqn, module in sharded.find_sharded_modules(pipe.model).items():
+                if "forward" in vars(module):
+                    raise PipelineError(f"pipeline.step_graph: sharded module {fqn!r} already has an instance "
+                                        f"forward ({vars(module)['forward']!r})")
+                module.forward = drop = DropPaddingBag(fqn, module, stride)
+                self._dropping.append(drop)
+
+    # ------------------------------------------------ on the compute stream
+    def train_step(self, pipe: Any, b: Any) -> None:
+        fits = (self.capacity is not None and not b.zero_loss
+                and (self._signature is None or signature(b.device) == self._signature))
+        fits = _agree(fits)
+        if not fits:
+            if self.capacity is not None and not b.zero_loss:
+                self.over_capacity += 1
+                self._warn(b)
+            self._eager(pipe, b)
+            return
+        if self._replay is None:
+            self._capture(pipe, b)
+        else:
+            for dst, src in zip(_tensors(self._static), _tensors(b.device)):
+                dst.copy_(src, non_blocking=True)
+        self._replay()
+        self.replays += 1
+        for t, base in zip(self._host_counts, self._host_base):
+            t.copy_(base + self.replays)
+        loss, output = torch.utils._pytree.tree_map(
+            lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (self._outputs["loss"], self._outputs["output"]))
+        b.loss_value, b.output = loss.detach(), output
+
+    def _eager(self, pipe: Any, b: Any) -> None:
+        self.eager_steps += 1
+        steps.zero_grad(pipe, b)
+        steps.forward(pipe, b)
+        steps.backward(pipe, b)
+        steps.optimizer(pipe, b)
+
+    def _warn(self, b: Any) -> None:
+        if self._warned:
+            return
+        self._warned = True
+        kjts = _kjts(b.host)
+        counts = dict(zip(self.keys, kjts[0].length_per_key())) if kjts else {}
+        over = {k: (n, c) for (k, n), c in zip(counts.items(), self.capacity or []) if n > c}
+        warnings.warn(f"pipeline.step_graph: batch {b.index} does not fit the captured step "
+                      f"({'ids over capacity ' + str(over) if over else 'other shapes'}); such batches train eagerly "
+                      "and are counted (step_graph.over_capacity in summary.json); raise "
+                      "pipeline.step_graph.capacity or headroom", stacklevel=3)
+
+    def _capture(self, pipe: Any, b: Any) -> None:
+        model, optimizer = pipe.model, pipe.optimizer
+        self._static = _clone(b.device)
+        self._signature = signature(b.device)
+        fixed = _install_fixed_splits(sharded.find_sharded_modules(model))
+        outputs = self._outputs
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss, output = model(self._static)
+            torch.sum(loss).backward()
+            optimizer.step()
+            outputs["loss"], outputs["output"] = loss.detach(), output
+
+        counts = _host_step_counts(optimizer)
+        before = [t.clone() for t in counts]
+        try:
+            replay = self.capture(step)
+        except Exception as err:
+            for t, value in zip(counts, before):
+                t.copy_(value)
+            raise PipelineError(
+                f"pipeline.step_graph: cannot capture the training step ({type(err).__name__}: {err}). A captured "
+                "step must not synchronize with the host (.item(), .tolist(), data-dependent shapes); set "
+                "pipeline.step_graph=false, or run with CUDA_LAUNCH_BLOCKING=0 and "
+                "torch.cuda.set_sync_debug_mode('warn') to find the call"
+            ) from err
+        finally:
+            _remove_fixed_splits(fixed)
+        # After k replays the step counts are where k eager steps leave them: a capture runs the
+        # step's host part once (+1, the first replay's), a replay none.
+        self._host_counts, self._host_base = counts, before
+        self._replay = replay if not fixed else self._with_fixed_splits(replay, pipe)
+
+    def _with_fixed_splits(self, replay: Callable[[], None], pipe: Any) -> Callable[[], None]:
+        """A stand-in capture that re-runs the step in Python (CPU tests) must see the
+        fixed splits too; a real replay calls no Python and is unaffected."""
+        modules = sharded.find_sharded_modules(pipe.model)
+
+        def run() -> None:
+            fixed = _install_fixed_splits(modules)
+            try:
+                replay()
+            finally:
+                _remove_fixed_splits(fixed)
+
+        return run
+
+    def remove(self) -> None:
+        for drop in self._dropping:
+            if vars(drop.module).get("forward") is drop:
+                del drop.module.forward
+        self._dropping = []
+
+
+def _agree(fits: bool) -> bool:
+    """All ranks take the same path (a graph replay, or the eager step): a batch fits only
+    if it fits on every rank. One Gloo all-reduce on several ranks, none on one."""
+    group = control_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return fits
+    flag = torch.tensor([int(fits)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # host sync: a Gloo round trip
+    return bool(flag.item())
+
+
+def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> Any:
+    """``batch`` with ``old`` (its first KJT) replaced by ``new`` (a shallow copy)."""
+    if batch is old:
+        return new
+    if dataclasses.is_dataclass(batch):
+        return dataclasses.replace(batch, **{f.name: _replace_kjt(getattr(batch, f.name), old, new)
+                                             for f in dataclasses.fields(batch)})
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_replace_kjt(item, old, new) for item in batch)
+    if isinstance(batch, dict):
+        return {k: _replace_kjt(v, old, new) for k, v in batch.items()}
+    if hasattr(batch, "__dict__") and not isinstance(batch, torch.Tensor):
+        copy = object.__new__(type(batch))
+        copy.__dict__.update({k: _replace_kjt(v, old, new) for k, v in vars(batch).items()})
+        return copy
+    return batch
+
+
+_HOOKS = ("before_forward", "after_backward", "after_optimizer_step")
+
+
+def apply_step_graph(pipeline: Any, options: StepGraphOptions, capture: Capture = capture_with_torch) -> StepGraph:
+    """Run ``pipeline``'s training steps as replays of one captured step (see the module
+    docstring). CUDA only, except with a stand-in ``capture`` (tests)."""
+    if capture is capture_with_torch and pipeline.device.type != "cuda":
+        raise PipelineError(f"pipeline.step_graph needs a CUDA device (this pipeline runs on {pipeline.device})")
+    if pipeline.name not in ("base", "sparse_dist"):
+        raise PipelineError(f"pipeline.step_graph captures one batch's whole step; pipeline {pipeline.name!r} "
+                            "overlaps two batches' work: use base or sparse_dist")
+    hooked = [h for h in _HOOKS if getattr(type(pipeline), h) is not getattr(Pipeline, h)]
+    if hooked:
+        raise PipelineError(f"pipeline.step_graph: {type(pipeline).__name__} overrides {hooked}, which run on the "
+                            "host every step; a replayed step runs none: set pipeline.step_graph=false")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    varying = {fqn: sorted(t for t in getattr(m, "_sharding_type_to_sharding", {})
+                           if t in ("row_wise", "table_row_wise", "grid_shard"))
+               for fqn, m in sharded.find_sharded_modules(pipeline.model).items()}
+    varying = {fqn: types for fqn, types in varying.items() if types}
+    if varying and world > 1:
+        raise PipelineError(f"pipeline.step_graph: {varying} send each of the {world} ranks a data-dependent number of "
+                            "ids (row-wise buckets); shard those tables table_wise or column_wise")
+    graph = StepGraph(options, capture)
+    pipeline.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
+    pipeline.wrap_step("h2d", graph.h2d)
+    return graph

@@ -1,0 +1,124 @@
+"""A pipeline is one module and one registry entry: a toy pipeline registered here gets
+config validation, a memory plan, ``recpipe schedule`` and training from that alone;
+and the facts the planner reads off each schedule are the ones it always used."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline_harness import assert_same, build, make_batches, small_config, train
+from recpipe.cli import main
+from recpipe.config import ConfigError, load_config
+from recpipe.distributed import init_process_group, launch_local
+from recpipe.pipelines import PIPELINES, Pipeline, PipelineDef, register, unregister
+from recpipe.pipelines.options import PipelineOptions
+from recpipe.pipelines.schedule import Schedule, Step, memory_facts
+from recpipe.planner import plan_from_config
+from study_schedules import schedule_variants as variants
+
+TOY_SCHEDULE = Schedule(
+    "toy",
+    (
+        Step("h2d", "memcpy", 2),
+        Step("zero_grad", "compute", 0),
+        Step("forward", "compute", 0, waits=(("h2d", 0),)),
+        Step("backward", "compute", 0),
+        Step("optimizer", "compute", 0),
+    ),
+    doc="A plain loop with its copies two batches ahead.",
+).validate()
+
+
+class ToyOptions(PipelineOptions):
+    name: Literal["toy"]
+    # Only to show that a pipeline's own keys are validated where it defines them.
+    flavour: Literal["plain", "spicy"] = "plain"
+
+
+class ToyPipeline(Pipeline):
+    name = "toy"
+    schedule = TOY_SCHEDULE
+    intercepts = False
+
+    def __init__(self, model, optimizer, device, *, flavour: str = "plain", **options) -> None:
+        self.flavour = flavour
+        super().__init__(model, optimizer, device, **options)
+
+
+TOY = PipelineDef("toy", ToyPipeline, ToyOptions, "a plain loop, copies two ahead", schedules=(TOY_SCHEDULE,),
+                  schedule_of=lambda options: TOY_SCHEDULE)
+
+
+@pytest.fixture
+def toy():
+    register(TOY)
+    try:
+        yield TOY
+    finally:
+        unregister("toy")
+
+
+def test_a_registered_pipeline_gets_config_plan_and_schedule(toy, capsys):
+    cfg = load_config(None, ["pipeline.name=toy", "pipeline.flavour=spicy", "pipeline.max_batches_ahead=2"])
+    assert isinstance(cfg.pipeline, ToyOptions) and cfg.pipeline.flavour == "spicy"
+    with pytest.raises(ConfigError, match="pipeline.flavour"):
+        load_config(None, ["pipeline.name=toy", "pipeline.flavour=bland"])
+    with pytest.raises(ConfigError, match="pipeline.emb_lookup: unknown key; allowed here: .*flavour"):
+        load_config(None, ["pipeline.name=toy", "pipeline.emb_lookup=before_update"])
+    plan = plan_from_config(load_config(None, ["pipeline.name=toy", "distributed.nproc=2"]))
+    assert plan.ranks[0].hbm_bytes > 0
+    assert toy.memory(cfg.pipeline)["batches_in_flight"] == 3
+    assert main(["schedule", "toy"]) == 0
+    assert "copies two batches ahead" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="already registered"):
+        register(TOY)
+
+
+def _toy_worker(cfg) -> None:
+    register(TOY)
+    init_process_group(cfg)
+    batches = make_batches(cfg, 5, dist.get_rank())
+    assert_same(train(cfg, "base", batches), train(cfg, "toy", batches, flavour="spicy"), "toy pipeline")
+
+
+@pytest.mark.slow
+def test_a_registered_pipeline_trains(toy):
+    launch_local(_toy_worker, 2, small_config(2))
+
+
+# The planner's facts of every schedule, as they were stated by hand before they were read
+# off the tables (batches in flight, received KJTs alive, sent KJTs pending, side streams,
+# lookup stream, early lookups, dense backward first, kept embedding graph).
+STATED = {
+    "base": (2, 1, 0, ("memcpy",), "main", False, False, False, False, False),
+    "sparse_dist": (3, 2, 1, ("memcpy", "dist"), "main", False, False, False, False, False),
+    "fused_sparse_dist": (3, 2, 1, ("memcpy", "dist"), "main", False, False, True, True, False),
+    "fused_sparse_dist_lookup_after_optimizer": (3, 2, 1, ("memcpy", "dist"), "main", False, False, True, True, False),
+    "fused_sparse_dist_lookup_on_dist": (3, 2, 1, ("memcpy", "dist"), "dist", False, False, True, True, False),
+    "fused_sparse_dist_lookup_on_own_stream": (3, 2, 1, ("memcpy", "dist", "lookup"), "lookup", False, False, True,
+                                               True, False),
+    "semi_sync": (3, 3, 1, ("memcpy", "dist"), "main", True, False, False, True, True),
+    "semi_sync_wait_early": (3, 3, 1, ("memcpy", "dist"), "main", True, False, False, True, True),
+    "semi_sync_before_update": (3, 3, 1, ("memcpy", "dist"), "main", False, True, False, True, False),
+    "semi_sync_before_update_wait_early": (3, 3, 1, ("memcpy", "dist"), "main", False, True, False, True, False),
+    "prefetch": (3, 2, 0, ("memcpy", "dist", "prefetch"), "main", False, False, False, False, False),
+    "prefetch_wait_before_forward": (3, 2, 0, ("memcpy", "dist", "prefetch"), "main", False, False, False, False,
+                                     False),
+    "prefetch_early_splits": (3, 2, 1, ("memcpy", "dist", "prefetch"), "main", False, False, False, False, False),
+}
+FIELDS = ("batches_in_flight", "dist_kjts_in_flight", "pending_input_dists", "side_streams", "lookup_stream",
+          "early_pooled", "early_pooled_at_update", "lookup_after_backward", "dense_backward_first", "keeps_emb_graph")
+
+
+def test_memory_facts_read_off_the_schedules_are_the_stated_ones():
+    schedules = {s.name: s for d in PIPELINES.values() for s in d.schedules}
+    schedules.update({s.name: s for group in variants.VARIANTS.values() for s in group})
+    checked = {name: s for name, s in schedules.items() if not name.endswith("_warmup")}
+    assert set(checked) == set(STATED), sorted(set(checked) ^ set(STATED))
+    for name, schedule in checked.items():
+        facts = memory_facts(schedule)
+        assert tuple(facts[f] for f in FIELDS) == STATED[name], (name, facts)

@@ -1,0 +1,167 @@
+"""``pipeline.step_graph`` on CPU: everything but the CUDA graph itself.
+
+A stand-in capture (``_no_graph``) returns the step function un-run, so each "replay"
+runs the captured step in Python on the static buffers: what the copy into them, the
+capacity, the padding, the fixed splits of several ranks, the eager fallback and the
+host bookkeeping do is exactly what runs around a real graph. The GPU test
+(tests/test_step_graph_gpu.py) replays real graphs and compares them with eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from pipeline_harness import assert_same, build, make_batches, small_config, train
+from recpipe.config import ConfigError, load_config
+from recpipe.data.batch import Batch
+from recpipe.distributed import init_process_group, launch_local
+from recpipe.pipelines import PIPELINES, PipelineError
+from recpipe.speedups.optimizer_graph import torch_optimizers
+from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
+
+TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, "
+          "t_cat_3: {type: data_parallel, kernel: dense}}"]
+
+
+def _no_graph(step):
+    return step
+
+
+def _fixed_batches(cfg, n, rank, ids_per_sample=(1, 2, 1, 3)):
+    """Batches whose every feature has the same number of ids in every batch."""
+    g = torch.Generator().manual_seed(rank + 7)
+    B = cfg.data.batch_size
+    out = []
+    for _ in range(n):
+        lengths = torch.cat([torch.full((B,), k, dtype=torch.int32) for k in ids_per_sample])
+        values = torch.cat([torch.randint(0, rows, (B * k,), generator=g)
+                            for k, rows in zip(ids_per_sample, cfg.model.num_embeddings_per_feature)])
+        kjt = KeyedJaggedTensor(keys=cfg.model.feature_names, values=values, lengths=lengths)
+        out.append(Batch(torch.randn(B, cfg.model.num_dense_features, generator=g), kjt,
+                         torch.randint(0, 2, (B,), generator=g).float(), torch.ones(B)))
+    return out
+
+
+def _graphed(cfg, name, batches, options, segments=None):
+    """Train ``batches`` with ``name`` and a step graph (stand-in capture); the result and the graph."""
+    sm = build(cfg, torch.device("cpu"))
+    pipe = PIPELINES[name](sm.model, sm.optimizer, torch.device("cpu"))
+    graph = apply_step_graph(pipe, options, capture=_no_graph)
+    from pipeline_harness import RunResult, local_state
+
+    losses, weights = [], []
+    it = iter(batches)
+    import itertools
+
+    for size in segments or [len(batches)]:
+        seg = itertools.islice(it, size)
+        while True:
+            try:
+                loss, _, _, w = pipe.progress(seg)
+            except StopIteration:
+                break
+            losses.append(loss.clone())
+            weights.append(w.clone())
+    dist.barrier()
+    return RunResult(losses, weights, local_state(sm.model)), graph, sm
+
+
+def _worker(cfg) -> None:
+    init_process_group(cfg)
+    rank = dist.get_rank()
+    # Fixed shapes: nothing padded, every step after the measured ones replays.
+    fixed = _fixed_batches(cfg, 9, rank)
+    want = train(cfg, "base", fixed)
+    for name in ("base", "sparse_dist"):
+        got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3), [5, 4])
+        assert_same(want, got, f"{name} step graph, fixed shapes")
+        assert graph.replays == 6 and graph.eager_steps == 3 and not graph.padded and graph.over_capacity == 0, graph
+        # the dense optimizer's host step counts are where eager steps leave them
+        counts = {int(s["step"]) for opt in torch_optimizers(sm.optimizer) for s in opt.state.values()}
+        assert counts == {9}, counts
+    # Varying lengths: padded into one extra bag per feature; over capacity -> eager, counted.
+    varying = make_batches(cfg, 10, rank)
+    want = train(cfg, "base", varying)
+    got, graph, _ = _graphed(cfg, "sparse_dist", varying, StepGraphOptions(enabled=True, capacity_batches=2,
+                                                                          headroom=2.0))
+    assert_same(want, got, "step graph, padded batches")
+    assert graph.padded and graph.replays == 8 and graph.over_capacity == 0, graph
+    tight = StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.0)
+    with pytest.warns(UserWarning, match="does not fit the captured step"):
+        got, graph, _ = _graphed(cfg, "base", varying, tight)
+    assert_same(want, got, "step graph, some batches over capacity")
+    assert graph.over_capacity > 0 and graph.replays > 0 and graph.replays + graph.eager_steps == 10, graph
+    assert "over capacity" in repr(graph)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_step_graph_trains_like_the_plain_loop(nproc):
+    launch_local(_worker, nproc, small_config(nproc, TABLES))
+
+
+def test_padding_adds_one_bag_and_nothing_to_the_pooled_output():
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor([3, 4, 5, 7]), lengths=torch.tensor([2, 1, 0, 1]))
+    padded = pad_features(kjt, [4, 2])
+    assert padded.stride() == 3 and padded.length_per_key() == [4, 2]
+    assert padded.lengths().tolist() == [2, 1, 1, 0, 1, 1]
+    assert padded.values().tolist() == [3, 4, 5, 3, 7, 7]  # copies of the key's own ids
+    assert pad_features(kjt, [3, 1]).lengths().tolist() == [2, 1, 0, 0, 1, 0]  # a bag of nothing
+    assert pad_features(kjt, [2, 2]) is None and pad_features(kjt, [3, 0]) is None  # over capacity
+    bag = torch.nn.EmbeddingBag(10, 3, mode="sum")  # feature a: its two bags, then the padding bag
+    want = bag(torch.tensor([3, 4, 5]), torch.tensor([0, 2]))
+    got = bag(padded.values()[:4], torch.tensor([0, 2, 3]))
+    assert got.shape[0] == 3 and torch.equal(want, got[:2])
+    weighted = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 1]),
+                                 weights=torch.tensor([0.5, 2.0]))
+    assert pad_features(weighted, [5]).weights().tolist() == [0.5, 2.0, 0.0, 0.0, 0.0]
+
+
+def test_signature_sees_ids_per_key_not_only_shapes():
+    a = KeyedJaggedTensor(keys=["x", "y"], values=torch.arange(4), lengths=torch.tensor([2, 0, 1, 1]))
+    b = KeyedJaggedTensor(keys=["x", "y"], values=torch.arange(4), lengths=torch.tensor([1, 0, 2, 1]))
+    assert signature(a) != signature(b)  # same shapes, other ids per key: another captured step
+
+
+def test_config_refuses_what_a_step_graph_cannot_hold():
+    def problems(*overrides):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, ["pipeline.step_graph=true", *overrides])
+        return str(err.value)
+
+    assert "pipeline.name='semi_sync'" in problems("pipeline.name=semi_sync")
+    assert "pipeline.cuda_graphs=false" in problems("pipeline.name=sparse_dist", "pipeline.cuda_graphs=true")
+    assert "UVM-cached" in problems("pipeline.name=sparse_dist", "sharding.default={kernel: fused_uvm_caching}",
+                                    "train.device=cuda")
+    assert "row_wise" in problems("pipeline.name=sparse_dist", "distributed.nproc=2",
+                                  "sharding.tables={t_cat_0: {type: row_wise}}")
+    assert "Adam" in problems("pipeline.name=sparse_dist", "optimizer.embedding.name=adam")
+    assert "dense_gradients" in problems("pipeline.name=sparse_dist", "sharding.dense_gradients=ddp")
+    cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph={capacity: {cat_0: 64}}"])
+    assert not cfg.pipeline.step_graph.enabled and cfg.pipeline.step_graph.capacity == {"cat_0": 64}
+
+
+def _refusals_worker(cfg) -> None:
+    init_process_group(cfg)
+    sm = build(cfg, torch.device("cpu"))
+    first = PIPELINES["sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
+    with pytest.raises(PipelineError, match="CUDA device"):
+        apply_step_graph(first, StepGraphOptions())
+    first.detach()
+    pipe = PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
+    with pytest.raises(PipelineError, match="overlaps two batches"):
+        apply_step_graph(pipe, StepGraphOptions(), capture=_no_graph)
+    pipe.detach()
+
+    class Hooked(PIPELINES["sparse_dist"].cls):
+        def after_backward(self, batch, loss):
+            pass
+
+    with pytest.raises(PipelineError, match="after_backward"):
+        apply_step_graph(Hooked(sm.model, sm.optimizer, torch.device("cpu")), StepGraphOptions(), capture=_no_graph)
+
+
+def test_apply_refuses_other_pipelines_and_per_step_hooks():
+    launch_local(_refusals_worker, 1, small_config(1, TABLES))

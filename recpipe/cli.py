@@ -14,27 +14,12 @@ import sys
 
 from recpipe import exit_codes as codes
 from recpipe.errors import exit_code_of, report
+from recpipe.help_format import HelpFormatter, add_command
 
 DESCRIPTION = (
     "recpipe: train sharded recommendation models (TorchRec modules, FBGEMM embeddings) with pipelines "
     "that are schedule tables; plan their memory, print their schedules and benchmark them beside TorchRec's."
 )
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Shows every option's default, except where there is nothing to show (a flag, no default) or
-    the help text already says it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if (
-            action.option_strings
-            and "default" not in text
-            and action.default not in (None, False, [], argparse.SUPPRESS)
-            and not isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-        ):
-            text += " (default: %(default)s)"
-        return text
 
 
 def version() -> str:
@@ -59,11 +44,6 @@ def version() -> str:
     )]
     found = ", ".join(f"{label} {v}" for label, v in stack if v)
     return f"recpipe {ours}" + (f" ({found})" if found else "")
-
-
-def add_command(sub: argparse._SubParsersAction, name: str, help: str, description: str, **kwargs) -> argparse.ArgumentParser:
-    """A subcommand with a one-line ``help`` (in ``recpipe --help``) and a ``description`` (in its own help)."""
-    return sub.add_parser(name, help=help, description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -135,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print a pipeline's schedule: which step of which batch runs on which stream, and what it "
         "waits for.",
     )
-    schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
+    schedule.add_argument("name", help="a pipeline's name, or 'all' for every registered pipeline")
 
     bench = add_command(
         sub,

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recpipe.config import RecpipeConfig, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_OK
+from recpipe.help_format import add_command
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
@@ -164,8 +165,8 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
 
 
 def add_export_parser(sub: argparse._SubParsersAction, add_config_args, parents: list) -> None:
-    export = sub.add_parser(
-        "export", parents=parents,
+    export = add_command(
+        sub, "export", parents=parents,
         help="a sharded checkpoint -> one unsharded state_dict file (for serving, plain PyTorch)",
         description="Write the model state of a checkpoint as one unsharded state_dict (torch.save), loadable with "
         "model.load_state_dict(torch.load(FILE, weights_only=True)) into the config's model built on CPU "

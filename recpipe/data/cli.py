@@ -31,7 +31,7 @@ __all__ = ["add_data_parser", "main_data"]
 
 
 def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: list | None = None) -> None:
-    from recpipe.cli import HelpFormatter, add_command
+    from recpipe.help_format import HelpFormatter, add_command
 
     data = add_command(sub, "data", parents=parents or [],
                        help="convert TSV click logs to the binary format; verify it; time the loader",

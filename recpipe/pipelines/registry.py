@@ -58,12 +58,13 @@ def all_schedules() -> dict[str, list[Schedule]]:
 
 
 def main_schedule(args: argparse.Namespace) -> int:
-    """``recpipe schedule NAME``: print the pipeline's schedule tables."""
+    """``recpipe schedule NAME``: print the pipeline's schedule tables (``all``: every pipeline's)."""
     schedules = all_schedules()
-    if args.name not in schedules:
-        print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)}")
+    if args.name != "all" and args.name not in schedules:
+        print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)} (or all)")
         return 2
-    print("\n\n".join(s.table() for s in schedules[args.name]))
+    names = list(schedules) if args.name == "all" else [args.name]
+    print("\n\n".join(s.table() for name in names for s in schedules[name]))
     return 0
 
 

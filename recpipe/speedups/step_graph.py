@@ -20,9 +20,10 @@ of the graph's buffers for the metrics.
 
 Life of a pipeline with a step graph:
 
-1. The first ``capacity_batches`` steps run eagerly (the same steps as ``base``): they
-   create what the first calls create lazily (torchrec's input dists, cuBLAS
-   workspaces, optimizer state) and count each feature's ids per batch.
+1. The first steps run eagerly (the same steps as ``base``): at least ``WARMUP_STEPS``,
+   which create what first calls create lazily (torchrec's input dists, cuBLAS
+   workspaces, optimizer state), and until the first ``capacity_batches`` batches have
+   been fetched, whose ids per feature are counted.
 2. Capacity: a feature listed in ``capacity`` holds that many ids a batch; the others
    as many as the measured batches had, if they all had the same (fixed shapes: nothing
    is padded), else the largest times ``headroom``. Where a capacity is above a batch's
@@ -82,6 +83,10 @@ if TYPE_CHECKING:
 
 __all__ = ["DropPaddingBag", "FixedSplitsForward", "SCHEDULE", "StepGraph", "StepGraphOptions",
            "apply_step_graph", "pad_features", "refusal"]
+
+# Eager steps before the capture: the first creates what first calls create lazily (torchrec's
+# input dists, cuBLAS workspaces), the second runs with all of it in place, as the capture will.
+WARMUP_STEPS = 2
 
 SCHEDULE = Schedule(
     "step_graph",
@@ -410,11 +415,11 @@ class StepGraph:
 
     # ------------------------------------------------ on the compute stream
     def train_step(self, pipe: Any, b: Any) -> None:
-        fits = (self.capacity is not None and not b.zero_loss
+        fits = (self.capacity is not None and not b.zero_loss and (self._replay is not None or self.eager_steps >= WARMUP_STEPS)
                 and (self._signature is None or signature(b.device) == self._signature))
         fits = _agree(fits)
         if not fits:
-            if self.capacity is not None and not b.zero_loss:
+            if self._replay is not None and not b.zero_loss:
                 self.over_capacity += 1
                 self._warn(b)
             self._eager(pipe, b)

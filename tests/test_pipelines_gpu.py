@@ -99,7 +99,7 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
     the host had waited for it, and no cache-line lock is left over or negative."""
     from pipeline_harness import build
     from recpipe.pipelines import PrefetchPipeline
-    from recpipe.pipelines.prefetch import _cached_tbes
+    from recpipe.pipelines.prefetch import cached_tbes
 
     def run(host_waits: bool):
         sm = build(cfg, device)
@@ -109,7 +109,7 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
         for part in (batches[:5], batches[5:]):
             if losses:  # between the passes
                 torch.cuda._sleep(200_000_000)  # ~0.1 s: the next pass's host work runs well ahead of it
-                for tbe in _cached_tbes(sm.model, locked=False):
+                for tbe in cached_tbes(sm.model, locked=False):
                     tbe.flush()
                     tbe.reset_cache_states()
                 if host_waits:
@@ -121,7 +121,7 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
                 except StopIteration:
                     break
         torch.cuda.synchronize()
-        locks = [t.lxu_cache_locking_counter for t in _cached_tbes(sm.model)]
+        locks = [t.lxu_cache_locking_counter for t in cached_tbes(sm.model)]
         return losses, locks, {k: v.cpu() for k, v in local_state(sm.model).items()}
 
     want, _, want_state = run(host_waits=True)
@@ -138,7 +138,7 @@ def _cache_reset_between_passes(cfg, batches, device, start, **options) -> None:
 def _eval_releases_locks(cfg, batches, device, start, **options) -> None:
     from pipeline_harness import build
     from recpipe.pipelines import PrefetchPipeline
-    from recpipe.pipelines.prefetch import _cached_tbes
+    from recpipe.pipelines.prefetch import cached_tbes
 
     sm = build(cfg, device)
     sm.model.load_state_dict(dict(start))
@@ -149,7 +149,7 @@ def _eval_releases_locks(cfg, batches, device, start, **options) -> None:
             pipe.progress(it)
         except StopIteration:
             break
-    tbes = _cached_tbes(sm.model)
+    tbes = cached_tbes(sm.model)
     assert tbes, "no cached TBE found"
     assert all(int(t.lxu_cache_locking_counter.sum()) == 0 for t in tbes), "locks left after a drained pass"
     with pipe.detached(), torch.no_grad():

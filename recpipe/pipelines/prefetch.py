@@ -102,7 +102,7 @@ SCHEDULE_EARLY_SPLITS = Schedule(
 ).validate()
 
 
-def _cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
+def cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
     """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
     TBE with a UVM cache; the bench reads their cache statistics). torchrec hides
     them from ``named_modules`` (its sharded modules keep their lookups in a plain
@@ -143,7 +143,7 @@ class PrefetchPipeline(Pipeline):
             raise ValueError(f"cache_bookkeeping={cache_bookkeeping!r}: choose 'prefetch_stream' or 'backward'")
         self.schedule = variants[input_dist_wait]
         super().__init__(model, optimizer, device, **options)
-        tbes = _cached_tbes(model)
+        tbes = cached_tbes(model)
         if not tbes:
             warnings.warn(
                 "prefetch pipeline: the model has no UVM-cached table with prefetch_pipeline, so the prefetch "
@@ -188,7 +188,7 @@ class PrefetchPipeline(Pipeline):
         With no batch in flight every legitimate lock has been released by its
         backward, so any count left comes from eval/no-grad forwards: zero it."""
         assert not self.in_flight()
-        for tbe in _cached_tbes(self.model):
+        for tbe in cached_tbes(self.model):
             tbe.lxu_cache_locking_counter.zero_()
             tbe.lxu_cache_locations_list.clear()
             tbe.timesteps_prefetched.clear()

@@ -1,11 +1,6 @@
-"""What a benchmark record says and how it is written: header, rows, table, files.
-
-Every record starts with the resolved config, the versions (torch, fbgemm-gpu,
-torchrec, CUDA) and the GPU (docs STYLE.md). ``bench.json`` holds every number;
-``bench.md`` the same header and the table. Rows are plain dicts (``Row.to_dict``)
-so later additions only add keys (the bound, multi-pass and weak-scaling sections:
-``recpipe.bench.sections``).
-"""
+"""What a bench record holds and how it is written: :class:`Row` (one pipeline and
+implementation, over ranks and rounds), the header (resolved config, versions, GPU),
+the table, ``bench.json`` and ``bench.md``."""
 
 from __future__ import annotations
 
@@ -43,7 +38,7 @@ class Row:
     step_ms: dict[str, float] = field(default_factory=dict)  # p50/p90/mean/min/max of per-step max over ranks
     step_ms_per_step: list[float] = field(default_factory=list)
     step_ms_p50_per_rank: list[float] = field(default_factory=list)
-    round_p50_ms: list[float] = field(default_factory=list)  # P50 of each round (``--rounds``, compare.py)
+    round_p50_ms: list[float] = field(default_factory=list)  # P50 of each round (``--rounds``)
     samples_per_s: float | None = None  # global batch / P50 step time
     samples_per_s_per_gpu: float | None = None  # samples_per_s / world size (weak scaling keeps it flat)
     samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
@@ -54,17 +49,20 @@ class Row:
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
-    x_bound: float | None = None  # P50 / stages-alone estimate (``--bound``); not a bound (it can exceed P50)
     # From the profiled steps (trace.py): GPU busy time per step (union of device intervals over all
     # streams, the slowest rank's) and P50 as a multiple of it, the headline ratio (1.0 = GPU never idle).
     gpu_busy_ms: float | None = None
     x_busy: float | None = None
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
     cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (uvm_cache.py), or {"reason": ...}
-    weak_scaling: dict[str, Any] = field(default_factory=dict)  # baseline comparison / prediction
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "Row":
+        """A row of a ``bench.json``; keys this version does not know are left out."""
+        return cls(**{k: v for k, v in record.items() if k in cls.__dataclass_fields__})
 
 
 def _version(module: str, dist_names: tuple[str, ...]) -> str:
@@ -119,9 +117,7 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
 
 # ------------------------------------------------------------------ table
 _COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "host ms/call", "samples/s",
-            "samples/s/GPU", "x stages alone", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB",
-            "note")
-_X_BOUND = _COLUMNS.index("x stages alone")
+            "samples/s/GPU", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -143,7 +139,6 @@ def _cells(row: Row) -> list[str]:
         _num(row.host_ms.get("p50"), ".2f"),
         _num(row.samples_per_s, ",.0f"),
         _num(row.samples_per_s_per_gpu, ",.0f"),
-        _num(row.x_bound, ".2f"),
         _num(mem.get("peak_alloc_gib"), ".2f"),
         _num(mem.get("peak_reserved_gib"), ".2f"),
         _num(mem.get("reserved_over_alloc"), ".3f"),
@@ -167,10 +162,7 @@ def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: b
 
 
 def format_table(rows: list[Row], markdown: bool = False) -> str:
-    """The main table; the "x stages alone" column only when ``--bound`` measured them."""
-    keep = [i for i in range(len(_COLUMNS)) if i != _X_BOUND or any(r.x_bound is not None for r in rows)]
-    body = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
-    return grid([_COLUMNS[i] for i in keep], body, markdown)
+    return grid(_COLUMNS, [_cells(r) for r in rows], markdown)
 
 
 # ------------------------------------------------------------------ files
@@ -179,9 +171,7 @@ def write_outputs(
     sections: dict[str, Any] | None = None, sections_md: list[str] | None = None,
 ) -> Path:
     """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path.
-    ``sections`` (``bound``, ``multipass``, ``weak_scaling``, ``plots``) follow the
-    rows in the JSON; ``sections_md`` (rendered by ``recpipe.bench.sections``) follow
-    the table in the markdown."""
+    ``sections`` follow the rows in the JSON, ``sections_md`` the table in the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {"config": cfg.model_dump(mode="json"), **header, "rows": [r.to_dict() for r in rows], **(sections or {})}
@@ -223,9 +213,8 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         "memcpy and memset intervals over all streams per step, from a torch.profiler trace of the steps after",
         "the timed ones (slowest rank; n/a on CPU); **x GPU busy = P50 / GPU busy**: 1.00 = the GPU never idles,",
         "the step cannot go below it; host ms/call: host time inside progress() (P50, no profiler);",
-        "samples/s = global batch / P50; samples/s/GPU = samples/s / world size; x stages alone = P50 / the sum of",
-        "stages timed alone (`--bound`, below: an estimate, not a bound); peak alloc/reserved: whole run incl.",
-        "model (max over ranks); step +GiB: step-only peak above the post-build allocation.",
+        "samples/s = global batch / P50; samples/s/GPU = samples/s / world size; peak alloc/reserved: whole run",
+        "incl. model (max over ranks); step +GiB: step-only peak above the post-build allocation.",
         "",
         format_table(rows, markdown=True),
         "",

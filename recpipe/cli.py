@@ -27,6 +27,31 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """``recpipe bench``'s flags after ``--config`` / ``--set`` (the studies in benchmarks/studies/ add theirs)."""
+    p.add_argument("--pipelines", default=None,
+                   help="comma-separated pipeline names (default: all five); a variant with its own pipeline options: "
+                        "name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only); a dotted "
+                        "key sets any other config key but data.* for that run, e.g. "
+                        "sparse_dist:sharding.default.weights_precision=fp16 (TorchRec's pipelines too)")
+    p.add_argument("--with-torchrec", action="store_true",
+                   help="also run TorchRec's counterpart of each (and TrainPipelinePT2 when pipeline.compile is on); "
+                        "default: off")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before timing (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every run R times, interleaved; P50/P90 over all rounds, paired ratios per round "
+                        "(default: %(default)s)")
+    p.add_argument("--trace-steps", type=int, default=5,
+                   help="profile N more steps after the timed ones: GPU busy time, GPU time by kernel class, host "
+                        "time by phase, host syncs, cache work; 0 = off (default: %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print GPU time by kernel class and write the traced steps' op tables to "
+                        "OUT/profile.txt (default: off)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots (default: plots on)")
+    p.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="recpipe", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
@@ -55,9 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     schedule = sub.add_parser("schedule", parents=[common], help="print a pipeline's schedule table")
     schedule.add_argument("name", help="base, sparse_dist, fused_sparse_dist, semi_sync or prefetch")
 
-    from recpipe.bench.cli import add_bench_parser
-
-    add_bench_parser(sub, _add_config_args, parents=[common])
+    bench = sub.add_parser("bench", parents=[common], help="time every pipeline on the same batches (recpipe's and "
+                           "TorchRec's)", description="Time every pipeline on the same batches, recpipe's and "
+                           "(--with-torchrec) TorchRec's; what each number means: docs/bench.md.")
+    _add_config_args(bench)
+    add_bench_arguments(bench)
 
     from recpipe.data.cli import add_data_parser
 

@@ -30,7 +30,8 @@ def _cached(lf: float = 0.05, alpha: float = 1.05) -> list[str]:
 
 
 def _rows(overrides: list[str], names: tuple[str, ...], **opts):
-    from recpipe.bench.runner import BenchOptions, pregenerate, run_one, single_rank_group
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import pregenerate, run_one, single_rank_group
     from recpipe.distributed import init_process_group
 
     cfg = load_config(SMOKE, overrides)

@@ -78,7 +78,8 @@ def test_comparisons_pair_each_recpipe_row_with_torchrec_and_base():
     rows.append(Row(pipeline="semi_sync", impl="recpipe", status="failed", reason="boom"))
     pairs = {(p["a"], p["b"]): p for p in comparisons(rows)}
     assert set(pairs) == {("base (recpipe)", "base (torchrec)"), ("base (recpipe)", "base (torchrec_pt2)"),
-                          ("sparse_dist (recpipe)", "sparse_dist (torchrec)"), ("sparse_dist (recpipe)", "base (recpipe)")}
+                          ("sparse_dist (recpipe)", "sparse_dist (torchrec)"),
+                          ("sparse_dist (recpipe)", "base (recpipe)")}
     vs_base = pairs[("sparse_dist (recpipe)", "base (recpipe)")]
     assert vs_base["round_ratios"] == pytest.approx([0.9, 10.5 / 11]) and vs_base["a_faster_rounds"] == 2
     assert pairs[("base (recpipe)", "base (torchrec)")]["median_ratio"] == pytest.approx(1 / 1.05)

@@ -12,7 +12,7 @@ from torch.profiler import record_function
 
 from recpipe.bench.compare import mean_leaves, merge_rounds
 from recpipe.bench.report import Row
-from recpipe.bench.sections import kernel_classes_table
+from recpipe.bench.sections import gpu_time_table, rows_md
 from recpipe.bench.trace import (
     KERNEL_CLASSES,
     combine_ranks,
@@ -174,10 +174,13 @@ def test_summary_of_a_gpu_trace():
                                       "copies": pytest.approx(0.01), "communication": pytest.approx(0.01),
                                       "other": pytest.approx(0.02)}
     row = Row("prefetch", "recpipe", trace=dict(s, status="ok"))
-    table = kernel_classes_table([row, Row("base", "recpipe")])
-    assert table.splitlines()[0].startswith("| pipeline | impl | GPU busy ms | elementwise | gemm | tbe_forward |")
-    assert "| prefetch | recpipe | 0.055 | 0.000 (0%) | 0.030 (43%) |" in table and table.endswith("| 0.030 |")
-    assert kernel_classes_table([Row("base", "recpipe")]) == ""  # no kernels (CPU): no table
+    table = gpu_time_table([row, Row("base", "recpipe")])
+    assert table.splitlines()[0].startswith("| pipeline | impl | GPU busy ms | NCCL busy ms | window ms | busy ms by "
+                                            "stream | elementwise | gemm | tbe_forward |")
+    assert ("| prefetch | recpipe | 0.055 | 0.010 | 0.09 | 7: 0.03, 8: 0.01, 9: 0.02, 10: 0.01 | 0.000 (0%) | "
+            "0.030 (43%) |") in table and table.endswith("| 0.030 |")
+    assert gpu_time_table([Row("base", "recpipe")]) == ""  # no kernels (CPU): no table
+    assert "## GPU time by kernel class" in "\n".join(rows_md([row]))
 
 
 def test_recpipes_cache_insert_counts_as_cache_work():
@@ -229,9 +232,7 @@ def test_host_syncs_by_site():
     merged = _merged_trace([dict(s, status="ok"), dict(other, status="ok")])["host_syncs"]
     assert merged["per_step"] == 1.5 and merged["by_site"]["x: y"] == {"per_step": 0.5, "blocked_ms": 0.0005}
     assert merged["by_site"]["input_dist_wait: aten::item > aten::_local_scalar_dense"]["per_step"] == 0.5
-    from recpipe.bench.sections import host_syncs_md
-
-    text = "\n".join(host_syncs_md([Row("sparse_dist", "recpipe", trace=dict(s, status="ok"))]))
+    text = "\n".join(rows_md([Row("sparse_dist", "recpipe", trace=dict(s, status="ok"))]))
     assert "## Host syncs" in text and "| sparse_dist | recpipe | 2.0 | 0.004 |" in text
     assert "backward: fbgemm::split_embedding_backward_codegen_adagrad (1.0, 0.002)" in text
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the repository's recpipe and benchmarks packages
     sys.path.insert(0, str(ROOT))
 
-from recpipe.bench.cli import add_bench_arguments  # noqa: E402
+from recpipe.cli import add_bench_arguments  # noqa: E402
 from recpipe.errors import exit_code_of, report  # noqa: E402
 
 __all__ = ["ROOT", "bench_parser", "run_study", "write_plot"]

@@ -57,8 +57,8 @@ from recpipe.pipelines import PrefetchPipeline  # noqa: E402
 from recpipe.planner.memory import LENGTH_BYTES, TBE_OFFSET_BYTES  # noqa: E402
 from recpipe.planner.tbe import LOCATION_BYTES, prefetch_scratch_bytes  # noqa: E402
 
-__all__ = ["TOLERANCE", "Multipass", "TimedPrefetchPipeline", "describe_point", "isolated_prefetch_peak_bytes",
-           "multipass_md", "parse_passes", "prefetch_memory_point", "prefetch_memory_target", "run_multipass",
+__all__ = ["TOLERANCE", "Multipass", "TimedPrefetchPipeline", "describe_point", "draw", "isolated_prefetch_peak_bytes",
+           "measure_point", "multipass_md", "parse_passes", "prefetch_memory_point", "prefetch_memory_target", "run_multipass",
            "sweep_config", "sweep_skip_reason"]
 
 TOLERANCE = 0.10  # the measured prefetch peak should follow the planner's curve within 10 %
@@ -202,7 +202,7 @@ def planner_prediction(cfg: RecpipeConfig, world_size: int) -> dict[str, Any]:
     }
 
 
-def _point(
+def measure_point(
     cfg_p: RecpipeConfig, passes: int, batches: list[Batch], opts: Any, device: torch.device, bar: tqdm
 ) -> dict[str, Any]:
     """Collective: one sweep point on every rank."""
@@ -281,7 +281,7 @@ def run_multipass(
             points.append({"passes": p, "status": "skipped", "reason": why})
             bar.update(len(batches))
             continue
-        points.append(_point(cfg_p, p, batches, opts, device, bar))
+        points.append(measure_point(cfg_p, p, batches, opts, device, bar))
     return {
         "status": "ok",
         "pipeline": "prefetch (recpipe), prefetch step timed alone by TimedPrefetchPipeline",
@@ -416,7 +416,7 @@ def _prefetch_alone(ax: Any, points: list[dict[str, Any]], tolerance: float | No
     ax.legend(fontsize=8)
 
 
-def _plot(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
+def draw(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     points = [p for p in sweep["points"] if p["status"] == "ok"]
     xs = [p["passes"] for p in points]
     fig, (alone_ax, mem_ax, time_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -488,7 +488,7 @@ class Multipass:
             for p in sweep.get("points", []):
                 bar.write(describe_point(p))
             if opts.plots and sweep["status"] == "ok" and any(p["status"] == "ok" for p in sweep["points"]):
-                sweep["plots"] = write_plot(Path(opts.out) / PLOT, lambda plt, path: _plot(plt, path, sweep))
+                sweep["plots"] = write_plot(Path(opts.out) / PLOT, lambda plt, path: draw(plt, path, sweep))
         return {"multipass": sweep}, multipass_md(sweep)
 
 

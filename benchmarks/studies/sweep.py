@@ -60,7 +60,7 @@ from recpipe.data import Batch  # noqa: E402
 from recpipe.pipelines.prefetch import cached_tbes  # noqa: E402
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR  # noqa: E402
 
-__all__ = ["SWEPT", "WIN_MARGIN", "CacheSweep", "empty_cache", "measure_model", "parse_grid", "point_config",
+__all__ = ["SWEPT", "WIN_MARGIN", "CacheSweep", "draw", "empty_cache", "measure_model", "parse_grid", "point_config",
            "recommend", "run_sweep", "skip_reason", "sweep_md"]
 
 SWEPT = ("prefetch", "sparse_dist")
@@ -330,7 +330,7 @@ def sweep_md(sweep: dict[str, Any]) -> list[str]:
     return lines + [grid(header, body, markdown=True), ""] + _recommendation_md(sweep["recommendation"])
 
 
-def _plot(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
+def draw(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     fig, (time_ax, ratio_ax) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for k, lf in enumerate(sweep["cache_load_factors"]):
@@ -395,7 +395,7 @@ class CacheSweep:
             bar.write(f"cache sweep {grid['status']}" + (
                 f": {grid['reason']}" if grid["status"] != "ok" else f", {len(grid['points'])} points"))
             if opts.plots and grid["status"] == "ok" and any("prefetch_over_sparse_dist" in p for p in grid["points"]):
-                grid["plots"] = write_plot(Path(opts.out) / PLOT, lambda plt, path: _plot(plt, path, grid))
+                grid["plots"] = write_plot(Path(opts.out) / PLOT, lambda plt, path: draw(plt, path, grid))
         return {"cache_sweep": grid}, sweep_md(grid)
 
 

@@ -1,11 +1,7 @@
-"""Rounds (``recpipe bench --rounds R``): the interleaved run order, one row merged
-from its rounds, and paired comparisons with a sign test (docs/bench.md, "Rounds").
-
-Single runs of a host-bound step vary by about 10 % from run to run (clock boost, host
-jitter, allocator state), more than the differences between pipelines. So every
-(pipeline, implementation) runs R times, interleaved, and a comparison of A and B divides
-A's P50 by B's within each round: drift over the run hits both sides alike.
-"""
+"""Rounds (``recpipe bench --rounds R``): the interleaved run order, one row merged from its
+rounds, and paired comparisons with a sign test. Runs of a host-bound step vary by about
+10 % from run to run, more than pipelines differ, so A / B is taken within each round,
+where drift hits both sides alike (docs/bench.md, "Rounds")."""
 
 from __future__ import annotations
 
@@ -13,7 +9,6 @@ import math
 import statistics
 from typing import Any, Sequence
 
-from recpipe.bench.measure import summarize_ms
 from recpipe.bench.report import Row, grid
 
 __all__ = ["comparisons", "comparisons_md", "mean_leaves", "merge_rounds", "paired", "round_order", "sign_test_p"]
@@ -60,22 +55,13 @@ def merge_rounds(rounds: list[Row], global_batch: int) -> Row:
               config_overrides=first.config_overrides, notes=list(first.notes),
               torchrec_pipelined_modules=first.torchrec_pipelined_modules)
     row.step_ms_per_step = [t for r in rounds for t in r.step_ms_per_step]
-    row.steps = len(row.step_ms_per_step)
-    row.step_ms = summarize_ms(row.step_ms_per_step)
-    row.round_p50_ms = [r.step_ms["p50"] for r in rounds]
     row.host_ms_per_step = [t for r in rounds for t in r.host_ms_per_step]
-    row.host_ms = summarize_ms(row.host_ms_per_step) if row.host_ms_per_step else {}
+    row.round_p50_ms = [r.step_ms["p50"] for r in rounds]
     row.step_ms_p50_per_rank = [statistics.median(col) for col in zip(*(r.step_ms_p50_per_rank for r in rounds))]
-    row.samples_per_s = global_batch / (row.step_ms["p50"] / 1e3)
-    row.samples_per_s_per_gpu = row.samples_per_s / (len(row.step_ms_p50_per_rank) or 1)
-    row.wall_s = sum(r.wall_s or 0.0 for r in rounds)
-    row.samples_per_s_wall = global_batch * row.steps / row.wall_s if row.wall_s else None
-    row.build_s = max(r.build_s or 0.0 for r in rounds)
+    row.wall_s, row.build_s = sum(r.wall_s or 0.0 for r in rounds), max(r.build_s or 0.0 for r in rounds)
     row.memory = _merge_memory([r.memory for r in rounds])
-    if first.trace:
-        row.trace = _merge_traces([r.trace for r in rounds])
-        row.gpu_busy_ms = row.trace.get("gpu_busy_ms")
-        row.x_busy = row.step_ms["p50"] / row.gpu_busy_ms if row.gpu_busy_ms else None
+    row.trace = _merge_traces([r.trace for r in rounds]) if first.trace else {}
+    row.fill_rates(global_batch)
     if first.cache:
         with_numbers = all(r.cache.get("hit_rate") is not None for r in rounds)
         row.cache = dict(mean_leaves([r.cache for r in rounds]), rounds=len(rounds)) if with_numbers else first.cache

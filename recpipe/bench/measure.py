@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
 
+import numpy as np
 import torch
 
 T = TypeVar("T")
@@ -20,19 +21,15 @@ _GIB = 2**30
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default), ``q`` in [0, 100]."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    """Linear-interpolation percentile, ``q`` in [0, 100]; NaN of nothing."""
+    return float(np.percentile(values, q)) if len(values) else math.nan
 
 
 def summarize_ms(values: list[float]) -> dict[str, float]:
-    return {"p50": percentile(values, 50), "p90": percentile(values, 90),
-            "mean": sum(values) / len(values) if values else math.nan,
-            "min": min(values) if values else math.nan, "max": max(values) if values else math.nan}
+    if not len(values):
+        return dict.fromkeys(("p50", "p90", "mean", "min", "max"), math.nan)
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90), "mean": float(np.mean(values)),
+            "min": float(min(values)), "max": float(max(values))}
 
 
 def synchronize(device: torch.device) -> None:

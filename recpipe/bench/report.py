@@ -4,6 +4,7 @@ the table, ``bench.json`` and ``bench.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from recpipe.bench.measure import summarize_ms
 from recpipe.config import RecpipeConfig
 
 __all__ = ["Row", "environment", "format_table", "grid", "write_outputs"]
@@ -49,15 +51,24 @@ class Row:
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
-    # From the profiled steps (trace.py): GPU busy time per step (union of device intervals over all
-    # streams, the slowest rank's) and P50 as a multiple of it, the headline ratio (1.0 = GPU never idle).
-    gpu_busy_ms: float | None = None
-    x_busy: float | None = None
+    gpu_busy_ms: float | None = None  # per profiled step, the slowest rank's (trace.py)
+    x_busy: float | None = None  # P50 / GPU busy: the headline (1.0 = the GPU never idles)
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
     cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (uvm_cache.py), or {"reason": ...}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def fill_rates(self, global_batch: int) -> None:
+        """Statistics and rates from the per-step lists, ``step_ms_p50_per_rank``, ``wall_s`` and ``trace``."""
+        self.steps, self.step_ms = len(self.step_ms_per_step), summarize_ms(self.step_ms_per_step)
+        self.host_ms = summarize_ms(self.host_ms_per_step) if self.host_ms_per_step else {}
+        self.samples_per_s = global_batch / (self.step_ms["p50"] / 1e3)
+        self.samples_per_s_per_gpu = self.samples_per_s / (len(self.step_ms_p50_per_rank) or 1)
+        self.samples_per_s_wall = global_batch * self.steps / self.wall_s if self.wall_s else None
+        self.round_p50_ms = self.round_p50_ms or [self.step_ms["p50"]]
+        self.gpu_busy_ms = self.trace.get("gpu_busy_ms")
+        self.x_busy = self.step_ms["p50"] / self.gpu_busy_ms if self.gpu_busy_ms else None
 
     @classmethod
     def from_dict(cls, record: dict[str, Any]) -> "Row":
@@ -65,28 +76,18 @@ class Row:
         return cls(**{k: v for k, v in record.items() if k in cls.__dataclass_fields__})
 
 
-def _version(module: str, dist_names: tuple[str, ...]) -> str:
-    try:
-        mod = __import__(module)
-        version = getattr(mod, "__version__", None)
-        if version:
-            return str(version)
-    except ImportError:
-        pass
+def _version(*dist_names: str) -> str:
     for name in dist_names:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return "unknown"
 
 
 def _nccl_version() -> str | None:
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):
         v = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
-    except (AttributeError, RuntimeError):
-        return None
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return None
 
 
 def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> dict[str, Any]:
@@ -96,8 +97,8 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {
             "torch": torch.__version__,
-            "fbgemm_gpu": _version("fbgemm_gpu", ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly")),
-            "torchrec": _version("torchrec", ("torchrec", "torchrec-nightly")),
+            "fbgemm_gpu": _version("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"),
+            "torchrec": _version("torchrec", "torchrec-nightly"),
             "cuda": torch.version.cuda,
             "nccl": _nccl_version() if cuda else None,
             "python": platform.python_version(),
@@ -128,23 +129,12 @@ def _cells(row: Row) -> list[str]:
     if row.status != "ok":
         return [row.pipeline, row.impl] + ["-"] * (len(_COLUMNS) - 3) + [f"{row.status}: {row.reason}"]
     mem = row.memory
-    note = "; ".join(row.notes)
-    return [
-        row.pipeline,
-        row.impl,
-        _num(row.step_ms.get("p50"), ".2f"),
-        _num(row.step_ms.get("p90"), ".2f"),
-        _num(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-"),
-        _num(row.x_busy, ".2f"),
-        _num(row.host_ms.get("p50"), ".2f"),
-        _num(row.samples_per_s, ",.0f"),
-        _num(row.samples_per_s_per_gpu, ",.0f"),
-        _num(mem.get("peak_alloc_gib"), ".2f"),
-        _num(mem.get("peak_reserved_gib"), ".2f"),
-        _num(mem.get("reserved_over_alloc"), ".3f"),
-        _num(mem.get("step_peak_alloc_above_build_gib"), ".2f"),
-        note,
-    ]
+    busy = _num(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-")
+    return [row.pipeline, row.impl, _num(row.step_ms.get("p50"), ".2f"), _num(row.step_ms.get("p90"), ".2f"), busy,
+            _num(row.x_busy, ".2f"), _num(row.host_ms.get("p50"), ".2f"), _num(row.samples_per_s, ",.0f"),
+            _num(row.samples_per_s_per_gpu, ",.0f"), _num(mem.get("peak_alloc_gib"), ".2f"),
+            _num(mem.get("peak_reserved_gib"), ".2f"), _num(mem.get("reserved_over_alloc"), ".3f"),
+            _num(mem.get("step_peak_alloc_above_build_gib"), ".2f"), "; ".join(row.notes)]
 
 
 def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: bool = False) -> str:
@@ -166,10 +156,8 @@ def format_table(rows: list[Row], markdown: bool = False) -> str:
 
 
 # ------------------------------------------------------------------ files
-def write_outputs(
-    out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row],
-    sections: dict[str, Any] | None = None, sections_md: list[str] | None = None,
-) -> Path:
+def write_outputs(out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row],
+                  sections: dict[str, Any] | None = None, sections_md: list[str] | None = None) -> Path:
     """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path.
     ``sections`` follow the rows in the JSON, ``sections_md`` the table in the markdown."""
     out = Path(out_dir)
@@ -209,12 +197,9 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"- host batches: {bench['batches_per_rank']} per rank, generated in {bench['batch_generation_s']:.2f} s "
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",
-        "P50/P90: percentiles over timed steps of the slowest rank's step time; GPU busy: the union of kernel,",
-        "memcpy and memset intervals over all streams per step, from a torch.profiler trace of the steps after",
-        "the timed ones (slowest rank; n/a on CPU); **x GPU busy = P50 / GPU busy**: 1.00 = the GPU never idles,",
-        "the step cannot go below it; host ms/call: host time inside progress() (P50, no profiler);",
-        "samples/s = global batch / P50; samples/s/GPU = samples/s / world size; peak alloc/reserved: whole run",
-        "incl. model (max over ranks); step +GiB: step-only peak above the post-build allocation.",
+        "P50/P90 over timed steps of the slowest rank's step time; GPU busy: the union of device intervals per",
+        "profiled step (n/a on CPU); **x GPU busy = P50 / GPU busy** (1.00: the GPU never idles); host ms/call: host",
+        "time inside progress(); step +GiB: step-only peak above the model. Every number: docs/bench.md.",
         "",
         format_table(rows, markdown=True),
         "",
@@ -224,16 +209,10 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
     if details:
         lines += ["## Per-run options", ""]
         for r in details:
-            parts = []
-            if r.pipeline_class:
-                parts.append(r.pipeline_class)
-            if r.options:
-                parts.append("options " + json.dumps(r.options))
-            if r.config_overrides:
-                parts.append("config overrides " + json.dumps(r.config_overrides))
-            if r.notes:
-                parts.append("notes: " + "; ".join(r.notes))
-            lines.append(f"- {r.pipeline} / {r.impl}: " + ", ".join(parts))
+            parts = [r.pipeline_class, r.options and "options " + json.dumps(r.options),
+                     r.config_overrides and "config overrides " + json.dumps(r.config_overrides),
+                     r.notes and "notes: " + "; ".join(r.notes)]
+            lines.append(f"- {r.pipeline} / {r.impl}: " + ", ".join(p for p in parts if p))
         lines.append("")
     lines += ["## Resolved config", "", "```yaml", cfg.to_yaml().rstrip(), "```", ""]
     return "\n".join(lines)

@@ -1,23 +1,17 @@
-"""One timed run of one (pipeline, implementation) on one rank, and combining ranks.
-
-:func:`run_local` is every row of ``recpipe bench``: free what the previous run left,
-build a fresh sharded model from ``train.seed`` and the pipeline (recpipe's, TorchRec's,
-or a caller's ``build``), then :func:`measure_steps`: warm-up, timed steps (cache
-counters read around them), profiled steps, drain, on fresh copies of the same host
-batches. A caller that builds its own model (a study that reuses one model for several
-measurements) calls :func:`measure_steps` itself. Either gives this rank's
-:class:`RunResult`; :func:`combine` turns every rank's into a :class:`Row`.
-"""
+"""One timed run of one (pipeline, implementation) on one rank (:func:`run_local`: a fresh
+model, then :func:`measure_steps`, the phases a caller with its own model runs too), its
+typed :class:`RunResult`, and every rank's results combined into a row (:func:`combine`)."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import itertools
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -28,26 +22,39 @@ from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory,
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, dynamo_config_kept, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
-from recpipe.bench.uvm_cache import (
-    cache_metrics,
-    counter_delta,
-    populate_op,
-    prefetch_unavailable,
-    read_counters,
-    stats_fused_params,
-    unavailable,
-)
+from recpipe.bench.uvm_cache import (cache_metrics, counter_delta, populate_op, prefetch_unavailable, read_counters,
+                                     stats_fused_params, unavailable)
 from recpipe.config import BasePipelineConfig, ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model
 from recpipe.pipelines import PipelineError, make_pipeline
 from recpipe.sharding import shard_model
 
-if TYPE_CHECKING:
-    from recpipe.bench.runner import BenchOptions
+__all__ = ["DRAIN", "BenchOptions", "Build", "RunResult", "build_run", "combine", "config_for_pipeline",
+           "fresh_batches", "gather", "measure_steps", "pipeline_options", "run_local", "split_variant", "untimed_steps"]
 
-__all__ = ["Build", "RunResult", "build_run", "combine", "config_for_pipeline", "fresh_batches", "gather",
-           "measure_steps", "pipeline_options", "run_local", "split_variant", "untimed_steps"]
+DRAIN = 3  # untimed batches after the timed (and traced) ones: TorchRec's SemiSync fetches three ahead
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """``recpipe bench``'s flags, checked (:func:`options_from_args`; defaults: ``recpipe.cli``)."""
+
+    pipelines: tuple[str, ...]
+    with_torchrec: bool
+    steps: int
+    warmup: int
+    trace_steps: int  # profiled steps after the timed ones (trace.py); 0 = none
+    out: str
+    command: str = ""  # the bench invocation, for the record ('': this process's argv)
+    profile: str | None = None  # file for torch.profiler op tables of the traced steps
+    plots: bool = True
+    rounds: int = 1  # every run repeated, interleaved (compare.round_order)
+
+    @property
+    def batches_per_run(self) -> int:
+        return self.warmup + self.steps + self.trace_steps + DRAIN
+
 
 Build = Callable[[RecpipeConfig, Any, Any, torch.device], Any]  # (cfg, model, optimizer, device) -> pipeline
 
@@ -92,10 +99,9 @@ def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
 
 
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:
-    """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync",
-    {"output_dist_wait": "early", "start_batch": 2})``: a pipeline with its own options
-    (values read as YAML). A key without a dot is a ``pipeline.<key>`` option; a dotted
-    key is any other config key except ``data.*`` (every run trains on the same batches)."""
+    """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync", {"output_dist_wait":
+    "early", "start_batch": 2})`` (values read as YAML). A key without a dot is a ``pipeline.<key>``
+    option; a dotted key any other config key but ``data.*`` (every run has the same batches)."""
     name, _, options = label.partition(":")
     pairs = [item.partition("=") for item in options.split("+") if item]
     bad = [key for key, eq, _ in pairs if not eq or not key]
@@ -148,19 +154,16 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         return None, overrides, str(err).replace("\n", " ")
 
 
-def untimed_steps(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> int:
-    """``n`` untimed steps (None: until StopIteration, the drain); returns how many ran."""
-    done = 0
-    while n is None or done < n:
+def untimed_steps(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> None:
+    """``n`` untimed steps (None: until StopIteration, the drain)."""
+    for _ in itertools.count() if n is None else range(n):
         try:
             pipe.progress(it)
         except StopIteration:
             if n is None:
-                break
+                return
             raise
-        done += 1
         bar.update(1)
-    return done
 
 
 def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunResult | None = None,
@@ -186,7 +189,7 @@ def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunRe
     return sharded, pipe
 
 
-def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch], opts: "BenchOptions",
+def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch], opts: BenchOptions,
                   device: torch.device, bar: tqdm, result: RunResult, memory: MemorySnapshot | None = None,
                   label: str = "") -> RunResult:
     """The phases of a run on a built model and pipeline: ``opts.warmup`` untimed steps,
@@ -195,7 +198,10 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     the timed steps. Raises what the pipeline raises."""
     it = fresh_batches(batches)
     untimed_steps(pipe, it, bar, opts.warmup)
-    memory.phase_done("warmup") if memory else synchronize(device)
+    if memory:
+        memory.phase_done("warmup")  # synchronizes
+    else:
+        synchronize(device)  # the timed steps start on an idle device
     if result.pipeline_class.startswith("torchrec."):
         result.pipelined = pipelined_module_count(pipe)
     why = unavailable(cfg, device)
@@ -218,14 +224,14 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
         tables = (opts.profile, label or cfg.pipeline.name) if opts.profile else None
         try:
             result.trace = {"status": "ok", **profile_progress(pipe, it, opts.trace_steps, device, tables)}
-        except Exception as err:  # noqa: BLE001 - the trace's failure, not the run's (a broken pipeline fails the drain)
+        except Exception as err:  # noqa: BLE001 - the trace's failure, not the run's (a broken pipeline fails below)
             result.trace = {"status": "failed", "reason": f"{type(err).__name__}: {str(err).strip()[:300]}"}
         bar.update(opts.trace_steps)
     untimed_steps(pipe, it, bar)
     return result
 
 
-def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: "BenchOptions", device: torch.device,
+def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOptions, device: torch.device,
               bar: tqdm, label: str | None = None, build: Build | None = None) -> RunResult:
     """This rank's run on a fresh model; never raises (the error goes into the result).
     ``label``: the row's name in ``--profile``'s tables (default the pipeline's)."""
@@ -266,25 +272,17 @@ def combine(row: Row, per_rank: list[RunResult], global_batch: int, steps: int) 
         reasons = dict.fromkeys(r.reason for _, r in bad)
         row.reason = " | ".join(reasons) + ("" if len(bad) == len(per_rank) else f" (ranks {[i for i, _ in bad]})")
         return row
-    per_step = [max(ts) for ts in zip(*(r.times_ms for r in per_rank))]
-    row.steps, row.step_ms, row.step_ms_per_step = steps, summarize_ms(per_step), per_step
-    row.step_ms_p50_per_rank = [summarize_ms(r.times_ms)["p50"] for r in per_rank]
-    row.round_p50_ms = [row.step_ms["p50"]]
-    row.samples_per_s = global_batch / (row.step_ms["p50"] / 1e3)
-    row.samples_per_s_per_gpu = row.samples_per_s / len(per_rank)
-    row.wall_s = max(r.wall_s for r in per_rank)
+    row.step_ms_per_step = [max(ts) for ts in zip(*(r.times_ms for r in per_rank))]
     row.host_ms_per_step = [max(ts) for ts in zip(*(r.host_ms for r in per_rank))]
-    row.host_ms = summarize_ms(row.host_ms_per_step)
-    row.samples_per_s_wall = global_batch * steps / row.wall_s
-    row.build_s = max(r.build_s for r in per_rank)
+    row.step_ms_p50_per_rank = [summarize_ms(r.times_ms)["p50"] for r in per_rank]
+    row.wall_s, row.build_s = max(r.wall_s for r in per_rank), max(r.build_s for r in per_rank)
     mems = [r.memory for r in per_rank]
     if mems[0]:
         row.memory = {k: max(m[k] for m in mems) if mems[0][k] is not None else None for k in mems[0]}
         row.memory["per_rank"] = mems
     if first.trace is not None:
         row.trace = combine_ranks([r.trace for r in per_rank])
-        row.gpu_busy_ms = row.trace.get("gpu_busy_ms")
-        row.x_busy = row.step_ms["p50"] / row.gpu_busy_ms if row.gpu_busy_ms else None
+    row.fill_rates(global_batch)
     if first.cache_counters is not None:
         row.cache = cache_metrics([r.cache_counters for r in per_rank], steps,
                                   [(r.trace or {}).get("cache") for r in per_rank], first.populate_op)

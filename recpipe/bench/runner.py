@@ -1,22 +1,11 @@
-"""``recpipe bench``: time every pipeline on the same batches, recpipe's and TorchRec's.
-
-Per rank, once: ``warmup + steps + trace_steps + DRAIN`` host batches of the config's
-loader (pinned on CUDA). Then every (pipeline, implementation), one after the other in
-one process group, ``--rounds`` times interleaved (``compare.round_order``), is a
-:func:`~recpipe.bench.run.run_local` on a fresh model, and every rank's result is
-combined into a row (a step's time is the slowest rank's). Rank 0 writes ``bench.json``,
-``bench.md`` and the plots. Which config each pipeline runs, what each number means and
-what the DRAIN batches are for: docs/bench.md.
-
-A recpipe pipeline that refuses the config (``PipelineError``) is skipped with its message;
-a TorchRec pipeline that raises is recorded as failed (TorchRec's FusedSparseDist, SemiSync
-and Prefetch pipelines do not run on CPU). Exit codes: 0, 1 when a rank died or a recpipe
-pipeline failed, 2 for bad arguments.
-
-Studies build on this: :func:`run_worker`'s ``sections`` hook measures more on every rank
-after the rows (collective) and adds its sections to the record; :func:`launch` runs a
-worker on every rank as ``recpipe bench`` does.
-"""
+"""``recpipe bench``: every (pipeline, implementation) on the same pregenerated batches, one
+after the other in one process group, ``--rounds`` times interleaved; each a ``run.run_local``
+on a fresh model, every rank's result combined into a row. Rank 0 writes ``bench.json``,
+``bench.md`` and the plots (docs/bench.md). A recpipe pipeline that refuses the config is
+skipped with its message, a TorchRec one that raises recorded as failed. Exit codes: 0, 1 when
+a rank died or a recpipe pipeline failed, 2 for bad arguments. Studies add their measurement
+after the rows (:func:`run_worker`'s ``sections``) and run on every rank as the bench does
+(:func:`launch`)."""
 
 from __future__ import annotations
 
@@ -30,7 +19,6 @@ import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -40,42 +28,23 @@ from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessException
 from tqdm import tqdm
 
-from recpipe.bench.cli import TRACE_STEPS
 from recpipe.bench.compare import comparisons, comparisons_md, merge_rounds, round_order
 from recpipe.bench.measure import StepClock
 from recpipe.bench.plots import write_plots
 from recpipe.bench.report import Row, environment, format_table, write_outputs
-from recpipe.bench.run import combine, config_for_pipeline, gather, pipeline_options, run_local, split_variant
-from recpipe.bench.sections import kernel_classes_table, rows_md
+from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
+                               split_variant)
+from recpipe.bench.sections import gpu_time_table, rows_md
 from recpipe.bench.torchrec_impl import compile_enabled
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
 from recpipe.pipelines import PIPELINES
 
-__all__ = ["BenchOptions", "DRAIN", "Sections", "launch", "main_bench", "options_from_args", "pregenerate", "run_one",
-           "run_worker", "runs_of", "single_rank_group"]
+__all__ = ["Sections", "launch", "main_bench", "options_from_args", "pregenerate", "run_one", "run_worker", "runs_of",
+           "single_rank_group"]
 
-DRAIN = 3  # untimed batches after the timed (and traced) ones: TorchRec's SemiSync fetches three ahead
 EXIT_FAILED = 1
-
-
-@dataclass(frozen=True)
-class BenchOptions:
-    pipelines: tuple[str, ...]
-    with_torchrec: bool
-    steps: int
-    warmup: int
-    out: str
-    command: str = ""  # the bench invocation, for the record ('': this process's argv)
-    profile: str | None = None  # file for torch.profiler op tables of the traced steps
-    plots: bool = True
-    rounds: int = 1  # every run repeated, interleaved (compare.round_order)
-    trace_steps: int = TRACE_STEPS  # profiled steps after the timed ones (trace.py); 0 = none
-
-    @property
-    def batches_per_run(self) -> int:
-        return self.warmup + self.steps + self.trace_steps + DRAIN
 
 
 # What a study measures after the rows, on every rank (collective): (cfg, opts, rows,
@@ -105,14 +74,12 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
         raise ConfigError("--profile writes the op tables of the traced steps: it needs --trace-steps >= 1")
     out = args.out or cfg.logging.run_dir
     flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--no-plots", not args.plots),
-                                   (f"--rounds {args.rounds}", args.rounds > 1), ("--profile", args.profile),
-                                   (f"--trace-steps {args.trace_steps}", args.trace_steps != TRACE_STEPS)) if on]
+                                   (f"--rounds {args.rounds}", args.rounds > 1), ("--profile", args.profile)) if on]
     command = " ".join(["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
                         *([f"--pipelines {','.join(names)}"] if names else []), *flags,
-                        f"--steps {args.steps} --warmup {args.warmup} --out {out}"])
-    opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, out, command,
-                        str(Path(out) / "profile.txt") if args.profile else None, args.plots, args.rounds,
-                        args.trace_steps)
+                        f"--steps {args.steps} --warmup {args.warmup} --trace-steps {args.trace_steps} --out {out}"])
+    opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, args.trace_steps, out,
+                        command, str(Path(out) / "profile.txt") if args.profile else None, args.plots, args.rounds)
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
     short = [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]
@@ -252,11 +219,9 @@ def _header(cfg: RecpipeConfig, opts: BenchOptions, device: torch.device, world:
         "warmup": opts.warmup, "drain": DRAIN, "global_batch": cfg.data.batch_size * world,
         "batches_per_rank": num_batches_made, "batch_generation_s": generation_s,
         "batch_generation_ms_per_batch": 1e3 * generation_s / num_batches_made, "pinned": device.type == "cuda",
-        "timing": StepClock(device).method, "rounds": opts.rounds,
+        "timing": StepClock(device).method, "rounds": opts.rounds, "trace_steps": opts.trace_steps,
         "runs": "sequential in one process group; fresh model (train.seed) per run"
-                + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else ""),
-        "trace_steps": opts.trace_steps,
-    }
+                + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else "")}
     return header
 
 
@@ -273,9 +238,8 @@ def _write(cfg: RecpipeConfig, opts: BenchOptions, header: dict[str, Any], rows:
     path = write_outputs(opts.out, cfg, header, rows, sections, rows_md(rows) + comparisons_md(pairs) + extra_md
                          + plots_md)
     print(format_table(rows))
-    if opts.profile and kernel_classes_table(rows, markdown=False):
-        print(f"GPU ms per step by kernel class (share of summed kernel time):\n"
-              f"{kernel_classes_table(rows, markdown=False)}")
+    if opts.profile and gpu_time_table(rows, markdown=False):
+        print(f"GPU ms per step by kernel class (share of summed kernel time):\n{gpu_time_table(rows, markdown=False)}")
     for p in (plots or {}).get("written", []):
         print(f"wrote {Path(opts.out) / p}")
     print(f"wrote {path} and {path.with_suffix('.md')}")

@@ -1,30 +1,13 @@
-"""TorchRec's own train pipelines, configured like the recpipe pipeline of the same name.
-
-=================  ===================================  ==========================================
-recpipe            TorchRec class                       options passed
-=================  ===================================  ==========================================
-base               TrainPipelineBase                    -
-sparse_dist        TrainPipelineSparseDist              execute_all_batches=True
-fused_sparse_dist  TrainPipelineFusedSparseDist         emb_lookup_stream (config; recpipe's default current)
-semi_sync          TrainPipelineSemiSync                start_batch, stash_gradients (config; recpipe's
-                                                        default start_batch is 0, TorchRec's 900)
-prefetch           PrefetchTrainPipelineSparseDist      -
-base (compiled)    TrainPipelinePT2                     TorchCompileConfig() (TorchRec's defaults: compiles
-                                                        the whole model at its step 3, automatic dynamic shapes)
-=================  ===================================  ==========================================
-
-TorchRec 1.6 and 1.8 take the same constructor arguments used here. Everything is imported
-from ``...train_pipeline.train_pipelines`` (``TrainPipelineSemiSync`` is not exported from
-the package in some versions). Both implementations run on the same sharded model
-(``recpipe.sharding.shard_model``). Options without a TorchRec counterpart are notes on the
-row, never silently dropped. ``TrainPipelinePT2`` (the ``torchrec_pt2`` rows, with
-``pipeline.compile`` on) sets dynamo's process-wide flags when it compiles:
-:func:`dynamo_config_kept` puts them back after its run.
-
-TorchRec FX-traces the model on the first batch to find the sharded modules' inputs;
-recpipe's ``Batch`` has no ``to_proxy``, so ``batch.sparse_features`` becomes an attribute
-step that TorchRec replays on the real batch. TorchRec only logs a module it cannot
-pipeline, so :func:`pipelined_module_count` goes on the row (0: no overlap).
+"""TorchRec's own train pipelines, configured like the recpipe pipeline of the same name
+(``TORCHREC_CLASSES``; with ``pipeline.compile`` on, also ``TrainPipelinePT2``: TorchRec's
+compiled base pipeline, ``TorchCompileConfig()`` defaults). TorchRec 1.6 and 1.8 take the
+same constructor arguments used here, all imported from ``...train_pipeline.train_pipelines``
+(``TrainPipelineSemiSync`` is not exported from the package in some versions). Both
+implementations run on the same sharded model; options without a TorchRec counterpart are
+notes on the row, never silently dropped. TorchRec FX-traces the model on the first batch to
+find the sharded modules' inputs (``batch.sparse_features`` becomes an attribute step it
+replays on the real batch) and only logs a module it cannot pipeline, so
+:func:`pipelined_module_count` goes on the row (0: no overlap).
 """
 
 from __future__ import annotations
@@ -42,11 +25,11 @@ from recpipe.config import RecpipeConfig
 __all__ = ["TORCHREC_CLASSES", "build_torchrec_pipeline", "compile_enabled", "dynamo_config_kept",
            "pipelined_module_count"]
 
-TORCHREC_CLASSES = {
+TORCHREC_CLASSES = {  # options passed: _options
     "base": "TrainPipelineBase",
-    "sparse_dist": "TrainPipelineSparseDist",
-    "fused_sparse_dist": "TrainPipelineFusedSparseDist",
-    "semi_sync": "TrainPipelineSemiSync",
+    "sparse_dist": "TrainPipelineSparseDist",  # execute_all_batches=True (every TorchRec pipeline below too)
+    "fused_sparse_dist": "TrainPipelineFusedSparseDist",  # emb_lookup_stream (recpipe's default: current)
+    "semi_sync": "TrainPipelineSemiSync",  # start_batch (recpipe's default 0, TorchRec's 900), stash_gradients
     "prefetch": "PrefetchTrainPipelineSparseDist",
 }
 PT2_CLASS = "TrainPipelinePT2"

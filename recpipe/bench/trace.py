@@ -13,7 +13,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -83,8 +83,7 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
 
 
 # ------------------------------------------------------------------ parsing
-@dataclass(frozen=True)
-class DeviceOp:
+class DeviceOp(NamedTuple):
     start: float  # microseconds, the trace's clock
     end: float
     stream: int
@@ -92,23 +91,16 @@ class DeviceOp:
     name: str
     kind: str = "kernel"  # kernel | gpu_memcpy | gpu_memset
 
-    @property
-    def compute(self) -> bool:
-        """A kernel that computes (not a copy, a memset or an NCCL collective)."""
-        return self.kind == "kernel" and not self.name.startswith("nccl")
 
-
-@dataclass(frozen=True)
-class HostRange:
+class HostRange(NamedTuple):
     name: str
     start: float
     end: float
     tid: Any
-    cat: str
+    cat: str  # user_annotation (record_function) | cpu_op
 
 
-@dataclass(frozen=True)
-class RuntimeCall:
+class RuntimeCall(NamedTuple):
     """A CUDA runtime or driver call on the host (``cudaLaunchKernel``, ``cudaStreamSynchronize``)."""
 
     name: str
@@ -122,8 +114,13 @@ class RuntimeCall:
 class Trace:
     device_ops: list[DeviceOp] = field(default_factory=list)
     launches: dict[int, tuple[Any, float]] = field(default_factory=dict)  # correlation -> (host thread, time)
-    ranges: list[HostRange] = field(default_factory=list)  # user annotations and CPU ops
+    ranges: list[HostRange] = field(default_factory=list)
     runtime: list[RuntimeCall] = field(default_factory=list)
+
+
+def _computes(op: DeviceOp) -> bool:
+    """A kernel that computes (not a copy, a memset or an NCCL collective)."""
+    return op.kind == "kernel" and not op.name.startswith("nccl")
 
 
 def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
@@ -240,7 +237,7 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     if not mine:
         return None
     others = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner]
-    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and op.compute]
+    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and _computes(op)]
     spans = [(op.start, op.end) for op in mine]
     by_op: dict[str, list[Interval]] = {}
     for op in mine:

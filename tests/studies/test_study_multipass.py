@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.studies.multipass import (
     PLOT,
-    _plot,
+    draw,
     isolated_prefetch_peak_bytes,
     main,
     multipass_md,
@@ -42,16 +42,17 @@ def test_multipass_point_times_the_prefetch_step_and_asks_the_planner():
     what is checked is the plumbing the GPU run relies on."""
     from tqdm import tqdm
 
-    from benchmarks.studies.multipass import _point
-    from recpipe.bench.runner import BenchOptions, pregenerate, single_rank_group
+    from benchmarks.studies.multipass import measure_point
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import pregenerate, single_rank_group
     from recpipe.distributed import init_process_group
 
     cfg = load_config(SMOKE, ["pipeline.name=prefetch", "distributed.nproc=1"])
-    opts = BenchOptions(("prefetch",), False, steps=3, warmup=2, out="unused")
+    opts = BenchOptions(("prefetch",), False, steps=3, warmup=2, trace_steps=5, out="unused")
     with single_rank_group():
         device = init_process_group(cfg)
         batches = pregenerate(cfg, 0, 1, opts.batches_per_run, device)
-        point = _point(cfg, 1, batches, opts, device, tqdm(disable=True))
+        point = measure_point(cfg, 1, batches, opts, device, tqdm(disable=True))
     assert point["status"] == "ok", point["reason"]
     assert point["step_ms"]["p50"] > 0 and point["prefetch_ms"]["p50"] >= 0
     assert point["prefetch_ms"]["p50"] < point["step_ms"]["max"]
@@ -92,7 +93,7 @@ def _gpu_like_rows() -> tuple[list[Row], dict]:
 def test_multipass_plot_is_a_png(tmp_path: Path):
     _, sections = _gpu_like_rows()
     sweep = sections["multipass"]
-    assert write_plot(tmp_path / PLOT, lambda plt, path: _plot(plt, path, sweep)) == {"written": [PLOT], "reason": ""}
+    assert write_plot(tmp_path / PLOT, lambda plt, path: draw(plt, path, sweep)) == {"written": [PLOT], "reason": ""}
     assert (tmp_path / PLOT).read_bytes().startswith(PNG_MAGIC)
 
 

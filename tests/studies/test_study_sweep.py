@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.studies.common import write_plot
-from benchmarks.studies.sweep import PLOT, _plot, main, parse_grid, point_config, recommend, sweep_md
+from benchmarks.studies.sweep import PLOT, draw, main, parse_grid, point_config, recommend, sweep_md
 from recpipe.config import ConfigError, load_config
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 
@@ -48,7 +48,8 @@ def test_segments_on_one_model_on_cpu():
     from tqdm import tqdm
 
     from benchmarks.studies.sweep import measure_model
-    from recpipe.bench.runner import BenchOptions, pregenerate, single_rank_group
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import pregenerate, single_rank_group
     from recpipe.distributed import init_process_group
 
     cfg = load_config(SMOKE, ["pipeline.name=prefetch", "distributed.nproc=1"])
@@ -116,7 +117,7 @@ def test_sweep_markdown_and_plot(tmp_path):
     skipped = {"status": "skipped", "reason": "the UVM cache needs CUDA", "cache_load_factors": [0.1],
                "zipf_alphas": [1.0]}
     assert "Not measured (load factors [0.1], Zipf alphas [1.0]): the UVM cache needs CUDA" in "\n".join(sweep_md(skipped))
-    plots = write_plot(tmp_path / PLOT, lambda plt, path: _plot(plt, path, sweep))
+    plots = write_plot(tmp_path / PLOT, lambda plt, path: draw(plt, path, sweep))
     assert plots["written"] == [PLOT] and (tmp_path / PLOT).read_bytes().startswith(b"\x89PNG")
 
 

@@ -58,6 +58,31 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """``recpipe bench``'s flags after ``--config`` / ``--set`` (the studies in benchmarks/studies/ add theirs)."""
+    p.add_argument("--pipelines", default=None,
+                   help="comma-separated pipeline names (default: all five); a variant with its own pipeline options: "
+                        "name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only); a dotted "
+                        "key sets any other config key but data.* for that run, e.g. "
+                        "sparse_dist:sharding.default.weights_precision=fp16 (TorchRec's pipelines too)")
+    p.add_argument("--with-torchrec", action="store_true",
+                   help="also run TorchRec's counterpart of each (and TrainPipelinePT2 when pipeline.compile is on); "
+                        "default: off")
+    p.add_argument("--steps", type=int, default=100, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps before timing (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every run R times, interleaved; P50/P90 over all rounds, paired ratios per round "
+                        "(default: %(default)s)")
+    p.add_argument("--trace-steps", type=int, default=5,
+                   help="profile N more steps after the timed ones: GPU busy time, GPU time by kernel class, host "
+                        "time by phase, host syncs, cache work; 0 = off (default: %(default)s)")
+    p.add_argument("--profile", action="store_true",
+                   help="also print GPU time by kernel class and write the traced steps' op tables to "
+                        "OUT/profile.txt (default: off)")
+    p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots (default: plots on)")
+    p.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="recpipe",
@@ -124,34 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="time every pipeline on the same batches (recpipe's and TorchRec's)",
         description="Time recpipe's pipelines (and, with --with-torchrec, TorchRec's counterparts) on the same "
         "model, sharding and pre-generated batches, in interleaved rounds. Reports P50/P90 step time, "
-        "samples/s, GPU busy time, host time and memory as OUT/bench.md, bench.json and PNG plots.",
+        "samples/s, GPU busy time (by kernel class), host time and memory as OUT/bench.md, bench.json and PNG "
+        "plots; what each number means: docs/bench.md.",
     )
     _add_config_args(bench)
-    bench.add_argument("--pipelines", default=None,
-                       help="comma-separated pipeline names (default: all five); a variant with its own pipeline "
-                            "options: name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only); "
-                            "a dotted key sets any other config key but data.* for that run, e.g. "
-                            "sparse_dist:sharding.default.weights_precision=fp16 (TorchRec's pipelines too)")
-    bench.add_argument("--with-torchrec", action="store_true", help="also run TorchRec's counterpart of each")
-    bench.add_argument("--steps", type=int, default=100, help="timed steps per pipeline")
-    bench.add_argument("--warmup", type=int, default=20, help="untimed steps before timing")
-    bench.add_argument("--bound", action="store_true", help="also time each stage alone and report the hardware bound")
-    bench.add_argument(
-        "--multipass", default=None, metavar="P1,P2,...", help="sweep FBGEMM prefetch passes (UVM-caching configs)"
-    )
-    bench.add_argument("--sweep-cache", default=None, metavar="LF1,LF2,...",
-                       help="prefetch vs sparse_dist at these cache load factors of the UVM-cached tables (CUDA)")
-    bench.add_argument("--sweep-zipf", default=None, metavar="A1,A2,...",
-                       help="... and at these Zipf alphas of the synthetic ids; with a recommendation of the pipeline")
-    bench.add_argument("--baseline", default=None, metavar="BENCH_JSON", help="a bench.json from fewer GPUs: weak-scaling columns")
-    bench.add_argument("--rounds", type=int, default=1,
-                       help="repeat every run R times, interleaved; P50/P90 over all rounds, paired ratios per round")
-    bench.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots")
-    bench.add_argument("--trace-steps", type=int, default=5,
-                       help="profile N more steps after the timed ones: GPU busy time, step / GPU busy, host time by "
-                            "phase, host syncs by site, cache work (0 = off)")
-    bench.add_argument("--profile", action="store_true", help="also write the traced steps' op tables -> OUT/profile.txt")
-    bench.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
+    add_bench_arguments(bench)
 
     from recpipe.data.cli import add_data_parser
 

@@ -7,8 +7,10 @@
 # opt_heavy (Adam on a 52M-parameter over-arch), uvm (prefetch pipeline on UVM-cached
 # tables, recpipe beside TorchRec's PrefetchTrainPipelineSparseDist), multipass (the
 # multi-pass prefetch sweep on 2M-row cached tables at pooling 40). Default: all.
-# Every suite runs each pipeline in ROUNDS interleaved rounds (default 3) with the
-# hardware bound. One process per GPU (torchrun) when the machine has several.
+# Every suite runs each pipeline in ROUNDS interleaved rounds (default 3) with the stages
+# timed alone (benchmarks/studies/bound.py: recpipe bench's rows plus the estimate); the
+# multipass suite is benchmarks/studies/multipass.py. One process per GPU (torchrun) when
+# the machine has several.
 # Each suite's bench.json / bench.md / PNGs go to OUT_DIR/SUITE/, its log to OUT_DIR/SUITE.log.
 set -uo pipefail
 out=${1:?usage: scripts/bench_gpu.sh OUT_DIR [SUITE ...]}
@@ -18,34 +20,34 @@ suites=("$@")
 rounds=${ROUNDS:-3}
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 export PYTHONUNBUFFERED=1
-common=(--with-torchrec --bound --rounds "$rounds" --set train.progress=false)
+common=(--with-torchrec --rounds "$rounds" --set train.progress=false)
 four=base,sparse_dist,fused_sparse_dist,semi_sync
 
-bench() {  # bench SUITE ARGS...: one recpipe bench, on all GPUs
-    local suite=$1
-    shift
+bench() {  # bench SUITE STUDY ARGS...: one study's bench (bound or multipass), on all GPUs
+    local suite=$1 study=benchmarks/studies/$2.py
+    shift 2
     mkdir -p "$out"
-    echo "== $suite: recpipe bench $* (nproc $nproc)"
+    echo "== $suite: $study $* (nproc $nproc)"
     if [ "$nproc" -gt 1 ]; then
-        torchrun --standalone --nproc-per-node "$nproc" -m recpipe bench "$@" --out "$out/$suite" 2>&1
+        torchrun --standalone --nproc-per-node "$nproc" "$study" "$@" --out "$out/$suite" 2>&1
     else
-        python3 -m recpipe bench "$@" --out "$out/$suite" 2>&1
+        python3 "$study" "$@" --out "$out/$suite" 2>&1
     fi | grep -v "compat_table\|WARNING:root" | tee "$out/$suite.log"
 }
 
 status=0
 for suite in "${suites[@]}"; do
     case $suite in
-    criteo) bench criteo --config configs/bench/dlrm_criteo.yaml --pipelines $four "${common[@]}" \
+    criteo) bench criteo bound --config configs/bench/dlrm_criteo.yaml --pipelines $four "${common[@]}" \
         --steps 100 --warmup 10 --set data.synthetic.num_batches=120 ;;
-    gpu_bound) bench gpu_bound --config configs/bench/dlrm_criteo_gpu_bound.yaml --pipelines $four "${common[@]}" \
+    gpu_bound) bench gpu_bound bound --config configs/bench/dlrm_criteo_gpu_bound.yaml --pipelines $four "${common[@]}" \
         --steps 50 --warmup 8 --set data.synthetic.num_batches=70 ;;
-    opt_heavy) bench opt_heavy --config configs/bench/optimizer_heavy.yaml --pipelines $four "${common[@]}" \
+    opt_heavy) bench opt_heavy bound --config configs/bench/optimizer_heavy.yaml --pipelines $four "${common[@]}" \
         --steps 60 --warmup 8 --set data.synthetic.num_batches=80 ;;
-    uvm) bench uvm --config configs/bench/uvm_caching.yaml --pipelines prefetch,sparse_dist "${common[@]}" \
+    uvm) bench uvm bound --config configs/bench/uvm_caching.yaml --pipelines prefetch,sparse_dist "${common[@]}" \
         --steps 60 --warmup 8 --set data.synthetic.num_batches=80 ;;
-    multipass) bench multipass --config configs/bench/uvm_caching.yaml --pipelines prefetch --rounds 1 \
-        --multipass 1,2,4,8,12 --steps 30 --warmup 6 --set train.progress=false --set data.synthetic.num_batches=50 \
+    multipass) bench multipass multipass --config configs/bench/uvm_caching.yaml --pipelines prefetch --rounds 1 \
+        --passes 1,2,4,8,12 --steps 30 --warmup 6 --set train.progress=false --set data.synthetic.num_batches=50 \
         --set 'model.num_embeddings_per_feature=[2000000,2000000,2000000,2000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000]' \
         --set 'data.synthetic.mean_pooling_factors=[40,40,40,40,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]' \
         --set sharding.prefetch_min_pass_size=65536 ;;

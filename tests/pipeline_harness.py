@@ -100,7 +100,8 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
     if name == "prefetch":
         from recpipe.speedups.cache_fill import CacheFillOptions, apply_cache_fill
 
-        apply_cache_fill(pipe, pipe.tbes, CacheFillOptions(enabled=cache_fill, sms=cache_fill_sms))
+        installed = apply_cache_fill(pipe, pipe.tbes, CacheFillOptions(enabled=cache_fill, sms=cache_fill_sms))
+        pipe.applied += [installed] if installed is not None else []
     return pipe
 
 

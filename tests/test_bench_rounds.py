@@ -1,6 +1,5 @@
-"""``recpipe bench --rounds``: interleaved run order, merged rows, paired ratios,
-the sign test and the target checks (recpipe.bench.compare), and one CPU run with
-two rounds end to end."""
+"""``recpipe bench --rounds``: interleaved run order, merged rows, paired ratios and
+comparisons, the sign test (recpipe.bench.compare), and one CPU run with two rounds end to end."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recpipe.bench.compare import check_targets, merge_rounds, paired, round_order, sign_test_p, targets_md
+from recpipe.bench.compare import comparisons, comparisons_md, merge_rounds, paired, round_order, sign_test_p
 from recpipe.bench.report import Row
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
@@ -71,30 +70,24 @@ def test_sign_test_and_paired_ratios():
     assert pair["sign_test_p"] == 1.0
 
 
-def test_check_targets_reports_measured_values_and_misses():
-    rows = [
-        _row("base", "recpipe", [10.0]), _row("base", "torchrec", [10.5]),
-        _row("sparse_dist", "recpipe", [10.1], step_alloc=0.40), _row("sparse_dist", "torchrec", [9.8]),
-        _row("semi_sync", "recpipe", [9.5], alloc=10.3, reserved=11.0, step_alloc=0.60),
-    ]
-    rows[2].x_bound = 1.10
-    rows[4].x_busy = 1.20  # semi_sync, recpipe's fastest (9.5 ms)
-    checks = check_targets(rows, {"bound_resource": "compute"})
-    by = {(c["target"], c["pipeline"]): c for c in checks}
-    assert by[("vs_torchrec", "base")]["met"] and by[("vs_torchrec", "base")]["value"] == pytest.approx(10 / 10.5)
-    assert by[("vs_torchrec", "sparse_dist")]["met"] is False
-    assert by[("vs_base", "sparse_dist")]["value"] == pytest.approx(1.01) and by[("vs_base", "sparse_dist")]["met"]
-    assert by[("vs_base", "semi_sync")]["met"]
-    assert by[("x_bound", "sparse_dist")]["met"] and ("x_bound", "base") not in by
-    assert by[("reserved_over_alloc", "semi_sync")]["met"] is False  # 11.0 / 10.3
-    assert by[("semi_sync_extra_peak", "semi_sync")]["value"] == pytest.approx(0.03)
-    assert by[("semi_sync_extra_peak", "semi_sync (step only)")]["value"] == pytest.approx(0.5)
-    fastest = by[("fastest_vs_torchrec", "semi_sync vs TorchRec sparse_dist")]
-    assert fastest["value"] == pytest.approx(9.5 / 9.8) and fastest["met"] is False  # 1.5 x needs <= 0.667
-    assert by[("x_gpu_busy", "semi_sync")]["value"] == 1.20 and by[("x_gpu_busy", "semi_sync")]["met"]
-    md = "\n".join(targets_md(checks, rounds=1))
-    assert "| P50 at or below TorchRec's | sparse_dist | 1.031 | 1.00 | **no** |" in md
-    assert "+50.0%" in md and "checks met." in md
+def test_comparisons_pair_each_recpipe_row_with_torchrec_and_base():
+    rounds = {"base": (10.0, 11.0), "sparse_dist": (9.0, 10.5)}
+    rows = [merge_rounds([_row(n, impl, [p * (1.05 if impl != "recpipe" else 1.0)]) for p in ps], 1000)
+            for n, ps in rounds.items() for impl in ("recpipe", "torchrec")]
+    rows.append(merge_rounds([_row("base", "torchrec_pt2", [p * 0.9]) for p in rounds["base"]], 1000))
+    rows.append(Row(pipeline="semi_sync", impl="recpipe", status="failed", reason="boom"))
+    pairs = {(p["a"], p["b"]): p for p in comparisons(rows)}
+    assert set(pairs) == {("base (recpipe)", "base (torchrec)"), ("base (recpipe)", "base (torchrec_pt2)"),
+                          ("sparse_dist (recpipe)", "sparse_dist (torchrec)"),
+                          ("sparse_dist (recpipe)", "base (recpipe)")}
+    vs_base = pairs[("sparse_dist (recpipe)", "base (recpipe)")]
+    assert vs_base["round_ratios"] == pytest.approx([0.9, 10.5 / 11]) and vs_base["a_faster_rounds"] == 2
+    assert pairs[("base (recpipe)", "base (torchrec)")]["median_ratio"] == pytest.approx(1 / 1.05)
+    assert pairs[("base (recpipe)", "base (torchrec_pt2)")]["a_faster_rounds"] == 0
+    md = "\n".join(comparisons_md(comparisons(rows)))
+    assert "## Paired comparisons" in md and "| sparse_dist (recpipe) | base (recpipe) | " in md
+    assert "| 2/2 | 0.5 |" in md  # two rounds: the sign test cannot say much
+    assert comparisons_md([]) == []
 
 
 @pytest.mark.slow
@@ -111,11 +104,13 @@ def test_two_rounds_end_to_end_on_cpu(tmp_path: Path):
         trace = row["trace"]  # the profiled steps of both rounds, averaged; CPU: no busy time in either
         assert trace["status"] == "ok" and trace["rounds"] == 2 and trace["gpu_busy_ms_per_round"] == [None, None]
         assert trace["host_ms_p50"] > 0 and all(v is not None for v in trace["phases_ms"].values())
-    targets = {(c["target"], c["pipeline"]) for c in record["targets"]}
-    assert {("vs_torchrec", "base"), ("vs_torchrec", "sparse_dist"), ("vs_base", "sparse_dist")} <= targets
-    pair = next(c["paired"] for c in record["targets"] if c["target"] == "vs_torchrec")
+    pairs = {(p["a"], p["b"]) for p in record["comparisons"]}
+    assert {("base (recpipe)", "base (torchrec)"), ("sparse_dist (recpipe)", "sparse_dist (torchrec)"),
+            ("sparse_dist (recpipe)", "base (recpipe)")} == pairs
+    pair = next(p for p in record["comparisons"] if p["b"] == "base (torchrec)")
     assert pair["rounds"] == 2 and len(pair["round_ratios"]) == 2
-    assert "## Targets" in (out / "bench.md").read_text()
+    assert "## Paired comparisons" in (out / "bench.md").read_text()
+    assert "plots" not in record and not list(out.glob("*.png"))  # --no-plots
 
 
 def test_rounds_must_be_positive():

@@ -1,7 +1,8 @@
 """The bench's profiled-step numbers (recpipe.bench.trace) and UVM-cache metrics
-(recpipe.bench.uvm_cache): interval arithmetic on synthetic intervals, a synthetic
-GPU trace (two streams, a memcpy, FBGEMM cache ops), a real CPU profile of a fake
-pipeline with phase ranges, combining ranks and rounds, the cache counters' math."""
+(recpipe.bench.uvm_cache): interval arithmetic on synthetic intervals, kernel classes of
+real kernel names, a synthetic GPU trace (two streams, a memcpy, FBGEMM cache ops), a real
+CPU profile of a fake pipeline with phase ranges, combining ranks and rounds, the cache
+counters' math."""
 
 from __future__ import annotations
 
@@ -9,19 +10,22 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from recpipe.bench.measure import mean_leaves
+from recpipe.bench.compare import mean_leaves, merge_rounds
+from recpipe.bench.report import Row
+from recpipe.bench.sections import gpu_time_table, rows_md
 from recpipe.bench.trace import (
+    KERNEL_CLASSES,
     combine_ranks,
     intersection_length,
+    kernel_class,
     merge_intervals,
-    merge_rounds,
     parse_chrome_trace,
     phase_name,
     profile_progress,
     summarize_trace,
     union_length,
 )
-from recpipe.bench.uvm_cache import COUNTERS, cache_metrics, counter_delta
+from recpipe.bench.uvm_cache import COUNTERS, cache_metrics, counter_delta, populate_op
 
 
 def test_union_of_intervals():
@@ -40,6 +44,72 @@ def test_intersection_of_unions():
     assert intersection_length([(0, 1)], [(1, 2)]) == 0.0
     assert intersection_length([(0, 4), (1, 3)], [(2, 8), (2, 5)]) == 2.0  # each side merged first
     assert intersection_length([], [(0, 1)]) == 0.0
+
+
+# Kernel names as CUPTI reports them (demangled) on H100/H200 with torch 2.11, cuBLAS 12,
+# FBGEMM 1.6, NCCL 2.2x, and inductor's Triton kernels.
+REAL_KERNELS = {
+    "gemm": ["void cutlass::Kernel2<cutlass_80_simt_sgemm_256x128_8x4_nn_align1>(cutlass_80_simt_sgemm_256x128_8x4_nn_"
+             "align1::Params)",
+             "sm80_xmma_gemm_f32f32_f32f32_f32_tn_n_tilesize128x128x8_stage3_warpsize2x2x1_ffma_aligna4_alignc4_"
+             "execute_kernel_trt",
+             "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1_execute_segment_k_off_"
+             "kernel__5x_cublas",
+             "nvjet_tst_192x192_64x4_2x1_v_bz_coopB_TNT",
+             "void cublasLt::splitKreduce_kernel<32, 16, int, float, float, float, float, false, true, false>("
+             "cublasLt::cublasSplitKParams<float>, float const*, float const*, float*, float const*, float const*, "
+             "float const*, float const*, float*, void*, long, float*, int*)",
+             "triton_tem_fused_addmm_relu_0", "triton_mm"],
+    "elementwise": ["triton_poi_fused__to_copy_add_mul_sigmoid_3",
+                    "void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor<float, float, float, "
+                    "at::native::binary_internal::MulFunctor<float> >, std::array<char*, 2ul> >(int, at::native::"
+                    "AUnaryFunctor<float, float, float, at::native::binary_internal::MulFunctor<float> >, "
+                    "std::array<char*, 2ul>)",
+                    "void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl_nocast<at::native::"
+                    "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+                    "{lambda()#7}::operator()() const::{lambda(float)#1}>(at::TensorIteratorBase&, at::native::"
+                    "direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()() const::"
+                    "{lambda()#7}::operator()() const::{lambda(float)#1} const&)::{lambda(int)#1}>(int, ...)",
+                    "void at::native::unrolled_elementwise_kernel<at::native::FillFunctor<float>, std::array<char*, "
+                    "1ul>, 4, TrivialOffsetCalculator<0, unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+                    "at::native::memory::LoadWithoutCast, at::native::memory::StoreWithoutCast>(...)"],
+    "reduction": ["triton_red_fused__to_copy_sum_1", "triton_per_fused_native_layer_norm_2",
+                  "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MeanOps<float, "
+                  "float, float, float>, unsigned int, float, 4, 4> >(at::native::ReduceOp<float, at::native::"
+                  "MeanOps<float, float, float, float>, unsigned int, float, 4, 4>)"],
+    "tbe_forward": ["void split_embedding_codegen_forward_unweighted_kernel<float, float, float, long, 1, 32, false>("
+                    "at::PackedTensorAccessor64<float, 1, at::RestrictPtrTraits> const, ...)",
+                    "void fbgemm_gpu::split_embedding_codegen_forward_unweighted_v2_kernel<float, float, float, long>("
+                    "...)",
+                    "void split_embedding_nobag_codegen_forward_unweighted_small_kernel<float, float, float, long, 4>("
+                    "...)"],
+    "tbe_backward": ["void split_embedding_backward_codegen_rowwise_adagrad_unweighted_kernel_cta_per_row_1<float, "
+                     "float, float, long, 1, 32>(...)",
+                     "void split_embedding_backward_codegen_rowwise_adagrad_unweighted_kernel_warp_per_row_1<float, "
+                     "float, float, long, 1, 32>(...)"],
+    "optimizer": ["void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+                  "namespace)::TensorListMetadata<3>, at::native::(anonymous namespace)::PointwiseOpScalarFunctor<"
+                  "float, 3, 2, 2>, std::multiplies<float>, float>(...)",
+                  "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::"
+                  "FusedOptimizerTensorListMetadata<4>, at::native::(anonymous namespace)::FusedAdamMathFunctor<float, "
+                  "4, (at::native::ADAM_MODE)1, false>, double*, double, double, double, double, double, bool, float*, "
+                  "float*>(...)"],
+    "communication": ["ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)",
+                      "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
+                      "ncclKernel_AllReduce_RING_LL_Sum_float(ncclDevComm*, unsigned long, ncclWork*)"],
+    "other": ["void (anonymous namespace)::lru_cache_insert_kernel<float, float>(...)",
+              "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 2, 128, 1>(...)",
+              "_move_kernel"],
+}
+
+
+def test_kernel_classes_of_real_kernel_names():
+    for cls, names in REAL_KERNELS.items():
+        for name in names:
+            assert kernel_class(name) == cls, (cls, name)
+    assert kernel_class("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy") == "copies"
+    assert kernel_class("Memset (Device)", "gpu_memset") == "copies"
+    assert set(REAL_KERNELS) | {"copies"} == set(KERNEL_CLASSES)
 
 
 def test_phase_names():
@@ -99,6 +169,18 @@ def test_summary_of_a_gpu_trace():
     assert cache["exposed_ms"] == pytest.approx(0.005) and cache["overlap_fraction"] == pytest.approx(0.75)
     assert cache["by_op_ms"] == {"fbgemm::lru_cache_populate": pytest.approx(0.02)}
     assert cache["insert_kernels_ms"] == pytest.approx(0.02) and cache["streams"] == [9]
+    # by kernel class, summed per step: the gemm, the memcpy, the NCCL kernel, the cache insert (other)
+    assert s["kernel_classes_ms"] == {**dict.fromkeys(KERNEL_CLASSES, 0.0), "gemm": pytest.approx(0.03),
+                                      "copies": pytest.approx(0.01), "communication": pytest.approx(0.01),
+                                      "other": pytest.approx(0.02)}
+    row = Row("prefetch", "recpipe", trace=dict(s, status="ok"))
+    table = gpu_time_table([row, Row("base", "recpipe")])
+    assert table.splitlines()[0].startswith("| pipeline | impl | GPU busy ms | NCCL busy ms | window ms | busy ms by "
+                                            "stream | elementwise | gemm | tbe_forward |")
+    assert ("| prefetch | recpipe | 0.055 | 0.010 | 0.09 | 7: 0.03, 8: 0.01, 9: 0.02, 10: 0.01 | 0.000 (0%) | "
+            "0.030 (43%) |") in table and table.endswith("| 0.030 |")
+    assert gpu_time_table([Row("base", "recpipe")]) == ""  # no kernels (CPU): no table
+    assert "## GPU time by kernel class" in "\n".join(rows_md([row]))
 
 
 def test_recpipes_cache_insert_counts_as_cache_work():
@@ -147,15 +229,19 @@ def test_host_syncs_by_site():
     # rounds: a site one round did not see counts 0 there
     other = dict(s, host_syncs={"per_step": 1.0, "blocked_ms": 0.001, "by_site": {"x: y": {"per_step": 1.0,
                                                                                         "blocked_ms": 0.001}}})
-    merged = merge_rounds([dict(s, status="ok"), dict(other, status="ok")])["host_syncs"]
+    merged = _merged_trace([dict(s, status="ok"), dict(other, status="ok")])["host_syncs"]
     assert merged["per_step"] == 1.5 and merged["by_site"]["x: y"] == {"per_step": 0.5, "blocked_ms": 0.0005}
     assert merged["by_site"]["input_dist_wait: aten::item > aten::_local_scalar_dense"]["per_step"] == 0.5
-    from recpipe.bench.report import Row
-    from recpipe.bench.sections import host_syncs_md
-
-    text = "\n".join(host_syncs_md([Row("sparse_dist", "recpipe", trace=dict(s, status="ok"))]))
+    text = "\n".join(rows_md([Row("sparse_dist", "recpipe", trace=dict(s, status="ok"))]))
     assert "## Host syncs" in text and "| sparse_dist | recpipe | 2.0 | 0.004 |" in text
     assert "backward: fbgemm::split_embedding_backward_codegen_adagrad (1.0, 0.002)" in text
+
+
+def _merged_trace(traces: list[dict]) -> dict:
+    """The trace of a row merged from rounds with these traces (``compare.merge_rounds``)."""
+    rows = [Row("x", "recpipe", step_ms={"p50": 1.0}, step_ms_per_step=[1.0], round_p50_ms=[1.0], trace=t)
+            for t in traces]
+    return merge_rounds(rows, global_batch=1).trace
 
 
 def test_a_cpu_trace_has_no_busy_time_and_a_bad_trace_is_refused():
@@ -201,7 +287,7 @@ def test_combine_ranks_and_rounds():
     failed = combine_ranks([rank(4.0, 2.0, 1.0), {"status": "failed", "reason": "boom"}])
     assert failed == {"status": "failed", "reason": "rank 1: boom"}
     second = dict(rank(6.0, 2.0, 3.0), phases_ms={"forward": 3.0, "load batch": 1.0})
-    merged = merge_rounds([combine_ranks([rank(4.0, 2.0, 1.0)]), combine_ranks([second])])
+    merged = _merged_trace([combine_ranks([rank(4.0, 2.0, 1.0)]), combine_ranks([second])])
     assert merged["gpu_busy_ms"] == 5.0 and merged["phases_ms"] == {"forward": 2.0, "load batch": 0.5}
     assert merged["rounds"] == 2 and merged["gpu_busy_ms_per_round"] == [4.0, 6.0]
     cpu = [dict(rank(4.0, 2.0, 1.0), gpu_busy_ms=None), rank(6.0, 2.0, 1.0)]
@@ -223,6 +309,7 @@ def test_cache_metrics_arithmetic():
     work = {"gpu_ms": 0.5, "overlap_ms": 0.4, "exposed_ms": 0.1, "overlap_fraction": 0.8, "insert_kernels_ms": 0.1,
             "by_op_ms": {"fbgemm::lru_cache_populate": 0.4, "fbgemm::linearize_cache_indices": 0.05}}
     m = cache_metrics([delta, other], steps=4, traced=[work, None])
+    assert m["populate_op"] == "fbgemm::lru_cache_populate"
     assert m["hit_rate"] == pytest.approx(1 - (160 + 40) / (400 + 200))  # over TBEs and ranks
     # rank 0 fetches (160 - 20) x 512 B in 4 steps: more than rank 1 (10 x 256 + 30 x 512)
     assert m["rows_fetched_per_step"] == 35 and m["bytes_fetched_per_step"] == 35 * 512
@@ -234,3 +321,19 @@ def test_cache_metrics_arithmetic():
     assert m["overlap_fraction"] == 0.8 and len(m["per_rank"]) == 2
     assert m["per_rank"][1]["bytes_fetched_per_step"] == (10 * 256 + 30 * 512) / 4 and "gpu_ms" not in m["per_rank"][1]
     assert cache_metrics([[_counters()]], steps=1, traced=[None])["hit_rate"] is None  # nothing looked up
+    # recpipe's insert (the prefetch pipeline's cache_fill): its range times the bandwidth, FBGEMM's op is absent
+    ours = dict(work, by_op_ms={"recpipe::lru_cache_populate": 0.2, "fbgemm::linearize_cache_indices": 0.05})
+    m = cache_metrics([delta], steps=4, traced=[ours], populate="recpipe::lru_cache_populate")
+    assert m["h2d_GB_per_s_populate"] == pytest.approx(35 * 512 / 0.2e-3 / 1e9)
+    assert cache_metrics([delta], steps=4, traced=[ours])["h2d_GB_per_s_populate"] is None  # FBGEMM's: not run
+
+
+def test_populate_op_is_the_insert_the_pipeline_runs():
+    class Prefetch:
+        cache_fill_sms = 4  # recpipe's insert, on 4 SMs
+
+    class Fallback:
+        cache_fill_sms = 0  # FBGEMM's (pipeline.cache_fill=fbgemm, or no Triton)
+
+    assert populate_op(Prefetch()) == "recpipe::lru_cache_populate"
+    assert populate_op(Fallback()) == populate_op(object()) == "fbgemm::lru_cache_populate"

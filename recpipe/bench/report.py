@@ -1,14 +1,10 @@
-"""What a benchmark record says and how it is written: header, rows, table, files.
-
-Every record starts with the resolved config, the versions (torch, fbgemm-gpu,
-torchrec, CUDA) and the GPU (docs STYLE.md). ``bench.json`` holds every number;
-``bench.md`` the same header and the table. Rows are plain dicts (``Row.to_dict``)
-so later additions only add keys (the bound, multi-pass and weak-scaling sections:
-``recpipe.bench.sections``).
-"""
+"""What a bench record holds and how it is written: :class:`Row` (one pipeline and
+implementation, over ranks and rounds), the header (resolved config, versions, GPU),
+the table, ``bench.json`` and ``bench.md``."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.metadata
 import json
@@ -22,6 +18,7 @@ from typing import Any
 
 import torch
 
+from recpipe.bench.measure import summarize_ms
 from recpipe.config import RecpipeConfig
 
 __all__ = ["Row", "environment", "format_table", "grid", "write_outputs"]
@@ -43,7 +40,7 @@ class Row:
     step_ms: dict[str, float] = field(default_factory=dict)  # p50/p90/mean/min/max of per-step max over ranks
     step_ms_per_step: list[float] = field(default_factory=list)
     step_ms_p50_per_rank: list[float] = field(default_factory=list)
-    round_p50_ms: list[float] = field(default_factory=list)  # P50 of each round (``--rounds``, compare.py)
+    round_p50_ms: list[float] = field(default_factory=list)  # P50 of each round (``--rounds``)
     samples_per_s: float | None = None  # global batch / P50 step time
     samples_per_s_per_gpu: float | None = None  # samples_per_s / world size (weak scaling keeps it flat)
     samples_per_s_wall: float | None = None  # global batch * steps / host wall of the timed steps
@@ -54,41 +51,43 @@ class Row:
     build_s: float | None = None
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
-    x_bound: float | None = None  # P50 / stages-alone estimate (``--bound``); not a bound (it can exceed P50)
-    # From the profiled steps (trace.py): GPU busy time per step (union of device intervals over all
-    # streams, the slowest rank's) and P50 as a multiple of it, the headline ratio (1.0 = GPU never idle).
-    gpu_busy_ms: float | None = None
-    x_busy: float | None = None
+    gpu_busy_ms: float | None = None  # per profiled step, the slowest rank's (trace.py)
+    x_busy: float | None = None  # P50 / GPU busy: the headline (1.0 = the GPU never idles)
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
     cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (uvm_cache.py), or {"reason": ...}
-    weak_scaling: dict[str, Any] = field(default_factory=dict)  # baseline comparison / prediction
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def fill_rates(self, global_batch: int) -> None:
+        """Statistics and rates from the per-step lists, ``step_ms_p50_per_rank``, ``wall_s`` and ``trace``."""
+        self.steps, self.step_ms = len(self.step_ms_per_step), summarize_ms(self.step_ms_per_step)
+        self.host_ms = summarize_ms(self.host_ms_per_step) if self.host_ms_per_step else {}
+        self.samples_per_s = global_batch / (self.step_ms["p50"] / 1e3)
+        self.samples_per_s_per_gpu = self.samples_per_s / (len(self.step_ms_p50_per_rank) or 1)
+        self.samples_per_s_wall = global_batch * self.steps / self.wall_s if self.wall_s else None
+        self.round_p50_ms = self.round_p50_ms or [self.step_ms["p50"]]
+        self.gpu_busy_ms = self.trace.get("gpu_busy_ms")
+        self.x_busy = self.step_ms["p50"] / self.gpu_busy_ms if self.gpu_busy_ms else None
 
-def _version(module: str, dist_names: tuple[str, ...]) -> str:
-    try:
-        mod = __import__(module)
-        version = getattr(mod, "__version__", None)
-        if version:
-            return str(version)
-    except ImportError:
-        pass
+    @classmethod
+    def from_dict(cls, record: dict[str, Any]) -> "Row":
+        """A row of a ``bench.json``; keys this version does not know are left out."""
+        return cls(**{k: v for k, v in record.items() if k in cls.__dataclass_fields__})
+
+
+def _version(*dist_names: str) -> str:
     for name in dist_names:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return "unknown"
 
 
 def _nccl_version() -> str | None:
-    try:
+    with contextlib.suppress(AttributeError, RuntimeError):
         v = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
-    except (AttributeError, RuntimeError):
-        return None
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+    return None
 
 
 def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> dict[str, Any]:
@@ -98,8 +97,8 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {
             "torch": torch.__version__,
-            "fbgemm_gpu": _version("fbgemm_gpu", ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly")),
-            "torchrec": _version("torchrec", ("torchrec", "torchrec-nightly")),
+            "fbgemm_gpu": _version("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly"),
+            "torchrec": _version("torchrec", "torchrec-nightly"),
             "cuda": torch.version.cuda,
             "nccl": _nccl_version() if cuda else None,
             "python": platform.python_version(),
@@ -119,9 +118,7 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
 
 # ------------------------------------------------------------------ table
 _COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "host ms/call", "samples/s",
-            "samples/s/GPU", "x stages alone", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB",
-            "note")
-_X_BOUND = _COLUMNS.index("x stages alone")
+            "samples/s/GPU", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -132,24 +129,12 @@ def _cells(row: Row) -> list[str]:
     if row.status != "ok":
         return [row.pipeline, row.impl] + ["-"] * (len(_COLUMNS) - 3) + [f"{row.status}: {row.reason}"]
     mem = row.memory
-    note = "; ".join(row.notes)
-    return [
-        row.pipeline,
-        row.impl,
-        _num(row.step_ms.get("p50"), ".2f"),
-        _num(row.step_ms.get("p90"), ".2f"),
-        _num(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-"),
-        _num(row.x_busy, ".2f"),
-        _num(row.host_ms.get("p50"), ".2f"),
-        _num(row.samples_per_s, ",.0f"),
-        _num(row.samples_per_s_per_gpu, ",.0f"),
-        _num(row.x_bound, ".2f"),
-        _num(mem.get("peak_alloc_gib"), ".2f"),
-        _num(mem.get("peak_reserved_gib"), ".2f"),
-        _num(mem.get("reserved_over_alloc"), ".3f"),
-        _num(mem.get("step_peak_alloc_above_build_gib"), ".2f"),
-        note,
-    ]
+    busy = _num(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-")
+    return [row.pipeline, row.impl, _num(row.step_ms.get("p50"), ".2f"), _num(row.step_ms.get("p90"), ".2f"), busy,
+            _num(row.x_busy, ".2f"), _num(row.host_ms.get("p50"), ".2f"), _num(row.samples_per_s, ",.0f"),
+            _num(row.samples_per_s_per_gpu, ",.0f"), _num(mem.get("peak_alloc_gib"), ".2f"),
+            _num(mem.get("peak_reserved_gib"), ".2f"), _num(mem.get("reserved_over_alloc"), ".3f"),
+            _num(mem.get("step_peak_alloc_above_build_gib"), ".2f"), "; ".join(row.notes)]
 
 
 def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: bool = False) -> str:
@@ -167,21 +152,14 @@ def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: b
 
 
 def format_table(rows: list[Row], markdown: bool = False) -> str:
-    """The main table; the "x stages alone" column only when ``--bound`` measured them."""
-    keep = [i for i in range(len(_COLUMNS)) if i != _X_BOUND or any(r.x_bound is not None for r in rows)]
-    body = [[c[i] for i in keep] for c in (_cells(r) for r in rows)]
-    return grid([_COLUMNS[i] for i in keep], body, markdown)
+    return grid(_COLUMNS, [_cells(r) for r in rows], markdown)
 
 
 # ------------------------------------------------------------------ files
-def write_outputs(
-    out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row],
-    sections: dict[str, Any] | None = None, sections_md: list[str] | None = None,
-) -> Path:
+def write_outputs(out_dir: str | Path, cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row],
+                  sections: dict[str, Any] | None = None, sections_md: list[str] | None = None) -> Path:
     """Write ``bench.json`` and ``bench.md`` into ``out_dir``; returns the JSON path.
-    ``sections`` (``bound``, ``multipass``, ``weak_scaling``, ``plots``) follow the
-    rows in the JSON; ``sections_md`` (rendered by ``recpipe.bench.sections``) follow
-    the table in the markdown."""
+    ``sections`` follow the rows in the JSON, ``sections_md`` the table in the markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     record = {"config": cfg.model_dump(mode="json"), **header, "rows": [r.to_dict() for r in rows], **(sections or {})}
@@ -219,13 +197,9 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"- host batches: {bench['batches_per_rank']} per rank, generated in {bench['batch_generation_s']:.2f} s "
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",
-        "P50/P90: percentiles over timed steps of the slowest rank's step time; GPU busy: the union of kernel,",
-        "memcpy and memset intervals over all streams per step, from a torch.profiler trace of the steps after",
-        "the timed ones (slowest rank; n/a on CPU); **x GPU busy = P50 / GPU busy**: 1.00 = the GPU never idles,",
-        "the step cannot go below it; host ms/call: host time inside progress() (P50, no profiler);",
-        "samples/s = global batch / P50; samples/s/GPU = samples/s / world size; x stages alone = P50 / the sum of",
-        "stages timed alone (`--bound`, below: an estimate, not a bound); peak alloc/reserved: whole run incl.",
-        "model (max over ranks); step +GiB: step-only peak above the post-build allocation.",
+        "P50/P90 over timed steps of the slowest rank's step time; GPU busy: the union of device intervals per",
+        "profiled step (n/a on CPU); **x GPU busy = P50 / GPU busy** (1.00: the GPU never idles); host ms/call: host",
+        "time inside progress(); step +GiB: step-only peak above the model. Every number: docs/bench.md.",
         "",
         format_table(rows, markdown=True),
         "",
@@ -235,16 +209,10 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
     if details:
         lines += ["## Per-run options", ""]
         for r in details:
-            parts = []
-            if r.pipeline_class:
-                parts.append(r.pipeline_class)
-            if r.options:
-                parts.append("options " + json.dumps(r.options))
-            if r.config_overrides:
-                parts.append("config overrides " + json.dumps(r.config_overrides))
-            if r.notes:
-                parts.append("notes: " + "; ".join(r.notes))
-            lines.append(f"- {r.pipeline} / {r.impl}: " + ", ".join(parts))
+            parts = [r.pipeline_class, r.options and "options " + json.dumps(r.options),
+                     r.config_overrides and "config overrides " + json.dumps(r.config_overrides),
+                     r.notes and "notes: " + "; ".join(r.notes)]
+            lines.append(f"- {r.pipeline} / {r.impl}: " + ", ".join(p for p in parts if p))
         lines.append("")
     lines += ["## Resolved config", "", "```yaml", cfg.to_yaml().rstrip(), "```", ""]
     return "\n".join(lines)

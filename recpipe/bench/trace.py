@@ -1,51 +1,8 @@
-"""What a torch.profiler trace of a few steady-state steps says about one bench row.
-
-After the timed steps, every run profiles ``--trace-steps`` more ``progress()``
-calls (default 5; the timed steps themselves are never profiled), each inside a
-``bench.progress`` range, then synchronizes and stops the profiler. From the
-exported Chrome trace, per step:
-
-* **GPU busy time**: the union of the device intervals of every kernel, memcpy and
-  memset, over all streams, divided by the steps. Work launched before the profiler
-  started is not in the trace, and everything launched in the window is (the
-  synchronize), so this is the GPU work of the profiled calls. It bounds the step
-  from below: a step cannot be shorter than the time its GPU is busy, whatever the
-  overlap. NCCL kernels count while they wait for a peer, so on several GPUs it is
-  an upper estimate of the compute; their share is reported (``nccl_busy_ms``).
-  On CPU there are no device events: busy time is None with the reason, never 0.
-* **host time per call**: the ``bench.progress`` ranges (profiler overhead
-  included; the unprofiled host time per call is on the row as ``host_ms``).
-* **host time by phase**: recpipe's engine opens a ``recpipe.<step>`` range around
-  each schedule step while a profiler runs; TorchRec's pipelines open ``## <name> ##``
-  ranges (``## forward ##``, ``## wait_sparse_data_dist 12 ##``). Which ``##`` names
-  are TorchRec's pipeline phases is read from the installed TorchRec's
-  ``train_pipeline`` sources (their ``record_function`` templates, the batch index
-  dropped: ``wait_sparse_data_dist``), so it follows the version. Per phase the
-  union of its ranges inside the calls; phases may nest (TorchRec's do), so they can
-  sum to more than the call; ``outside phases`` is the host time of the calls in no
-  phase. The other ``##`` ranges come from TorchRec's sharded modules, under both
-  implementations (awaitable waits, all-to-all launches): ``library_ms``, the largest.
-* **cache work** (UVM-cached tables only): the device intervals of the work FBGEMM's
-  cache ops launched (CPU ops ``fbgemm::*cache*``: linearize, populate = find
-  uncached + sort + insert, lookup, locking-counter updates), matched to their
-  launch through the CUDA runtime call's correlation id and thread: its GPU time
-  per op, and how much of it overlaps other device work (``overlap_ms``; with compute
-  kernels alone, not copies or NCCL: ``overlap_compute_ms``) or runs alone
-  (``exposed_ms``).
-
-* **host syncs**: the CUDA calls inside the calls that block the host until the
-  device catches up (``cudaStreamSynchronize``, ``cudaEventSynchronize``,
-  ``cudaDeviceSynchronize``, a synchronous ``cudaMemcpy``, and a copy to pageable
-  host memory, which its device record names ``Device -> Pageable``: ``.item()``,
-  ``.tolist()``, ``.cpu()``), per step: how many, the host time blocked in them,
-  and by site (the pipeline phase around it, and the outermost and innermost CPU
-  ops of its thread that hold it: ``fbgemm::... > aten::_local_scalar_dense``).
-  Each one drains the queue up to it, so a step with one cannot run further ahead
-  of the GPU than that point.
-
-``step / GPU busy`` (``x_busy`` on the row) is the headline ratio: 1.0 means the
-GPU never idles within a step.
-"""
+"""What a torch.profiler trace of a few steady-state ``progress()`` calls says about one
+bench row: GPU busy time, GPU time by kernel class, host time per call and by phase,
+host syncs by site, and the device work of the UVM cache's ops (docs/bench.md, "Profiled
+steps"). :func:`profile_progress` takes the trace, :func:`summarize_trace` reads it,
+:func:`combine_ranks` keeps the slowest rank's headline numbers."""
 
 from __future__ import annotations
 
@@ -56,15 +13,15 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 
-from recpipe.bench.measure import mean_leaves, percentile
+from recpipe.bench.measure import percentile
 
-__all__ = ["PROGRESS_RANGE", "RuntimeCall", "Trace", "combine_ranks", "intersection_length", "merge_intervals",
-           "merge_rounds",
-           "parse_chrome_trace", "phase_name", "profile_progress", "summarize_trace", "union_length"]
+__all__ = ["KERNEL_CLASSES", "PROGRESS_RANGE", "RuntimeCall", "Trace", "combine_ranks", "intersection_length",
+           "kernel_class", "merge_intervals", "parse_chrome_trace", "phase_name", "profile_progress",
+           "summarize_trace", "union_length"]
 
 PROGRESS_RANGE = "bench.progress"
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -76,6 +33,22 @@ _CACHE_OP = re.compile(r"^(fbgemm|recpipe)::.*cache")  # FBGEMM's cache ops, rec
 _ROW_MOVES = re.compile(r"lru_cache_insert|_move_kernel")  # the kernels that move cache rows
 
 Interval = tuple[float, float]
+
+# GPU time by kernel class: (class, pattern searched in the kernel's name), the first match
+# wins; memcpy and memset records are "copies", a kernel no pattern matches is "other".
+# Inductor names its Triton kernels by template: poi(ntwise), red(uction), per(sistent
+# reduction), tem(plate: matmuls).
+_KERNEL_PATTERNS = tuple((cls, re.compile(p)) for cls, p in (
+    ("communication", r"\bnccl"),
+    ("tbe_forward", r"embedding\w*_codegen_forward"),
+    ("tbe_backward", r"embedding\w*_backward_codegen"),
+    ("optimizer", r"multi_tensor_apply_kernel"),
+    ("gemm", r"\btriton_(tem|mm)|gemm|gemv|cutlass|cublas|nvjet|xmma"),
+    ("reduction", r"\btriton_(red|per)_|reduce_kernel"),
+    ("elementwise", r"\btriton_poi_|elementwise_kernel"),
+))
+KERNEL_CLASSES = ("elementwise", "gemm", "tbe_forward", "tbe_backward", "optimizer", "communication", "copies",
+                  "reduction", "other")  # the report's column order
 
 
 # ------------------------------------------------------------------ intervals
@@ -110,8 +83,7 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
 
 
 # ------------------------------------------------------------------ parsing
-@dataclass(frozen=True)
-class DeviceOp:
+class DeviceOp(NamedTuple):
     start: float  # microseconds, the trace's clock
     end: float
     stream: int
@@ -119,23 +91,16 @@ class DeviceOp:
     name: str
     kind: str = "kernel"  # kernel | gpu_memcpy | gpu_memset
 
-    @property
-    def compute(self) -> bool:
-        """A kernel that computes (not a copy, a memset or an NCCL collective)."""
-        return self.kind == "kernel" and not self.name.startswith("nccl")
 
-
-@dataclass(frozen=True)
-class HostRange:
+class HostRange(NamedTuple):
     name: str
     start: float
     end: float
     tid: Any
-    cat: str
+    cat: str  # user_annotation (record_function) | cpu_op
 
 
-@dataclass(frozen=True)
-class RuntimeCall:
+class RuntimeCall(NamedTuple):
     """A CUDA runtime or driver call on the host (``cudaLaunchKernel``, ``cudaStreamSynchronize``)."""
 
     name: str
@@ -149,8 +114,13 @@ class RuntimeCall:
 class Trace:
     device_ops: list[DeviceOp] = field(default_factory=list)
     launches: dict[int, tuple[Any, float]] = field(default_factory=dict)  # correlation -> (host thread, time)
-    ranges: list[HostRange] = field(default_factory=list)  # user annotations and CPU ops
+    ranges: list[HostRange] = field(default_factory=list)
     runtime: list[RuntimeCall] = field(default_factory=list)
+
+
+def _computes(op: DeviceOp) -> bool:
+    """A kernel that computes (not a copy, a memset or an NCCL collective)."""
+    return op.kind == "kernel" and not op.name.startswith("nccl")
 
 
 def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
@@ -212,6 +182,13 @@ def phase_name(name: str) -> tuple[str, str] | None:
     return "library", re.sub(r"\s+", " ", re.sub(r"\b\d+\b", "", _RANGE.match(name).group(1))).strip()
 
 
+def kernel_class(name: str, kind: str = "kernel") -> str:
+    """The class of a device record of the trace (``KERNEL_CLASSES``)."""
+    if kind != "kernel":
+        return "copies"
+    return next((cls for cls, pattern in _KERNEL_PATTERNS if pattern.search(name)), "other")
+
+
 # ------------------------------------------------------------------ summary
 def _per_step(x: float, steps: int) -> float:
     return x / 1e3 / steps  # microseconds in the trace -> milliseconds per step
@@ -260,7 +237,7 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     if not mine:
         return None
     others = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner]
-    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and op.compute]
+    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and _computes(op)]
     spans = [(op.start, op.end) for op in mine]
     by_op: dict[str, list[Interval]] = {}
     for op in mine:
@@ -328,13 +305,16 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
                   else "n/a: no kernel in the trace (CUDA activity not recorded)")
         return dict(out, gpu_busy_ms=None, gpu_busy_reason=reason)
     streams: dict[int, list[Interval]] = {}
+    classes = dict.fromkeys(KERNEL_CLASSES, 0.0)
     for op in ops:
         streams.setdefault(op.stream, []).append((op.start, op.end))
+        classes[kernel_class(op.name, op.kind)] += op.end - op.start
     out.update(
         gpu_busy_ms=_per_step(union_length((op.start, op.end) for op in ops), steps),
         nccl_busy_ms=_per_step(union_length((op.start, op.end) for op in ops if op.name.startswith("nccl")), steps),
         device_ops_per_step=len(ops) / steps,
         streams_busy_ms={str(s): _per_step(union_length(iv), steps) for s, iv in sorted(streams.items())},
+        kernel_classes_ms={c: _per_step(t, steps) for c, t in classes.items()},  # summed, overlap counted twice
         cache=_cache_work(trace, steps),
         host_syncs=_host_syncs(trace, calls, steps),
     )
@@ -393,24 +373,3 @@ def combine_ranks(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
         out[key] = max(values) if values else None
     out["per_rank"] = [{k: t.get(k) for k in (*_SLOWEST, "nccl_busy_ms", "device_ops_per_step")} for t in per_rank]
     return out
-
-
-def merge_rounds(traces: list[dict[str, Any]]) -> dict[str, Any]:
-    """One trace section from the rounds of a row: every number the mean over rounds
-    (``gpu_busy_ms_per_round`` keeps each); a round without a trace makes it that round's."""
-    bad = next((t for t in traces if t.get("status") != "ok"), None)
-    if bad is not None or len(traces) == 1:
-        return bad or traces[0]
-    # ms by name: a name a round did not see (a phase that did not occur) spent 0 ms there
-    filled = [dict(t) for t in traces]
-    for key in ("phases_ms", "library_ms", "streams_busy_ms"):
-        names = list(dict.fromkeys(n for t in traces for n in t.get(key) or {}))
-        for t in filled:
-            t[key] = {n: (t.get(key) or {}).get(n, 0.0) for n in names}
-    if all(t.get("host_syncs") for t in traces):  # a site a round did not see: 0 syncs there
-        sites = list(dict.fromkeys(n for t in traces for n in t["host_syncs"]["by_site"]))
-        for t in filled:
-            seen = t["host_syncs"]["by_site"]
-            t["host_syncs"] = dict(t["host_syncs"], by_site={
-                n: seen.get(n, {"per_step": 0.0, "blocked_ms": 0.0}) for n in sites})
-    return dict(mean_leaves(filled), rounds=len(traces), gpu_busy_ms_per_round=[t.get("gpu_busy_ms") for t in traces])

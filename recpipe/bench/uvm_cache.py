@@ -1,42 +1,9 @@
-"""UVM-cache metrics of a bench row: hit rate, rows fetched per step, the cache
-work's GPU time and overlap, achieved host-to-HBM bandwidth.
-
-Counters. For configs with ``fused_uvm_caching`` tables the bench builds every
-model with FBGEMM's ``gather_uvm_cache_stats=True`` (a TBE keyword argument that
-torchrec passes through the sharder's fused params; in fbgemm-gpu 1.6 and 1.8).
-Each cached TBE then accumulates, in ``get_uvm_cache_stats()``
-(``UVMCacheStatsIndex``): calls, requested ids, unique ids, unique misses (ids not
-in the cache before the prefetch: the rows to fetch), unique misses that found no
-free slot (``conflict``: with cache-line locking every slot of a set can be taken)
-and requested ids still missing after the prefetch (read from host memory by the
-lookup itself). The bench reads them after the warm-up and after the timed steps
-(host syncs, outside the timed region), so per step (cost: the counting itself, a few
-atomics in FBGEMM's cache kernels, on every row of a cached config, recpipe's and
-TorchRec's alike; and FBGEMM logs the counters with a host sync at its own steps 100,
-200, ..., 1000, 2000, ...: one step of a run, which P50 does not see):
-
-* ``hit_rate`` = 1 - unique misses / unique ids: the share of distinct rows a step
-  asks for that are already in HBM;
-* ``rows_fetched_per_step`` = unique misses - conflict unique misses (rows copied
-  into the cache), ``bytes_fetched_per_step`` = those x the cache row's bytes;
-* ``uvm_lookups_per_step``: requested ids read from host memory (conflict misses);
-* ``occupancy``: the share of cache slots holding a row after the timed steps
-  (``lxu_cache_state >= 0``), and ``evicted_per_step`` = rows fetched minus the slots
-  that got filled. A cache that is not full evicts nothing, and then its size does
-  not matter yet: a fresh model's cache fills only after as many distinct rows as it
-  has slots, which on large tables takes far more steps than a bench runs (the sweep
-  reports it per point).
-
-Counters are summed over the cached TBEs of a rank and over ranks; per-step
-numbers are per rank (the rank that fetches most). The prefetch pipeline fetches
-for batch i+1 during step i; in steady state that is one batch per step, as for
-sparse_dist, whose lookup fetches its own batch.
-
-From the trace (``trace.py``, the work FBGEMM's cache ops launched): ``gpu_ms``,
-``overlap_ms`` / ``exposed_ms`` (with other device work / alone) and the achieved
-host-to-HBM bandwidth: bytes fetched per step over the GPU time of
-``fbgemm::lru_cache_populate`` (find uncached + sort + insert: a lower bound of the
-copy's bandwidth) and over the insert kernels alone (the copy itself).
+"""UVM-cache metrics of a bench row: FBGEMM's cache counters read around the timed steps
+(hit rate, rows and bytes fetched per step, cache occupancy, evictions), the cache work's
+GPU time and overlap from the trace, and the achieved host-to-HBM bandwidth (docs/bench.md,
+"UVM cache"). The counters need ``gather_uvm_cache_stats=True`` on every cached TBE
+(:func:`stats_fused_params`, a TBE argument torchrec passes through; fbgemm-gpu 1.6, 1.8):
+a few atomics in FBGEMM's cache kernels, on every row of a cached config alike.
 """
 
 from __future__ import annotations
@@ -46,10 +13,11 @@ from typing import Any
 import torch
 
 from recpipe.config import RecpipeConfig
-from recpipe.pipelines.prefetch import cached_tbes  # the one finder of FBGEMM's cached TBEs
+from recpipe.pipelines.prefetch import cached_tbes
+from recpipe.speedups.cache_fill import CacheFill
 
-__all__ = ["COUNTERS", "cache_metrics", "cached_tables", "prefetch_unavailable", "read_counters", "stats_fused_params",
-           "unavailable"]
+__all__ = ["COUNTERS", "cache_metrics", "cached_tables", "populate_op", "prefetch_unavailable", "read_counters",
+           "stats_fused_params", "unavailable"]
 
 # UVMCacheStatsIndex order (fbgemm_gpu.split_table_batched_embeddings_ops_training)
 COUNTERS = ("calls", "requested", "unique", "unique_misses", "conflict_unique_misses", "conflict_misses")
@@ -63,11 +31,9 @@ def cached_tables(cfg: RecpipeConfig) -> list[str]:
 
 def prefetch_unavailable(cfg: RecpipeConfig) -> str:
     """Why the prefetch pipeline cannot run on ``cfg``'s tables ('' if it can)."""
-    cached = cached_tables(cfg)
-    if cached and cfg.cache_line_locking:
+    if cached_tables(cfg):
         return ""
-    return ("needs a fused_uvm_caching table and sharding.prefetch_pipeline=true "
-            f"(cached tables: {cached or 'none'}, prefetch_pipeline={cfg.cache_line_locking})")
+    return "needs a fused_uvm_caching table (the prefetch pipeline prefetches into UVM caches; none is configured)"
 
 
 def stats_fused_params(cfg: RecpipeConfig) -> dict[str, Any]:
@@ -102,6 +68,13 @@ def counter_delta(before: list[dict[str, int]], after: list[dict[str, int]]) -> 
              "slots": a["slots"], "row_bytes": a["row_bytes"]} for b, a in zip(before, after)]
 
 
+def populate_op(pipe: Any) -> str:
+    """The profiler name of the cache insert ``pipe`` runs: recpipe's (the prefetch
+    pipeline's ``cache_fill``, a record_function range) or FBGEMM's op."""
+    recpipe_insert = any(isinstance(a, CacheFill) for a in getattr(pipe, "applied", ()))
+    return "recpipe::lru_cache_populate" if recpipe_insert else "fbgemm::lru_cache_populate"
+
+
 def _rank_numbers(delta: list[dict[str, int]], steps: int) -> dict[str, float]:
     fetched = sum(d["unique_misses"] - d["conflict_unique_misses"] for d in delta)
     nbytes = sum((d["unique_misses"] - d["conflict_unique_misses"]) * d["row_bytes"] for d in delta)
@@ -118,23 +91,24 @@ def _bandwidth(nbytes: float, ms: float | None) -> float | None:
     return nbytes / (ms / 1e3) / GB if ms else None
 
 
-def cache_metrics(deltas: list[list[dict[str, int]]], steps: int,
-                  traced: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """The row's ``cache`` section from every rank's counter deltas over ``steps``
-    timed steps and every rank's traced cache work (``summarize_trace``'s ``cache``,
-    None where the trace had none). Numbers of the rank that fetches most."""
+def cache_metrics(deltas: list[list[dict[str, int]]], steps: int, traced: list[dict[str, Any] | None],
+                  populate: str = "fbgemm::lru_cache_populate") -> dict[str, Any]:
+    """The row's ``cache`` section from every rank's counter deltas over ``steps`` timed
+    steps and every rank's traced cache work (``summarize_trace``'s ``cache``, None where
+    the trace had none); ``populate``: the insert's op (:func:`populate_op`), whose GPU time
+    gives the bandwidth. Numbers of the rank that fetches most."""
     unique = sum(d["unique"] for rank in deltas for d in rank)
     misses = sum(d["unique_misses"] for rank in deltas for d in rank)
     per_rank = [_rank_numbers(rank, steps) for rank in deltas]
     for numbers, work in zip(per_rank, traced):
         if work:
-            populate = (work["by_op_ms"].get("fbgemm::lru_cache_populate")
-                        or work["by_op_ms"].get("recpipe::lru_cache_populate"))  # pipeline.cache_fill=triton
             numbers.update(gpu_ms=work["gpu_ms"], overlap_ms=work["overlap_ms"], exposed_ms=work["exposed_ms"],
                            overlap_compute_ms=work.get("overlap_compute_ms"),
                            overlap_fraction=work["overlap_fraction"], by_op_ms=work["by_op_ms"],
-                           h2d_GB_per_s_populate=_bandwidth(numbers["bytes_fetched_per_step"], populate),
+                           h2d_GB_per_s_populate=_bandwidth(numbers["bytes_fetched_per_step"],
+                                                            work["by_op_ms"].get(populate)),
                            h2d_GB_per_s_insert=_bandwidth(numbers["bytes_fetched_per_step"],
                                                           work["insert_kernels_ms"]))
     top = max(range(len(per_rank)), key=lambda r: per_rank[r]["bytes_fetched_per_step"])
-    return {"hit_rate": 1.0 - misses / unique if unique else None, **per_rank[top], "per_rank": per_rank}
+    return {"hit_rate": 1.0 - misses / unique if unique else None, "populate_op": populate, **per_rank[top],
+            "per_rank": per_rank}

@@ -43,9 +43,9 @@ def apply_speedups(pipeline: Any, options: Any, model: nn.Module, optimizer: Any
         applied.append(apply_cuda_graphs(model, optimizer, device, options.cuda_graphs))
     fill = getattr(options, "cache_fill", None)
     if fill is not None:
-        sms = apply_cache_fill(pipeline, getattr(pipeline, "tbes", []), fill)
-        if sms:
-            applied.append(f"cache fill: recpipe's UVM-cache insert on {sms} SMs (recpipe.speedups.cache_fill)")
+        installed = apply_cache_fill(pipeline, getattr(pipeline, "tbes", []), fill)
+        if installed is not None:
+            applied.append(installed)
     if options.step_graph.enabled:
         applied.append(apply_step_graph(pipeline, options.step_graph))
     return applied

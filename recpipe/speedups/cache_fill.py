@@ -429,16 +429,26 @@ class CacheFillOptions(Section):
         return {"enabled": value} if isinstance(value, bool) else value
 
 
-def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> int:
+@dataclass(frozen=True)
+class CacheFill:
+    """What :func:`apply_cache_fill` installed: the prefetch step's insert on ``sms`` SMs."""
+
+    sms: int
+
+    def __repr__(self) -> str:
+        return f"cache fill: recpipe's UVM-cache insert on {self.sms} SMs (recpipe.speedups.cache_fill)"
+
+
+def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> CacheFill | None:
     """Route the UVM-cache insert of ``pipeline``'s prefetch step through recpipe's
-    kernels on ``options.sms`` SMs (``pipeline.wrap_step``); returns the SMs used, 0 when
-    FBGEMM's insert stays (disabled, no cached table, or no Triton: then with a warning)."""
+    kernels on ``options.sms`` SMs (``pipeline.wrap_step``); None when FBGEMM's insert
+    stays (disabled, no cached table, or no Triton: then with a warning)."""
     if not (options.enabled and tbes):
-        return 0
+        return None
     if available():
         warnings.warn(f"pipeline.cache_fill falls back to FBGEMM's cache insert: {available()}; set "
                       "pipeline.cache_fill=false to silence this", stacklevel=2)
-        return 0
+        return None
     sms = options.sms
 
     def with_recpipe_insert(step: Any) -> Any:
@@ -449,4 +459,4 @@ def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> in
         return prefetch
 
     pipeline.wrap_step("prefetch", with_recpipe_insert)
-    return sms
+    return CacheFill(sms)

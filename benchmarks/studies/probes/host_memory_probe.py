@@ -1,5 +1,5 @@
-"""Probe (issue 16, thirteenth session; run on the GPU machine with the stack activated:
-`python3 benchmarks/probes/host_memory_probe.py`; PROBE_ROWS / PROBE_KINDS vary it): what bounds
+"""Probe (run on the GPU machine with the stack activated:
+`python3 benchmarks/studies/probes/host_memory_probe.py`; PROBE_ROWS / PROBE_KINDS vary it): what bounds
 FBGEMM's cache insert from host memory, and what slows the compute beside it. One H100. Writes
 $OUT/probe.json and prints a summary. (Its part D cycles 8 batches, so the cache warms up and few
 rows miss: those TBE figures do not show the high-miss point; cache_fill_probe.py does.)
@@ -15,6 +15,15 @@ Parts:
      prefetch alone, and a pipelined step (fwd(k) | prefetch(k+1) beside a GEMM load,
      bwd(k)) for each host memory variant swapped into tbe.weights_uvm.
 """
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(_sys.argv[1:]):
+    print(__doc__)
+    raise SystemExit(0)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[3]))  # the repository's recpipe and benchmarks
+
 import ctypes
 import json
 import os

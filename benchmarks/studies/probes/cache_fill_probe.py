@@ -1,9 +1,18 @@
-"""Probe (issue 16, thirteenth session; `python3 benchmarks/probes/cache_fill_probe.py` on the
+"""Probe (`python3 benchmarks/studies/probes/cache_fill_probe.py` on the
 GPU machine, from the checkout root, stack activated): pipeline.cache_fill=triton against FBGEMM's
 populate on one real TBE (4 x 10M x 128 fp32, 5 % cache, Zipf 0.6, 32768 ids per table), in a
 prefetch-pipeline loop (fwd(k) | prefetch(k+1) on a side stream, a GEMM load, bwd(k)), for several
 SM counts and tiles of the move kernel; with and without the GEMM load. Writes
 $OUT/fill_probe.json."""
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(_sys.argv[1:]):
+    print(__doc__)
+    raise SystemExit(0)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[3]))  # the repository's recpipe and benchmarks
+
 import json
 import os
 import sys

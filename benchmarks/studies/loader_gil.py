@@ -1,6 +1,6 @@
 """How much does the loader slow a host-bound training loop? A CPU microbenchmark of the GIL.
 
-    python3 scripts/loader_gil_bench.py --config configs/bench/dlrm_criteo.yaml --steps 100 --rounds 3
+    python3 benchmarks/studies/loader_gil.py --config configs/bench/dlrm_criteo.yaml --steps 100 --rounds 3
 
 The "training loop" is Python-heavy host work like a torchrec/FBGEMM step on a GPU
 host (many small torch ops on tiny tensors, calibrated to ``--step-ms`` alone), and
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from recpipe.config import load_config  # noqa: E402
 from recpipe.data import make_dataloader  # noqa: E402

@@ -1,10 +1,19 @@
-"""Probe (issue 16, fifteenth session): which op launches each kernel of the compute stream, and
+"""Probe: which op launches each kernel of the compute stream, and
 for how long, per step. Runs recpipe's prefetch and TorchRec's on configs/bench/uvm_caching.yaml
 (32768 samples, Zipf 0.6), and recpipe's sparse_dist with the four tables in HBM; profiles 3 steps
 after 10 untimed ones (CPU and CUDA activity), maps every kernel to the innermost CPU op and the
 autograd node around its launch, and prints the largest (owner, kernel) pairs on the busiest stream.
 On the GPU machine, stack activated, from the checkout root:
-    torchrun --standalone --nproc-per-node 1 benchmarks/probes/kernel_owner_probe.py OUT.json"""
+    torchrun --standalone --nproc-per-node 1 benchmarks/studies/probes/kernel_owner_probe.py OUT.json"""
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(_sys.argv[1:]):
+    print(__doc__)
+    raise SystemExit(0)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[3]))  # the repository's recpipe and benchmarks
+
 import bisect
 import json
 import sys
@@ -34,7 +43,7 @@ report = {}
 for label, impl in RUNS:
     cfg, _, skip = config_for_pipeline(base, label)
     assert not skip, skip
-    sharded, pipe = build_run(cfg, impl, device, None, {})
+    sharded, pipe = build_run(cfg, impl, device)
     it = fresh_batches(batches)
     untimed_steps(pipe, it, tqdm(disable=True), 10)
     torch.cuda.synchronize()

@@ -1,12 +1,21 @@
-"""Probe (issue 16, fourteenth session): the prefetch pipeline over several passes on one model,
-as the bench's cache sweep runs them (sweep._segment): per pass the P50 and slowest of 30 timed
+"""Probe: the prefetch pipeline over several passes on one model,
+as the cache sweep study runs them (sweep.measure_model): per pass the P50 and slowest of 30 timed
 steps, FBGEMM's cache counters, the cache-line lock sums (before, mid-pass, after the drain) and
 FBGEMM's prefetch lists. Variants `FILL:MODE`: cache_fill triton or fbgemm; between passes the
 cache emptied (`reset`: FBGEMM's flush + reset_cache_states) or not (`noreset`). It found the
 missing fence at the start of a pass (Streams.start_pass); benchmarks/README.md has its numbers.
 On the GPU machine, stack activated, from the checkout root:
-    torchrun --standalone --nproc-per-node 1 benchmarks/probes/segment_probe.py OUT.json \
+    torchrun --standalone --nproc-per-node 1 benchmarks/studies/probes/segment_probe.py OUT.json \
         [LOAD_FACTOR=0.2] [ZIPF=0.6] [VARIANTS=triton:reset,fbgemm:reset,triton:noreset] [PASSES=4]"""
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(_sys.argv[1:]):
+    print(__doc__)
+    raise SystemExit(0)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[3]))  # the repository's recpipe and benchmarks
+
 import json
 import sys
 import time
@@ -14,9 +23,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from recpipe.bench.run import build_run, fresh_batches, untimed_steps
+from benchmarks.studies.sweep import empty_cache
+from recpipe.bench.run import RunResult, build_run, fresh_batches, untimed_steps
 from recpipe.bench.runner import pregenerate
-from recpipe.bench.sweep import _empty_cache
 from recpipe.bench.uvm_cache import COUNTERS, read_counters, stats_fused_params
 from recpipe.config import load_config
 from recpipe.distributed import init_process_group
@@ -46,15 +55,15 @@ def lists(model):
 for variant in variants:
     fill, mode = variant.split(":")
     cfg = load_config("configs/bench/uvm_caching.yaml", base + [f"pipeline.cache_fill={fill}"])
-    info = {}
+    info = RunResult()
     t0 = time.perf_counter()
-    sharded, pipe = build_run(cfg, "recpipe", device, None, info)
+    sharded, pipe = build_run(cfg, "recpipe", device, info)
     model = sharded.model
     print(variant, "built", time.perf_counter() - t0, flush=True)
     for seg in range(SEGS):
         rec = {"variant": variant, "segment": seg, "locks_before": locks(model), "lists_before": lists(model)}
         if mode == "reset" or seg == 0:
-            _empty_cache(model)
+            empty_cache(model)
         it = fresh_batches(batches)
         untimed_steps(pipe, it, bar, 10)
         torch.cuda.synchronize()

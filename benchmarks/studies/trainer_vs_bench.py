@@ -1,8 +1,8 @@
 """Does ``recpipe train`` keep up with ``recpipe bench``? Samples/s of both, and the time
 from the built model to the first trained step.
 
-    python3 scripts/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb
-    python3 scripts/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb_bin \\
+    python3 benchmarks/studies/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb
+    python3 benchmarks/studies/trainer_vs_bench.py --config configs/bench/dlrm_criteo.yaml --pipeline sparse_dist --out runs/tvb_bin \\
         --binary-rows 4000000
 
 1. ``recpipe bench`` (subprocess) times the pipeline on pre-generated pinned batches:
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402

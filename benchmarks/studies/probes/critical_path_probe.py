@@ -1,10 +1,19 @@
-"""Probe (issue 16, fourteenth session): the critical path of recpipe's prefetch step, from CUDA
+"""Probe: the critical path of recpipe's prefetch step, from CUDA
 events in 30 timed steps, no profiler. It records the forward, backward and optimizer steps
 (compute stream), the prefetch step (prefetch stream) and FBGEMM's backward pre-hook (compute: its
 wait for the prefetch stream, the lock decrement, the location recompute). It prints their median
 times from the step's start. configs/bench/uvm_caching.yaml at 32768 samples, Zipf 0.6; more
 --set style overrides after OUT.json. On the GPU machine, stack activated, from the checkout root:
-    torchrun --standalone --nproc-per-node 1 benchmarks/probes/critical_path_probe.py OUT.json"""
+    torchrun --standalone --nproc-per-node 1 benchmarks/studies/probes/critical_path_probe.py OUT.json"""
+
+import sys as _sys
+from pathlib import Path as _Path
+
+if __name__ == "__main__" and {"-h", "--help"} & set(_sys.argv[1:]):
+    print(__doc__)
+    raise SystemExit(0)
+_sys.path.insert(0, str(_Path(__file__).resolve().parents[3]))  # the repository's recpipe and benchmarks
+
 import json
 import statistics
 import sys
@@ -60,7 +69,7 @@ def step_function(self, name):
 
 
 PrefetchPipeline.step_function = step_function
-sharded, pipe = build_run(cfg, "recpipe", device, None, {})
+sharded, pipe = build_run(cfg, "recpipe", device)
 it = fresh_batches(batches)
 untimed_steps(pipe, it, tqdm(disable=True), 10)
 torch.cuda.synchronize()

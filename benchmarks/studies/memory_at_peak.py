@@ -1,6 +1,6 @@
 """What is alive at a pipeline's step-only memory peak, and who allocated it (CUDA).
 
-    torchrun --standalone --nproc-per-node 2 scripts/memory_at_peak.py --config configs/bench/dlrm_criteo.yaml \\
+    torchrun --standalone --nproc-per-node 2 benchmarks/studies/memory_at_peak.py --config configs/bench/dlrm_criteo.yaml \\
         --pipelines sparse_dist,semi_sync,semi_sync:output_dist_wait=early --out runs/mem_peak
 
 For each pipeline (names or bench variants ``name:key=value``): a fresh model as in
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from recpipe.bench.measure import free_device_memory  # noqa: E402
@@ -216,18 +216,30 @@ def gap_markdown(gap: dict) -> list[str]:
     return lines + [""]
 
 
+def stream_roles(device: torch.device, pipe) -> dict[int, str]:
+    """``{cuda_stream handle: role}``: the current stream is ``compute``; a recpipe pipeline's
+    streams by their role (its ``streams``), a TorchRec one's by its ``*_stream`` attributes."""
+    names = {torch.cuda.current_stream(device).cuda_stream: "compute"}
+    roles = getattr(pipe, "streams", None)
+    pairs = list(vars(roles).items()) if roles is not None and hasattr(roles, "__dataclass_fields__") else []
+    pairs += [(k.strip("_").removesuffix("_stream"), v) for k, v in vars(pipe).items() if k.endswith("_stream")]
+    for role, stream in pairs:
+        if isinstance(getattr(stream, "cuda_stream", None), int):  # a torch.cuda.Stream
+            names.setdefault(stream.cuda_stream, role)
+    return names
+
+
 def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     cfg_p, _, skip = config_for_pipeline(cfg, label)
     if cfg_p is None:
         return {"skipped": skip}
     free_device_memory(device)
-    sharded, pipe = build_run(cfg_p, "recpipe", device, None, {})
+    sharded, pipe = build_run(cfg_p, "recpipe", device)
     it = fresh_batches(batches)
     for _ in range(args.warmup):
         pipe.progress(it)
     torch.cuda.synchronize()
-    streams = {torch.cuda.current_stream(device).cuda_stream: "compute"}
-    streams.update({s.cuda_stream: role for role, s in vars(pipe.streams).items() if hasattr(s, "cuda_stream")})
+    streams = stream_roles(device, pipe)
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     for _ in range(args.steps):

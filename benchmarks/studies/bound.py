@@ -1,5 +1,12 @@
-"""``recpipe bench --bound``: every stage of a training step timed alone, and the
-hardware bound a perfectly overlapped pipeline could reach.
+"""Every stage of a training step timed alone, summed per resource: an estimate of the step
+a perfectly overlapped pipeline could reach, beside ``recpipe bench``'s rows.
+
+    python benchmarks/studies/bound.py --config configs/bench/dlrm_criteo.yaml --with-torchrec --rounds 3 --out runs/bound
+
+runs the bench's rows (any ``recpipe bench`` flag), then the stages below on every rank;
+``bench.json`` gets a ``bound`` section (with each row's P50 / the estimate, ``x_bound``),
+``bench.md`` its tables. Stages run faster together than drained one by one, so a pipeline
+can step faster than this sum: it is an estimate, not a bound (GPU busy time is the bound).
 
 On a fresh sharded model (same config, ``train.seed``, the bench's pre-generated
 batches) each *chain* runs one batch through the stages below, one at a time: the
@@ -25,7 +32,7 @@ Not separated: ``input_dist`` includes the bucketize/permute kernels of row-wise
 input dists and the splits host sync; ``emb_bwd`` the fused optimizer update.
 Stage (d) calls the model inside DistributedModelParallel's DDP wrapper, so DDP's
 all-reduce does not run there; (h) times the same bytes alone. The model is built
-from the config as given: with ``sharding.prefetch_pipeline`` the cache prefetch is
+from the config as given: with the prefetch pipeline's cache-line locking the cache prefetch is
 stage (g), on its own stream as FBGEMM requires, and the rows it fills from host
 memory are counted from ``lxu_cache_state`` (achieved H2D bandwidth of the misses);
 cached tables without it prefetch inside the lookup (c1).
@@ -37,34 +44,43 @@ between, so this is its scratch plus the cache locations and offsets it leaves),
 and the bytes the caching allocator holds in segments of the prefetch stream (its
 own pool, which only the prefetch allocates from; a high-water mark, since nothing
 empties the cache between chains). ``measure_prefetch_memory`` runs a few chains
-for just these numbers (``recpipe bench --multipass``).
+for just these numbers (benchmarks/studies/multipass.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from recpipe.bench.measure import free_device_memory, segments_by_stream, summarize_ms, time_stage
-from recpipe.bench.run import gather
+from benchmarks.studies.common import bench_parser, run_study
+from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
+from recpipe.bench.report import Row, grid
+from recpipe.bench.run import fresh_batches, gather
 from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
 from recpipe.models import make_model
-from recpipe.pipelines.prefetch import cached_tbes  # the one finder of lock-cached TBEs (torchrec hides them)
+from recpipe.pipelines import PIPELINES
+from recpipe.pipelines.prefetch import cached_tbes
 from recpipe.pipelines.sharded import find_sharded_modules
 from recpipe.pipelines.steps import dense_params
 from recpipe.pipelines.streams import use_stream
 from recpipe.sharding import shard_model
 
-__all__ = ["STAGES", "apply_bound", "hbm_peak", "measure_bound", "measure_prefetch_memory", "stream_reserved_bytes"]
+__all__ = ["STAGES", "Bound", "bound_md", "hbm_peak", "measure_bound", "measure_prefetch_memory", "prefetch_memory",
+           "stream_reserved_bytes", "x_bound"]
 
 WARMUP_CHAINS = 4  # two of each kind: input dists are created, kernels and NCCL warmed
 TIMED_CHAINS = 20  # ten of each kind; a chain costs about one training step plus syncs
@@ -107,7 +123,7 @@ class _Bench:
     modules: dict[str, Any]
     device: torch.device
     dense_model: Any  # the model inside DistributedModelParallel's DDP (the model itself without one)
-    cached_tbes: list  # FBGEMM TBEs with a locked UVM cache (prefetch_pipeline)
+    cached_tbes: list  # FBGEMM TBEs with a locked UVM cache
     prefetch_stream: Any  # FBGEMM refuses a prefetch on the forward stream
 
 
@@ -120,7 +136,7 @@ class PrecomputedForward:
         self.fqn, self.pooled = fqn, pooled
 
     def __repr__(self) -> str:
-        return f"PrecomputedForward({self.fqn!r}; recpipe bench --bound, stage dense_fwd_bwd)"
+        return f"PrecomputedForward({self.fqn!r}; benchmarks/studies/bound.py, stage dense_fwd_bwd)"
 
     def __call__(self, *args: Any, **kwargs: Any) -> KeyedTensor:
         return self.pooled
@@ -191,8 +207,13 @@ def _dense(m: _Bench, batch: Batch, pooled: dict[str, KeyedTensor], t: dict[str,
 
 
 def stream_reserved_bytes(device: torch.device, stream: torch.cuda.Stream) -> int:
-    """Bytes of the caching allocator's segments that belong to ``stream`` on ``device``."""
-    return segments_by_stream(device).get(stream.cuda_stream, (0, 0))[0]
+    """Bytes of the caching allocator's segments that belong to ``stream`` on ``device``
+    (``torch.cuda.memory_snapshot()``: a segment belongs to the stream that allocated it,
+    and only that stream reuses its free blocks)."""
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device", index) == index and seg["stream"] == stream.cuda_stream)
 
 
 def _prefetch(m: _Bench, ctxs: dict, kjts: dict, t: dict[str, float], counts: dict[str, int]) -> None:
@@ -379,7 +400,7 @@ def _na(cfg: RecpipeConfig, stage: str, ran_prefetch: bool) -> str:
     if not cached:
         return "n/a: no fused_uvm_caching table"
     if not cfg.cache_line_locking:
-        return f"n/a: cached tables {cached} without sharding.prefetch_pipeline prefetch inside the lookup (in c1)"
+        return f"n/a: cached tables {cached} without cache-line locking (another pipeline than prefetch) prefetch inside the lookup (in c1)"
     return "n/a: CPU run (no UVM cache)" if not ran_prefetch else "not run"
 
 
@@ -450,10 +471,117 @@ def _bandwidths(cfg: RecpipeConfig, per_rank: list[dict[str, Any]], gpu_name: st
     return out
 
 
-def apply_bound(rows: list[Any], bound: dict[str, Any]) -> None:
-    """Each measured row's P50 as a multiple of the bound (1.0 = perfect overlap)."""
+def x_bound(rows: list[Row], bound: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each measured row's P50 as a multiple of the estimate (1.0 = perfect overlap)."""
     if bound.get("status") != "ok" or not bound["bound_ms"] > 0:
-        return
-    for row in rows:
-        if row.status == "ok" and row.step_ms.get("p50"):
-            row.x_bound = row.step_ms["p50"] / bound["bound_ms"]
+        return []
+    return [{"pipeline": r.pipeline, "impl": r.impl, "x_bound": r.step_ms["p50"] / bound["bound_ms"]}
+            for r in rows if r.status == "ok" and r.step_ms.get("p50")]
+
+
+MiB = float(1 << 20)
+
+
+def _ms(stage: dict[str, Any], key: str) -> str:
+    return "-" if not stage.get("ms") else f"{stage['ms'][key]:.3f}"
+
+
+def _gbs(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def _bytes(n: float) -> str:
+    return f"{n / 1e6:,.2f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
+
+
+def _rate_line(label: str, rate: dict[str, Any] | None) -> str:
+    if rate is None:
+        return f"- {label}: n/a (stage not run)"
+    if "reason" in rate:
+        return f"- {label}: {rate['reason']}"
+    line = (f"- {label}: {_bytes(rate['bytes'])} in {rate['p50_ms']:.3f} ms = "
+            f"**{_gbs(rate['GB_per_s'])} GB/s** (rank {rate['rank']})")
+    if "fraction_of_peak" in rate:
+        line += f", {rate['fraction_of_peak']:.1%} of {rate['hbm_peak']} HBM peak ({rate['hbm_peak_GB_per_s']:,.0f} GB/s)"
+    elif "hbm_peak_reason" in rate:
+        line += f"; {rate['hbm_peak_reason']}"
+    if "rows_in_per_batch" in rate:
+        line += (f"; cache rows filled per batch {[round(x) for x in rate['rows_in_per_batch']]}, "
+                 f"of them evictions {[round(x) for x in rate['rows_evicted_per_batch']]} (per rank)")
+    return line + (f"; {rate['note']}" if "note" in rate else "")
+
+
+def _prefetch_memory_line(pm: dict[str, Any]) -> str:
+    """Stage (g)'s own memory (bytes in the JSON, MiB here)."""
+    return (f"- cache prefetch memory: peak {_mib(pm['peak_alloc_bytes'])} MiB allocated above the allocation before "
+            f"it (max over ranks {_mib(pm['peak_alloc_bytes_max'])}), prefetch stream holds "
+            f"{_mib(pm['stream_reserved_bytes'])} MiB reserved "
+            f"(max over ranks {_mib(pm['stream_reserved_bytes_max'])}); rank 0, largest over the timed chains")
+
+
+def _mib(n_bytes: float | None) -> str:
+    return "-" if n_bytes is None else f"{n_bytes / MiB:,.1f}"
+
+
+def bound_md(bound: dict[str, Any]) -> list[str]:
+    lines = ["## Stages timed alone: an estimate, not a bound", "",
+             "Each stage is timed alone and the stages are summed per resource; a pipeline can step faster than "
+             "this sum (stages run faster together than drained one by one), so it bounds nothing. The lower "
+             "bound is the GPU busy time above.", ""]
+    if bound.get("status") != "ok":
+        return lines + [f"failed: {bound.get('reason')}", ""]
+    chains = bound["chains"]
+    lines += [
+        f"{bound['method']}; {bound['timing']}; {chains['timed']} chains after {chains['warmup']} warm-up "
+        f"({chains['kinds']}).",
+        "",
+    ]
+    body = [[name, s["resource"] or "cross-check", _ms(s, "p50"), _ms(s, "p90"),
+             s["what"] + (f" — {s['reason']}" if s.get("reason") else "")] for name, s in bound["stages"].items()]
+    lines += [grid(("stage", "resource", "P50 ms", "P90 ms", "what"), body, markdown=True), ""]
+    body = [[name, f"{r['ms']:.3f}", " + ".join(r["stages"])] for name, r in bound["resources"].items()]
+    lines += [grid(("resource", "ms (sum of P50s)", "stages"), body, markdown=True), ""]
+    lines += [f"**Stages alone: {bound['bound_ms']:.3f} ms per step, largest on {bound['bound_resource']}**.", ""]
+    if bound.get("x_bound"):
+        body = [[x["pipeline"], x["impl"], f"{x['x_bound']:.2f}"] for x in bound["x_bound"]]
+        lines += [grid(("pipeline", "impl", "x stages alone (P50 / stages alone)"), body, markdown=True), ""]
+    bw = bound["bandwidth"]
+    lines += ["Achieved bandwidth (decimal GB/s, at the stage's P50, on the rank where it is slowest):", ""]
+    lines.append(_rate_line("H2D copy of a batch", bw.get("h2d")))
+    lines.append(_rate_line("TBE lookup (ids x dim x 4 B of rows read)", bw.get("tbe_lookup")))
+    if "prefetch_h2d" in bw:
+        lines.append(_rate_line("cache prefetch, rows filled from host memory", bw["prefetch_h2d"]))
+    if "prefetch_memory" in bound:
+        lines.append(_prefetch_memory_line(bound["prefetch_memory"]))
+    lines.append(_rate_line("dense gradient all-reduce (bytes / time)", bw.get("dense_allreduce")))
+    lines += [f"- note: {n}" for n in bound.get("notes", [])]
+    return lines + [""]
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The study's measurement after the bench's rows (every rank): the stages alone and
+    each row's ``x_bound``."""
+
+    def __call__(self, cfg: RecpipeConfig, opts: Any, rows: list[Row], batches: list[Batch], device: torch.device,
+                 bar: Any) -> tuple[dict[str, Any], list[str]]:
+        bar.set_description("bound")
+        bound = measure_bound(cfg, list(fresh_batches(batches)), device, _gpu_name(device))
+        bound["x_bound"] = x_bound(rows, bound)
+        if dist.get_rank() == 0:
+            bar.write(f"bound {bound['bound_ms']:.3f} ms ({bound['bound_resource']})" if bound["status"] == "ok"
+                      else f"bound failed: {bound['reason']}")
+        return {"bound": bound}, bound_md(bound)
+
+
+def _gpu_name(device: torch.device) -> str:
+    return ", ".join(sorted(set(gather(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_parser(__doc__).parse_args(argv)
+    return run_study("bound", argv, args, Bound, default_pipelines=tuple(PIPELINES))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
-"""``recpipe bench --sweep-cache/--sweep-zipf`` (recpipe.bench.sweep): the grid's
-configs, the segments on one model (on CPU, without a cache), the recommendation
-arithmetic, its markdown and plot; the CPU refusal is in tests/test_bench.py."""
+"""benchmarks/studies/sweep.py: the grid's flags and configs, the segments on one model (on
+CPU, without a cache), the recommendation arithmetic, its markdown and plot, the study on
+CPU (refused with the reason); and on CUDA the whole grid."""
 
 from __future__ import annotations
 
@@ -9,25 +9,25 @@ from pathlib import Path
 
 import pytest
 
-from recpipe.bench.plots import CACHE_SWEEP, write_plots
-from recpipe.bench.sections import sweep_md
-from recpipe.bench.sweep import parse_grid, point_config, recommend
-from recpipe.cli import main
+import torch
+
+from benchmarks.studies.common import write_plot
+from benchmarks.studies.sweep import PLOT, draw, main, parse_grid, point_config, recommend, sweep_md
 from recpipe.config import ConfigError, load_config
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 
-CONFIGS = Path(__file__).parent.parent / "configs" / "bench"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "bench"
 SMOKE = str(CONFIGS / "smoke_cpu.yaml")
 
 
 def test_grid_flags_are_checked():
-    assert parse_grid("0.05, 0.2,0.2,0.5", "--sweep-cache", 0.0, 1.0, low_open=True) == (0.05, 0.2, 0.5)
-    assert parse_grid(None, "--sweep-cache", 0.0, 1.0, low_open=True) == ()
-    with pytest.raises(ConfigError, match=r"--sweep-cache.*out of range: \[0.0\]"):
-        parse_grid("0,0.2", "--sweep-cache", 0.0, 1.0, low_open=True)
-    with pytest.raises(ConfigError, match="--sweep-zipf"):
-        parse_grid("0.6,x", "--sweep-zipf", 0.0, 10.0, low_open=False)
-    assert main(["bench", "--config", SMOKE, "--sweep-cache", "1.5"]) == EXIT_BAD_CONFIG
+    assert parse_grid("0.05, 0.2,0.2,0.5", "--cache", 0.0, 1.0, low_open=True) == (0.05, 0.2, 0.5)
+    assert parse_grid(None, "--cache", 0.0, 1.0, low_open=True) == ()
+    with pytest.raises(ConfigError, match=r"--cache.*out of range: \[0.0\]"):
+        parse_grid("0,0.2", "--cache", 0.0, 1.0, low_open=True)
+    with pytest.raises(ConfigError, match="--zipf"):
+        parse_grid("0.6,x", "--zipf", 0.0, 10.0, low_open=False)
+    assert main(["--config", SMOKE, "--cache", "1.5"]) == EXIT_BAD_CONFIG
 
 
 def test_point_configs_set_every_cached_table_and_the_ids():
@@ -47,13 +47,14 @@ def test_segments_on_one_model_on_cpu():
     over two alphas and two rounds on one model; the cache numbers say why they are absent."""
     from tqdm import tqdm
 
-    from recpipe.bench.runner import BenchOptions, _single_rank_group, pregenerate
-    from recpipe.bench.sweep import measure_model
+    from benchmarks.studies.sweep import measure_model
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import pregenerate, single_rank_group
     from recpipe.distributed import init_process_group
 
     cfg = load_config(SMOKE, ["pipeline.name=prefetch", "distributed.nproc=1"])
     opts = BenchOptions(("prefetch",), False, steps=3, warmup=1, out="unused", rounds=2, trace_steps=2)
-    with _single_rank_group():
+    with single_rank_group():
         device = init_process_group(cfg)
         batches = {a: pregenerate(load_config(SMOKE, ["distributed.nproc=1", f"data.synthetic.zipf_alpha={a}"]),
                                   0, 1, opts.batches_per_run, device) for a in (0.6, 1.2)}
@@ -116,16 +117,55 @@ def test_sweep_markdown_and_plot(tmp_path):
     skipped = {"status": "skipped", "reason": "the UVM cache needs CUDA", "cache_load_factors": [0.1],
                "zipf_alphas": [1.0]}
     assert "Not measured (load factors [0.1], Zipf alphas [1.0]): the UVM cache needs CUDA" in "\n".join(sweep_md(skipped))
-    plots = write_plots(tmp_path, [], {"cache_sweep": sweep})
-    assert plots["written"] == [CACHE_SWEEP] and (tmp_path / CACHE_SWEEP).read_bytes().startswith(b"\x89PNG")
-    assert CACHE_SWEEP in write_plots(tmp_path / "none", [], {"cache_sweep": skipped})["reason"]
+    plots = write_plot(tmp_path / PLOT, lambda plt, path: draw(plt, path, sweep))
+    assert plots["written"] == [PLOT] and (tmp_path / PLOT).read_bytes().startswith(b"\x89PNG")
 
 
 def test_a_sweep_alone_runs_no_plain_pipelines(tmp_path):
-    # --sweep-* without --pipelines: only the sweep (skipped on CPU, with its reason).
-    assert main(["bench", "--config", SMOKE, "--sweep-zipf", "0.6", "--steps", "2", "--warmup", "1",
-                 "--no-plots", "--out", str(tmp_path)]) == 0
+    # without --pipelines: only the sweep (skipped on CPU and in this config, with its reasons).
+    assert main(["--config", SMOKE, "--cache", "0.1,0.3", "--zipf", "0.8", "--steps", "2", "--warmup", "1",
+                 "--set", "distributed.nproc=1", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "bench.json").read_text())
     assert record["rows"] == []
+    grid = record["cache_sweep"]
+    assert (grid["status"], grid["cache_load_factors"], grid["zipf_alphas"]) == ("skipped", [0.1, 0.3], [0.8])
+    assert "needs CUDA" in grid["reason"] and "fused_uvm_caching" in grid["reason"] and "points" not in grid
     md = (tmp_path / "bench.md").read_text()
     assert "--pipelines" not in md and "needs CUDA" in md
+    assert "Not measured (load factors [0.1, 0.3], Zipf alphas [0.8]): needs a fused_uvm_caching" in md
+    assert not (tmp_path / PLOT).exists()
+
+
+def _cached() -> list[str]:
+    """Overrides of the bench's GPU tests (tests/test_bench_gpu.py): small UVM-cached tables, prefetch."""
+    table = "{type: table_wise, kernel: fused_uvm_caching, cache_load_factor: 0.05}"
+    return ["train.device=cuda", "distributed.backend=nccl", "distributed.nproc=1", "model.embedding_dim=16",
+            "model.dense_arch_layer_sizes=[32,16]", "model.num_embeddings_per_feature=[20000,20000,5000,100]",
+            "data.batch_size=512", "data.synthetic.mean_pooling_factors=3.0", "data.synthetic.zipf_alpha=1.05",
+            f"sharding.default={table}", "sharding.tables={t_cat_3: {type: table_wise, kernel: fused}}",
+            "sharding.uvm_host_mapped=true", "pipeline.name=prefetch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sweep_measures_its_grid(tmp_path):
+    code = main(["--config", SMOKE, *(x for o in _cached() for x in ("--set", o)), "--pipelines",
+                 "sparse_dist", "--steps", "8", "--warmup", "4", "--trace-steps", "2", "--rounds", "2",
+                 "--cache", "0.01,0.5", "--zipf", "0.6,1.2", "--out", str(tmp_path)])
+    assert code == 0
+    import json
+
+    sweep = json.loads((tmp_path / "bench.json").read_text())["cache_sweep"]
+    assert sweep["status"] == "ok" and len(sweep["points"]) == 4
+    hit = {(p["cache_load_factor"], p["zipf_alpha"]): p["sparse_dist"]["hit_rate"] for p in sweep["points"]}
+    for p in sweep["points"]:
+        for name in ("prefetch", "sparse_dist"):
+            assert p[name]["status"] == "ok" and len(p[name]["round_p50_ms"]) == 2
+            assert 0 <= p[name]["hit_rate"] <= 1 and p[name]["cache_gpu_ms"] > 0
+        assert p["prefetch_over_sparse_dist"] > 0 and p["winner"] in ("prefetch", "sparse_dist")
+    for alpha in (0.6, 1.2):
+        assert hit[(0.01, alpha)] < hit[(0.5, alpha)]
+    for lf in (0.01, 0.5):
+        assert hit[(lf, 0.6)] < hit[(lf, 1.2)]
+    assert "for_this_config" in sweep["recommendation"]
+    assert (tmp_path / "cache_sweep.png").exists()

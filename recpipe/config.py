@@ -386,7 +386,7 @@ class TrainConfig(Section):
     eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
     # Steps between log points. Each costs the training loop about 6 ms of host time (metrics
     # update and all-reduce, TensorBoard, the bar): at 10, 5-6 % of a Criteo-sized 8192-sample
-    # step on one H100, at 100 about 0.6 % (benchmarks/2026-11-23-h100x1-trainer_vs_bench_s6.md).
+    # step on one H100, at 100 about 0.6 % (benchmarks/results/h100x1/trainer_vs_bench.md).
     log_every: int = Field(100, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True

@@ -32,6 +32,13 @@ sys.path.insert(0, str(ROOT))
 
 from recpipe import config as config_module  # noqa: E402
 from recpipe.config import RecpipeConfig  # noqa: E402
+from recpipe.pipelines import options as pipeline_options  # noqa: E402
+from recpipe.pipelines.options import PipelineOptions  # noqa: E402
+from recpipe.pipelines.registry import PIPELINES  # noqa: E402
+from recpipe.speedups import cache_fill as cache_fill_module  # noqa: E402
+from recpipe.speedups import compile as compile_module  # noqa: E402
+from recpipe.speedups import cuda_graphs as cuda_graphs_module  # noqa: E402
+from recpipe.speedups import step_graph as step_graph_module  # noqa: E402
 
 HEADER = """\
 # Configuration reference
@@ -54,9 +61,9 @@ value involved. The resolved config is written to `logging.run_dir/config.yaml`.
 
 
 # ------------------------------------------------------------------ comments from the source
-def _field_comments() -> dict[tuple[str, str], str]:
+def _field_comments(module) -> dict[tuple[str, str], str]:
     """(class name, field name) -> the comment block above the field (and a trailing one)."""
-    source = inspect.getsource(config_module)
+    source = inspect.getsource(module)
     lines = source.splitlines()
     comments: dict[int, str] = {}  # line -> comment text
     trailing: dict[int, str] = {}
@@ -85,7 +92,12 @@ def _field_comments() -> dict[tuple[str, str], str]:
     return out
 
 
-COMMENTS = _field_comments()
+# Sections are defined where they belong: config.py, each pipeline's module (its Options), the
+# common pipeline keys (recpipe.pipelines.options) and each speed feature's module.
+COMMENTS = {key: text for module in (config_module, pipeline_options, *(sys.modules[d.options.__module__]
+                                                                        for d in PIPELINES.values()),
+                                     compile_module, cuda_graphs_module, step_graph_module, cache_fill_module)
+            for key, text in _field_comments(module).items()}
 
 
 def _doc(model: type[BaseModel], name: str) -> str:
@@ -195,7 +207,7 @@ def _section(title: str, model: type[BaseModel], prefix: str, intro: str = "", s
     if intro:
         out += [intro, ""]
     elif doc:
-        out += [" ".join(doc.split()), ""]
+        out += [" ".join(doc.split()).replace("``", "`"), ""]
     out += _table(_rows(model, prefix, skip))
     subs = [(n, f.annotation) for n, f in model.model_fields.items()
             if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel) and n not in skip]
@@ -205,23 +217,30 @@ def _section(title: str, model: type[BaseModel], prefix: str, intro: str = "", s
 
 
 def _pipeline_sections() -> list[str]:
-    ann = RecpipeConfig.model_fields["pipeline"].annotation  # the union of every pipeline's config
-    if typing.get_origin(ann) is typing.Annotated:
-        ann = typing.get_args(ann)[0]
-    variants = typing.get_args(ann)
-    common = variants[0].__mro__[1]  # the shared base of every pipeline's config
-    names = [v.model_fields["name"].annotation.__args__[0] for v in variants]
-    choices = " \\| ".join(f"`{n}`" for n in names)
+    """The ``pipeline`` section from the registry: the common keys, each pipeline's own, and
+    the speed features' sections."""
+    common = PipelineOptions
+    variants = [(name, d.options) for name, d in PIPELINES.items()]
+    choices = " \\| ".join(f"`{n}`" for n, _ in variants)
     out = ["## pipeline", "",
            "`pipeline.name` picks the pipeline (`recpipe schedule NAME` prints its schedule); the keys of the "
-           "first table apply to every pipeline, each pipeline's own keys follow.", "",
+           "first table apply to every pipeline, each pipeline's own keys follow, then the speed features' "
+           "sections.", "",
            *_table([f"| `pipeline.name` | {choices} | `\"base\"` | which pipeline |",
-                    *_rows(common, "pipeline.")])]
-    for variant, name in zip(variants, names):
+                    *_rows(common, "pipeline.", skip=("name",))])]
+    features: list[tuple[str, type[BaseModel]]] = []
+    for name, variant in variants:
         own = [n for n in variant.model_fields if n != "name" and n not in common.model_fields]
         if own:
             out += [f"### pipeline.name: {name}", "",
                     *_table(_rows(variant, "pipeline.", skip=tuple(n for n in variant.model_fields if n not in own)))]
+        features += [(n, variant.model_fields[n].annotation) for n in own
+                     if isinstance(variant.model_fields[n].annotation, type)
+                     and issubclass(variant.model_fields[n].annotation, BaseModel)]
+    features = [(n, f.annotation) for n, f in common.model_fields.items()
+                if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)] + features
+    for name, model in features:
+        out += _section(f"pipeline.{name}", model, f"pipeline.{name}.")
     return out
 
 

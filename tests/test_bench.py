@@ -228,16 +228,13 @@ def test_torchrecs_compiled_pipeline_is_a_row_only_with_compile_on():
     """``pipeline.compile.enabled`` (read through ``compile_enabled``) adds TorchRec's
     TrainPipelinePT2 as one more base row with --with-torchrec; TorchRec 1.6 and 1.8 take
     (model, optimizer, device, compile_configs)."""
-    import types
-
     import torch
 
     from recpipe.bench.torchrec_impl import build_torchrec_pipeline, compile_enabled, dynamo_config_kept
 
     cfg = load_config(SMOKE)
-    assert not compile_enabled(cfg)  # no pipeline.compile section: off
-    on = cfg.model_copy(update={"pipeline": types.SimpleNamespace(**dict(cfg.pipeline), compile=types.SimpleNamespace(
-        enabled=True))})
+    assert not compile_enabled(cfg)  # pipeline.compile off by default
+    on = load_config(SMOKE, ["pipeline.compile=true"])
     assert compile_enabled(on)
     opts = BenchOptions(("sparse_dist", "semi_sync:output_dist_wait=early"), True, 3, 1, 0, "unused")
     assert runs_of(cfg, opts) == [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),

@@ -41,7 +41,7 @@ def _train(capsys, *args: str) -> tuple[int, str]:
         (["sharding.default.cache_load_factor=0.2"], ["sharding.default.cache_load_factor=0.2", "fused_uvm_caching", "'fused'"]),
         # (a kernel left out under a table_wise default resolves to dense: test_table_entries_override_only_what_they_set)
         (["sharding.tables.t_cat_5={type: data_parallel, kernel: fused}"], ["sharding.tables.t_cat_5.kernel='fused'", "data_parallel", "'dense'"]),
-        (["sharding.prefetch_passes=3"], ["sharding.prefetch_passes=3", "pipeline.name='prefetch'", "got 'base'"]),
+        (["sharding.prefetch_passes=3"], ["sharding.prefetch_passes=3", "pipeline.name='prefetch'", "got 'sparse_dist'"]),
         (
             ["pipeline.name=prefetch", "sharding.prefetch_passes=2"],
             ["sharding.prefetch_passes=2", "fused_uvm_caching", "none is configured"],

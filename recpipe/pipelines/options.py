@@ -41,9 +41,14 @@ class PipelineOptions(Section):
     # reach it; "host": over a Gloo group of the same ranks, from host memory, so that wait
     # is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
-    # Speed features, applied to the model and pipeline from outside (recpipe/speedups/).
+    # Speed features, applied to the model and pipeline from outside (recpipe/speedups/):
+    # the dense modules compiled by torch.compile (recpipe/speedups/compile.py);
     compile: CompileOptions = CompileOptions()
+    # the dense modules' forward/backward and the dense optimizer's step as CUDA graphs
+    # (recpipe/speedups/cuda_graphs.py);
     cuda_graphs: CudaGraphsOptions = CudaGraphsOptions()
+    # the whole training step as one CUDA graph, for fixed-shape (or padded) batches
+    # (recpipe/speedups/step_graph.py).
     step_graph: StepGraphOptions = StepGraphOptions()
 
     # FBGEMM's cache-line locking (its prefetch_pipeline mode) for UVM-cached tables: only

@@ -41,7 +41,8 @@ STEP_DOC = {
 
 # The stream a step's role names, as the planner calls it ("main": the caller's stream).
 _STREAM_NAMES = {"compute": "main", "memcpy": "memcpy", "dist": "dist", "lookup": "lookup", "prefetch": "prefetch"}
-_BACKWARD = ("backward", "backward_dense", "train_step")
+# The step that runs batch i's TBE backward, where a step's memory peaks.
+_TBE_BACKWARD = ("backward", "backward_emb", "backward_tbe", "train_step")
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ class Schedule:
 def memory_facts(schedule: Schedule) -> dict[str, object]:
     """What the planner needs to know about a schedule (the fields of
     ``recpipe.planner.spec.PipelineSpec``), read off its table at the point where a step's
-    memory peaks: the backward of batch i (offset 0).
+    memory peaks: the TBE backward of batch i (offset 0).
 
     * ``batches_in_flight``: its depth; ``side_streams``: its stream roles besides compute;
     * ``dist_kjts_in_flight``: batches whose received KJTs are alive there: batch i, and
@@ -147,12 +148,12 @@ def memory_facts(schedule: Schedule) -> dict[str, object]:
     * ``pending_input_dists``: batches ahead whose input dist was launched by then but whose
       consumer (lookup, prefetch or forward) has not run yet;
     * ``lookup_stream``, ``prefetch``; and for early lookups of batch i+1: before the
-      backward (``early_pooled``), inside it before the TBE update (``early_pooled_at_update``)
-      or after it (``lookup_after_backward``); ``dense_backward_first`` (batch i was looked up
+      backward (``early_pooled``), inside it, after the output all-to-all backward and before
+      the TBE update (``early_pooled_at_update``), or after it (``lookup_after_backward``); ``dense_backward_first`` (batch i was looked up
       before its forward), ``keeps_emb_graph`` (the embedding backward is a step of its own)."""
     steps = list(schedule.steps)
     names = [s.name for s in steps]
-    backward = next(i for i, s in enumerate(steps) if s.offset == 0 and s.name in _BACKWARD)
+    backward = next(i for i, s in enumerate(steps) if s.offset == 0 and s.name in _TBE_BACKWARD)
 
     def position(name: str) -> tuple[int, int] | None:
         return next(((s.offset, i) for i, s in enumerate(steps) if s.name == name), None)

@@ -91,7 +91,7 @@ class Streams:
         run on the prefetch stream beside it, on the same cache state. Measured on one
         H100: after flush + reset_cache_states, cache-line lock counters went negative
         (-188553 summed), those slots were never evictable again, and the step took
-        20.1 instead of 17.0 ms (benchmarks/README.md, fourteenth session)."""
+        20.1 instead of 17.0 ms (the step time of a fresh pipeline on the same model)."""
         if self.compute is None:
             return
         current = torch.cuda.current_stream(self.compute.device)

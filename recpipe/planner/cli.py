@@ -7,8 +7,8 @@ fewest prefetch passes) when such a knob exists. A bad config raises
 ``ConfigError``, which ``recpipe.cli`` turns into exit code 2.
 
 ``--scaling 1,2,4,8`` adds the weak-scaling prediction of
-:func:`recpipe.planner.scaling.predict_scaling` (for H200 SXM, the GPUs of the lent
-multi-GPU machines; other GPUs from Python): after the memory table in table form,
+:func:`recpipe.planner.scaling.predict_scaling` (for H200 SXM GPUs; other GPUs from
+Python): after the memory table in table form,
 as a top-level ``"scaling"`` list (one entry per world size) in JSON. The memory
 plan itself stays the one at ``distributed.nproc`` and decides the exit code. A
 malformed list, or a world size the config cannot be placed on, is a

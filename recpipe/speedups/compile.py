@@ -51,6 +51,7 @@ class CompileOptions(Section):
     """``pipeline.compile``: the dense modules compiled by torch.compile (inductor).
     ``true`` / ``false`` stand for ``{enabled: true}`` / ``{enabled: false}``."""
 
+    # Compile the dense modules (CUDA or CPU: inductor generates Triton or C++ kernels).
     enabled: bool = False
     # Module paths in the user's model to compile; empty = what the model's
     # cuda_graph_modules() names (recpipe's DLRM/DCNv2: the dense arch and the head).

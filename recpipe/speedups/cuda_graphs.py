@@ -198,6 +198,7 @@ class CudaGraphsOptions(Section):
     dense optimizer's step, as CUDA graphs (CUDA only). ``true`` / ``false`` stand for
     ``{enabled: true}`` / ``{enabled: false}``."""
 
+    # Capture and replay (CUDA only).
     enabled: bool = False
     # Module paths in the user's model to capture (e.g. [dense_arch, over_arch]); empty =
     # what the model's cuda_graph_modules() names (recpipe's DLRM/DCNv2: dense arch and head).

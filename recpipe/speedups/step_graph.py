@@ -102,13 +102,16 @@ class StepGraphOptions(Section):
     """``pipeline.step_graph``: capture the whole training step as one CUDA graph (CUDA
     only; ``base`` and ``sparse_dist``). ``true`` / ``false`` stand for ``{enabled: ...}``."""
 
+    # Capture the whole step and replay it once a step (CUDA only).
     enabled: bool = False
     # Ids per batch each feature holds in the graph (feature name -> count). Features not
     # listed: measured on the first capacity_batches batches (see capacity_batches).
     capacity: dict[str, int] = Field(default_factory=dict)
-    # Eager steps before the capture; their batches set the capacity of unlisted features:
-    # the count they all had (fixed shapes: no padding), else the largest times headroom.
+    # Batches whose ids set the capacity of unlisted features: the count they all had (fixed
+    # shapes: nothing is padded), else their largest count times headroom. They train eagerly.
     capacity_batches: int = Field(4, ge=1)
+    # Room above the largest measured count, for features whose counts vary; a batch over
+    # capacity trains eagerly (counted, and named in a warning).
     headroom: float = Field(1.25, ge=1.0)
 
     @model_validator(mode="before")

@@ -136,8 +136,8 @@ def test_isolated_prefetch_peak_by_hand():
     assert isolated_prefetch_peak_bytes([], 1, 1, (1, 6)) == 0
 
 
-# The 2026-11-22 H100 sweep: 4 cached row-wise tables of pooling 40, B = 8192, W = 1 (placed
-# table_wise on one rank since the ninth session: the same one TBE of the four cached tables).
+# The H100 multipass sweep (benchmarks/results/h100x1/multipass.md): 4 cached row-wise tables of
+# pooling 40, B = 8192, W = 1 (placed table_wise on one rank: the same one TBE of the four cached tables).
 H100_SWEEP = ["sharding.prefetch_min_pass_size=65536", "data.synthetic.mean_pooling_factors=[40,40,40,40"
               + ",1" * 22 + "]", "model.num_embeddings_per_feature=[2000000,2000000,2000000,2000000"
               + ",1000000" * 8 + ",100000" * 14 + "]", "distributed.nproc=1"]

@@ -159,7 +159,15 @@ class PipelineSpec:
     * ``side_streams``: streams besides the default one; each keeps its own pool in
       the caching allocator;
     * ``lookup_stream``: where the embedding lookup runs ("main", or fused_sparse_dist's
-      "dist" / "lookup"); autograd runs its backward on the same stream.
+      "dist" / "lookup"); autograd runs its backward on the same stream;
+    * ``cache_insert``: who inserts a prefetch's missed rows into the UVM cache in the
+      prefetch step ("recpipe": ``recpipe.pipelines.cache_fill``, for the TBEs whose cache
+      rows are in the weights' precision; "fbgemm": FBGEMM's ``lru_cache_populate``);
+      FBGEMM's inline prefetch inside a forward always uses FBGEMM's;
+    * ``cache_bookkeeping_stream``: where FBGEMM's backward pre-hook work for batch i (lock
+      release, cache locations recomputed) runs with ``prefetch_pipeline``: "prefetch"
+      (right after prefetch(i+1), ``recpipe.pipelines.cache_bookkeeping``) or "main" (in
+      the backward, FBGEMM's hook).
     """
 
     name: str
@@ -175,11 +183,15 @@ class PipelineSpec:
     prefetch: bool = False
     stash_dense_grads: bool = False
     lookup_stream: str = "main"
+    cache_insert: str = "fbgemm"  # recpipe | fbgemm
+    cache_bookkeeping_stream: str = "main"  # prefetch | main
 
 
 def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradients: bool = False,
-                  input_dist_wait: str = "after_forward", emb_lookup: str | None = None) -> PipelineSpec:
-    """The :class:`PipelineSpec` of a recpipe pipeline by name."""
+                  input_dist_wait: str = "after_forward", emb_lookup: str | None = None,
+                  cache_insert: str = "fbgemm", cache_bookkeeping_stream: str = "main") -> PipelineSpec:
+    """The :class:`PipelineSpec` of a recpipe pipeline by name (``cache_insert`` and
+    ``cache_bookkeeping_stream``: the prefetch pipeline's, see :func:`cache_insert`)."""
     if name == "base":  # batch i on the device, batch i+1 being copied
         return PipelineSpec("base", 2, 1, ("memcpy",))
     if name == "sparse_dist":  # i in fwd/bwd, i+1 after input a2a, i+2 H2D
@@ -200,7 +212,8 @@ def pipeline_spec(name: str, *, emb_lookup_stream: str = "current", stash_gradie
         # early splits: the input dist of i+2 is launched at the start of step i, before backward(i)
         pending = 1 if input_dist_wait == "before_forward_early_splits" else 0
         return PipelineSpec("prefetch", 3, 2, ("memcpy", "dist", "prefetch"), prefetch=True,
-                            pending_input_dists=pending)
+                            pending_input_dists=pending, cache_insert=cache_insert,
+                            cache_bookkeeping_stream=cache_bookkeeping_stream)
     raise ValueError(f"unknown pipeline {name!r}; choose base, sparse_dist, fused_sparse_dist, semi_sync, prefetch")
 
 
@@ -229,6 +242,10 @@ class PlannerInputs:
     dense_batch: bool = True
     notes: tuple[str, ...] = ()  # what the estimate could not know about the model (shown as warnings)
     comm_precision: tuple[str, str] = ("fp32", "fp32")  # sharding.comm_precision (forward, backward)
+    # The caching allocator maps each stream's blocks into one growing segment
+    # (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True, recpipe train's default:
+    # train.cuda_alloc_conf), so freed blocks coalesce; False: PyTorch's default segments.
+    expandable_segments: bool = False
 
     @property
     def comm_bytes(self) -> tuple[int, int]:
@@ -380,6 +397,44 @@ def default_hbm_bytes() -> int:
     return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
 
 
+def cache_insert(cfg: "RecpipeConfig") -> str:
+    """Who inserts a prefetch's missed rows into the UVM cache in recpipe's prefetch
+    step: "recpipe" (``pipeline.cache_fill: triton`` where Triton can run:
+    ``recpipe.pipelines.cache_fill``) or "fbgemm" (its ``lru_cache_populate``; every
+    other pipeline, and FBGEMM's inline prefetch in a forward). The planner reads this
+    pipeline option here only. A TBE whose cache rows are not in the weights' precision
+    keeps FBGEMM's insert either way (:func:`recpipe.planner.tbe.tbe_cache_insert`)."""
+    p = cfg.pipeline
+    if p.name != "prefetch" or getattr(p, "cache_fill", "fbgemm") != "triton":
+        return "fbgemm"
+    from recpipe.pipelines.cache_fill import available
+
+    return "fbgemm" if available() else "recpipe"
+
+
+def cache_bookkeeping_stream(cfg: "RecpipeConfig") -> str:
+    """Where FBGEMM's backward pre-hook work of a prefetched batch (lock release, cache
+    locations recomputed) runs: "prefetch" (``pipeline.cache_bookkeeping:
+    prefetch_stream``, right after the next batch's prefetch) or "main" (FBGEMM's hook,
+    in the backward). The planner reads this pipeline option here only."""
+    p = cfg.pipeline
+    on_prefetch = p.name == "prefetch" and getattr(p, "cache_bookkeeping", "backward") == "prefetch_stream"
+    return "prefetch" if on_prefetch else "main"
+
+
+def expandable_segments(cfg: "RecpipeConfig") -> bool:
+    """Whether the run's CUDA caching allocator uses expandable segments, with the
+    settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
+    ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
+    import os
+
+    from recpipe.distributed import ALLOC_CONF_ENV
+
+    settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cfg.train.cuda_alloc_conf
+    pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)
+    return {k.strip(): v.strip() for k, v in pairs.items()}.get("expandable_segments", "").lower() == "true"
+
+
 def inputs_from_config(
     cfg: "RecpipeConfig",
     *,
@@ -412,6 +467,8 @@ def inputs_from_config(
         stash_gradients=getattr(p, "stash_gradients", False),
         input_dist_wait=getattr(p, "input_dist_wait", "after_forward"),
         emb_lookup=getattr(p, "emb_lookup", None),
+        cache_insert=cache_insert(cfg),
+        cache_bookkeeping_stream=cache_bookkeeping_stream(cfg),
     )
     return PlannerInputs(
         tables=tables_t,
@@ -433,4 +490,5 @@ def inputs_from_config(
         dense_batch=m.factory is None,
         notes=model_notes(cfg, assumed),
         comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
+        expandable_segments=expandable_segments(cfg),
     )

@@ -405,6 +405,30 @@ def test_cli_does_not_fit_exits_3(tmp_path, capsys):
     assert main(["plan", "--config", path, "--set", "sharding.hbm_gb=-1"]) == EXIT_BAD_CONFIG
 
 
+@pytest.mark.parametrize("placement", ["planner", "config"])
+def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
+    """``recpipe plan`` and ``recpipe train``'s pre-flight plan with one function: the
+    plan's table opens with the per-rank summary the pre-flight prints, byte for byte.
+    With placement 'planner' torchrec's partitioner puts t_cat_2 and t_cat_3 on other
+    ranks than the config's rules would, which moves 0.2 GiB between the ranks."""
+    from recpipe.train.cli import _check_memory_plan
+
+    path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [1_000_000, 900_000, 800_000, 10],
+                                       "embedding_dim": 64, "dense_arch_layer_sizes": [64, 64]},
+                             "data": {"batch_size": 512}, "distributed": {"nproc": 2},
+                             "sharding": {"placement": placement, "hbm_gb": 80}})
+    assert main(["plan", "--config", path]) == 0
+    table = capsys.readouterr().out
+    cfg = load_config(path)
+    assert _check_memory_plan(cfg, cfg.distributed.nproc, on_cuda=True, verbose=True) is None
+    preflight_summary = capsys.readouterr().out.strip()
+    assert "rank" in preflight_summary and table.startswith(preflight_summary + "\n")
+    by_rules = estimate_memory(inputs_from_config(cfg))
+    moved = [r.hbm_allocated_bytes for r in by_rules.ranks] != [r.hbm_allocated_bytes
+                                                                 for r in plan_from_config(cfg).ranks]
+    assert moved == (placement == "planner")
+
+
 # ------------------------------------------------------------------ torchrec adapter, searches
 def test_torchrec_planner_places_shards_by_our_estimates():
     from recpipe.planner.estimator import RecpipeStorageEstimator, plan_with_torchrec, shard_storage

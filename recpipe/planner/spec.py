@@ -407,9 +407,11 @@ def cache_insert(cfg: "RecpipeConfig") -> str:
     p = cfg.pipeline
     if p.name != "prefetch" or getattr(p, "cache_fill", "fbgemm") != "triton":
         return "fbgemm"
-    from recpipe.pipelines.cache_fill import available
+    # recpipe.pipelines.cache_fill.available(): Triton can be imported (found here without
+    # importing it or the pipelines, which a plan does not need)
+    import importlib.util
 
-    return "fbgemm" if available() else "recpipe"
+    return "recpipe" if importlib.util.find_spec("triton") is not None else "fbgemm"
 
 
 def cache_bookkeeping_stream(cfg: "RecpipeConfig") -> str:

@@ -90,7 +90,8 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
     """Pipeline ``name`` on the sharded model ``sm`` with the speed features
     ``make_pipeline`` applies for the same config: ``cuda_graphs=True``
     (recpipe.speedups.cuda_graphs on its model and optimizer) and, for ``prefetch``,
-    recpipe's cache insert unless ``cache_fill=False`` (recpipe.speedups.cache_fill)."""
+    recpipe's cache insert unless ``cache_fill=False`` (recpipe.speedups.cache_fill) and
+    the cache bookkeeping on the prefetch stream (recpipe.speedups.cache_bookkeeping)."""
     if cuda_graphs:
         from recpipe.speedups.cuda_graphs import CudaGraphsOptions, apply_cuda_graphs
 
@@ -100,8 +101,11 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
     if name == "prefetch":
         from recpipe.speedups.cache_fill import CacheFillOptions, apply_cache_fill
 
+        from recpipe.speedups.cache_bookkeeping import apply_cache_bookkeeping
+
         installed = apply_cache_fill(pipe, pipe.tbes, CacheFillOptions(enabled=cache_fill, sms=cache_fill_sms))
-        pipe.applied += [installed] if installed is not None else []
+        moved = apply_cache_bookkeeping(pipe, pipe.tbes)
+        pipe.applied += [a for a in (installed, moved) if a is not None]
     return pipe
 
 

@@ -20,6 +20,30 @@ DIM = 8
 NUM_FLOAT = 10
 
 
+# ------------------------------------------------------------------ unsharded references
+def reference_model(build, cfg, device, seed: int = 1) -> nn.Module:
+    """``build(cfg)`` materialized on ``device`` as the tests' unsharded reference: every
+    parameter drawn from U(-0.1, 0.1) after ``torch.manual_seed(seed)`` (the same values
+    on every rank), every buffer as the model made it. ``to_empty`` leaves parameters
+    and buffers uninitialized; TestSparseNN's buffers (``dummy_ones``,
+    ``dense.dummy_buffer``) enter its output, so left so they made its loss whatever the
+    allocator's memory held (seen: up to 1e23, and now and then not finite). A buffer
+    the model leaves on the meta device has no value to keep: an error names it."""
+    model = build(cfg)
+    meta = [name for name, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise ValueError(f"reference_model: buffers {meta} are on the meta device; build them on a real one")
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    reference = model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in reference.parameters():
+            nn.init.uniform_(p, -0.1, 0.1)
+        for name, b in reference.named_buffers():
+            b.copy_(buffers[name])
+    return reference
+
+
 # ------------------------------------------------------------------ TestSparseNN
 def sparse_nn_tables(options: dict) -> tuple[list[EmbeddingBagConfig], list[EmbeddingBagConfig]]:
     n, nw = options.get("num_tables", 4), options.get("num_weighted_tables", 4)

@@ -18,6 +18,7 @@ from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT
 from recpipe.config import load_config
 from recpipe.planner import check_fits, estimate_memory, inputs_from_config, plan_from_config, preflight
+from recpipe.distributed import ALLOC_CONF_ENV
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, local_sparse_bytes, phase_items, rank_io
 from recpipe.planner.plan import TERM_DOC
 from recpipe.planner.spec import shards_from_plan
@@ -159,16 +160,24 @@ def test_plan_reports_the_passes_that_really_happen():
         assert diff > 0 and diff <= p.saved_bytes <= diff * (1 + ALLOCATOR_FRAGMENTATION) + 2
 
 
-def test_multi_pass_segments_count_in_reserved_but_not_in_what_must_fit():
-    """The prefetch stream's cached segments stay near one pass's scratch at several
-    passes (measured: docs/planner.md, "Allocator and runtime"): reserved memory
-    counts them, the fit check does not (the allocator releases them first)."""
-    one = estimate_memory(inputs_from_config(cached_cfg(passes=1)))
-    four = estimate_memory(inputs_from_config(cached_cfg(passes=4)))
+def test_multi_pass_segments_count_in_reserved_but_not_in_what_must_fit(monkeypatch):
+    """With PyTorch's default segments the prefetch stream's cached segments stay near
+    one pass's prefetch-stream scratch at several passes (measured: docs/planner.md,
+    "Allocator and runtime"): reserved memory counts them, the fit check does not (the
+    allocator releases them first). With expandable segments there are none."""
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
+    default = {"train.cuda_alloc_conf": None}
+    one = estimate_memory(inputs_from_config(cached_cfg(passes=1, **default)))
+    inputs = inputs_from_config(cached_cfg(passes=4, **default))
+    four = estimate_memory(inputs)
+    assert not inputs.expandable_segments
     for r1, r4, info in zip(one.ranks, four.ranks, four.prefetch):
         assert r1.term("prefetch_pass_segments") == 0
         cached = r4.term("prefetch_pass_segments")
-        want = int((1 + ALLOCATOR_FRAGMENTATION) * (info.scratch_bytes_one_pass - info.scratch_bytes))
+        relookup = rank_io(inputs, r4.rank).relookup_scratch  # after the prefetch, on its stream
+        assert relookup > 0
+        one_pass, passes = max(info.scratch_bytes_one_pass, relookup), max(info.scratch_bytes, relookup)
+        want = int((1 + ALLOCATOR_FRAGMENTATION) * (one_pass - passes))
         assert cached == want > 0
         assert all(t.category == "cached" for t in r4.terms if t.name == "prefetch_pass_segments")
         needed = sum(t.bytes for t in r4.terms if t.side == "hbm" and t.category != "cached")
@@ -177,15 +186,26 @@ def test_multi_pass_segments_count_in_reserved_but_not_in_what_must_fit():
         assert r4.hbm_bytes < r1.hbm_bytes  # passes still make a plan fit
 
 
-def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch():
-    inputs = inputs_from_config(cached_cfg(passes=2))
+@pytest.mark.parametrize("fill,bookkeeping", [("triton", "prefetch_stream"), ("fbgemm", "backward")])
+def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch(fill, bookkeeping):
+    """The prefetch's scratch is named after the insert that runs (recpipe's needs Triton);
+    batch i's cache locations recomputed after prefetch(i+1) are on the same stream, in a
+    phase of their own, with the prefetch pipeline's default bookkeeping."""
+    from recpipe.speedups.cache_fill import available
+
+    inputs = inputs_from_config(cached_cfg(passes=2, **{"pipeline.cache_fill": fill,
+                                                        "pipeline.cache_bookkeeping": bookkeeping}))
     plan = estimate_memory(inputs)
+    name = "prefetch_scratch_recpipe_insert" if fill == "triton" and not available() else "prefetch_scratch"
     for r in plan.ranks:
         # every phase's scratch, whichever phase is the peak
-        scratch = [(name, stream) for items in phase_items(inputs, rank_io(inputs, r.rank)).values()
-                   for name, b, stream in items if b and "scratch" in name and "sparse_backward" not in name]
-        assert scratch and all(name == "prefetch_scratch" and stream == "prefetch" for name, stream in scratch)
-        assert r.term("prefetch_scratch") + r.term("reserve_prefetch_stream") > 0
+        scratch = [(n, stream, phase) for phase, items in phase_items(inputs, rank_io(inputs, r.rank)).items()
+                   for n, b, stream in items if b and "scratch" in n and "sparse_backward" not in n]
+        want = [(name, "prefetch", "forward_end")]
+        if bookkeeping == "prefetch_stream":
+            want.append(("cache_bookkeeping_scratch", "prefetch", "cache_bookkeeping"))
+        assert sorted(scratch) == sorted(want)
+        assert r.term(name) + r.term("cache_bookkeeping_scratch") + r.term("reserve_prefetch_stream") > 0
 
 
 def _plan_with_schedule(cfg, schedule):
@@ -395,6 +415,30 @@ def test_cli_does_not_fit_exits_3(tmp_path, capsys):
     assert json.loads(captured.out)["fits"] is False
     assert "rank 0" in captured.err and "512.0 MiB" in captured.err and "largest terms" in captured.err
     assert main(["plan", "--config", path, "--set", "sharding.hbm_gb=-1"]) == EXIT_BAD_CONFIG
+
+
+@pytest.mark.parametrize("placement", ["planner", "config"])
+def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
+    """``recpipe plan`` and ``recpipe train``'s pre-flight plan with one function: the
+    plan's table opens with the per-rank summary the pre-flight prints, byte for byte.
+    With placement 'planner' torchrec's partitioner puts t_cat_2 and t_cat_3 on other
+    ranks than the config's rules would, which moves 0.2 GiB between the ranks."""
+    from recpipe.train.cli import _check_memory_plan
+
+    path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [1_000_000, 900_000, 800_000, 10],
+                                       "embedding_dim": 64, "dense_arch_layer_sizes": [64, 64]},
+                             "data": {"batch_size": 512}, "distributed": {"nproc": 2},
+                             "sharding": {"placement": placement, "hbm_gb": 80}})
+    assert main(["plan", "--config", path]) == 0
+    table = capsys.readouterr().out
+    cfg = load_config(path)
+    assert _check_memory_plan(cfg, cfg.distributed.nproc, on_cuda=True, verbose=True) is None
+    preflight_summary = capsys.readouterr().out.strip()
+    assert "rank" in preflight_summary and table.startswith(preflight_summary + "\n")
+    by_rules = estimate_memory(inputs_from_config(cfg))
+    moved = [r.hbm_allocated_bytes for r in by_rules.ranks] != [r.hbm_allocated_bytes
+                                                                 for r in plan_from_config(cfg).ranks]
+    assert moved == (placement == "planner")
 
 
 # ------------------------------------------------------------------ torchrec adapter, searches

@@ -1,11 +1,13 @@
 """GPU validation of the memory planner: estimate vs measured peak memory.
 
 For each configuration (kernels fused / fused_uvm / fused_uvm_caching, every
-pipeline, prefetch passes 1, 2, 4, 12), one process (world size 1, NCCL) builds the
-real sharded model (recpipe.sharding.build.shard_model: torchrec DMP over FBGEMM
-TBEs), runs warm-up steps through TorchRec's pipeline of the same design (the
-pipelines whose memory recpipe's schedules follow), resets the peak statistics and
-runs measured steps. It compares:
+pipeline, prefetch passes 1, 2, 4, 12 with recpipe's cache insert and 1, 2, 12 with
+FBGEMM's), one process (world size 1, NCCL) builds the real sharded model
+(recpipe.sharding.build.shard_model: torchrec DMP over FBGEMM TBEs), runs warm-up
+steps through recpipe's pipeline, resets the peak statistics and runs measured steps.
+The caching allocator is set per configuration to what the plan assumes: the
+config's ``train.cuda_alloc_conf`` (expandable segments unless a row says otherwise),
+whatever ``PYTORCH_CUDA_ALLOC_CONF`` an earlier test of the session left. It compares:
 
 * ``torch.cuda.max_memory_allocated`` with the plan's ``hbm_allocated_bytes``;
 * ``torch.cuda.max_memory_reserved`` with the plan's ``hbm_reserved_bytes``;
@@ -44,9 +46,14 @@ _TABLES = {"model.num_embeddings_per_feature": [500_000] * 8, "model.embedding_d
 _CACHED = {"sharding.default": {"kernel": "fused_uvm_caching", "cache_load_factor": 0.2}}
 
 
-def _prefetch(passes: int) -> dict:
+def _prefetch(passes: int, **pipeline) -> dict:
     return {**_CACHED, "sharding.prefetch_passes": passes,
-            "sharding.prefetch_min_pass_size": 65536, "pipeline": {"name": "prefetch"}}
+            "sharding.prefetch_min_pass_size": 65536, "pipeline": {"name": "prefetch", **pipeline}}
+
+
+# FBGEMM's own insert and PyTorch's default segments: the setting the multi-pass segments term
+# (prefetch_pass_segments) was measured in
+_FBGEMM_DEFAULT_SEGMENTS = {**_prefetch(12, cache_fill=False), "train.cuda_alloc_conf": None}
 
 
 CONFIGS: dict[str, dict] = {
@@ -60,6 +67,10 @@ CONFIGS: dict[str, dict] = {
     "cached_prefetch_p2": _prefetch(2),
     "cached_prefetch_p4": _prefetch(4),
     "cached_prefetch_p12": _prefetch(12),
+    "cached_prefetch_fbgemm_insert_p1": _prefetch(1, cache_fill=False),
+    "cached_prefetch_fbgemm_insert_p2": _prefetch(2, cache_fill=False),
+    "cached_prefetch_fbgemm_insert_p12": _prefetch(12, cache_fill=False),
+    "cached_prefetch_fbgemm_insert_p12_default_segments": _FBGEMM_DEFAULT_SEGMENTS,
 }
 
 REPORT: list[dict] = []
@@ -89,7 +100,13 @@ def process_group():
     shutdown_process_group()
 
 
-def _measure(cfg, name: str = "") -> dict:
+def _allocator(expandable: bool) -> None:
+    """Set the caching allocator's segments for the allocations that follow (the setting
+    is read when a segment is made; the caller empties the cache around a measurement)."""
+    torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
+
+
+def _measure(cfg, name: str = "", expandable: bool = True) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
     from recpipe.models.dlrm import build_model
     from recpipe.pipelines import make_pipeline
@@ -100,6 +117,7 @@ def _measure(cfg, name: str = "") -> dict:
     log = SyntheticClickLog(cfg)
     batches = [log.batch(rank=0, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.empty_cache()
+    _allocator(expandable)
     torch.cuda.reset_peak_memory_stats()
     sharded = shard_model(build_model(cfg.model), cfg, device)
     torch.cuda.synchronize()
@@ -135,20 +153,28 @@ def _err(est: float, meas: float) -> float:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_estimate_matches_measured(name, process_group):
+def test_estimate_matches_measured(name, process_group, monkeypatch):
+    from recpipe.distributed import ALLOC_CONF_ENV
     from recpipe.planner import plan_from_config
     from recpipe.planner.estimator import torchrec_estimate
     from recpipe.planner.spec import inputs_from_config
 
     cfg = _config(name)
+    session = "expandable_segments:True" in os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "")  # restored after
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)  # the row's train.cuda_alloc_conf decides, as in recpipe train
     total = torch.cuda.get_device_properties(0).total_memory
     inputs = inputs_from_config(cfg, world_size=1, hbm_capacity_bytes=total)
     plan = plan_from_config(cfg, world_size=1, hbm_capacity_bytes=total)
     rank = plan.ranks[0]
     theirs = torchrec_estimate(cfg, inputs)[0]
-    meas = _measure(cfg, name)
+    try:
+        meas = _measure(cfg, name, inputs.expandable_segments)
+    finally:
+        _allocator(session)
     row = {
         "config": name, "pipeline": cfg.pipeline.name, "kernel": cfg.sharding.default.kernel,
+        "cache_insert": inputs.pipeline.cache_insert, "cache_bookkeeping": inputs.pipeline.cache_bookkeeping_stream,
+        "expandable_segments": inputs.expandable_segments,
         "passes": cfg.sharding.prefetch_passes if cfg.cache_line_locking else 0,
         "est_allocated": rank.hbm_allocated_bytes, "meas_allocated": meas["allocated"],
         "err_allocated": _err(rank.hbm_allocated_bytes, meas["allocated"]),
@@ -179,12 +205,13 @@ def _write_report() -> None:
     head = (f"torch {torch.__version__}, fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}, "
             f"torchrec {getattr(torchrec, '__version__', '?')}, CUDA {torch.version.cuda}, "
             f"{torch.cuda.get_device_name(0)}")
-    cols = ("config", "pipeline", "passes", "est alloc GiB", "meas alloc GiB", "err", "est reserved GiB",
+    cols = ("config", "pipeline", "passes", "insert", "segments", "est alloc GiB", "meas alloc GiB", "err", "est reserved GiB",
             "meas reserved GiB", "err", "est total GiB", "meas used GiB", "torchrec GiB", "torchrec err vs reserved")
     lines = [f"# planner GPU validation\n\n{head}\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in REPORT:
         lines.append("| " + " | ".join([
-            r["config"], r["pipeline"], str(r["passes"]), f"{r['est_allocated'] / gib:.3f}",
+            r["config"], r["pipeline"], str(r["passes"]), r["cache_insert"] if r["passes"] else "",
+            "expandable" if r["expandable_segments"] else "default", f"{r['est_allocated'] / gib:.3f}",
             f"{r['meas_allocated'] / gib:.3f}", f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}",
             f"{r['meas_reserved'] / gib:.3f}", f"{r['err_reserved']:+.1%}", f"{r['est_total'] / gib:.3f}",
             f"{r['meas_used'] / gib:.3f}", f"{r['torchrec_hbm'] / gib:.3f}", f"{r['err_torchrec_vs_reserved']:+.1%}",

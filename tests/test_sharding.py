@@ -170,10 +170,7 @@ def _shard_and_compare_worker(cfg, factory: str, make_batches: str, rtol: float 
     device = init_process_group(cfg)  # CPU, or this rank's GPU with train.device=cuda
     rank = dist.get_rank()
     build = getattr(sharding_models, factory)
-    reference = build(cfg).to_empty(device=device)
-    torch.manual_seed(1)
-    for p in reference.parameters():
-        nn.init.uniform_(p, -0.1, 0.1)
+    reference = sharding_models.reference_model(build, cfg, device)
     sharded = shard_model(build(cfg), cfg, device)
     for t in sharded.tables:  # the plan holds what the config says, module by module; on one rank a
         configured = cfg.sharding.for_table(t.name).type  # row_wise table is placed table_wise (placed_type)

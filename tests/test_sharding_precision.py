@@ -28,18 +28,41 @@ FP16 = "{weights_precision: fp16}"
 
 
 def _reference(cfg, build) -> nn.Module:
-    """The unsharded model on CPU, embedding weights rounded to fp16 (what an fp16
-    table holds), computing in fp32."""
-    reference = build(cfg).to_empty(device="cpu")
-    torch.manual_seed(1)
-    for p in reference.parameters():
-        nn.init.uniform_(p, -0.1, 0.1)
+    """The unsharded model on CPU (:func:`sharding_models.reference_model`), embedding
+    weights rounded to fp16 (what an fp16 table holds), computing in fp32."""
+    reference = sharding_models.reference_model(build, cfg, "cpu")
     with torch.no_grad():
         for module in find_embedding_modules(reference).values():
             for name, p in module.named_parameters():
                 if name.endswith(".weight") and p.dim() == 2:
                     p.copy_(p.half().float())
     return reference
+
+
+@pytest.mark.parametrize("model", [SPARSE_NN, TWO_TOWER], ids=["TestSparseNN", "two_tower_with_EC"])
+def test_the_reference_starts_from_the_models_buffers_not_empty_memory(model, monkeypatch):
+    """The unsharded reference the sharded models copy their weights from: with the
+    memory ``to_empty`` hands out poisoned (NaN floats), every parameter is initialized
+    and every buffer is the model's own (TestSparseNN's ``dummy_ones`` is 1, and its
+    loss is finite): nothing of the reference is read uninitialized."""
+    empty_like = torch.empty_like
+
+    def poisoned(t, *args, **kwargs):
+        out = empty_like(t, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out.fill_(-7)
+
+    monkeypatch.setattr(torch, "empty_like", poisoned)
+    cfg = _fp16(model)
+    build = getattr(sharding_models, model[0])
+    reference = _reference(cfg, build)
+    own = dict(build(cfg).named_buffers())
+    assert all(torch.isfinite(p).all() for p in reference.parameters())
+    for name, b in reference.named_buffers():
+        assert torch.equal(b, own[name]), name
+    if model is SPARSE_NN:
+        assert reference.dummy_ones.item() == 1.0
+    batch = getattr(sharding_models, f"{model[0]}_batches")(cfg, 1, 2, 1)[0]
+    assert torch.isfinite(reference(batch)[0])
 
 
 def _fp16_worker(cfg, factory: str, make_batches_fn: str) -> None:

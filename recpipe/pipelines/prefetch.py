@@ -31,13 +31,13 @@ numerically ``sparse_dist``.
 UVM-cached tables are built with FBGEMM's cache-line locking (``prefetch_pipeline``)
 when, and only when, this pipeline runs them (``Options.locks_cache_lines``); its
 cache insert is recpipe's by default (``pipeline.cache_fill``,
-``recpipe.speedups.cache_fill``). FBGEMM's backward pre-hook keeps its work (the
-release of batch i's locks, the recompute of its cache locations): run on the prefetch
-stream after prefetch(i+1) instead, it measured within the spread of identical runs.
+``recpipe.speedups.cache_fill``), and FBGEMM's backward pre-hook work of batch i runs
+on the prefetch stream after prefetch(i+1) (``recpipe.speedups.cache_bookkeeping``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -47,6 +47,7 @@ from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.speedups import cache_bookkeeping
 from recpipe.speedups.cache_fill import CacheFillOptions
 
 if TYPE_CHECKING:
@@ -138,10 +139,21 @@ class PrefetchPipeline(Pipeline):
             tbe.lxu_cache_locking_counter.zero_()
             tbe.lxu_cache_locations_list.clear()
             tbe.timesteps_prefetched.clear()
+            cache_bookkeeping.clear(tbe)
+
+
+def memory_facts(options: Options) -> dict:
+    """What the planner cannot read off the schedule: who inserts the missed rows (recpipe's
+    insert where ``pipeline.cache_fill`` is on and Triton can run, ``recpipe.speedups.cache_fill``;
+    checked without importing Triton, which a plan does not need) and where FBGEMM's backward
+    pre-hook work runs (the prefetch stream, ``recpipe.speedups.cache_bookkeeping``)."""
+    recpipe_insert = options.cache_fill.enabled and importlib.util.find_spec("triton") is not None
+    return {"cache_insert": "recpipe" if recpipe_insert else "fbgemm", "cache_bookkeeping_stream": "prefetch"}
 
 
 PIPELINE = PipelineDef("prefetch", PrefetchPipeline, Options,
                        "FBGEMM's UVM-cache prefetch of batch i+1 between forward(i) and backward(i)",
                        schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE, check=check,
+                       extra_facts=memory_facts,
                        torchrec="PrefetchTrainPipelineSparseDist",
                        torchrec_options=lambda options: ({"execute_all_batches": True}, []))

@@ -3,7 +3,8 @@ as named terms, without a GPU or a process group (docs/planner.md).
 
 Entry points::
 
-    plan = plan_from_config(cfg)             # RecpipeConfig -> MemoryPlan
+    plan = plan_from_config(cfg)             # RecpipeConfig -> MemoryPlan (recpipe plan, recpipe train)
+    inputs = planner_inputs(cfg)             # its PlannerInputs, shards placed as the run places them
     plan = estimate_memory(inputs)           # PlannerInputs -> MemoryPlan (pure)
     msg = check_fits(plan)                   # None, or why it does not fit
     code = preflight(cfg)                    # for `recpipe train`: print summary, 0 or 3
@@ -34,11 +35,34 @@ __all__ = [
     "estimate_memory",
     "inputs_from_config",
     "plan_from_config",
+    "planner_inputs",
     "predict_scaling",
     "preflight",
     "render_table",
     "summary",
 ]
+
+
+def planner_inputs(
+    cfg: "RecpipeConfig",
+    *,
+    world_size: int | None = None,
+    hbm_capacity_bytes: int | None = None,
+    fbgemm_version: tuple[int, int] | None = None,
+) -> PlannerInputs:
+    """The :class:`PlannerInputs` of the run ``cfg`` describes (world size:
+    ``distributed.nproc`` unless given; capacity: ``sharding.hbm_gb``, else the GPU's
+    own, else 80 GiB), with its shards where that run puts them: with
+    ``sharding.placement: planner`` where torchrec's partitioner puts them on these
+    estimates (``recpipe.sharding.build.planner_placement``), else by the config's
+    rules. ``recpipe plan`` and ``recpipe train``'s pre-flight plan from these."""
+    inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
+    if cfg.sharding.placement == "planner":
+        from recpipe.planner.estimator import plan_with_torchrec
+        from recpipe.planner.spec import shards_from_plan
+
+        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))
+    return inputs
 
 
 def plan_from_config(
@@ -48,17 +72,9 @@ def plan_from_config(
     hbm_capacity_bytes: int | None = None,
     fbgemm_version: tuple[int, int] | None = None,
 ) -> MemoryPlan:
-    """The memory plan of ``cfg`` (world size: ``distributed.nproc`` unless given;
-    capacity: ``sharding.hbm_gb``, else the GPU's own, else 80 GiB). With
-    ``sharding.placement: planner`` the shards are where torchrec's partitioner puts
-    them on these estimates, as in the real run."""
-    inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
-    if cfg.sharding.placement == "planner":
-        from recpipe.planner.estimator import plan_with_torchrec
-        from recpipe.planner.spec import shards_from_plan
-
-        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))
-    return estimate_memory(inputs)
+    """The memory plan of ``cfg``: :func:`estimate_memory` of :func:`planner_inputs`."""
+    return estimate_memory(planner_inputs(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes,
+                                          fbgemm_version=fbgemm_version))
 
 
 def preflight(cfg: "RecpipeConfig", *, world_size: int | None = None, log=print) -> int:

@@ -22,11 +22,10 @@ import json
 import sys
 
 from recpipe.config import ConfigError, load_config
-from recpipe.planner.memory import estimate_memory
+from recpipe.planner import estimate_memory, planner_inputs
 from recpipe.planner.plan import check_fits, render_table
 from recpipe.planner.scaling import predict_scaling, render_scaling
 from recpipe.planner.search import suggestions
-from recpipe.planner.spec import inputs_from_config
 
 SCALING_GPU = "H200"
 
@@ -53,7 +52,7 @@ def main_plan(args: argparse.Namespace) -> int:
             scaling = predict_scaling(cfg, sizes, gpu=SCALING_GPU)
         except ValueError as err:
             raise ConfigError(f"--scaling: {err}") from err
-    inputs = inputs_from_config(cfg)
+    inputs = planner_inputs(cfg)  # as recpipe train's pre-flight: plan_from_config
     plan = estimate_memory(inputs)
     problem = check_fits(plan)
     hints = [s for s in suggestions(inputs)] if problem is not None else []

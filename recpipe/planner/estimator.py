@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from recpipe.planner.memory import LOCATION_BYTES, estimate_memory, module_received_kjt_bytes
 from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec, inputs_from_config
-from recpipe.planner.tbe import Tbe, prefetch_scratch_bytes, shard_bags, shard_indices, shard_output_rows, tbe_static
+from recpipe.planner.tbe import (
+    Tbe,
+    cache_relookup_bytes,
+    prefetch_scratch_bytes,
+    shard_bags,
+    shard_indices,
+    shard_output_rows,
+    tbe_cache_insert,
+    tbe_static,
+)
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharders
 
 if TYPE_CHECKING:
@@ -68,7 +77,11 @@ def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel:
     if t.cached:
         hbm += int((2 if pipe.prefetch else 1) * LOCATION_BYTES * n)
         passes = inputs.prefetch_passes if inputs.prefetch_pipeline else 1
-        hbm += prefetch_scratch_bytes(n, passes, inputs.prefetch_min_pass_size, inputs.fbgemm_version)
+        insert = tbe_cache_insert(pipe.cache_insert, tbe) if inputs.prefetch_pipeline else "fbgemm"
+        scratch = prefetch_scratch_bytes(n, passes, inputs.prefetch_min_pass_size, inputs.fbgemm_version, insert)
+        if inputs.prefetch_pipeline and pipe.cache_bookkeeping_stream == "prefetch":  # after it, same stream
+            scratch = max(scratch, cache_relookup_bytes(n, tbe.cache_slots))
+        hbm += scratch
     return hbm, ddr
 
 

@@ -14,6 +14,9 @@ Per rank r the HBM total is
   - ``forward_end``: all saved activations (the interaction copied the pooled
     embeddings and dropped them), + prefetch of batch i+1 on the prefetch stream,
     which the prefetch pipeline issues right here;
+  - ``cache_bookkeeping``: the same activations, + batch i's cache locations
+    recomputed on the prefetch stream right after that prefetch
+    (``recpipe.speedups.cache_bookkeeping``);
   - ``backward_emb``: gradient of the TBE output + TBE backward scratch + the dense
     arch's activations (its backward runs after the embeddings');
   - ``inline_prefetch``: cached tables without the prefetch pipeline prefetch inside
@@ -49,6 +52,7 @@ from recpipe.planner.tbe import (
     STATE_BYTES,
     Tbe,
     backward_scratch_bytes,
+    cache_relookup_bytes,
     group_tbes,
     prefetch_pass_sizes,
     prefetch_scratch_bytes,
@@ -56,13 +60,14 @@ from recpipe.planner.tbe import (
     shard_indices,
     shard_output_rows,
     shard_static,
+    tbe_cache_insert,
     tbe_static,
 )
 
 MiB = 1 << 20
-# Fitted on one H100 run of tests/test_planner_gpu.py (W=1, 2026-11-23), where 0.45 put every
-# reserved row 2.7-10.6 % high. The multi-pass prefetch rows' 11-18 % shortfall of later runs
-# is the prefetch stream's cached segments (term prefetch_pass_segments).
+# Fitted on tests/test_planner_gpu.py's rows on one H100 with PyTorch's default segments,
+# where 0.45 put every reserved row 2.7-10.6 % high; with expandable segments the same
+# rows' reserved memory is up to 0.2 GiB lower (docs/planner.md, "Allocator and runtime").
 ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
 CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
 NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
@@ -149,6 +154,8 @@ class RankIO:
     cached_indices: float
     prefetch_scratch: int  # largest TBE's, at the configured passes
     prefetch_scratch_one_pass: int
+    prefetch_insert: str  # the insert of the TBE with the largest prefetch scratch: recpipe | fbgemm
+    relookup_scratch: int  # largest TBE's cache locations recomputed on the prefetch stream (0: on main)
     inline_scratch: int  # no prefetch pipeline: forward prefetches in one pass
     backward_scratch: int
     passes_effective: tuple[tuple[str, int], ...]
@@ -166,11 +173,19 @@ def rank_io(inputs: PlannerInputs, rank: int) -> RankIO:
     version, min_pass = inputs.fbgemm_version, inputs.prefetch_min_pass_size
     cached = [(g, n) for g, n in zip(tbes, ns) if g.cached]
     pf = inputs.prefetch_pipeline
+    inserts = [tbe_cache_insert(inputs.pipeline.cache_insert, g) for g, _ in cached]
+    scratch = [(prefetch_scratch_bytes(n, inputs.prefetch_passes, min_pass, version, i), i)
+               for (_, n), i in zip(cached, inserts)] if pf else []
+    largest, insert = max(scratch, default=(0, "fbgemm"))
+    relookup = pf and inputs.pipeline.cache_bookkeeping_stream == "prefetch"
     return RankIO(
         tbes=tbes, indices=ns, bags=bags, lookup=lookup, pooled=pooled, received=received,
         cached_indices=sum(n for _, n in cached),
-        prefetch_scratch=max((prefetch_scratch_bytes(n, inputs.prefetch_passes, min_pass, version) for _, n in cached), default=0) if pf else 0,
-        prefetch_scratch_one_pass=max((prefetch_scratch_bytes(n, 1, min_pass, version) for _, n in cached), default=0) if pf else 0,
+        prefetch_scratch=largest,
+        prefetch_scratch_one_pass=max((prefetch_scratch_bytes(n, 1, min_pass, version, i)
+                                       for (_, n), i in zip(cached, inserts)), default=0) if pf else 0,
+        prefetch_insert=insert,
+        relookup_scratch=max((cache_relookup_bytes(n, g.cache_slots) for g, n in cached), default=0) if relookup else 0,
         inline_scratch=0 if pf else max((prefetch_scratch_bytes(n, 1, 1, version) for _, n in cached), default=0),
         backward_scratch=max((backward_scratch_bytes(n, g.cached and not pf) for g, n in zip(tbes, ns)), default=0),
         passes_effective=tuple((g.name, len(prefetch_pass_sizes(int(round(n)), inputs.prefetch_passes, min_pass)))
@@ -290,7 +305,10 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
     if pipe.lookup_after_backward:  # fused_sparse_dist: lookup(i+1) after backward(i), beside the optimizer
         phases["lookup_next"] = [("early_pooled_embeddings", io.lookup + io.pooled, emb)]
     if pipe.prefetch and io.prefetch_scratch:  # prefetch(i+1) is issued right after forward(i)
-        phases["forward_end"].append(("prefetch_scratch", io.prefetch_scratch, "prefetch"))
+        phases["forward_end"].append((prefetch_scratch_term(io.prefetch_insert), io.prefetch_scratch, "prefetch"))
+    if io.relookup_scratch:  # after prefetch(i+1), its scratch freed: batch i's locations recomputed
+        phases["cache_bookkeeping"] = [x for x in phases["forward_end"] if x[2] != "prefetch"] + [
+            ("cache_bookkeeping_scratch", io.relookup_scratch, "prefetch")]
     if io.inline_scratch:
         phases["inline_prefetch"] = [("prefetch_scratch_inline", io.inline_scratch, "main"),
                                      ("dense_arch_activations", act_dense, "main")]
@@ -299,6 +317,11 @@ def phase_items(inputs: PlannerInputs, io: RankIO) -> dict[str, list[tuple[str, 
                                           ("output_dist_quantized_grads", quantized_output_grad_bytes(inputs, io), "main"),
                                           ("dense_arch_activations", act_dense, "main")]
     return phases
+
+
+def prefetch_scratch_term(insert: str) -> str:
+    """The term name of the prefetch scratch of a TBE with ``insert``."""
+    return "prefetch_scratch_recpipe_insert" if insert == "recpipe" else "prefetch_scratch"
 
 
 def quantized_output_grad_bytes(inputs: PlannerInputs, io: RankIO) -> int:
@@ -351,16 +374,19 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     for s in inputs.pipeline.side_streams:
         allocator.append(Term(f"reserve_{s}_stream", "hbm", "allocator", pool[s] - at_peak[s],
                               f"pool {fmt_bytes(pool[s])}, {fmt_bytes(at_peak[s])} of it at the peak"))
-    if inputs.pipeline.prefetch and io.prefetch_scratch_one_pass > io.prefetch_scratch:
-        # Measured (H100, fbgemm-gpu 1.6, default allocator, tests/test_planner_gpu.py's
-        # snapshots): at 2, 4 and 12 passes of 4.2M indices the prefetch stream's segments
-        # hold 195, 199 and 204 MiB, about one pass's scratch (209 MiB), not the M-pass
-        # peak: the passes' temporaries and the growing torch.cat of merged indices do not
-        # reuse one another's blocks. The allocator releases them before it would fail.
-        extra = io.prefetch_scratch_one_pass - io.prefetch_scratch
+    one_pass, passes = (max(x, io.relookup_scratch) for x in (io.prefetch_scratch_one_pass, io.prefetch_scratch))
+    if inputs.pipeline.prefetch and one_pass > passes and not inputs.expandable_segments:
+        # Measured (H100, fbgemm-gpu 1.6, FBGEMM's insert, PyTorch's default segments,
+        # tests/test_planner_gpu.py's snapshots): at 2, 4 and 12 passes of 4.2M indices the
+        # prefetch stream's segments hold 195, 199 and 204 MiB, about one pass's scratch
+        # (209 MiB), not the M-pass peak: each torch.cat of the merged indices asks for a
+        # block larger than any the passes freed, so the allocator cuts a new segment. The
+        # allocator releases them before it would fail. With expandable segments freed
+        # blocks coalesce and the same rows measured 0.10-0.21 GiB less: no such term.
+        extra = one_pass - passes
         allocator.append(Term("prefetch_pass_segments", "hbm", "cached", int((1 + ALLOCATOR_FRAGMENTATION) * extra),
-                              f"(1 + {ALLOCATOR_FRAGMENTATION}) x (one-pass scratch {fmt_bytes(io.prefetch_scratch_one_pass)}"
-                              f" - {fmt_bytes(io.prefetch_scratch)})"))
+                              f"(1 + {ALLOCATOR_FRAGMENTATION}) x (one-pass prefetch-stream scratch "
+                              f"{fmt_bytes(one_pass)} - {fmt_bytes(passes)}), PyTorch's default segments"))
     return per_step, allocator, peak, totals
 
 

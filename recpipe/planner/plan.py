@@ -75,7 +75,12 @@ TERM_DOC: dict[str, str] = {
                          "(DLRM B x D; DCNv2 x0's B x (F+1) x D; x 2 bytes with bf16, else 4)",
     "top_activations": "activations of the interaction and over arch saved for backward",
     "sparse_backward_scratch": "TBE backward temporaries (transpose_embedding_input sort, ~36 B/index)",
-    "prefetch_scratch": "prefetch-stream temporaries of the UVM cache prefetch at the passes that happen",
+    "prefetch_scratch": "prefetch-stream temporaries of the UVM cache prefetch at the passes that happen "
+                        "(FBGEMM's insert, lru_cache_populate)",
+    "prefetch_scratch_recpipe_insert": "prefetch-stream temporaries of the UVM cache prefetch at the passes that happen, "
+                                       "with recpipe's insert (pipeline.cache_fill)",
+    "cache_bookkeeping_scratch": "prefetch stream, after prefetch(i+1): batch i's cache locations recomputed over all its "
+                                 "indices at once (recpipe.speedups.cache_bookkeeping)",
     "prefetch_scratch_inline": "temporaries of the in-forward cache prefetch (no prefetch pipeline, one pass)",
     "pooled_output_grads": "gradient of the embeddings after the output dist and its copy regrouped per rank (W > 1)",
     "output_dist_quantized_grads": "quantized comms: the regrouped gradient encoded to sharding.comm_precision.backward",
@@ -86,7 +91,8 @@ TERM_DOC: dict[str, str] = {
     "reserve_lookup_stream": "emb_lookup stream pool ('new'): early pooled embeddings not reusable by the default stream",
     "reserve_prefetch_stream": "prefetch stream pool: its scratch when not overlapping the peak",
     # cached
-    "prefetch_pass_segments": "multi-pass prefetch: the prefetch pool's segments stay near one pass's (released under pressure)",
+    "prefetch_pass_segments": "multi-pass prefetch with PyTorch's default segments: the prefetch pool's segments stay "
+                              "near one pass's (released under pressure; none with expandable segments)",
     # runtime
     "cuda_context": "CUDA context and kernel images (outside PyTorch's allocator)",
     "nccl_communicators": "NCCL communicator buffers (world size > 1)",

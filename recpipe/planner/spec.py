@@ -160,7 +160,15 @@ class PipelineSpec:
     * ``side_streams``: streams besides the default one; each keeps its own pool in
       the caching allocator;
     * ``lookup_stream``: where the embedding lookup runs ("main", or fused_sparse_dist's
-      "dist" / "lookup"); autograd runs its backward on the same stream.
+      "dist" / "lookup"); autograd runs its backward on the same stream;
+    * ``cache_insert``: who inserts a prefetch's missed rows into the UVM cache in the
+      prefetch step ("recpipe": ``recpipe.speedups.cache_fill``, for the TBEs whose cache
+      rows are in the weights' precision; "fbgemm": FBGEMM's ``lru_cache_populate``);
+      FBGEMM's inline prefetch inside a forward always uses FBGEMM's;
+    * ``cache_bookkeeping_stream``: where FBGEMM's backward pre-hook work for batch i (lock
+      release, cache locations recomputed) runs with ``prefetch_pipeline``: "prefetch"
+      (right after prefetch(i+1), ``recpipe.speedups.cache_bookkeeping``) or "main" (in
+      the backward, FBGEMM's hook).
     """
 
     name: str
@@ -176,6 +184,8 @@ class PipelineSpec:
     prefetch: bool = False
     stash_dense_grads: bool = False
     lookup_stream: str = "main"
+    cache_insert: str = "fbgemm"  # recpipe | fbgemm
+    cache_bookkeeping_stream: str = "main"  # prefetch | main
 
 
 def pipeline_spec(options: "PipelineOptions") -> PipelineSpec:
@@ -211,6 +221,10 @@ class PlannerInputs:
     dense_batch: bool = True
     notes: tuple[str, ...] = ()  # what the estimate could not know about the model (shown as warnings)
     comm_precision: tuple[str, str] = ("fp32", "fp32")  # sharding.comm_precision (forward, backward)
+    # The caching allocator maps each stream's blocks into one growing segment
+    # (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True, recpipe train's default:
+    # train.cuda_alloc_conf), so freed blocks coalesce; False: PyTorch's default segments.
+    expandable_segments: bool = False
 
     @property
     def comm_bytes(self) -> tuple[int, int]:
@@ -362,6 +376,19 @@ def default_hbm_bytes() -> int:
     return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
 
 
+def expandable_segments(cfg: "RecpipeConfig") -> bool:
+    """Whether the run's CUDA caching allocator uses expandable segments, with the
+    settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
+    ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
+    import os
+
+    from recpipe.distributed import ALLOC_CONF_ENV
+
+    settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cfg.train.cuda_alloc_conf
+    pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)
+    return {k.strip(): v.strip() for k, v in pairs.items()}.get("expandable_segments", "").lower() == "true"
+
+
 def inputs_from_config(
     cfg: "RecpipeConfig",
     *,
@@ -409,4 +436,5 @@ def inputs_from_config(
         dense_batch=m.factory is None,
         notes=model_notes(cfg, assumed),
         comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
+        expandable_segments=expandable_segments(cfg),
     )

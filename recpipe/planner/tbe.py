@@ -26,7 +26,10 @@ Source references are to ``fbgemm_gpu/split_table_batched_embeddings_ops_trainin
   when ``prefetch_pipeline``. The cache shrinks only if it exceeds the GPU's free
   memory at construction (we warn instead).
 * prefetch: ``_prefetch`` + ``get_prefetch_passes``; backward:
-  ``transpose_embedding_input``; see :func:`prefetch_scratch_bytes`.
+  ``transpose_embedding_input``; see :func:`prefetch_scratch_bytes`. In recpipe's
+  prefetch step the insert may be recpipe's own (``recpipe/speedups/cache_fill.py``,
+  :func:`tbe_cache_insert`), and FBGEMM's backward pre-hook work may run on the prefetch
+  stream (``recpipe/speedups/cache_bookkeeping.py``, :func:`cache_relookup_bytes`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ PREFETCH_BYTES_PER_INDEX = 44.18
 # (measured on an H100 with fbgemm 1.6: 4+4+8+8+8+4+4).
 BACKWARD_BYTES_PER_INDEX = 40.0
 BACKWARD_CACHED_EXTRA_BYTES_PER_INDEX = 12.18
+# recpipe's insert (recpipe/speedups/cache_fill.py: insert_triton, then move_triton) in
+# place of lru_cache_populate, per index n of the pass; every tensor is [n] (FBGEMM's
+# get_unique_indices pads its output to n). Its peak is in move_triton's second
+# _host_offsets (the evicted rows'), at `(ids - cumsum[feature])`: linearized 8 (FBGEMM's
+# caller) + the Insert's ids, slot, old 3 x 8 + masks taken, evicting 2 x 1 + the new rows'
+# offsets and dims 2 x 8 + where(evicting, old, 0) 8 + feature, dim 2 x 8 + offsets[feature],
+# cumsum[feature], their difference 3 x 8 = 98 (its stable torch.sort peaks lower: unique,
+# home, sorted sets, order, iota 5 x 8 + CUB pairs temp 16.18 = 56.18, + 8 linearized).
+RECPIPE_INSERT_BYTES_PER_INDEX = 98.0
+# FBGEMM's backward pre-hook work recomputing a batch's cache locations over all its N
+# indices in one go (fbgemm _update_cache_counter_and_locations, or recpipe's
+# cache_bookkeeping._relookup): linearized 8 + get_unique_indices' sorted 8 + unique 8 +
+# CUB SortKeys temp 8.18 (measured, see PREFETCH_BYTES_PER_INDEX) = 32.18 B/index; the lock
+# release before it allocates an int32 count per cache slot (freed first).
+CACHE_RELOOKUP_BYTES_PER_INDEX = 32.18
 INDEX_BYTES = 8  # TBE indices are int64
 LOCATION_BYTES = 4  # lxu_cache_locations int32
 STATE_BYTES = 4  # optimizer state fp32
@@ -246,30 +264,52 @@ def prefetch_pass_sizes(num_indices: int, passes: int, min_pass_size: int) -> li
     return [min(size, n - start) for start in range(0, n, size)]
 
 
+def tbe_cache_insert(insert: str, tbe: Tbe) -> str:
+    """The insert a cached TBE's prefetch really runs, given the pipeline's
+    (``PipelineSpec.cache_insert``): recpipe's copies rows as they are, so a TBE whose
+    cache rows are not in its weights' precision keeps FBGEMM's
+    (``recpipe.speedups.cache_fill.unsupported``; weights are fp32 or fp16 here)."""
+    same = all(t.cache_bytes == t.weight_bytes for t in tbe.tables if t.cached)
+    return "recpipe" if insert == "recpipe" and same else "fbgemm"
+
+
 def merges_linear_indices(fbgemm_version: tuple[int, int]) -> bool:
     """FBGEMM >= 1.4 (#4741) concatenates every pass's linearized indices into
     ``linear_cache_indices_merged`` (kept for raw embedding streaming)."""
     return tuple(fbgemm_version) >= (1, 4)
 
 
-def prefetch_scratch_bytes(num_indices: float, passes: int, min_pass_size: int, fbgemm_version: tuple[int, int]) -> int:
+def prefetch_scratch_bytes(num_indices: float, passes: int, min_pass_size: int, fbgemm_version: tuple[int, int],
+                           insert: str = "fbgemm") -> int:
     """Peak temporaries of one TBE's ``_prefetch`` besides its output locations.
 
-    Per pass of n indices, ``lru_cache_populate`` peaks at 44.18 n bytes (CUB sort
-    temps included). FBGEMM >= 1.4 also keeps the merged int64 indices of the passes
-    so far (8 * cum) and briefly holds old + new merged during each ``torch.cat``
-    (16 * cum). With S = 8 N: one pass 6.52 S; M passes max(2 S, S + 5.52 S / M)
-    (floor 2 S: passes beyond ~6 stop helping); before 1.4: 5.52 S / M.
+    Per pass of n indices the insert peaks at p n bytes, the pass's linearized
+    indices included: FBGEMM's ``lru_cache_populate`` p = 44.18 (CUB sort temps
+    included), recpipe's (``insert="recpipe"``) p = 98. FBGEMM >= 1.4 also keeps the
+    merged int64 indices of the passes so far (8 * cum) and briefly holds old + new
+    merged during each ``torch.cat`` (16 * cum). With S = 8 N and FBGEMM's insert: one
+    pass 6.52 S; M passes max(2 S, S + 5.52 S / M) (floor 2 S: passes beyond ~6 stop
+    helping); before 1.4: 5.52 S / M. With recpipe's: one pass 13.25 S; M passes
+    max(2 S, S + 12.25 S / M).
     """
     sizes = prefetch_pass_sizes(int(round(num_indices)), passes, min_pass_size)
     merged = merges_linear_indices(fbgemm_version)
+    per_index = RECPIPE_INSERT_BYTES_PER_INDEX if insert == "recpipe" else PREFETCH_BYTES_PER_INDEX
     peak, cum = 0.0, 0
     for n in sizes:
         cum += n
-        populate = PREFETCH_BYTES_PER_INDEX * n + (INDEX_BYTES * cum if merged else 0)
+        populate = per_index * n + (INDEX_BYTES * cum if merged else 0)
         cat = 2 * INDEX_BYTES * cum if merged else 0
         peak = max(peak, populate, cat)
     return int(math.ceil(peak))
+
+
+def cache_relookup_bytes(num_indices: float, cache_slots: int) -> int:
+    """FBGEMM's backward pre-hook work for one batch of a cached TBE with
+    ``prefetch_pipeline``: the lock release (an int32 count per cache slot, freed),
+    then its cache locations recomputed over all N indices at once, whatever the
+    prefetch passes: 32.18 N (:data:`CACHE_RELOOKUP_BYTES_PER_INDEX`)."""
+    return max(int(math.ceil(CACHE_RELOOKUP_BYTES_PER_INDEX * num_indices)), LOCATION_BYTES * cache_slots)
 
 
 def backward_scratch_bytes(num_indices: float, cached_without_prefetch: bool) -> int:

@@ -17,7 +17,7 @@ from recpipe.config import load_config
 from recpipe.distributed import ALLOC_CONF_ENV
 from recpipe.planner import estimate_memory, inputs_from_config
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, phase_items, rank_io
-from recpipe.planner.spec import expandable_segments
+from recpipe.planner.inputs import expandable_segments
 from recpipe.planner.tbe import (
     CACHE_RELOOKUP_BYTES_PER_INDEX,
     INDEX_BYTES,

@@ -157,7 +157,7 @@ def test_estimate_matches_measured(name, process_group, monkeypatch):
     from recpipe.distributed import ALLOC_CONF_ENV
     from recpipe.planner import plan_from_config
     from recpipe.planner.estimator import torchrec_estimate
-    from recpipe.planner.spec import inputs_from_config
+    from recpipe.planner.inputs import inputs_from_config
 
     cfg = _config(name)
     session = "expandable_segments:True" in os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "")  # restored after

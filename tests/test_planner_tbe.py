@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
-from recpipe.planner.memory import estimate_memory
+from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.spec import DenseSpec, PlannerInputs, TableSpec, pipeline_spec, shards_for_tables
 from recpipe.planner.tbe import ALLOC_BLOCK, TBE_SMALL_BUFFERS, group_tbes, tbe_static
 

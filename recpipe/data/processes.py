@@ -58,7 +58,7 @@ import torch
 
 from recpipe.data.batch import Batch
 from recpipe.data.flat import flatten_batch, unflatten_batch
-from recpipe.data.stream import Failed, put_unless_closed
+from recpipe.data.handoff import Failed, put_unless_closed
 from recpipe.distributed import die_with_parent
 
 if TYPE_CHECKING:

@@ -44,7 +44,10 @@ from typing import Any, Callable, Iterator, Literal
 
 import torch
 
-__all__ = ["BatchStream", "Failed", "put_unless_closed", "workers_kind"]
+from recpipe.data.handoff import Failed, put_unless_closed
+from recpipe.data.processes import Processes
+
+__all__ = ["BatchStream", "workers_kind"]
 
 _PREFETCH_PER_THREAD = 2
 WorkersKind = Literal["process", "thread"]
@@ -59,24 +62,6 @@ def workers_kind(kind: WorkersKind) -> WorkersKind:
                       "batches are made by threads instead", stacklevel=2)
         return "thread"
     return kind
-
-
-class Failed:
-    """A producer's exception, queued at its batch's turn."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-def put_unless_closed(closed: threading.Event, out: queue.Queue, item: Any) -> bool:
-    """Put ``item`` into the bounded ``out``; False if ``closed`` is set first."""
-    while not closed.is_set():
-        try:
-            out.put(item, timeout=0.1)
-            return True
-        except queue.Full:
-            continue
-    return False
 
 
 class BatchStream:
@@ -106,8 +91,6 @@ class BatchStream:
         if self.kind == "thread":
             return _Consumer(self, _Threads(self))
         assert self.kind == "process" and PROCESSES_AVAILABLE, (self.kind, "resolve it with workers_kind()")
-        from recpipe.data.processes import Processes  # it imports this module
-
         return _Consumer(self, Processes(self))
 
 

@@ -17,7 +17,7 @@ from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch
 
 from recpipe.config import ModelConfig
 from recpipe.data.batch import Batch
-from recpipe.models.precision import _Numerics, precision_context
+from recpipe.models.precision import Numerics, precision_context
 
 
 def embedding_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
@@ -127,7 +127,7 @@ class RecModel(nn.Module):
     def __init__(self, dlrm: nn.Module, precision: str = "fp32") -> None:
         super().__init__()
         self.model = dlrm
-        self._numerics = _Numerics(precision)
+        self._numerics = Numerics(precision)
         object.__setattr__(self, "head", DenseHead(dlrm.inter_arch, dlrm.over_arch, self))  # not a registered child
 
     @property

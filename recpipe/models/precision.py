@@ -64,7 +64,7 @@ def _device_type(module: nn.Module) -> str:
     return "cpu"
 
 
-class _Numerics:
+class Numerics:
     """The per-model state behind :func:`precision_context`: the device type is
     resolved at the first forward (after DistributedModelParallel placed the dense
     layers), and each warning is given once per model."""
@@ -136,7 +136,7 @@ def with_precision(model: nn.Module, precision: str) -> nn.Module:
     if "forward" in vars(model):
         raise ValueError(f"with_precision: {type(model).__name__} already has an instance forward "
                          f"({vars(model)['forward']!r}); apply the precision before other wrappers")
-    model._numerics = _Numerics(precision)
+    model._numerics = Numerics(precision)
     model.forward = PrecisionForward(model, precision)
     return model
 

@@ -17,10 +17,11 @@ import dataclasses
 
 from typing import TYPE_CHECKING
 
-from recpipe.planner.memory import estimate_memory
+from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.plan import MemoryPlan, RankMemory, ShardMemory, Term, check_fits, render_table, summary
 from recpipe.planner.scaling import predict_scaling
-from recpipe.planner.spec import PlannerInputs, inputs_from_config
+from recpipe.planner.inputs import inputs_from_config
+from recpipe.planner.spec import PlannerInputs
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig

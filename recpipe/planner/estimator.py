@@ -27,8 +27,10 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
-from recpipe.planner.memory import LOCATION_BYTES, estimate_memory, module_received_kjt_bytes
-from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec, inputs_from_config
+from recpipe.planner.estimate import estimate_memory
+from recpipe.planner.memory import LOCATION_BYTES, module_received_kjt_bytes
+from recpipe.planner.inputs import inputs_from_config
+from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec
 from recpipe.planner.tbe import (
     Tbe,
     cache_relookup_bytes,

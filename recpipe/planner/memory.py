@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from recpipe.planner.plan import (
     MemoryPlan,
     PrecisionSavings,
-    PrefetchSavings,
     RankMemory,
     ShardMemory,
     TbeGroupInfo,
@@ -411,7 +410,7 @@ def _rank(inputs: PlannerInputs, rank: int) -> tuple[RankMemory, list[ShardMemor
 
 
 # ------------------------------------------------------------------ the plan
-def _warnings(inputs: PlannerInputs, ranks: list[RankMemory], infos: list[RankIO]) -> list[str]:
+def plan_warnings(inputs: PlannerInputs, ranks: list[RankMemory], infos: list[RankIO]) -> list[str]:
     out: list[str] = []
     for rm, info in zip(ranks, infos):
         cache = rm.term("uvm_cache_weights")
@@ -433,7 +432,7 @@ def _warnings(inputs: PlannerInputs, ranks: list[RankMemory], infos: list[RankIO
     return out + list(inputs.notes)
 
 
-def _estimate(inputs: PlannerInputs) -> tuple[list[RankMemory], list[ShardMemory], list[RankIO]]:
+def estimate_ranks(inputs: PlannerInputs) -> tuple[list[RankMemory], list[ShardMemory], list[RankIO]]:
     ranks, shards, infos = [], [], []
     for r in range(inputs.world_size):
         rm, sh, info = _rank(inputs, r)
@@ -441,27 +440,3 @@ def _estimate(inputs: PlannerInputs) -> tuple[list[RankMemory], list[ShardMemory
         shards += sh
         infos.append(info)
     return ranks, shards, infos
-
-
-def estimate_memory(inputs: PlannerInputs) -> MemoryPlan:
-    """Per-shard and per-rank HBM/DDR of training ``inputs`` (pure function)."""
-    ranks, shards, infos = _estimate(inputs)
-    savings: list[PrefetchSavings] = []
-    if inputs.pipeline.prefetch and any(i.passes_effective for i in infos):
-        one, _, one_infos = _estimate(dataclasses.replace(inputs, prefetch_passes=1))
-        for rm, info, rm1, info1 in zip(ranks, infos, one, one_infos):
-            if info.passes_effective:
-                savings.append(PrefetchSavings(rm.rank, inputs.prefetch_passes, info.passes_effective,
-                                               info.prefetch_scratch, info1.prefetch_scratch, rm.hbm_bytes, rm1.hbm_bytes))
-    return MemoryPlan(
-        ranks=tuple(ranks), shards=tuple(shards), pipeline=inputs.pipeline.name, world_size=inputs.world_size,
-        batch_size=inputs.batch_size, fbgemm_version=tuple(inputs.fbgemm_version), prefetch=tuple(savings),
-        warnings=tuple(_warnings(inputs, ranks, infos)), precision=precision_savings(inputs, ranks),
-    )
-
-
-def precision_savings(inputs: PlannerInputs, ranks: list[RankMemory]) -> tuple[PrecisionSavings, ...]:
-    from recpipe.planner.precision import precision_savings as savings  # it estimates with this module
-
-    return savings(inputs, ranks)
-

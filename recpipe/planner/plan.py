@@ -301,7 +301,7 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 1024:.1f} KiB" if abs(n) >= 1024 else f"{int(n)} B"
 
 
-def _grid(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[int] = frozenset()) -> list[str]:
+def grid(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[int] = frozenset()) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
     def line(r: tuple[str, ...]) -> str:
         return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
@@ -337,7 +337,7 @@ def summary(plan: MemoryPlan) -> str:
         f"memory plan: pipeline {plan.pipeline}, {plan.world_size} rank(s), batch {plan.batch_size}/rank, "
         f"fbgemm {'.'.join(map(str, plan.fbgemm_version))}: {'fits' if plan.fits else 'DOES NOT FIT'}"
     )
-    return "\n".join([title] + _grid(header, rows, right={1, 2, 3, 4, 5, 6}))
+    return "\n".join([title] + grid(header, rows, right={1, 2, 3, 4, 5, 6}))
 
 
 def render_table(plan: MemoryPlan) -> str:
@@ -349,7 +349,7 @@ def render_table(plan: MemoryPlan) -> str:
             for t in sorted(r.terms, key=lambda t: (CATEGORIES.index(t.category), -t.bytes))
             if t.bytes
         ]
-        out += ["  " + s for s in _grid(("term", "category", "side", "bytes", "detail"), rows, right={3})]
+        out += ["  " + s for s in grid(("term", "category", "side", "bytes", "detail"), rows, right={3})]
         out.append("")
     out.append("shards")
     rows = []
@@ -359,7 +359,7 @@ def render_table(plan: MemoryPlan) -> str:
             s.table, str(s.rank), f"{s.rows}x{s.cols}", s.sharding_type, s.kernel,
             fmt_bytes(s.hbm_bytes), fmt_bytes(s.ddr_bytes), big.name if big else "-",
         ))
-    out += ["  " + s for s in _grid(("table", "rank", "shard", "sharding", "kernel", "HBM", "DDR", "largest"), rows, right={5, 6})]
+    out += ["  " + s for s in grid(("table", "rank", "shard", "sharding", "kernel", "HBM", "DDR", "largest"), rows, right={5, 6})]
     if plan.prefetch:
         out += ["", "multi-pass prefetch (configured passes vs one pass)"]
         rows = [
@@ -370,7 +370,7 @@ def render_table(plan: MemoryPlan) -> str:
             for p in plan.prefetch
         ]
         header = ("rank", "passes", "passes that happen (TBE:passes)", "scratch", "scratch @1 pass", "HBM saved")
-        out += ["  " + s for s in _grid(header, rows, right={3, 4, 5})]
+        out += ["  " + s for s in grid(header, rows, right={3, 4, 5})]
     if plan.precision:
         out += ["", "precision (configured vs every precision fp32)"]
         rows = [
@@ -383,7 +383,7 @@ def render_table(plan: MemoryPlan) -> str:
         ]
         header = ("rank", "tables+caches HBM", "@fp32", "HBM", "HBM @fp32", "HBM saved", "DDR saved",
                   "output+bwd a2a/step", "@fp32")
-        out += ["  " + s for s in _grid(header, rows, right=set(range(1, 9)))]
+        out += ["  " + s for s in grid(header, rows, right=set(range(1, 9)))]
     if plan.warnings:
         out += ["", "warnings"] + [f"  - {w}" for w in plan.warnings]
     return "\n".join(out)

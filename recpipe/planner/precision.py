@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from recpipe.planner.memory import _estimate
+from recpipe.planner.memory import estimate_ranks
 from recpipe.planner.plan import PrecisionSavings, RankMemory
+from recpipe.planner.scaling import a2a_bytes
 from recpipe.planner.spec import PlannerInputs
 
 
@@ -37,9 +38,7 @@ def precision_savings(inputs: PlannerInputs, ranks: list[RankMemory]) -> tuple[P
     fp32 = all_fp32(inputs)
     if fp32 == inputs:
         return ()
-    from recpipe.planner.scaling import a2a_bytes  # scaling imports this module
-
-    base, _, _ = _estimate(fp32)
+    base, _, _ = estimate_ranks(fp32)
     a2a, a2a_fp32 = a2a_bytes(inputs), a2a_bytes(fp32)
     tables = ("emb_weights", "uvm_cache_weights")
 

@@ -3,7 +3,7 @@ W GPUs (:func:`predict_scaling`). A model, not a measurement: a prediction to ch
 against ``recpipe bench`` on W GPUs (docs/scaling.md says which numbers to compare).
 
 Weak scaling: every rank keeps ``data.batch_size`` (B) samples, the global batch is
-W * B. Shards are placed by :func:`recpipe.planner.spec.inputs_from_config` at each W.
+W * B. Shards are placed by :func:`recpipe.planner.inputs.inputs_from_config` at each W.
 Per table t (pooling factor pf, dim D), per rank r, bytes that *cross the link* (the
 share a rank keeps for itself never leaves it):
 
@@ -60,8 +60,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from recpipe.planner.memory import LENGTH_BYTES, OUTPUT_BYTES, WEIGHT_BYTES, batch_bytes
-from recpipe.planner.plan import _grid, fmt_bytes
-from recpipe.planner.spec import DEFAULT_HBM_GB_WITHOUT_GPU, GiB, PlannerInputs, inputs_from_config
+from recpipe.planner.plan import grid, fmt_bytes
+from recpipe.planner.inputs import DEFAULT_HBM_GB_WITHOUT_GPU, inputs_from_config
+from recpipe.planner.spec import GiB, PlannerInputs
 from recpipe.planner.tbe import INDEX_BYTES, shard_indices, shard_output_rows
 
 if TYPE_CHECKING:
@@ -290,7 +291,7 @@ def render_scaling(rows: list[dict[str, Any]]) -> str:
         f"{r['compute_ms']:.3f}", f"{r['h2d_ms']:.3f}", f"{r['bound_ms']:.3f}", r["bound_resource"],
         f"{r['serial_ms']:.3f}", f"{r['sparse_dist_ms']:.3f}", f"{r['samples_per_s_per_gpu']:,.0f}",
     ) for r in rows]
-    out += ["  " + s for s in _grid(header, body, right=set(range(1, 13)) - {9})]
+    out += ["  " + s for s in grid(header, body, right=set(range(1, 13)) - {9})]
     g = growth(rows)
     if g:
         steps = ", ".join(f"x{x:.2f} from W={wa} to W={wb}" for wa, wb, x in g)

@@ -18,7 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from recpipe.planner.memory import estimate_memory
+from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.plan import MemoryPlan
 from recpipe.planner.spec import CACHED, PlannerInputs
 

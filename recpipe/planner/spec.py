@@ -1,13 +1,11 @@
-"""What the planner is asked about: frozen input dataclasses, and their construction
-from a :class:`~recpipe.config.RecpipeConfig` (the model's side:
-:mod:`recpipe.planner.model_spec`).
+"""What the planner is asked about: frozen input dataclasses (built from a config by
+:mod:`recpipe.planner.inputs`; the model's side: :mod:`recpipe.planner.model_spec`).
 
-``PlannerInputs`` holds everything :func:`recpipe.planner.memory.estimate_memory`
+``PlannerInputs`` holds everything :func:`recpipe.planner.estimate.estimate_memory`
 reads: tables, their shards (where each shard lives), the dense model, the
 optimizers, the pipeline, the prefetch options, the batch, the topology and the
-FBGEMM version. It is plain data: building it from a config
-(:func:`inputs_from_config`) touches no process group and no GPU (the dense model is
-built on the meta device to count its parameters).
+FBGEMM version. It is plain data: building it from a config touches no process group
+and no GPU (the dense model is built on the meta device to count its parameters).
 
 Shards follow torchrec's own rules so that the estimate is of the run that really
 happens (``tests/test_planner.py`` checks them against
@@ -29,14 +27,13 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from recpipe.torchrec_args import PRECISION_BYTES, table_wise_ranks
+from recpipe.torchrec_args import PRECISION_BYTES
 
 if TYPE_CHECKING:
     from recpipe.config import ModelConfig, RecpipeConfig
     from recpipe.pipelines.options import PipelineOptions
 
 GiB = 1 << 30
-DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
 
 CACHED = "fused_uvm_caching"
 UVM_KERNELS = ("fused_uvm", "fused_uvm_caching")
@@ -188,11 +185,14 @@ class PipelineSpec:
     cache_bookkeeping_stream: str = "main"  # prefetch | main
 
 
-def pipeline_spec(options: "PipelineOptions") -> PipelineSpec:
-    """The :class:`PipelineSpec` of a recpipe pipeline's options (``cfg.pipeline``): read
-    off its schedule by the pipeline's registry entry (``PipelineDef.memory``)."""
+def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:
+    """The :class:`PipelineSpec` of a recpipe pipeline's options (``cfg.pipeline``; a name:
+    that pipeline's defaults): read off its schedule by the pipeline's registry entry
+    (``PipelineDef.memory``)."""
     from recpipe.pipelines.registry import PIPELINES
 
+    if isinstance(options, str):
+        options = PIPELINES[options].options(name=options)
     return PipelineSpec(**PIPELINES[options.name].memory(options))
 
 
@@ -357,84 +357,3 @@ def dense_output_grad_bytes(m: "ModelConfig", precision: str = "fp32") -> int:
     if precision == "bf16":
         return 2 * D
     return 4 * D if m.arch == "dlrm" else 4 * (F + 1) * D
-
-
-def fbgemm_version() -> tuple[int, int]:
-    """(major, minor) of the installed fbgemm_gpu."""
-    import fbgemm_gpu
-
-    parts = str(getattr(fbgemm_gpu, "__version__", "1.8.0")).split(".")
-    return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
-
-
-def default_hbm_bytes() -> int:
-    """The GPU's own memory, or 80 GiB when planning without one."""
-    import torch
-
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
-    return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
-
-
-def expandable_segments(cfg: "RecpipeConfig") -> bool:
-    """Whether the run's CUDA caching allocator uses expandable segments, with the
-    settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
-    ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
-    import os
-
-    from recpipe.distributed import ALLOC_CONF_ENV
-
-    settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cfg.train.cuda_alloc_conf
-    pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)
-    return {k.strip(): v.strip() for k, v in pairs.items()}.get("expandable_segments", "").lower() == "true"
-
-
-def inputs_from_config(
-    cfg: "RecpipeConfig",
-    *,
-    world_size: int | None = None,
-    hbm_capacity_bytes: int | None = None,
-    fbgemm: tuple[int, int] | None = None,
-    shards: tuple[ShardSpec, ...] | None = None,
-) -> PlannerInputs:
-    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``):
-    the model is built on meta (``recpipe.models.make_model``, so a ``model.factory``
-    model too) and its tables checked against the config (``ConfigError``)."""
-    from recpipe.embedding_tables import model_on_meta
-    from recpipe.torchrec_args import validated_tables
-    from recpipe.planner.model_spec import dense_spec, model_notes, pooling_factors, table_specs
-
-    W = world_size or cfg.distributed.nproc
-    m = cfg.model
-    model = model_on_meta(cfg)
-    infos = validated_tables(cfg, model)
-    pfs, assumed = pooling_factors(cfg, infos)
-    tables_t = table_specs(cfg, infos, pfs, W)
-    tw = table_wise_ranks(cfg, W, infos)
-    if shards is None:
-        shards = shards_for_tables(tables_t, W, tw)
-    if hbm_capacity_bytes is None:
-        hbm_capacity_bytes = int(cfg.sharding.hbm_gb * GiB) if cfg.sharding.hbm_gb else default_hbm_bytes()
-    pipe = pipeline_spec(cfg.pipeline)
-    return PlannerInputs(
-        tables=tables_t,
-        shards=tuple(shards),
-        world_size=W,
-        batch_size=cfg.data.batch_size,
-        num_dense_features=m.num_dense_features,
-        dense=dense_spec(cfg, model, infos),
-        embedding_optimizer=cfg.optimizer.embedding.name,
-        dense_optimizer=cfg.optimizer.dense.name,
-        pipeline=pipe,
-        hbm_capacity_bytes=int(hbm_capacity_bytes),
-        prefetch_pipeline=cfg.cache_line_locking,
-        prefetch_passes=cfg.sharding.prefetch_passes,
-        prefetch_min_pass_size=cfg.sharding.prefetch_min_pass_size,
-        uvm_host_mapped=cfg.sharding.uvm_host_mapped,
-        fbgemm_version=fbgemm or fbgemm_version(),
-        tw_ranks=tuple(sorted(tw.items())),
-        dense_batch=m.factory is None,
-        notes=model_notes(cfg, assumed),
-        comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
-        expandable_segments=expandable_segments(cfg),
-    )

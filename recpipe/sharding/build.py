@@ -82,7 +82,7 @@ def planner_placement(
     """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
     planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
     from recpipe.planner.estimator import plan_with_torchrec
-    from recpipe.planner.spec import inputs_from_config
+    from recpipe.planner.inputs import inputs_from_config
 
     if device.type != "cuda":
         raise ValueError("sharding.placement='planner' places shards on GPUs; use placement 'config' on CPU")

@@ -1,0 +1,29 @@
+"""What a batch producer (thread or process) hands the consumer besides batches, and how
+it puts into a bounded queue that may be closed meanwhile (``recpipe.data.stream``,
+``recpipe.data.processes``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any
+
+__all__ = ["Failed", "put_unless_closed"]
+
+
+class Failed:
+    """A producer's exception, queued at its batch's turn."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def put_unless_closed(closed: threading.Event, out: queue.Queue, item: Any) -> bool:
+    """Put ``item`` into the bounded ``out``; False if ``closed`` is set first."""
+    while not closed.is_set():
+        try:
+            out.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False

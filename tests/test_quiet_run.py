@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from recpipe.config import load_config
-from recpipe.embedding_tables import validated_tables
+from recpipe.torchrec_args import validated_tables
 from recpipe.models import build_model
 from recpipe.sharding import plan_summary, sharding_plan
 from recpipe.train.cli import _check_memory_plan

@@ -21,8 +21,7 @@ from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.speedups.optimizer_graph import torch_optimizers
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
 
-TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, "
-          "t_cat_3: {type: data_parallel, kernel: dense}}"]
+TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
 
 
 def _no_graph(step):
@@ -84,8 +83,9 @@ def _worker(cfg) -> None:
     # Varying lengths: padded into one extra bag per feature; over capacity -> eager, counted.
     varying = make_batches(cfg, 10, rank)
     want = train(cfg, "base", varying)
+    roomy = {f: 4 * cfg.data.batch_size for f in cfg.model.feature_names}  # at most 3 ids a sample
     got, graph, _ = _graphed(cfg, "sparse_dist", varying, StepGraphOptions(enabled=True, capacity_batches=2,
-                                                                          headroom=2.0))
+                                                                          capacity=roomy))
     assert_same(want, got, "step graph, padded batches")
     assert graph.padded and graph.replays == 8 and graph.eager_steps == 2 and graph.over_capacity == 0, graph
     tight = StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.0)
@@ -139,6 +139,8 @@ def test_config_refuses_what_a_step_graph_cannot_hold():
                                   "sharding.tables={t_cat_0: {type: row_wise}}")
     assert "Adam" in problems("pipeline.name=sparse_dist", "optimizer.embedding.name=adam")
     assert "dense_gradients" in problems("pipeline.name=sparse_dist", "sharding.dense_gradients=ddp")
+    assert "DistributedDataParallel" in problems("pipeline.name=sparse_dist",
+                                                 "sharding.tables={t_cat_3: {type: data_parallel, kernel: dense}}")
     cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph={capacity: {cat_0: 64}}"])
     assert not cfg.pipeline.step_graph.enabled and cfg.pipeline.step_graph.capacity == {"cat_0": 64}
 

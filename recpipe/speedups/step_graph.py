@@ -49,7 +49,7 @@ device ``iter`` counter (captured), so checkpoints are the eager ones.
 Refused, with the setting to change (:func:`refusal`): pipelines other than ``base`` and
 ``sparse_dist`` (their overlap of two batches is not one step), UVM-cached tables (the
 rows a prefetch moves vary per batch), row_wise tables on several ranks (each rank's
-share of a batch's ids varies), an embedding optimizer whose FBGEMM kernel reads the
+share of a batch's ids varies), data_parallel tables (torchrec trains them through DDP), an embedding optimizer whose FBGEMM kernel reads the
 host step count (Adam), DDP (its gradient hooks belong to the default stream),
 ``pipeline.cuda_graphs`` beside it (the step graph holds the dense part already), a
 pipeline subclass with per-step hooks (they run on the host each step).
@@ -57,11 +57,12 @@ pipeline subclass with per-step hooks (they run on the host each step).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -145,6 +146,11 @@ def refusal(cfg: "RecpipeConfig") -> list[str]:
     if cfg.optimizer.embedding.name == "adam":
         problems.append(f"{key}: FBGEMM's Adam reads its step count on the host each step, which a replay cannot "
                         "advance; use optimizer.embedding.name=rowwise_adagrad or sgd, or pipeline.step_graph=false")
+    data_parallel = [n for n, t in cfg.table_sharding().items() if t.type == "data_parallel"]
+    if data_parallel:
+        problems.append(f"{key}: data_parallel tables {data_parallel} train through torchrec's DistributedDataParallel, "
+                        "whose gradient hooks were made on the default stream and cannot be captured; shard them "
+                        "table_wise, or pipeline.step_graph=false")
     if cfg.sharding.dense_gradients == "ddp":
         problems.append(f"{key}: DDP's gradient hooks were made on the default stream and cannot be captured; use "
                         "sharding.dense_gradients=all_reduce")
@@ -314,6 +320,38 @@ def _remove_fixed_splits(targets: list[KJTAllToAll]) -> None:
             del d.forward
 
 
+# ------------------------------------------------------------ torchrec's recat
+class _RecatCache:
+    """torchrec's ``KJTAllToAllTensorsAwaitable`` makes its recat indices with
+    ``torch.tensor(list, device=cuda)`` at every input dist (torchrec 1.6.1 to 1.8:
+    ``dist_data._get_recat``, one rank too): a copy from pageable host memory, which a CUDA
+    graph cannot capture. They depend only on the splits, so while a step graph runs the
+    model (its eager steps, its capture) each is made once, at its first eager call, and
+    reused: the captured step reads the same device tensor at every replay."""
+
+    def __init__(self) -> None:
+        from torchrec.distributed import dist_data
+
+        self._module = dist_data
+        self._original = dist_data._get_recat
+        self._made: dict[tuple, Any] = {}
+
+    def __call__(self, local_split: int, num_splits: int, stagger: int = 1, device: Any = None,
+                 batch_size_per_rank: Any = None) -> Any:
+        key = (local_split, num_splits, stagger, str(device), tuple(batch_size_per_rank or ()))
+        if key not in self._made:
+            self._made[key] = self._original(local_split, num_splits, stagger, device, batch_size_per_rank)
+        return self._made[key]
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        self._module._get_recat = self
+        try:
+            yield
+        finally:
+            self._module._get_recat = self._original
+
+
 # ----------------------------------------------------------------- capture
 Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
@@ -360,6 +398,7 @@ class StepGraph:
     _host_counts: list[torch.Tensor] = field(default_factory=list)
     _host_base: list[torch.Tensor] = field(default_factory=list)
     _dropping: list[DropPaddingBag] = field(default_factory=list)
+    _recat: _RecatCache = field(default_factory=_RecatCache)
     _warned: bool = False
 
     def __repr__(self) -> str:
@@ -383,8 +422,10 @@ class StepGraph:
                 kjts[0].length_per_key()  # on the host: the device copy carries it (else a host sync to read it)
                 self._see(pipe, kjts[0])
                 if self.padded and self.capacity is not None:
+                    # every rank pads this batch, or none does: torchrec's pooled all-to-all needs the
+                    # same batch size on every rank
                     padded = pad_features(kjts[0], self.capacity)
-                    if padded is not None:
+                    if _agree(padded is not None):
                         b.host = _replace_kjt(b.host, kjts[0], padded)
             fn(pipe, b)
 
@@ -401,12 +442,13 @@ class StepGraph:
         if unknown:
             raise PipelineError(f"pipeline.step_graph.capacity names features {unknown}, which the batches do not "
                                 f"have; they have {self.keys}")
-        measured = list(zip(*self._counts))
-        fixed = [len(set(per_key)) == 1 for per_key in measured]
-        self.capacity = [self.options.capacity.get(k, per_key[0] if same else
-                                                   math.ceil(max(per_key) * self.options.headroom))
-                         for k, per_key, same in zip(self.keys, measured, fixed)]
-        self.padded = any(c != per_key[0] or not same for c, per_key, same in zip(self.capacity, measured, fixed))
+        # the same capacity on every rank (the ids all-to-all's splits follow from it): the largest
+        # and smallest count of each feature over every rank's measured batches
+        counts = torch.tensor(self._counts, dtype=torch.int64)
+        most, least = _over_ranks(counts.max(dim=0).values, "max"), _over_ranks(counts.min(dim=0).values, "min")
+        self.capacity = [self.options.capacity.get(k, hi if hi == lo else math.ceil(hi * self.options.headroom))
+                         for k, hi, lo in zip(self.keys, most.tolist(), least.tolist())]
+        self.padded = any(c != hi or hi != lo for c, hi, lo in zip(self.capacity, most.tolist(), least.tolist()))
         if self.padded:
             stride = kjt.stride() + 1
             for fqn, module in sharded.find_sharded_modules(pipe.model).items():
@@ -442,10 +484,11 @@ class StepGraph:
 
     def _eager(self, pipe: Any, b: Any) -> None:
         self.eager_steps += 1
-        steps.zero_grad(pipe, b)
-        steps.forward(pipe, b)
-        steps.backward(pipe, b)
-        steps.optimizer(pipe, b)
+        with self._recat.installed():
+            steps.zero_grad(pipe, b)
+            steps.forward(pipe, b)
+            steps.backward(pipe, b)
+            steps.optimizer(pipe, b)
 
     def _warn(self, b: Any) -> None:
         if self._warned:
@@ -476,7 +519,8 @@ class StepGraph:
         counts = _host_step_counts(optimizer)
         before = [t.clone() for t in counts]
         try:
-            replay = self.capture(step)
+            with self._recat.installed():
+                replay = self.capture(step)
         except Exception as err:
             for t, value in zip(counts, before):
                 t.copy_(value)
@@ -501,7 +545,8 @@ class StepGraph:
         def run() -> None:
             fixed = _install_fixed_splits(modules)
             try:
-                replay()
+                with self._recat.installed():
+                    replay()
             finally:
                 _remove_fixed_splits(fixed)
 
@@ -514,15 +559,21 @@ class StepGraph:
         self._dropping = []
 
 
-def _agree(fits: bool) -> bool:
-    """All ranks take the same path (a graph replay, or the eager step): a batch fits only
-    if it fits on every rank. One Gloo all-reduce on several ranks, none on one."""
+def _over_ranks(values: torch.Tensor, how: str) -> torch.Tensor:
+    """``values`` (host int64) reduced by ``how`` ("max" or "min") over every rank: one Gloo
+    all-reduce on several ranks (a host round trip), none on one."""
     group = control_group()
     if group is None or dist.get_world_size(group) == 1:
-        return fits
-    flag = torch.tensor([int(fits)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # host sync: a Gloo round trip
-    return bool(flag.item())
+        return values
+    out = values.clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX if how == "max" else dist.ReduceOp.MIN, group=group)
+    return out
+
+
+def _agree(fits: bool) -> bool:
+    """All ranks take the same path (a graph replay or the eager step; a padded batch or the
+    batch as it is): yes only if every rank says yes."""
+    return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
 
 
 def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> Any:
@@ -559,6 +610,12 @@ def apply_step_graph(pipeline: Any, options: StepGraphOptions, capture: Capture 
         raise PipelineError(f"pipeline.step_graph: {type(pipeline).__name__} overrides {hooked}, which run on the "
                             "host every step; a replayed step runs none: set pipeline.step_graph=false")
     world = dist.get_world_size() if dist.is_initialized() else 1
+    replicated = [fqn for fqn, m in sharded.find_sharded_modules(pipeline.model).items()
+                  if "data_parallel" in getattr(m, "_sharding_type_to_sharding", {})]
+    if replicated:
+        raise PipelineError(f"pipeline.step_graph: {replicated} hold data_parallel tables, which train through torchrec's "
+                            "DistributedDataParallel, whose gradient hooks were made on the default stream and cannot "
+                            "be captured; shard them table_wise")
     varying = {fqn: sorted(t for t in getattr(m, "_sharding_type_to_sharding", {})
                            if t in ("row_wise", "table_row_wise", "grid_shard"))
                for fqn, m in sharded.find_sharded_modules(pipeline.model).items()}

@@ -204,7 +204,7 @@ class DataConfig(Section):
                              f"{self.source!r}): only memory-mapped data can be read in a shuffled order; convert "
                              "TSV files with `recpipe data convert`")
         if (self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None
-                and "mean_pooling_factors" in self.synthetic.model_fields_set):
+                and self.synthetic.mean_pooling_factors != SyntheticConfig.model_fields["mean_pooling_factors"].default):
             raise ValueError("data.multi_hot_sizes (fixed ids per sample) and data.synthetic.mean_pooling_factors "
                              "(drawn ids per sample) both set the synthetic data's lengths; set one")
         return self

@@ -10,6 +10,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.config import ModelConfig, load_config
 from recpipe.models import build_model
+from recpipe.models.dlrm import sparse_arch_forward
+from recpipe.models.precision import precision_context
 from recpipe.planner import plan_from_config
 from recpipe.planner.spec import activation_bytes
 
@@ -19,10 +21,12 @@ MODEL = dict(embedding_dim=16, num_embeddings_per_feature=[50] * 6, dense_arch_l
 
 
 def _saved_bytes_per_sample(m: ModelConfig, precision: str) -> float:
-    """Bytes of the distinct floating-point tensors with B rows that the DLRM module
-    saves for backward (the sparse arch's lookup saves ids only)."""
+    """Bytes of the distinct floating-point tensors with B rows that recpipe's model saves
+    for backward up to the logits, as it runs them (``RecModel.forward``: the dense arch,
+    the sparse arch, the head's interaction and over arch; the loss saves the logit and is
+    left out; the sparse arch's lookup saves ids only)."""
     torch.manual_seed(0)
-    dlrm = build_model(m, device=torch.device("cpu")).model
+    rec = build_model(m, device=torch.device("cpu"), precision=precision)
     kjt = KeyedJaggedTensor(keys=m.feature_names, values=torch.randint(0, 50, (B * 6,)),
                             lengths=torch.ones(B * 6, dtype=torch.int32))
     saved: dict[int, int] = {}
@@ -33,8 +37,11 @@ def _saved_bytes_per_sample(m: ModelConfig, precision: str) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            dlrm(torch.randn(B, m.num_dense_features), kjt)
+        with precision_context(rec):
+            dense = rec.model.dense_arch(torch.randn(B, m.num_dense_features))
+        sparse = sparse_arch_forward(rec.model.sparse_arch, kjt)
+        with precision_context(rec):
+            rec.model.over_arch(rec.head.interact(dense, sparse))
     return sum(saved.values()) / B
 
 

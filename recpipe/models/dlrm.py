@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch
+from torchrec.models.dlrm import DLRM, DLRM_DCN, InteractionArch, InteractionDCNArch
+from torchrec.modules.crossnet import LowRankCrossNet
 
 from recpipe.config import ModelConfig
 from recpipe.data.batch import Batch
@@ -36,7 +37,9 @@ class DenseHead(nn.Module):
     """Interaction, over arch and loss: everything after the embedding lookup.
 
     ``(dense_out, sparse_out, labels, weights) -> (loss, logits)``, tensors in and out,
-    so it can run as one CUDA graph (``pipeline.cuda_graphs``). For DLRM's dot
+    so it can run as one CUDA graph (``pipeline.cuda_graphs``) or be compiled
+    (``pipeline.compile``). DCNv2's cross network runs in the dense output's dtype
+    (:meth:`cross`). For DLRM's dot
     interaction the upper-triangle gather is an ``index_select`` on the flattened
     products: the same values as torchrec's ``interactions[:, i, j]``, but its backward
     is an ``index_add`` (every index appears once, so it is exact) instead of the
@@ -50,6 +53,8 @@ class DenseHead(nn.Module):
 
     def interact(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         arch = self.inter_arch
+        if type(arch) is InteractionDCNArch and type(arch.crossnet) is LowRankCrossNet and arch.F > 0:
+            return self.cross(dense, sparse)
         if type(arch) is not InteractionArch or arch.F <= 0:
             return arch(dense_features=dense, sparse_features=sparse)
         combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)  # [B, F+1, D]
@@ -57,6 +62,21 @@ class DenseHead(nn.Module):
         rows, cols = arch.triu_indices
         flat = products.index_select(1, rows * (arch.F + 1) + cols)  # [B, (F+1) choose 2]
         return torch.cat((dense, flat), dim=1)
+
+    def cross(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        """torchrec's ``InteractionDCNArch`` with its ``LowRankCrossNet``, the same operations
+        on the same parameters, in the dense output's dtype: under bf16 the pooled embeddings
+        enter the cross network in bf16, and each layer's bias is added in bf16, so its
+        ``[B, (F+1) D]`` activations stay bf16 from x0 to the over arch (torchrec's adds a
+        float32 bias, which promotes every layer's output, and the cat with the float32 pooled
+        embeddings promotes x0: every elementwise pass over them then moves float32). In fp32
+        it is torchrec's forward, operation for operation."""
+        net = self.inter_arch.crossnet
+        x0 = torch.cat((dense.unsqueeze(1), sparse.to(dense.dtype)), dim=1).flatten(1)
+        x = x0
+        for v, w, bias in zip(net.V_kernels, net.W_kernels, net.bias):
+            x = x0 * (nn.functional.linear(nn.functional.linear(x, v), w) + bias.to(x0.dtype)) + x
+        return x
 
     def forward(
         self, dense: torch.Tensor, sparse: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor

@@ -323,9 +323,10 @@ def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, in
     features. DLRM: the cat of the bf16 dense output and the fp32 pooled embeddings
     promotes to fp32, and bmm saves a bf16 copy of it *and* of its transpose (autocast
     casts each argument), so the interaction costs what it does in fp32; the rest is
-    bf16. DCNv2: x0 stays fp32; per layer a bf16 copy of x_l, V x_l in bf16, and
-    U(V x_l) + bias in fp32 (the fp32 bias promotes it), saved by the product with x0;
-    the over arch saves a bf16 copy of the fp32 x_L. The bf16 weight copies autocast
+    bf16. DCNv2 (recpipe's cross network keeps its activations bf16,
+    ``recpipe.models.dlrm.DenseHead.cross``): x0 in bf16, and per layer its input x_l
+    (x0 itself for the first), V x_l and U(V x_l) + bias, all bf16; the over arch's input
+    is the last layer's output. The bf16 weight copies autocast
     keeps for backward (2 bytes per dense parameter, not per sample) are left out:
     well under 0.1 % of a plan at GPU batch sizes."""
     F, D = m.num_sparse_features, m.embedding_dim
@@ -338,7 +339,7 @@ def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, in
     dense_bytes = 2 * (m.num_dense_features + dense)
     if m.arch == "dlrm":
         return dense_bytes, 2 * 2 * width + 2 * (D + pairs) + 2 * over
-    return dense_bytes, 4 * width + layers * (2 * width + 2 * rank + 4 * width) + 2 * width + 2 * over
+    return dense_bytes, 2 * width + layers * (4 * width + 2 * rank) + 2 * over
 
 
 def dense_output_grad_bytes(m: "ModelConfig", precision: str = "fp32") -> int:

@@ -159,12 +159,12 @@ def refusal(cfg: "RecpipeConfig") -> list[str]:
 
 # ----------------------------------------------------------------- batches
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor of a batch, in a fixed order (a KJT's values, lengths, offsets, weights)."""
+    """Every tensor of a batch, in a fixed order (a KJT's values, lengths and weights: its
+    offsets are computed from the lengths by the step, and a KJT may cache them or not)."""
     if isinstance(obj, torch.Tensor):
         return [obj]
-    if isinstance(obj, KeyedJaggedTensor):
-        return [t for t in (obj.values(), obj.lengths(), obj.offsets_or_none(), obj.weights_or_none())
-                if t is not None]
+    if isinstance(obj, KeyedJaggedTensor):  # not its offsets: derived from the lengths, inside the step
+        return [t for t in (obj.values(), obj.lengths(), obj.weights_or_none()) if t is not None]
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors(item)]
     if isinstance(obj, dict):

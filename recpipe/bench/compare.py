@@ -59,6 +59,8 @@ def merge_rounds(rounds: list[Row], global_batch: int) -> Row:
     row.round_p50_ms = [r.step_ms["p50"] for r in rounds]
     row.step_ms_p50_per_rank = [statistics.median(col) for col in zip(*(r.step_ms_p50_per_rank for r in rounds))]
     row.wall_s, row.build_s = sum(r.wall_s or 0.0 for r in rounds), max(r.build_s or 0.0 for r in rounds)
+    row.first_step_s = rounds[0].first_step_s  # the first round's: later rounds find compiled kernels cached
+    row.first_step_s_rounds = [r.first_step_s for r in rounds if r.first_step_s is not None]
     row.memory = _merge_memory([r.memory for r in rounds])
     row.trace = _merge_traces([r.trace for r in rounds]) if first.trace else {}
     row.fill_rates(global_batch)

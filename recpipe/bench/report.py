@@ -49,6 +49,8 @@ class Row:
     host_ms: dict[str, float] = field(default_factory=dict)
     host_ms_per_step: list[float] = field(default_factory=list)  # per step, the slowest rank's
     build_s: float | None = None
+    first_step_s: float | None = None  # the first progress() call: compiles and captures (slowest rank)
+    first_step_s_rounds: list[float] = field(default_factory=list)  # each round's (later: kernels cached)
     memory: dict[str, Any] = field(default_factory=dict)  # GiB, max over ranks, + per_rank
     torchrec_pipelined_modules: int | None = None
     gpu_busy_ms: float | None = None  # per profiled step, the slowest rank's (trace.py)

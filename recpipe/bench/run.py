@@ -71,6 +71,7 @@ class RunResult:
     options: dict[str, Any] = field(default_factory=dict)  # the pipeline's constructor options
     notes: list[str] = field(default_factory=list)
     build_s: float = 0.0
+    first_step_s: float = 0.0  # the first progress() call, to the device's end (compiles, captures)
     times_ms: list[float] = field(default_factory=list)  # per timed step (StepClock)
     host_ms: list[float] = field(default_factory=list)  # host time inside each timed call
     wall_s: float = 0.0  # host wall time of the timed steps
@@ -197,7 +198,12 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     profiled ones, then the drain; ``memory`` closes a phase after the warm-up and after
     the timed steps. Raises what the pipeline raises."""
     it = fresh_batches(batches)
-    untimed_steps(pipe, it, bar, opts.warmup)
+    synchronize(device)
+    started = time.perf_counter()
+    untimed_steps(pipe, it, bar, 1)  # the first step: a compile or a capture shows here
+    synchronize(device)
+    result.first_step_s = time.perf_counter() - started
+    untimed_steps(pipe, it, bar, opts.warmup - 1)
     if memory:
         memory.phase_done("warmup")  # synchronizes
     else:
@@ -276,6 +282,7 @@ def combine(row: Row, per_rank: list[RunResult], global_batch: int, steps: int) 
     row.host_ms_per_step = [max(ts) for ts in zip(*(r.host_ms for r in per_rank))]
     row.step_ms_p50_per_rank = [summarize_ms(r.times_ms)["p50"] for r in per_rank]
     row.wall_s, row.build_s = max(r.wall_s for r in per_rank), max(r.build_s for r in per_rank)
+    row.first_step_s = max(r.first_step_s for r in per_rank)
     mems = [r.memory for r in per_rank]
     if mems[0]:
         row.memory = {k: max(m[k] for m in mems) if mems[0][k] is not None else None for k in mems[0]}

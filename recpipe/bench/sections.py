@@ -104,4 +104,17 @@ def _cache_md(rows: list[Any]) -> list[str]:
 
 def rows_md(rows: list[Any]) -> list[str]:
     """The per-row sections that follow the main table."""
-    return _gpu_time_md(rows) + _phases_md(rows) + _host_syncs_md(rows) + _cache_md(rows)
+    return _gpu_time_md(rows) + _phases_md(rows) + _host_syncs_md(rows) + _cache_md(rows) + _first_step_md(rows)
+
+
+def _first_step_md(rows: list[Any]) -> list[str]:
+    """The first step of each run (its first round): what compiling and capturing cost."""
+    body = [[r.pipeline, r.impl, _f(r.first_step_s, ".2f"),
+             ", ".join(f"{x:.2f}" for x in getattr(r, "first_step_s_rounds", [])[1:]) or "-", _f(r.build_s, ".1f")]
+            for r in rows if getattr(r, "first_step_s", None)]
+    if not body:
+        return []
+    return ["## First step", "", "Seconds of the first `progress()` call (to the device's end) of each run's first "
+            "round (later rounds, in the same process, find the compiled kernels in inductor's cache): "
+            "`pipeline.compile` compiles there, CUDA graphs are captured there; and the model's build.", "",
+            grid(("pipeline", "impl", "first step s", "later rounds' first step s", "build s"), body, markdown=True), ""]

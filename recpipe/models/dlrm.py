@@ -38,8 +38,10 @@ class DenseHead(nn.Module):
 
     ``(dense_out, sparse_out, labels, weights) -> (loss, logits)``, tensors in and out,
     so it can run as one CUDA graph (``pipeline.cuda_graphs``) or be compiled
-    (``pipeline.compile``). DCNv2's cross network runs in the dense output's dtype
-    (:meth:`cross`). For DLRM's dot
+    (``pipeline.compile``). The interaction runs in the dense output's dtype: under bf16
+    the pooled embeddings are cast to bf16 where they meet the dense output (DLRM's
+    products, DCNv2's cross network: :meth:`cross`), so the ``[B, F+1, D]`` activations
+    are bf16 from there on; in fp32 nothing changes. For DLRM's dot
     interaction the upper-triangle gather is an ``index_select`` on the flattened
     products: the same values as torchrec's ``interactions[:, i, j]``, but its backward
     is an ``index_add`` (every index appears once, so it is exact) instead of the
@@ -57,7 +59,7 @@ class DenseHead(nn.Module):
             return self.cross(dense, sparse)
         if type(arch) is not InteractionArch or arch.F <= 0:
             return arch(dense_features=dense, sparse_features=sparse)
-        combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)  # [B, F+1, D]
+        combined = torch.cat((dense.unsqueeze(1), sparse.to(dense.dtype)), dim=1)  # [B, F+1, D]
         products = torch.bmm(combined, combined.transpose(1, 2)).flatten(1)  # [B, (F+1)^2]
         rows, cols = arch.triu_indices
         flat = products.index_select(1, rows * (arch.F + 1) + cols)  # [B, (F+1) choose 2]

@@ -10,12 +10,12 @@
   activations in bfloat16, weights and optimizer state stay float32 (autocast casts
   a bf16 copy per forward), the loss in float32. The embedding tables, FBGEMM's
   lookup and the pooled embeddings stay float32: autocast has no rule for the TBE
-  op. DLRM's interaction: the ``torch.cat`` of the bf16 dense output with the fp32
-  pooled embeddings promotes to fp32; its ``bmm`` then computes in bf16 and the
-  gradient reaching the pooled embeddings is cast back to fp32 by autocast's cast
-  backward. DCNv2's cross network casts the pooled embeddings to bf16 and keeps every
-  layer's ``[B, (F+1) D]`` activations in bf16 (``DenseHead.cross``): half the bytes
-  of its elementwise work (tests/test_precision.py checks the dtypes).
+  op. The interaction (``recpipe.models.dlrm.DenseHead``) casts the pooled embeddings
+  to bf16 where they meet the bf16 dense output, so DLRM's products and DCNv2's cross
+  network keep their ``[B, (F+1) D]`` activations in bf16 (half the bytes of their
+  elementwise work, no float32 round trips); the gradient reaching the pooled
+  embeddings is cast back to fp32 by the cast's backward (tests/test_precision.py
+  checks the dtypes).
 
 The float32 matmul precision is process-wide and read when each kernel is
 launched, the backward's included, so it cannot be scoped to the forward. Every

@@ -320,10 +320,9 @@ def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, in
 
     bf16 (autocast; measured with saved-tensor hooks in tests/test_planner_precision.py):
     autocast saves a bf16 copy of every Linear/bmm input, also of the batch's dense
-    features. DLRM: the cat of the bf16 dense output and the fp32 pooled embeddings
-    promotes to fp32, and bmm saves a bf16 copy of it *and* of its transpose (autocast
-    casts each argument), so the interaction costs what it does in fp32; the rest is
-    bf16. DCNv2 (recpipe's cross network keeps its activations bf16,
+    features. The interaction casts the pooled embeddings to bf16
+    (``recpipe.models.dlrm.DenseHead``). DLRM: bmm saves the bf16 cat of dense and pooled
+    (its transpose is a view of it), the over arch the bf16 [dense, pairs]. DCNv2 (recpipe's cross network keeps its activations bf16,
     ``recpipe.models.dlrm.DenseHead.cross``): x0 in bf16, and per layer its input x_l
     (x0 itself for the first), V x_l and U(V x_l) + bias, all bf16; the over arch's input
     is the last layer's output. The bf16 weight copies autocast
@@ -338,7 +337,7 @@ def activation_bytes(m: "ModelConfig", precision: str = "fp32") -> tuple[int, in
         return 4 * dense, 4 * (inter + over)
     dense_bytes = 2 * (m.num_dense_features + dense)
     if m.arch == "dlrm":
-        return dense_bytes, 2 * 2 * width + 2 * (D + pairs) + 2 * over
+        return dense_bytes, 2 * width + 2 * (D + pairs) + 2 * over
     return dense_bytes, 2 * width + layers * (4 * width + 2 * rank) + 2 * over
 
 

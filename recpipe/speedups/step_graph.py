@@ -396,7 +396,7 @@ class StepGraph:
     _signature: tuple | None = None
     _outputs: dict[str, Any] = field(default_factory=dict)
     _host_counts: list[torch.Tensor] = field(default_factory=list)
-    _host_base: list[torch.Tensor] = field(default_factory=list)
+    _host_next: list[torch.Tensor] = field(default_factory=list)  # their values after the next replay
     _dropping: list[DropPaddingBag] = field(default_factory=list)
     _recat: _RecatCache = field(default_factory=_RecatCache)
     _warned: bool = False
@@ -476,8 +476,9 @@ class StepGraph:
                 dst.copy_(src, non_blocking=True)
         self._replay()
         self.replays += 1
-        for t, base in zip(self._host_counts, self._host_base):
-            t.copy_(base + self.replays)
+        if self._host_counts:  # after k replays: the values k eager steps leave (two calls, whatever the count)
+            torch._foreach_copy_(self._host_counts, self._host_next)
+            torch._foreach_add_(self._host_next, 1.0)
         loss, output = torch.utils._pytree.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (self._outputs["loss"], self._outputs["output"]))
         b.loss_value, b.output = loss.detach(), output
@@ -534,7 +535,7 @@ class StepGraph:
             _remove_fixed_splits(fixed)
         # After k replays the step counts are where k eager steps leave them: a capture runs the
         # step's host part once (+1, the first replay's), a replay none.
-        self._host_counts, self._host_base = counts, before
+        self._host_counts, self._host_next = counts, [t + 1 for t in before]
         self._replay = replay if not fixed else self._with_fixed_splits(replay, pipe)
 
     def _with_fixed_splits(self, replay: Callable[[], None], pipe: Any) -> Callable[[], None]:
@@ -572,7 +573,10 @@ def _over_ranks(values: torch.Tensor, how: str) -> torch.Tensor:
 
 def _agree(fits: bool) -> bool:
     """All ranks take the same path (a graph replay or the eager step; a padded batch or the
-    batch as it is): yes only if every rank says yes."""
+    batch as it is): yes only if every rank says yes. One rank: nothing to agree on."""
+    group = control_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return fits
     return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
 
 

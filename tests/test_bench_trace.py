@@ -329,11 +329,13 @@ def test_cache_metrics_arithmetic():
 
 
 def test_populate_op_is_the_insert_the_pipeline_runs():
+    from recpipe.speedups.cache_fill import CacheFill
+
     class Prefetch:
-        cache_fill_sms = 4  # recpipe's insert, on 4 SMs
+        applied = [CacheFill(sms=4)]  # recpipe's insert, on 4 SMs
 
     class Fallback:
-        cache_fill_sms = 0  # FBGEMM's (pipeline.cache_fill=fbgemm, or no Triton)
+        applied = []  # FBGEMM's (pipeline.cache_fill=false, or no Triton)
 
     assert populate_op(Prefetch()) == "recpipe::lru_cache_populate"
     assert populate_op(Fallback()) == populate_op(object()) == "fbgemm::lru_cache_populate"

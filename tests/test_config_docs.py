@@ -42,7 +42,10 @@ def test_every_key_of_every_section_is_on_the_page():
         if key.startswith(("pipeline", "sharding.tables")):
             continue  # a union of pipelines and a map of tables: checked below
         assert f"| `{key}` |" in page, key
-    for key in ("pipeline.name", "pipeline.cuda_graphs", "pipeline.emb_lookup_stream", "pipeline.output_dist_wait",
-                "pipeline.cache_fill", "sharding.default.type"):
-        assert f"| `{key}` |" in page, key
+    from recpipe.pipelines.registry import PIPELINES
+
+    for definition in PIPELINES.values():  # every option of every pipeline, nested sections' keys included
+        for key in _keys(definition.options, "pipeline."):
+            assert f"| `{key}` |" in page, key
+    assert "| `sharding.default.type` |" in page
     assert "## sharding.tables.&lt;table&gt;" in page

@@ -186,23 +186,26 @@ def test_multi_pass_segments_count_in_reserved_but_not_in_what_must_fit(monkeypa
         assert r4.hbm_bytes < r1.hbm_bytes  # passes still make a plan fit
 
 
-@pytest.mark.parametrize("fill,bookkeeping", [("triton", "prefetch_stream"), ("fbgemm", "backward")])
+@pytest.mark.parametrize("fill,bookkeeping", [(True, "prefetch"), (False, "main")])
 def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch(fill, bookkeeping):
     """The prefetch's scratch is named after the insert that runs (recpipe's needs Triton);
     batch i's cache locations recomputed after prefetch(i+1) are on the same stream, in a
-    phase of their own, with the prefetch pipeline's default bookkeeping."""
+    phase of their own, where the bookkeeping runs there (the prefetch pipeline's, always;
+    "main": FBGEMM's backward pre-hook, a fact the planner takes as given)."""
     from recpipe.speedups.cache_fill import available
 
-    inputs = inputs_from_config(cached_cfg(passes=2, **{"pipeline.cache_fill": fill,
-                                                        "pipeline.cache_bookkeeping": bookkeeping}))
+    inputs = inputs_from_config(cached_cfg(passes=2, **{"pipeline.cache_fill": fill}))
+    assert inputs.pipeline.cache_bookkeeping_stream == "prefetch"
+    inputs = dataclasses.replace(inputs, pipeline=dataclasses.replace(inputs.pipeline,
+                                                                      cache_bookkeeping_stream=bookkeeping))
     plan = estimate_memory(inputs)
-    name = "prefetch_scratch_recpipe_insert" if fill == "triton" and not available() else "prefetch_scratch"
+    name = "prefetch_scratch_recpipe_insert" if fill and not available() else "prefetch_scratch"
     for r in plan.ranks:
         # every phase's scratch, whichever phase is the peak
         scratch = [(n, stream, phase) for phase, items in phase_items(inputs, rank_io(inputs, r.rank)).items()
                    for n, b, stream in items if b and "scratch" in n and "sparse_backward" not in n]
         want = [(name, "prefetch", "forward_end")]
-        if bookkeeping == "prefetch_stream":
+        if bookkeeping == "prefetch":
             want.append(("cache_bookkeeping_scratch", "prefetch", "cache_bookkeeping"))
         assert sorted(scratch) == sorted(want)
         assert r.term(name) + r.term("cache_bookkeeping_scratch") + r.term("reserve_prefetch_stream") > 0

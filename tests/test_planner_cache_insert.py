@@ -137,16 +137,20 @@ def test_the_config_names_the_insert_the_bookkeeping_stream_and_the_segments(mon
 
 
 # ------------------------------------------------------------------ the plan
-@pytest.mark.parametrize("bookkeeping", ["prefetch_stream", "backward"])
+@pytest.mark.parametrize("bookkeeping", ["prefetch", "main"])
 def test_the_prefetch_pool_holds_the_larger_of_the_insert_and_the_relookup(bookkeeping):
     """recpipe's bookkeeping recomputes batch i's locations on the prefetch stream after
     prefetch(i+1): the pool holds the larger of the two scratches, which follow one
-    another; FBGEMM's hook does it in the backward (below the TBE backward's scratch)."""
-    inputs = inputs_from_config(_small(passes=12, **{"pipeline.cache_bookkeeping": bookkeeping}))
+    another; FBGEMM's hook ("main", a fact given to the planner) does it in the backward
+    (below the TBE backward's scratch)."""
+    inputs = inputs_from_config(_small(passes=12))
+    assert inputs.pipeline.cache_bookkeeping_stream == "prefetch"  # the prefetch pipeline's
+    inputs = dataclasses.replace(inputs, pipeline=dataclasses.replace(inputs.pipeline,
+                                                                      cache_bookkeeping_stream=bookkeeping))
     io = rank_io(inputs, 0)
     phases = phase_items(inputs, io)
     on_prefetch = {p: sum(b for _, b, s in items if s == "prefetch") for p, items in phases.items()}
-    if bookkeeping == "backward":
+    if bookkeeping == "main":
         assert io.relookup_scratch == 0 and "cache_bookkeeping" not in phases
         return
     cached = [(g, n) for g, n in zip(io.tbes, io.indices) if g.cached]
@@ -240,7 +244,7 @@ def test_recpipe_insert_peaks_at_its_bytes_per_index(monkeypatch):
     move_triton's torch code (host offsets), which allocates the same on CUDA; FBGEMM's
     CPU get_unique_indices and torch's CPU sort allocate less than their CUDA versions
     (no CUB temp), well under that peak either way."""
-    from recpipe.pipelines import cache_fill
+    from recpipe.speedups import cache_fill
 
     if not _triton():
         pytest.skip(cache_fill.available())

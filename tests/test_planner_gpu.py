@@ -7,7 +7,7 @@ FBGEMM's), one process (world size 1, NCCL) builds the real sharded model
 steps through recpipe's pipeline, resets the peak statistics and runs measured steps.
 The caching allocator is set per configuration to what the plan assumes: the
 config's ``train.cuda_alloc_conf`` (expandable segments unless a row says otherwise),
-whatever ``PYTORCH_CUDA_ALLOC_CONF`` an earlier test of the session left. It compares:
+whatever ``PYTORCH_CUDA_ALLOC_CONF`` an earlier test of the same pytest run left. It compares:
 
 * ``torch.cuda.max_memory_allocated`` with the plan's ``hbm_allocated_bytes``;
 * ``torch.cuda.max_memory_reserved`` with the plan's ``hbm_reserved_bytes``;
@@ -160,7 +160,7 @@ def test_estimate_matches_measured(name, process_group, monkeypatch):
     from recpipe.planner.inputs import inputs_from_config
 
     cfg = _config(name)
-    session = "expandable_segments:True" in os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "")  # restored after
+    expandable = "expandable_segments:True" in os.environ.get(ALLOC_CONF_ENV, "").replace(" ", "")  # restored after
     monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)  # the row's train.cuda_alloc_conf decides, as in recpipe train
     total = torch.cuda.get_device_properties(0).total_memory
     inputs = inputs_from_config(cfg, world_size=1, hbm_capacity_bytes=total)
@@ -170,7 +170,7 @@ def test_estimate_matches_measured(name, process_group, monkeypatch):
     try:
         meas = _measure(cfg, name, inputs.expandable_segments)
     finally:
-        _allocator(session)
+        _allocator(expandable)
     row = {
         "config": name, "pipeline": cfg.pipeline.name, "kernel": cfg.sharding.default.kernel,
         "cache_insert": inputs.pipeline.cache_insert, "cache_bookkeeping": inputs.pipeline.cache_bookkeeping_stream,

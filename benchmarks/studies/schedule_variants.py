@@ -26,6 +26,8 @@ product's schedule, measured on one H100:
 
 from __future__ import annotations
 
+import argparse
+
 from recpipe.pipelines import fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
 
@@ -76,7 +78,18 @@ VARIANTS = {
     "fused_sparse_dist": (FUSED_LOOKUP_ON_DIST, FUSED_LOOKUP_ON_OWN_STREAM),
 }
 
-if __name__ == "__main__":
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Print the schedule table of every variant, by pipeline.")
+    parser.add_argument("--pipeline", choices=sorted(VARIANTS), help="only this pipeline's variants")
+    args = parser.parse_args(argv)
     for pipeline, schedules in VARIANTS.items():
-        for schedule in schedules:
-            print(f"[{pipeline}]", schedule.table(), sep="\n", end="\n\n")
+        if args.pipeline in (None, pipeline):
+            for schedule in schedules:
+                print(f"[{pipeline}]", schedule.table(), sep="\n", end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -50,7 +50,7 @@ def test_bench_summary_renders_the_published_numbers(tmp_path: Path):
     from the suites' bench.json, number for number."""
     import json
 
-    suite = ROOT / "benchmarks" / "2026-11-22-h100x1-opt_heavy.json"
+    suite = ROOT / "benchmarks" / "results" / "h100x1" / "opt_heavy.json"
     record = json.loads(suite.read_text())
     ours = next(r for r in record["rows"] if r["pipeline"] == "sparse_dist" and r["impl"] == "recpipe")
     theirs = next(r for r in record["rows"] if r["pipeline"] == "sparse_dist" and r["impl"] == "torchrec")

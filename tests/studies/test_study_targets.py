@@ -52,7 +52,7 @@ def test_check_targets_reports_measured_values_and_misses():
 
 def test_targets_of_a_published_record(capsys):
     """An older bench.json (its rows carry x_bound, its targets stored): the same checks recomputed."""
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "2026-11-22-h100x1-opt_heavy.json"
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "h100x1" / "opt_heavy.json"
     record = json.loads(path.read_text())
     rows = [Row.from_dict(r) for r in record["rows"]]
     checks = check_targets(rows, x_bound_of(record))

@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="train the configured model (starts distributed.nproc processes)",
         description="Train the configured model. SIGTERM / SIGINT stop every rank at a step boundary, after a "
-        "checkpoint (exit 143 / 130); a second signal stops at once. Exit codes: README, 'When things go wrong'.",
+        "checkpoint (exit 143 / 130); a second signal, a second or more later, stops at once. Exit codes: "
+        "docs/fault_tolerance.md.",
     )
     _add_config_args(train)
 

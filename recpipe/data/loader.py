@@ -33,10 +33,11 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recpipe.config import ConfigError, RecpipeConfig
+from recpipe.errors import DataError
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
-from recpipe.data.criteo import CriteoTsvReader
+from recpipe.data.criteo import CriteoTsvReader, open_lines
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 
@@ -91,9 +92,12 @@ def no_eval_data(cfg: RecpipeConfig) -> str:
 
 
 def check_data(cfg: RecpipeConfig) -> None:
-    """Before any process starts: the TSV files exist; a binary dataset is complete,
-    of the config's layout, and every file has its manifest size. Raises
-    ``BinaryDataError`` naming the file (``ConfigError`` for missing TSV files)."""
+    """Before any process starts: the TSV files exist and none is empty; a binary
+    dataset is complete, of the config's layout, every file has its manifest size,
+    and the training split has rows. Raises ``DataError`` / ``BinaryDataError``
+    naming the file or directory (exit 5; ``ConfigError`` for missing TSV files).
+    A ``data.factory`` is only known by what it yields: the trainer stops with a
+    ``DataError`` when an epoch of it has no batch on any rank."""
     if cfg.data.factory is not None:
         return
     if cfg.data.source == "criteo_tsv":
@@ -102,10 +106,18 @@ def check_data(cfg: RecpipeConfig) -> None:
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 raise ConfigError(f"data.criteo.{key}: no such file(s) {missing}")
+            for f in files:
+                with open_lines(f) as lines:
+                    if not lines.readline():
+                        raise DataError(f"data.criteo.{key}: {f} holds no line (an empty file: no "
+                                        f"{'training' if key == 'train_files' else 'eval'} data)")
     if cfg.data.source == "binary":
         for split in ("train", "eval"):
             if _binary_dir(cfg, split) is not None:
-                _binary_dataset(cfg, rank=0, world_size=1, split=split)
+                dataset = _binary_dataset(cfg, rank=0, world_size=1, split=split)
+                if split == "train" and dataset.num_rows == 0:
+                    raise BinaryDataError(f"data.binary.train_dir={_binary_dir(cfg, split)!r} holds no rows: no "
+                                          "training data")
 
 
 def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:

@@ -194,7 +194,7 @@ def test_an_empty_tsv_file_is_an_error_naming_it(tmp_path, capfd):
                                                          f"logging.run_dir={tmp_path / 'run'}")])
     err = capfd.readouterr().err
     assert code == EXIT_BAD_DATA, err
-    assert f"data.criteo.train_files: {empty} holds no line" in err and "no training data" in err
+    assert f"data.criteo.train_files: {empty} holds no line: no training data [exit {EXIT_BAD_DATA}]" in err
     assert len(err.strip().splitlines()) == 1, err
 
 

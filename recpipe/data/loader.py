@@ -92,12 +92,12 @@ def no_eval_data(cfg: RecpipeConfig) -> str:
 
 
 def check_data(cfg: RecpipeConfig) -> None:
-    """Before any process starts: the TSV files exist and none is empty; a binary
-    dataset is complete, of the config's layout, every file has its manifest size,
-    and the training split has rows. Raises ``DataError`` / ``BinaryDataError``
-    naming the file or directory (exit 5; ``ConfigError`` for missing TSV files).
-    A ``data.factory`` is only known by what it yields: the trainer stops with a
-    ``DataError`` when an epoch of it has no batch on any rank."""
+    """Before any process starts: the TSV files exist and the training files hold a
+    line; a binary dataset is complete, of the config's layout, every file has its
+    manifest size, and the training split has rows. Raises ``DataError`` /
+    ``BinaryDataError`` naming the file or directory (exit 5; ``ConfigError`` for
+    missing TSV files). A ``data.factory`` is only known by what it yields: the
+    trainer stops with a ``DataError`` when an epoch of it has no batch on any rank."""
     if cfg.data.factory is not None:
         return
     if cfg.data.source == "criteo_tsv":
@@ -106,11 +106,11 @@ def check_data(cfg: RecpipeConfig) -> None:
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 raise ConfigError(f"data.criteo.{key}: no such file(s) {missing}")
-            for f in files:
-                with open_lines(f) as lines:
-                    if not lines.readline():
-                        raise DataError(f"data.criteo.{key}: {f} holds no line (an empty file: no "
-                                        f"{'training' if key == 'train_files' else 'eval'} data)")
+        # Empty files among others add nothing; all of them empty is no training data.
+        if not any(_has_a_line(f) for f in crit.train_files):
+            shown = ", ".join(crit.train_files)
+            raise DataError(f"data.criteo.train_files: {shown} hold{'s' if len(crit.train_files) == 1 else ''} no line: "
+                            "no training data")
     if cfg.data.source == "binary":
         for split in ("train", "eval"):
             if _binary_dir(cfg, split) is not None:
@@ -118,6 +118,11 @@ def check_data(cfg: RecpipeConfig) -> None:
                 if split == "train" and dataset.num_rows == 0:
                     raise BinaryDataError(f"data.binary.train_dir={_binary_dir(cfg, split)!r} holds no rows: no "
                                           "training data")
+
+
+def _has_a_line(path: str) -> bool:
+    with open_lines(path) as lines:
+        return bool(lines.readline())
 
 
 def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:

@@ -32,13 +32,15 @@ from before it started: ``install_signal_handlers()`` clears what an earlier run
 the same process saw (one process may run ``recpipe.cli.main`` several times).
 
 A rank started by torchrun (TORCHELASTIC_RUN_ID set) also watches its launcher
-(``watch_launcher()``): torchrun is its parent, and when it is gone (killed with SIGKILL, its node agent lost) the
-rank asks every rank to stop exactly as for a signal, with SIGHUP's number (what a
-shell sends a job whose terminal is gone): they drain, save and exit 129, and the
-other nodes' torchrun ends the job at once. Without the watch such a rank trained on
-with nobody to report to, and the other torchrun waited out its exit barrier and
-exited 0. (``recpipe train``'s own launcher has the kernel end its ranks instead:
-``recpipe.distributed.die_with_parent``.)
+(``watch_launcher()``): torchrun is its parent, and when it is gone (killed with
+SIGKILL, its node lost) the rank asks every rank to stop exactly as for a signal,
+with SIGHUP's number (what a shell sends a job whose terminal is gone): they drain,
+save and exit 129, and the other nodes' torchrun ends the job at once. Without the
+watch such a rank trained on with nobody to report to, and the other torchrun
+waited out its exit barrier and exited 0. Stopping together, rather than the kernel
+killing the rank as ``recpipe train``'s own launcher has it do
+(``recpipe.distributed.die_with_parent``), keeps the other ranks out of a collective
+with a dead peer (NCCL would wait for its timeout) and saves a checkpoint.
 """
 
 from __future__ import annotations

@@ -382,7 +382,8 @@ PipelineSection = Annotated[SerializeAsAny[PipelineOptions], WrapValidator(_pipe
 class TrainConfig(Section):
     steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
     epochs: int = Field(1, gt=0)
-    seed: int = 0
+    # torch.manual_seed takes 64 bits; numpy's generators (data shuffling) take non-negative seeds.
+    seed: int = Field(0, ge=0, lt=2**63)
     eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
     # Steps between log points. Each costs the training loop about 6 ms of host time (metrics
     # update and all-reduce, TensorBoard, the bar): at 10, 5-6 % of a Criteo-sized 8192-sample
@@ -402,6 +403,13 @@ class TrainConfig(Section):
     # update of such a step on any rank (exact for SGD and Adagrad without weight
     # decay; Adam's moments still decay) and lists it in summary.json.
     on_nonfinite: Literal["error", "skip_step"] = "error"
+    # skip_step is for the rare bad batch, not a diverging model: once more than
+    # ``max_skipped_steps`` of any ``skipped_steps_window`` consecutive steps are skipped,
+    # the run stops as with "error" (exit code 4, nothing saved after the first of them).
+    # The default allows 1 % of a window. With either mode a non-finite eval loss, or a
+    # non-finite weight found before a checkpoint is written, stops the run the same way.
+    max_skipped_steps: int = Field(1, ge=0, description="skip_step: most skipped steps in any window")
+    skipped_steps_window: int = Field(100, gt=0, description="skip_step: the window, in steps")
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -627,8 +635,40 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.steps=50")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            raise ConfigError(f"--set {key.strip()}={raw}: not a YAML value ({_yaml_problem(err)})") from None
     return out
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """A YAML error in one line: "line L, column C: what is wrong" (PyYAML's own
+    message spans several lines, with the context and a caret)."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML document in file ``p``; ConfigError naming the file and line when it
+    cannot be read, is not UTF-8 (what YAML files are) or is not valid YAML."""
+    try:
+        data = p.read_bytes()
+    except OSError as err:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {err.strerror or err}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise ConfigError(f"config file {str(p)!r}, line {line}, column {column}: byte 0x{data[err.start]:02x} is "
+                          "not UTF-8 text (save the file as UTF-8)") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
 
 
 def apply_override(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -684,6 +724,8 @@ def _format_validation_error(err: ValidationError, source: str, raw: dict[str, A
             lines.append(f"  {loc}: {msg}{shown}")
         else:
             lines.extend(f"  {m}" for m in msg.split("\n"))
+    if len(lines) == 2:  # one problem: one line
+        return f"{lines[0]} {lines[1].strip()}"
     return "\n".join(lines)
 
 
@@ -702,10 +744,7 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] |
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
-        try:
-            loaded = yaml.safe_load(p.read_text())
-        except yaml.YAMLError as err:
-            raise ConfigError(f"config file {str(p)!r} is not valid YAML: {err}") from None
+        loaded = _read_yaml(p)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}")
         raw = loaded or {}

@@ -154,9 +154,11 @@ def _child(
         # Connect to the parent's store as clients (env:// then never binds a port).
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
-    # Two ranks on a 2-core machine: one intra-op thread each, or they fight.
-    if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
+    # One intra-op thread per rank unless OMP_NUM_THREADS says otherwise: the rule of
+    # recpipe.train.trainer.intra_op_threads, which recpipe train's ranks apply under
+    # any launcher (here for every function launch_local runs).
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     try:
         fn(*args)
     finally:
@@ -190,8 +192,12 @@ class _Supervisor:
 
     Signals: the first SIGTERM or SIGINT this process gets is forwarded to every
     rank (``recpipe train``'s ranks then finish the step, drain, save and exit with
-    128 + signal); a second one kills them at once (SIGKILL). A signal ignored when
-    the launch starts (SIG_IGN, as for background jobs) stays ignored.
+    128 + signal). More within ``REPEAT_WINDOW_S`` are the same one delivered again:
+    a signal to the process group reaches this process and every rank directly, and
+    a wrapper (``timeout``, a shell, a scheduler's step launcher) forwards it once
+    more to its child. One that comes later kills the ranks at once (SIGKILL). A
+    signal ignored when the launch starts (SIG_IGN, as for background jobs) stays
+    ignored.
 
     Failures: when a rank exits non-zero, the others get a grace period to end by
     themselves: ``USER_EXIT_GRACE_S`` when it exited with a code of its own (the
@@ -204,10 +210,12 @@ class _Supervisor:
     USER_EXIT_GRACE_S = 15.0
     CRASH_GRACE_S = 2.0
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    REPEAT_WINDOW_S = 1.0  # the ranks' own (recpipe.train.preemption.REPEAT_WINDOW_S)
 
     def __init__(self) -> None:
         self.context: ProcessContext | None = None
-        self.received: list[int] = []
+        self.received: list[int] = []  # the first signal, and a second one that killed the ranks
+        self._first_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "_Supervisor":
@@ -222,14 +230,31 @@ class _Supervisor:
         self._send(signal.SIGKILL)
         for process in self.context.processes if self.context else ():
             process.join()
+        # torch.multiprocessing gives every rank a file for its traceback; a rank that
+        # failed with an exception wrote one, which _failure read only for the rank it
+        # reports. None stays behind in the temporary directory.
+        for error_file in self.context.error_files if self.context else ():
+            try:
+                os.unlink(error_file)
+            except FileNotFoundError:
+                pass
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        self.received.append(signum)
-        if len(self.received) == 1:
+        now = time.monotonic()
+        if not self.received:
+            self.received.append(signum)
+            self._first_at = now
+            # Said at once, by the process that got it: a run that ends with 128 + signal
+            # always says which process was signalled.
+            print(f"recpipe: {signal.Signals(signum).name} received by the launcher (pid {os.getpid()}): forwarded "
+                  "to every rank", file=sys.stderr, flush=True)
             self._send(signum)
-        else:
+        elif len(self.received) == 1 and now - self._first_at < self.REPEAT_WINDOW_S:
+            return  # the first one, delivered again (see the class docstring)
+        elif len(self.received) == 1:
+            self.received.append(signum)
             print(f"recpipe: second {signal.Signals(signum).name}: ending every rank now, without a checkpoint",
                   file=sys.stderr, flush=True)
             self._send(signal.SIGKILL)

@@ -11,8 +11,11 @@ with ``--debug``. Anything else is a bug or a crash and keeps its traceback.
 
 from __future__ import annotations
 
+import errno
+import os
 import sys
 import traceback
+from pathlib import Path
 from typing import Iterable, Iterator, TypeVar
 
 from recpipe.exit_codes import (
@@ -33,10 +36,12 @@ __all__ = [
     "NonFiniteLossError",
     "PipelineError",
     "Preempted",
+    "StorageError",
     "UserError",
     "data_errors",
     "exit_code_of",
     "report",
+    "storage_problem",
 ]
 
 T = TypeVar("T")
@@ -64,8 +69,16 @@ class DataError(UserError):
     exit_code = EXIT_BAD_DATA
 
 
-class CheckpointError(UserError):
+class StorageError(UserError):
+    """A directory recpipe writes (``checkpoint.dir``, ``logging.run_dir``) cannot be
+    written: read-only, full, no permission. The message names the path and the cause
+    (:func:`storage_problem`)."""
+
     exit_code = EXIT_CHECKPOINT
+
+
+class CheckpointError(StorageError):
+    """A checkpoint cannot be written, or none is intact."""
 
 
 class DirInUseError(UserError):
@@ -83,6 +96,43 @@ class Preempted(UserError):
         super().__init__(message)
         self.signum = signum
         self.exit_code = exit_code_for_signal(signum)
+
+
+def _os_errors(err: BaseException) -> Iterator[OSError]:
+    """``err`` and the exceptions it was raised from (``__cause__``, ``__context__``),
+    and those DCP collected per rank (``CheckpointException.failures``), that carry an errno."""
+    seen: set[int] = set()
+    todo = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            yield e
+        todo += [e.__cause__, e.__context__]
+        for failure in getattr(e, "failures", {}).values():  # DCP: {rank: (exception, traceback)}
+            todo.append(failure[0] if isinstance(failure, tuple) else failure)
+
+
+def storage_problem(err: BaseException, path: str | Path) -> str:
+    """Why writing under ``path`` failed, in words: "No space left on device",
+    "Read-only file system", "Permission denied", ... (``os.strerror`` of the errno).
+    torch's own writers (``torch.save``'s zip writer) turn a short write into a
+    message without the errno ("unexpected pos 704 vs 598"); when no errno is found
+    and the filesystem of ``path`` has no free block left, that is the cause."""
+    for e in _os_errors(err):
+        return os.strerror(e.errno)
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        stat = os.statvfs(probe)
+    except OSError:
+        stat = None
+    if stat is not None and stat.f_bavail == 0:
+        return os.strerror(errno.ENOSPC)
+    return str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
 
 
 def exit_code_of(err: BaseException) -> int | None:

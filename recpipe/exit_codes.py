@@ -12,17 +12,26 @@ EXIT_OK = 0
 EXIT_WORKER_FAILED = 1  # a rank failed (a bug or a crash); its traceback is printed
 EXIT_BAD_CONFIG = 2  # the config or the arguments are wrong (checked before any process starts)
 EXIT_DOES_NOT_FIT = 3  # the memory plan does not fit
-EXIT_NONFINITE_LOSS = 4  # the loss became NaN/inf (train.on_nonfinite=error); nothing was saved after it
+# The model diverged: a non-finite training loss (train.on_nonfinite=error), too many skipped
+# steps (skip_step: train.max_skipped_steps), a non-finite eval loss, or non-finite weights
+# found before a save. Nothing was saved after the step where it began.
+EXIT_NONFINITE_LOSS = 4
 # The data is malformed or does not match the config: a malformed TSV line (file:line) in
 # `recpipe data convert` or in training, a binary dataset that is incomplete, truncated,
-# corrupt or of another layout (`recpipe data verify`, `recpipe train` before any process starts).
+# corrupt or of another layout (`recpipe data verify`, `recpipe train` before any process starts);
+# no training data at all (an empty TSV file, a dataset of 0 rows, a data.factory that yields nothing).
 EXIT_BAD_DATA = 5
-EXIT_CHECKPOINT = 6  # a checkpoint cannot be written, or none in checkpoint.dir is intact
-EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another run (or cannot be locked)
+# checkpoint.dir or logging.run_dir cannot be written (read-only, full disk, no permission), at
+# the start or while training, or no checkpoint in checkpoint.dir is intact.
+EXIT_CHECKPOINT = 6
+EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another recpipe run
 # Stopped by a signal (preemption): 128 + the signal number, as shells report it. The
 # ranks finished their step, drained and saved a checkpoint (checkpoint.on_preempt).
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM (SLURM, Kubernetes, `kill`)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: SIGINT (Ctrl-C)
+# 129: a rank under torchrun whose own torchrun (its parent) is gone asks every rank to
+# stop, as the shell's SIGHUP asks a job whose terminal is gone; they save and exit 129.
+EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
 
 
 def exit_code_for_signal(signum: int) -> int:
@@ -37,6 +46,7 @@ __all__ = [
     "EXIT_DIR_IN_USE",
     "EXIT_DOES_NOT_FIT",
     "EXIT_INTERRUPTED",
+    "EXIT_LAUNCHER_GONE",
     "EXIT_NONFINITE_LOSS",
     "EXIT_OK",
     "EXIT_PREEMPTED",

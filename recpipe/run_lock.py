@@ -11,7 +11,9 @@ by a dead process is free: the next run takes it over and warns with the dead
 holder's pid and host (a clean exit empties the file; a killed one cannot). On NFS
 (v4, or v3 with lockd) Linux maps flock onto POSIX locks, which hold across
 machines. The file stays in place: an existing lock file can be locked again even
-after its directory became read-only.
+after its directory became read-only. A directory that cannot be created or whose
+lock file cannot be created (read-only, full, no permission) is a ``StorageError``
+(exit 6, as for any write recpipe cannot make there), not a directory in use.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Iterator
 import torch.distributed as dist
 
 from recpipe.config import RecpipeConfig
-from recpipe.errors import DirInUseError
+from recpipe.errors import DirInUseError, StorageError, storage_problem
 
 __all__ = ["LOCK_FILE", "DirLock", "hold_run_dirs", "hold_run_dirs_on_rank0"]
 
@@ -57,8 +59,9 @@ class DirLock:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise DirInUseError(f"{self.key}={str(self.directory)!r} cannot be locked for this run: {err}") from err
+        except OSError as err:  # read-only, full, no permission: a storage problem (exit 6), not a lock held
+            raise StorageError(f"cannot write {self.key}={str(self.directory)!r} ({err.filename or self.path}): "
+                               f"{storage_problem(err, self.directory)}") from err
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -111,7 +114,8 @@ def _run_dirs(cfg: RecpipeConfig) -> list[tuple[str, str]]:
 @contextlib.contextmanager
 def hold_run_dirs(cfg: RecpipeConfig) -> Iterator[None]:
     """Lock ``logging.run_dir`` and ``checkpoint.dir`` (creating them) for the block;
-    raises :class:`DirInUseError` naming the holder when another run has one."""
+    raises :class:`DirInUseError` naming the holder when another run has one, and
+    :class:`StorageError` when one cannot be written."""
     with contextlib.ExitStack() as stack:
         for key, directory in _run_dirs(cfg):
             lock = DirLock(directory, key).acquire()
@@ -122,16 +126,18 @@ def hold_run_dirs(cfg: RecpipeConfig) -> Iterator[None]:
 @contextlib.contextmanager
 def hold_run_dirs_on_rank0(cfg: RecpipeConfig) -> Iterator[None]:
     """Collective, for ranks started by torchrun: rank 0 locks the run directories
-    for the block; when it cannot, every rank raises rank 0's DirInUseError."""
+    for the block; when it cannot, every rank raises rank 0's DirInUseError or
+    StorageError."""
     with contextlib.ExitStack() as stack:
         problem = None
         if dist.get_rank() == 0:
             try:
                 stack.enter_context(hold_run_dirs(cfg))
-            except DirInUseError as err:
-                problem = str(err)
+            except (DirInUseError, StorageError) as err:
+                problem = (isinstance(err, StorageError), str(err))
         shared = [problem]
         dist.broadcast_object_list(shared, src=0)
         if shared[0] is not None:
-            raise DirInUseError(shared[0])
+            storage, message = shared[0]
+            raise (StorageError if storage else DirInUseError)(message)
         yield

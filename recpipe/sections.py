@@ -19,7 +19,9 @@ __all__ = ["FactorySpec", "Section", "factory_spec"]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: every float of every section must be finite (an lr of .inf or
+    # .nan is a config error, exit 2, not a run that diverges at its first step).
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")

@@ -2,8 +2,9 @@
 is alive, so no Gloo thread outlives them into interpreter shutdown (where it can
 abort a run that has succeeded: "terminate called without an active exception").
 launch_local's supervision: a rank killed with SIGKILL ends the others and is named;
-a second signal ends every rank at once; no rank outlives the launcher, even one
-killed with SIGKILL (whose directory lock the next run then takes over)."""
+a signal delivered twice within a second is one; a second signal ends every rank at
+once; no rank outlives the launcher, even one killed with SIGKILL (whose directory
+lock the next run then takes over); no rank's traceback file is left behind."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -62,6 +64,20 @@ def test_shutdown_frees_cyclically_held_groups_and_their_threads():
 
 
 # ------------------------------------------------- launch_local's supervision
+def test_a_failed_launch_leaves_no_traceback_file(tmp_path, monkeypatch):
+    """torch.multiprocessing gives each rank a file for its traceback in the temporary
+    directory; the launcher reports one rank and removes every rank's file."""
+    from torch.multiprocessing.spawn import ProcessExitedException
+
+    from fault_data import fail_unevenly
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ProcessExitedException) as failed:
+        launch_local(fail_unevenly, 2)
+    assert (failed.value.error_index, failed.value.exit_code) == (0, 5)
+    assert not list(tmp_path.glob("pytorch-errorfile-*"))
+
+
 
 
 @pytest.mark.slow
@@ -118,8 +134,11 @@ def test_a_second_signal_ends_every_rank_at_once(tmp_path):
     try:
         started = _read_until(proc, ["rank 0 is pid", "rank 1 is pid"], seen)
         ranks = [int(line.split()[-1]) for line in started.splitlines() if " is pid " in line]
+        first = time.monotonic()
         proc.send_signal(signal.SIGTERM)  # forwarded; the ranks go on
+        proc.send_signal(signal.SIGTERM)  # the same one delivered again (the group, then a wrapper): not forwarded
         _read_until(proc, ["rank 0 got SIGTERM", "rank 1 got SIGTERM"], seen)
+        time.sleep(max(0.0, first + 1.2 - time.monotonic()))  # past the repeat window
         assert all(alive(pid) for pid in ranks)
         proc.send_signal(signal.SIGTERM)  # the second: every rank ends now
         proc.wait(timeout=60)
@@ -127,7 +146,8 @@ def test_a_second_signal_ends_every_rank_at_once(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == EXIT_PREEMPTED
-    assert "second SIGTERM: ending every rank now" in err
+    assert err.count("rank 0 got SIGTERM") == err.count("rank 1 got SIGTERM") == 1, err
+    assert err.count("second SIGTERM: ending every rank now") == 1, err
     assert not [pid for pid in ranks if alive(pid)]
 
 

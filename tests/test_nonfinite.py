@@ -1,6 +1,8 @@
 """Non-finite losses: ``train.on_nonfinite=skip_step`` updates nothing on such a step,
-in every pipeline and without a host sync; ``error`` stops the run naming the step;
-``summary.json`` stays strict JSON either way."""
+in every pipeline and without a host sync, and stops the run like ``error`` once more
+steps are skipped than ``train.max_skipped_steps`` allows; ``error`` stops the run
+naming the step; a non-finite eval loss or weight stops it too, and no checkpoint of a
+diverged model is written; ``summary.json`` stays strict JSON in every case."""
 
 from __future__ import annotations
 
@@ -151,10 +153,65 @@ def test_diverging_run_stops_naming_the_step_and_saves_nothing_after_it(tmp_path
 
 
 @pytest.mark.slow
-def test_diverging_run_with_skip_step_completes_with_strict_json(tmp_path, capfd):
-    assert _train("train.steps=12", "train.on_nonfinite=skip_step", f"logging.run_dir={tmp_path}") == 0
-    out = capfd.readouterr().out
+def test_a_diverging_run_with_skip_step_stops_past_the_limit_and_saves_nothing(tmp_path, capfd):
+    # lr 1e12: nearly every step's loss is non-finite. skip_step is for the rare bad
+    # batch; past train.max_skipped_steps (1 in any 100 steps by default) the run stops
+    # as with `error`, and the diverged model is not saved (checkpoint.dir set: the
+    # final save would have written it).
+    code = _train("train.steps=40", "train.on_nonfinite=skip_step", f"logging.run_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path / 'ckpt'}")
+    err = capfd.readouterr().err
+    assert code == EXIT_NONFINITE_LOSS, err[-3000:]
+    lines = [line for line in err.splitlines() if "too many non-finite losses" in line]
+    assert len(lines) == 1 and "more than train.max_skipped_steps=1 in train.skipped_steps_window=100" in lines[0]
+    assert f"[exit {EXIT_NONFINITE_LOSS}]" in lines[0] and "Traceback" not in err
     summary = _strict_json(tmp_path / "summary.json")
-    assert summary["status"] == "completed" and summary["steps"] == 12
-    assert summary["skipped_steps"], summary
-    assert f"non-finite loss at step(s) [{summary['skipped_steps'][0]}" in out
+    assert summary["status"] == "nonfinite_loss" and len(summary["skipped_steps"]) >= 2, summary
+    assert summary["steps"] < 40  # stopped at the log point that found them, not at the end
+    assert not complete_checkpoints(tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_a_non_finite_eval_loss_stops_the_run(tmp_path, capfd):
+    # One step at lr 1e12: its loss is finite (computed before the update), the weights
+    # after it are not usable: the final evaluation's loss is NaN. An error, before the
+    # final save: nothing is saved.
+    code = _train("train.steps=1", "distributed.nproc=1", f"logging.run_dir={tmp_path}",
+                  f"checkpoint.dir={tmp_path / 'ckpt'}")
+    err = capfd.readouterr().err
+    assert code == EXIT_NONFINITE_LOSS, err[-3000:]
+    lines = [line for line in err.splitlines() if "non-finite" in line]
+    assert len(lines) == 1 and f"[exit {EXIT_NONFINITE_LOSS}]" in lines[0], err[-3000:]
+    assert "non-finite eval loss after step 1 (eval bce nan)" in lines[0], lines[0]
+    assert _strict_json(tmp_path / "summary.json")["status"] == "nonfinite_loss"
+    assert not complete_checkpoints(tmp_path / "ckpt")
+
+
+def test_non_finite_weights_are_never_saved():
+    from recpipe.errors import NonFiniteLossError
+    from recpipe.train.nonfinite import check_finite_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    check_finite_weights(model, 7, "newest checkpoint: x")  # finite: nothing to say
+    with torch.no_grad():
+        model[1].bias.fill_(math.inf)
+    with pytest.raises(NonFiniteLossError, match=(
+            r"non-finite weights after step 7 \(1.bias\).*nothing saved after step 6")):
+        check_finite_weights(model, 7, "newest checkpoint: x")
+
+
+def test_skip_step_stops_past_max_skipped_steps_in_a_window():
+    from recpipe.errors import NonFiniteLossError
+    from recpipe.train.nonfinite import NonFiniteCheck
+
+    check = NonFiniteCheck("skip_step", torch.device("cpu"), lambda: "no checkpoint", max_skipped=1, window=10)
+
+    def steps(*losses: float, last: int) -> list[int]:
+        for loss in losses:
+            check.record(torch.tensor(loss))
+        return check.check(last)
+
+    assert steps(1.0, math.nan, 1.0, last=3) == [2]  # one in ten: skipped
+    assert steps(*[1.0] * 9, math.inf, last=13) == [13]  # the next is 11 steps later: allowed
+    with pytest.raises(NonFiniteLossError, match=r"2 of the 10 steps up to step 20 were skipped \(steps 13, 20\)"):
+        steps(*[1.0] * 6, math.nan, last=20)

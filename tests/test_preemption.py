@@ -114,3 +114,63 @@ def test_sigterm_stops_a_cuda_run_with_a_checkpoint(tmp_path):
     assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
     _stopped_at(err, run)
     assert not [pid for pid in ranks.values() if alive(pid)]
+
+
+# Runs recpipe.cli.main four times in this one process, each as a one-rank torchrun job
+# (RANK, WORLD_SIZE, MASTER_ADDR set: the rank trains in the calling process). Prints
+# each run's exit code and the step its stop message names.
+SEVERAL_RUNS = """
+import os, re, signal, sys, threading, time
+from pathlib import Path
+from torch.distributed import TCPStore
+sys.path.insert(0, {tests!r})
+from process_harness import CONFIG, overrides
+from recpipe.cli import main
+
+def run(name, *extra, signal_after=None):
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    directory = Path({tmp!r}) / name
+    if signal_after is not None:  # SIGTERM to this process once training is under way
+        def kill():
+            while not (directory / "ckpt" / signal_after / "metadata.json").exists():
+                time.sleep(0.01)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=kill, daemon=True).start()
+    code = main(["train", "--config", str(CONFIG), *overrides(directory, *extra)])
+    print("RUN", name, code, flush=True)
+
+if __name__ == "__main__":
+    run("a", "train.steps=3")
+    os.kill(os.getpid(), signal.SIGTERM)  # between runs: no run is there to stop
+    time.sleep(0.2)
+    run("b", "train.steps=3")  # must not stop on it
+    run("c", signal_after="step_00000004")  # preempted: checkpoint, 143
+    run("d", signal_after="step_00000004")  # its own first SIGTERM, not a "second" one
+"""
+
+
+@pytest.mark.slow
+def test_a_run_never_stops_on_a_signal_from_an_earlier_run_in_the_same_process(tmp_path):
+    """One process that runs several trainings (a notebook, a sweep script, a test
+    session) keeps recpipe's signal handlers: a SIGTERM after one run has ended, or
+    the one that preempted it, must neither stop the next run at its first step
+    (exit 143, "as if preempted", although nobody signalled it) nor turn the next
+    run's own first SIGTERM into a "second" one that ends it without a checkpoint."""
+    script = tmp_path / "several_runs.py"
+    script.write_text(SEVERAL_RUNS.format(tests=str(Path(__file__).parent), tmp=str(tmp_path)))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    codes = dict(re.findall(r"^RUN (\w) (\d+)$", out.stdout, re.MULTILINE))
+    assert codes == {"a": "0", "b": "0", "c": str(EXIT_PREEMPTED), "d": str(EXIT_PREEMPTED)}, out.stderr[-4000:]
+    assert "second SIGTERM" not in out.stderr, out.stderr[-4000:]
+    for name in "cd":  # each stopped at a step boundary after its own signal, with a checkpoint
+        _stopped_at_in(out.stderr, tmp_path / name)
+    assert json.loads((tmp_path / "b" / "summary.json").read_text())["status"] == "completed"
+
+
+def _stopped_at_in(err: str, run: Path) -> None:
+    lines = [line for line in err.splitlines() if f"checkpoint {run / 'ckpt'}" in line and "stopped by SIGTERM" in line]
+    assert len(lines) == 1, err[-4000:]
+    step = int(re.search(r"after step (\d+)", lines[0])[1])
+    assert step >= 4 and (run / "ckpt" / f"step_{step:08d}" / METADATA_FILE).is_file()

@@ -35,10 +35,11 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recpipe.callables import load_callable
 from recpipe.config import ConfigError, RecpipeConfig
+from recpipe.errors import DataError
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
-from recpipe.data.criteo import CriteoTsvReader, hotness_of
+from recpipe.data.criteo import CriteoTsvReader, hotness_of, open_lines
 from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
@@ -103,11 +104,14 @@ def no_eval_data(cfg: RecpipeConfig) -> str:
 
 
 def check_data(cfg: RecpipeConfig) -> None:
-    """Before any process starts: the TSV files exist; a binary dataset is complete,
-    of the config's layout, and every file has its manifest header and size, and the
-    train and eval datasets hash ids alike; every ``.npy`` day has its three files,
-    of the config's layout. Raises ``BinaryDataError`` naming the file
-    (``ConfigError`` for missing TSV files)."""
+    """Before any process starts: the TSV files exist and the training files hold a
+    line; a binary dataset is complete, of the config's layout, every file has its
+    manifest header and size, the training split has rows, and the train and eval
+    datasets hash ids alike; every ``.npy`` day has its three files, of the config's
+    layout, and the training days have rows. Raises ``DataError`` /
+    ``BinaryDataError`` naming the file or directory (exit 5; ``ConfigError`` for
+    missing TSV files). A ``data.factory`` is only known by what it yields: the
+    trainer stops with a ``DataError`` when an epoch of it has no batch on any rank."""
     if cfg.data.factory is not None:
         return
     if cfg.data.source == "criteo_tsv":
@@ -116,11 +120,19 @@ def check_data(cfg: RecpipeConfig) -> None:
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 raise ConfigError(f"data.criteo.{key}: no such file(s) {missing}")
+        # Empty files among others add nothing; all of them empty is no training data.
+        if not any(_has_a_line(f) for f in crit.train_files):
+            shown = ", ".join(crit.train_files)
+            raise DataError(f"data.criteo.train_files: {shown} hold{'s' if len(crit.train_files) == 1 else ''} no line: "
+                            "no training data")
     if cfg.data.source == "binary":
         hashing = {}
         for split in ("train", "eval"):
             if _binary_dir(cfg, split) is not None:
-                _binary_dataset(cfg, rank=0, world_size=1, split=split)
+                dataset = _binary_dataset(cfg, rank=0, world_size=1, split=split)
+                if split == "train" and dataset.num_rows == 0:
+                    raise BinaryDataError(f"data.binary.train_dir={_binary_dir(cfg, split)!r} holds no rows: no "
+                                          "training data")
                 hashing[split] = read_manifest(_binary_dir(cfg, split)).hashing
         if len(set(hashing.values())) > 1:
             raise BinaryDataError(f"data.binary.train_dir holds ids hashed by {hashing['train']}'s rule, "
@@ -128,7 +140,9 @@ def check_data(cfg: RecpipeConfig) -> None:
                                   "`recpipe data convert --hashing`")
     if cfg.data.source == "criteo_npy":
         for split in ("train", "eval"):
-            _open_npy_days(cfg, split)
+            days = _open_npy_days(cfg, split)
+            if split == "train" and not sum(day.rows for day in days):
+                raise BinaryDataError(f"data.npy.train={cfg.data.npy.train} holds no rows: no training data")
 
 
 def _open_npy_days(cfg: RecpipeConfig, split: str) -> list:
@@ -155,6 +169,11 @@ def _npy_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) 
         block_rows=d.shuffle_block_rows,
         seed=cfg.train.seed,
     )
+
+
+def _has_a_line(path: str) -> bool:
+    with open_lines(path) as lines:
+        return bool(lines.readline())
 
 
 def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:

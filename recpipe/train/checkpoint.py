@@ -30,6 +30,7 @@ and writes ``metadata.json``; all ranks read and write the DCP files there.
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 import warnings
@@ -46,7 +47,7 @@ from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError
-from recpipe.errors import CheckpointError
+from recpipe.errors import CheckpointError, storage_problem
 from recpipe.train.integrity import METADATA_FILE, file_records, verify_checkpoint
 
 __all__ = [
@@ -154,7 +155,7 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
         dcp.save(_dcp_state(model, optimizer.state_dict()), checkpoint_id=str(path))
     except CheckpointException as err:
         failed_rank, (exc, _) = min(err.failures.items())
-        raise _save_error(cfg, path, f"rank {failed_rank}: {exc}") from None
+        raise _save_error(cfg, path, f"rank {failed_rank}: {storage_problem(exc, path)}") from None
     records: list[dict | None] = [None] * world_size
     dist.all_gather_object(records, file_records(path, rank, world_size))
     files = {name: record for part in records for name, record in (part or {}).items()}
@@ -168,7 +169,11 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
 
 def _write_rng(path: Path, rank: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    torch.save(_rng_states(), _rng_file(path, rank))
+    # Serialized in memory, written with Python's file I/O: torch.save's own writer
+    # reports a short write on a full disk without its errno.
+    buffer = io.BytesIO()
+    torch.save(_rng_states(), buffer)
+    _rng_file(path, rank).write_bytes(buffer.getbuffer())
 
 
 def _write_metadata(path: Path, meta: dict) -> None:
@@ -184,7 +189,8 @@ def _agreed(cfg: CheckpointConfig, path: Path, action: Callable[[], object]) -> 
         action()
         problem = None
     except OSError as err:
-        problem = f"rank {dist.get_rank()}: {err}"
+        where = f" ({err.filename})" if err.filename else ""
+        problem = f"rank {dist.get_rank()}: {storage_problem(err, path)}{where}"
     problems: list[str | None] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, problem)
     failed = [p for p in problems if p]

@@ -17,6 +17,7 @@ written, a non-finite loss) becomes one line and its exit code (``recpipe.errors
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -31,7 +32,7 @@ from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.sharding import check_model_config
 from recpipe.train.checkpoint import check_checkpoint_config
-from recpipe.train.preemption import install_signal_handlers
+from recpipe.train.preemption import install_signal_handlers, watch_launcher
 from recpipe.train.trainer import run_worker
 
 
@@ -65,10 +66,11 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
     rank = int(os.environ.get("RANK", "0"))
     install_signal_handlers()
     try:
-        if lock_dirs:
-            init_process_group(cfg)
-            with hold_run_dirs_on_rank0(cfg):
-                run_worker(cfg)
+        if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
+            with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
+                init_process_group(cfg)
+                with hold_run_dirs_on_rank0(cfg):
+                    run_worker(cfg)
         else:
             run_worker(cfg)
     except Exception as err:
@@ -113,7 +115,7 @@ def main_train(args: argparse.Namespace) -> int:
         return refused
     if under_torchrun():
         return run_rank(cfg, args.debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
-    with hold_run_dirs(cfg):  # DirInUseError -> exit 7 (recpipe.cli)
+    with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
         try:
             launch_local(_local_rank, cfg.distributed.nproc, cfg, args.debug)
         except ProcessException as err:

@@ -15,7 +15,18 @@ evaluation ever sees weights that a non-finite step has touched.
   backward the gradient entering every sharded module's output (hence every fused
   TBE update) and every dense parameter's gradient (before DDP's all-reduce) is
   replaced by zero when any rank's loss was not finite. ``torch.where``, not a
-  multiplication: NaN * 0 is NaN. ``check`` then only reports the skipped steps.
+  multiplication: NaN * 0 is NaN. ``check`` then reports the skipped steps, and
+  raises :class:`NonFiniteLossError` like ``error`` once more than
+  ``train.max_skipped_steps`` of any ``train.skipped_steps_window`` consecutive steps
+  were skipped: skipping is for the rare bad batch; a model whose loss is non-finite
+  step after step has diverged, and a run that skips its way to the end would report
+  "completed" with a useless model.
+
+Before every checkpoint :func:`check_finite_weights` looks at every weight (dense
+parameters and each rank's shards of the tables): a diverged model whose losses
+happened to stay finite (inf weights, a NaN row) is never saved. It reads each
+weight once, on the device, with one host sync: a fraction of what the save itself
+reads and writes.
 
 A zero gradient is a no-op update for SGD and (row-wise) Adagrad without weight
 decay: those skip exactly. Adam's moments still decay, and weight decay still
@@ -25,11 +36,13 @@ shrinks the weights, on a skipped step (``skip_step_caveats`` warns).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec.distributed.types import Awaitable
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedTensor
@@ -39,14 +52,16 @@ from recpipe.errors import NonFiniteLossError
 from recpipe.pipelines.sharded import find_sharded_modules
 from recpipe.train.metrics import HostCopy
 
-__all__ = ["NonFiniteCheck", "SkipNonFiniteSteps", "finite_json", "skip_step_caveats"]
+__all__ = ["NonFiniteCheck", "SkipNonFiniteSteps", "check_finite_weights", "finite_json", "skip_step_caveats"]
 
 
 class NonFiniteCheck:
     """Records each step's loss; ``check`` is collective (every rank, same step)."""
 
-    def __init__(self, mode: str, device: torch.device, describe_checkpoint: Callable[[], str]) -> None:
+    def __init__(self, mode: str, device: torch.device, describe_checkpoint: Callable[[], str], *,
+                 max_skipped: int = 1, window: int = 100) -> None:
         self.mode = mode
+        self.max_skipped, self.window = max_skipped, window  # skip_step's limit (train.max_skipped_steps, ...)
         self.device = device
         self.describe_checkpoint = describe_checkpoint  # "newest checkpoint: ..." for the error
         self._losses: list[torch.Tensor] = []
@@ -97,7 +112,56 @@ class NonFiniteCheck:
                 "or set train.on_nonfinite=skip_step to skip such steps"
             )
         self.skipped.extend(steps)
+        self._limit_skipped(steps, step)
         return steps
+
+    def _limit_skipped(self, new: list[int], step: int) -> None:
+        """skip_step: raise once some window of ``self.window`` steps has more than
+        ``self.max_skipped`` skipped ones (the same on every rank: ``skipped`` is)."""
+        for last in new:
+            inside = [s for s in self.skipped if last - self.window < s <= last]
+            if len(inside) > self.max_skipped:
+                shown = ", ".join(map(str, inside[:10])) + (", ..." if len(inside) > 10 else "")
+                raise NonFiniteLossError(
+                    f"too many non-finite losses: {len(inside)} of the {self.window} steps up to step {last} were "
+                    f"skipped (steps {shown}), more than train.max_skipped_steps={self.max_skipped} in "
+                    f"train.skipped_steps_window={self.window}: the model has diverged; stopped at step {step}. "
+                    f"{self.describe_checkpoint()}. Lower optimizer.dense.lr / optimizer.embedding.lr"
+                )
+
+
+def _local_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every floating-point weight this rank holds: the model's
+    state_dict, with the local shards of sharded tables (ShardedTensor)."""
+    for name, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for shard in value.local_shards():
+                yield name, shard.tensor
+        elif isinstance(value, DTensor):
+            yield name, value.to_local()
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            yield name, value
+
+
+def check_finite_weights(model: nn.Module, step: int, newest_checkpoint: str) -> None:
+    """Collective: raise :class:`NonFiniteLossError` on every rank when any rank holds
+    a weight with a NaN or inf (the names come from the ranks that found them)."""
+    named = [(name, t) for name, t in _local_weights(model) if t.numel()]
+    bad_here: list[str] = []
+    if named:
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named]).cpu()  # host sync, once
+        bad_here = sorted({name for (name, _), ok in zip(named, finite.tolist()) if not ok})
+    found: list[list[str] | None] = [bad_here]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, bad_here)
+    bad = sorted({name for part in found for name in part or ()})
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteLossError(
+            f"non-finite weights after step {step} ({shown}): the model has diverged; nothing saved after step "
+            f"{step - 1}. {newest_checkpoint}. Lower optimizer.dense.lr / optimizer.embedding.lr"
+        )
 
 
 class _MaskGrad(torch.autograd.Function):

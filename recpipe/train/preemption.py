@@ -27,7 +27,20 @@ rank, or to some of them. Each rank:
    a checkpoint (``checkpoint.on_preempt``) and raises ``Preempted``.
 
 A signal that arrives after the last step boundary (during the final evaluation or
-save) does not stop the run: it completes and exits 0.
+save) does not stop the run: it completes and exits 0. A run never stops on a request
+from before it started: ``install_signal_handlers()`` clears what an earlier run in
+the same process saw (one process may run ``recpipe.cli.main`` several times).
+
+A rank started by torchrun (TORCHELASTIC_RUN_ID set) also watches its launcher
+(``watch_launcher()``): torchrun is its parent, and when it is gone (killed with
+SIGKILL, its node lost) the rank asks every rank to stop exactly as for a signal,
+with SIGHUP's number (what a shell sends a job whose terminal is gone): they drain,
+save and exit 129, and the other nodes' torchrun ends the job at once. Without the
+watch such a rank trained on with nobody to report to, and the other torchrun
+waited out its exit barrier and exited 0. Stopping together, rather than the kernel
+killing the rank as ``recpipe train``'s own launcher has it do
+(``recpipe.distributed.die_with_parent``), keeps the other ranks out of a collective
+with a dead peer (NCCL would wait for its timeout) and saves a checkpoint.
 """
 
 from __future__ import annotations
@@ -44,15 +57,18 @@ import torch.distributed as dist
 
 from recpipe.exit_codes import exit_code_for_signal
 
-__all__ = ["Preemption", "REPEAT_WINDOW_S", "install_signal_handlers", "requested_signal"]
+__all__ = ["LAUNCHER_GONE", "Preemption", "REPEAT_WINDOW_S", "describe_request", "install_signal_handlers",
+           "requested_signal", "watch_launcher"]
 
 T = TypeVar("T")
 REPEAT_WINDOW_S = 1.0
 _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+LAUNCHER_GONE = signal.SIGHUP  # the request of a rank whose launcher is gone (exit 129)
 
 
 class _Requests:
-    """What this process's handlers have seen (module state: handlers are process-wide)."""
+    """What this process's handlers have seen in the current run (module state:
+    handlers are process-wide); cleared when a run starts."""
 
     signum: int | None = None
     first_at = 0.0
@@ -63,11 +79,22 @@ def requested_signal() -> int | None:
     return _Requests.signum
 
 
-def _on_signal(signum: int, frame: Any) -> None:
-    now = time.monotonic()
+def describe_request(signum: int) -> str:
+    """What asked the ranks to stop, for messages: "SIGTERM", or that a launcher is gone."""
+    if signum == LAUNCHER_GONE:
+        return "the loss of a rank's launcher (torchrun)"
+    return signal.Signals(signum).name
+
+
+def _request(signum: int) -> None:
     if _Requests.signum is None:
-        _Requests.signum, _Requests.first_at = signum, now
-    elif now - _Requests.first_at >= REPEAT_WINDOW_S:
+        _Requests.signum, _Requests.first_at = signum, time.monotonic()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if _Requests.signum is None:
+        _request(signum)
+    elif time.monotonic() - _Requests.first_at >= REPEAT_WINDOW_S:
         name = signal.Signals(signum).name
         print(f"recpipe: second {name} on rank {os.environ.get('RANK', '0')}: stopping at once, without a checkpoint",
               file=sys.stderr, flush=True)
@@ -75,19 +102,51 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 
 def install_signal_handlers() -> None:
-    """Record SIGTERM / SIGINT for ``Preemption`` from now on, for the rest of this
-    process: a rank's (main thread only; elsewhere Python cannot install handlers
-    and this does nothing). A signal ignored now (SIG_IGN, as in background jobs)
-    stays ignored. Never restored: until the rank's process is gone a signal must
-    not kill it by default, since torchrun sends SIGTERM to the ranks still running
-    as soon as one has exited non-zero, and a rank that stops a moment later (every
-    rank does, after a preemption) would be reported as killed instead of exiting
-    with its own code."""
+    """Start a run's signal handling: forget any request seen before (an earlier run
+    in this process), and record SIGTERM / SIGINT for ``Preemption`` from now on, for
+    the rest of this process: a rank's (main thread only; elsewhere Python cannot
+    install handlers and this does nothing). A signal ignored now (SIG_IGN, as in
+    background jobs) stays ignored. Never restored: until the rank's process is gone
+    a signal must not kill it by default, since torchrun sends SIGTERM to the ranks
+    still running as soon as one has exited non-zero, and a rank that stops a moment
+    later (every rank does, after a preemption) would be reported as killed instead
+    of exiting with its own code."""
+    _Requests.signum, _Requests.first_at = None, 0.0
     if threading.current_thread() is not threading.main_thread():
         return
     for sig in _SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:
             signal.signal(sig, _on_signal)
+
+
+class watch_launcher:
+    """For the run's duration (a context manager), check every ``POLL_S`` whether this
+    process's parent, its launcher, is still the one it started with; once it is not,
+    ask every rank to stop (``LAUNCHER_GONE``; see the module docstring). A daemon
+    thread that only reads ``os.getppid()``."""
+
+    POLL_S = 0.5
+
+    def __init__(self) -> None:
+        self._parent = os.getppid()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="recpipe-launcher-watch", daemon=True)
+
+    def __enter__(self) -> "watch_launcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            if os.getppid() != self._parent:
+                print(f"recpipe: rank {os.environ.get('RANK', '0')}: its launcher (pid {self._parent}) is gone: every "
+                      "rank stops after the batches in flight", file=sys.stderr, flush=True)
+                _request(LAUNCHER_GONE)
+                return
 
 
 class Preemption:

@@ -33,39 +33,44 @@ host sync per step.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
+import math
 import os
 import resource
-import signal
 import time
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Iterator, NoReturn
+from typing import Callable, Iterator, NoReturn, TypeVar
 
 import fbgemm_gpu
 import torch
 import torch.distributed as dist
 import torchrec
-from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
 from recpipe.distributed import control_group, init_process_group, shutdown_process_group
-from recpipe.errors import NonFiniteLossError, Preempted, data_errors
+from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
-from recpipe.train.nonfinite import NonFiniteCheck, SkipNonFiniteSteps, finite_json, skip_step_caveats
-from recpipe.train.preemption import Preemption
+from recpipe.train.nonfinite import (
+    NonFiniteCheck,
+    SkipNonFiniteSteps,
+    check_finite_weights,
+    finite_json,
+    skip_step_caveats,
+)
+from recpipe.train.preemption import Preemption, describe_request
+from recpipe.train.run_dir import RunDir
 
 __all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
 
 _GIB = 2**30
+T = TypeVar("T")
 
 
 def run_worker(cfg: RecpipeConfig) -> None:
@@ -78,33 +83,40 @@ def run_worker(cfg: RecpipeConfig) -> None:
 
 
 def start_rank(cfg: RecpipeConfig) -> torch.device:
-    """What a rank of ``recpipe train`` does before it builds its :class:`Trainer`:
-    quiet the libraries' own deprecation warnings, join the process group, set its
-    intra-op threads (:func:`intra_op_threads`). Returns the rank's device."""
+    """What a rank of ``recpipe train`` does before it builds its :class:`Trainer`,
+    whoever launched it (``recpipe train`` itself or torchrun): quiet the libraries'
+    own deprecation warnings, join the process group, set its intra-op threads
+    (:func:`intra_op_threads`). Returns the rank's device."""
     _quiet_library_deprecations()
     device = init_process_group(cfg)
-    threads = intra_op_threads(device, os.environ)
+    threads = intra_op_threads(os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
     return device
 
 
-def intra_op_threads(device: torch.device, env: Mapping[str, str]) -> int | None:
-    """Intra-op threads for a GPU training process: 1, as torchrun gives each of
-    several processes per node; None (torch's default, or OMP_NUM_THREADS if set)
-    on CPU, where the ranks compute on these threads (``launch_local`` splits the
-    cores among them).
+def intra_op_threads(env: Mapping[str, str]) -> int | None:
+    """Intra-op threads of every rank, on CUDA and CPU, whoever launched it: 1, as
+    torchrun gives each of several processes per node; None when the user set
+    OMP_NUM_THREADS (theirs wins: torch has read it; more threads pay off only for
+    large CPU ops on cores nothing else uses).
 
-    Such a process launches GPU work and computes little on its own CPU, but torch
-    starts an OpenMP team of one thread per core, whose threads spin for a while
-    after each parallel region and take cores from the training thread, the data
-    producers and NCCL's threads. Measured with producers on one H100
-    (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98 with the
-    default team, 0.92-1.05 with one thread (benchmarks/results/h100x1/trainer_vs_bench.md).
-    A user's OMP_NUM_THREADS wins."""
-    if device.type != "cuda" or "OMP_NUM_THREADS" in env:
-        return None
-    return 1
+    torch starts an OpenMP team of one thread per core in every process, whose
+    threads spin for a while after each parallel region. On CUDA a rank launches GPU
+    work and computes little on its own CPU, and the team takes cores from the
+    training thread, the data producers and NCCL's threads. Measured with producers
+    on one H100 (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98
+    with the default team, 0.92-1.05 with one thread
+    (benchmarks/results/h100x1/trainer_vs_bench.md); with batches made in the loop
+    (``data.num_workers: 0``), configs/quickstart.yaml on CUDA: 2 x H200, 2 ranks,
+    12.3k / 11.9k samples/s with the default team, 76.1k with one thread (68.3k with
+    4); one H100, 1 rank, 24.1k / 18.7k vs 54.4k / 50.0k; configs/bench/dlrm_criteo.yaml
+    (8192 samples, 1 rank) 174k vs 195k. On CPU the ranks compute on these threads,
+    but a team stalls at every barrier whenever one of its threads waits for a core:
+    on a 2-core machine, configs/quickstart.yaml, one rank, 300 steps: 26.1k and 28.3k
+    samples/s with one thread against 3.7k and 1.8k with torch's two (load 1-3), 7.5k
+    against 0.6k (load 6-14); two ranks of one thread each: 8.1k (load 6-14)."""
+    return None if "OMP_NUM_THREADS" in env else 1
 
 
 def _quiet_library_deprecations() -> None:
@@ -138,7 +150,7 @@ class Trainer:
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
             self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
-        self.writer = self._open_run_dir()
+        self.run_dir = RunDir(cfg, self.rank)  # collective: StorageError (exit 6) on every rank if it cannot be written
         self.wandb = None  # rank 0, with logging.wandb: the same scalars as TensorBoard
         if self.rank == 0 and cfg.logging.wandb is not None:
             from recpipe.train.wandb_logger import WandbLogger
@@ -176,14 +188,6 @@ class Trainer:
         )
         return position
 
-    def _open_run_dir(self) -> SummaryWriter | None:
-        if self.rank != 0:
-            return None
-        run_dir = Path(self.cfg.logging.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(self.cfg.to_yaml())
-        return SummaryWriter(str(run_dir)) if self.cfg.logging.tensorboard else None
-
     def _train_batches(self, position: TrainPosition) -> Iterator[Batch]:
         loader = make_dataloader(
             self.cfg,
@@ -209,6 +213,8 @@ class Trainer:
             if self._preemption.signum is not None:  # stays in this epoch: a resume past its end starts the next
                 self._stop_preempted(saved_at)
             if trained < wanted:  # this epoch's data has ended
+                if trained == 0 and p.batch == 0:  # agreed by all ranks: the epoch had no batch at all
+                    self._no_training_data(p.epoch)
                 self.position = TrainPosition(self.position.step, p.epoch + 1, 0)
                 if self.position.epoch < train.epochs:
                     batches = self._train_batches(self.position)
@@ -219,7 +225,7 @@ class Trainer:
                 self.evaluate()
                 evaluated_at = step
             if checkpointing and _due(step, self.cfg.checkpoint.every) and saved_at != step:
-                save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+                self._save()
                 saved_at = step
         step = self.position.step
         if self._window:
@@ -229,9 +235,32 @@ class Trainer:
         if evaluated_at != step:
             self.evaluate()
         if checkpointing and saved_at != step and step > self.start_step:
-            save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+            self._save()
         self.bar.close()
         self._finish()
+
+    def _save(self) -> None:
+        """Collective: save a checkpoint of the state after this step, unless a weight
+        is not finite (then NonFiniteLossError, exit 4: never a checkpoint of a
+        diverged model)."""
+        self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
+                                                            describe_newest(self.cfg.checkpoint.dir)))
+        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+
+    def _no_training_data(self, epoch: int) -> NoReturn:
+        """Collective (every rank agreed the epoch had no batch): DataError, exit 5."""
+        data = self.cfg.data
+        if data.factory is not None:
+            where = f"data.factory={data.factory!r} yielded no training batch"
+        elif data.source == "criteo_tsv":
+            where = f"data.criteo.train_files={list(data.criteo.train_files)} hold no line"
+        elif data.source == "binary":
+            where = f"data.binary.train_dir={data.binary.train_dir!r} holds no row"
+        else:
+            where = f"data.source={data.source!r} made no batch"
+        self.bar.close()
+        self._finish(status="no_training_data")
+        raise DataError(f"no training data: {where} (epoch {epoch}, on any of the {self.world_size} ranks)")
 
     def _segment_length(self, checkpointing: bool) -> int:
         """Steps up to the next point that needs a drained pipeline."""
@@ -294,7 +323,10 @@ class Trainer:
         agreement, the non-finite loss check and, for skip_step, its hooks."""
         cfg = self.cfg
         self._preemption = Preemption(control_group())
-        self._nonfinite = NonFiniteCheck(cfg.train.on_nonfinite, self.device, lambda: describe_newest(cfg.checkpoint.dir))
+        self._nonfinite = NonFiniteCheck(
+            cfg.train.on_nonfinite, self.device, lambda: describe_newest(cfg.checkpoint.dir),
+            max_skipped=cfg.train.max_skipped_steps, window=cfg.train.skipped_steps_window,
+        )
         self._skip = None
         if cfg.train.on_nonfinite == "skip_step":
             for caveat in skip_step_caveats(cfg) if self.rank == 0 else ():
@@ -308,23 +340,29 @@ class Trainer:
         if self._preemption.after_step():  # just agreed
             ckpt = self.cfg.checkpoint
             then = ", then saving a checkpoint" if ckpt.dir is not None and ckpt.on_preempt else ""
-            self._say(f"{signal.Signals(self._preemption.signum).name}: every rank stops after the batches in flight{then}")
+            what = describe_request(self._preemption.signum)
+            self._say(f"{what}: every rank stops after the batches in flight{then}")
 
     def _check_nonfinite(self, step: int, wait: bool = True) -> None:
         """Collective. With on_nonfinite=error, a non-finite loss found ends the run
         (summary.json written first); with skip_step it is reported. ``wait``: see
         ``NonFiniteCheck.check``."""
+        skipped = self._stop_if_diverged(lambda: self._nonfinite.check(step, wait=wait))
+        if skipped:
+            self._say(f"non-finite loss at step(s) {skipped}: skipped, nothing updated "
+                      f"({len(self._nonfinite.skipped)} skipped so far; train.on_nonfinite=skip_step)")
+            self._write_scalars(step, {"train/skipped_steps": len(self._nonfinite.skipped)})
+
+    def _stop_if_diverged(self, check: Callable[[], T]) -> T:
+        """Run ``check``; if it raises NonFiniteLossError, write summary.json
+        (``"status": "nonfinite_loss"``) first."""
         try:
-            skipped = self._nonfinite.check(step, wait=wait)
+            return check()
         except NonFiniteLossError:
             self._publish_log()
             self.bar.close()
             self._finish(status="nonfinite_loss")
             raise
-        if skipped:
-            self._say(f"non-finite loss at step(s) {skipped}: skipped, nothing updated "
-                      f"({len(self._nonfinite.skipped)} skipped so far; train.on_nonfinite=skip_step)")
-            self._write_scalars(step, {"train/skipped_steps": len(self._nonfinite.skipped)})
 
     def _finite_window(self, step: int) -> list:
         """The logged steps' outputs without the skipped steps (the window ends at ``step``)."""
@@ -348,12 +386,12 @@ class Trainer:
             where = f"no step trained since the start; {describe_newest(ckpt.dir)}"
         else:
             if saved_at != step:
-                save_checkpoint(ckpt, self.sharded.model, self.sharded.optimizer, self.position)
+                self._save()
             where = f"checkpoint {checkpoint_path(ckpt, step)} saved; run the same command again to resume"
         self.bar.close()
         self._finish(status="preempted")
         signum = self._preemption.signum
-        raise Preempted(f"stopped by {signal.Signals(signum).name} after step {step}: {where}", signum)
+        raise Preempted(f"stopped by {describe_request(signum)} after step {step}: {where}", signum)
 
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int, wait: bool = False) -> None:
@@ -437,7 +475,16 @@ class Trainer:
         step = self.position.step
         self._write_scalars(step, {f"eval/{name}": value for name, value in metrics.items()})
         self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}")
+        if not math.isfinite(metrics["bce"]):  # the same on every rank (all-reduced metrics)
+            self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["bce"]))
         return metrics
+
+    def _nonfinite_eval(self, step: int, bce: float) -> NoReturn:
+        raise NonFiniteLossError(
+            f"non-finite eval loss after step {step} (eval bce {bce}): the weights have diverged although the training "
+            f"losses were finite; nothing saved after step {step - 1}. {describe_newest(self.cfg.checkpoint.dir)}. "
+            "Lower optimizer.dense.lr / optimizer.embedding.lr"
+        )
 
     # ----------------------------------------------------------- reporting
     def _say(self, message: str) -> None:
@@ -445,24 +492,20 @@ class Trainer:
             tqdm.write(message)
 
     def _write_scalars(self, step: int, scalars: dict[str, float]) -> None:
-        if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, step)
+        self.run_dir.scalars(step, scalars)
         if self.wandb is not None:
             self.wandb.log(step, scalars)
 
     def _finish(self, status: str = "completed") -> None:
         """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
         non-finite number is written as null) and, when completed, the final line."""
-        if self.writer is not None:
-            self.writer.close()
+        self.run_dir.close()
         if self.wandb is not None:
             self.wandb.finish(status)
         if self.rank != 0:
             return
         summary = {**self.summary(), "status": status}
-        path = Path(self.cfg.logging.run_dir) / "summary.json"
-        path.write_text(json.dumps(finite_json(summary), indent=2, allow_nan=False) + "\n")
+        path = self.run_dir.write_summary(finite_json(summary))
         if status != "completed":
             return
         auc = summary["eval_auc"]
@@ -488,6 +531,7 @@ class Trainer:
             "train_time_s": round(self._train_seconds, 3),
             "samples_per_s": trained_here / self._train_seconds if self._train_seconds else None,
             "world_size": self.world_size,
+            "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {

@@ -1,0 +1,312 @@
+"""Faults as an operator meets them, each with real processes: a signal to a process
+group through a wrapper is one signal; a rank whose torchrun is killed stops every
+rank, and the job ends at once, non-zero; a run without training data, a full
+filesystem for logging.run_dir or checkpoint.dir, a directory that cannot be written
+at the start, a failed two-rank run: each ends with its documented exit code and one
+line naming the cause, leaves nothing behind in /tmp, and no process survives."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from process_harness import CONFIG, TINY_MODEL, alive, descendants, finish, overrides, wait_for
+from recpipe.cli import main
+from recpipe.exit_codes import (
+    EXIT_BAD_DATA,
+    EXIT_CHECKPOINT,
+    EXIT_INTERRUPTED,
+    EXIT_LAUNCHER_GONE,
+)
+from recpipe.train.checkpoint import latest_checkpoint
+from recpipe.train.integrity import METADATA_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+RECPIPE = [sys.executable, "-m", "recpipe", "train", "--config", str(CONFIG)]
+# A short, finite run (2 ranks, 8 steps): for faults found at the start or at the end.
+SHORT = [*TINY_MODEL, "data.synthetic.num_batches=8", "data.synthetic.num_eval_batches=1", "train.steps=8",
+         "train.eval_every=0", "train.log_every=4", "train.progress=false"]
+
+
+def _sets(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """This environment, for a recpipe command: the checkout importable, no OMP_NUM_THREADS of the caller's."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return {**env, **extra}
+
+
+def _pgrp(pid: int) -> int | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[2])
+
+
+def _group_members(pgid: int) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(int(p)) == pgid and alive(int(p))]
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _stop_line(err: str) -> tuple[str, int]:
+    lines = [line for line in err.splitlines() if re.search(r"stopped by .* after step \d+", line)]
+    assert len(lines) == 1, err[-4000:]  # once for the job
+    return lines[0], int(re.search(r"after step (\d+)", lines[0])[1])
+
+
+# ------------------------------------------------------------ one signal, delivered twice
+def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path):
+    """`set -m; timeout 300 recpipe train ... & kill -INT -$!`: the launcher gets SIGINT
+    from the group and again from `timeout`, which forwards it (and sends it to its
+    group once more); the ranks get it three times. One request: drain, save, 130."""
+    if shutil.which("timeout") is None:
+        pytest.skip("needs coreutils' timeout")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(["timeout", "300", *RECPIPE, *overrides(run)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    try:
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = finish(proc, timeout=120)
+    finally:
+        _kill_group(proc.pid)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-4000:]
+    assert "second SIGINT" not in err and "Traceback" not in err, err[-4000:]
+    line, step = _stop_line(err)
+    assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {EXIT_INTERRUPTED}]" in line
+    assert latest_checkpoint(run / "ckpt") == run / "ckpt" / f"step_{step:08d}"
+    assert not _group_members(proc.pid), "a process of the job outlived it"
+
+
+# ---------------------------------------------------- a rank whose torchrun is gone
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        items = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return {}
+    return dict(item.decode(errors="replace").split("=", 1) for item in items if b"=" in item)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.mark.slow
+def test_a_rank_whose_torchrun_is_killed_stops_every_rank_and_the_job_ends(tmp_path):
+    """Two torchrun agents on one host (two nodes of one rank each, c10d rendezvous);
+    `kill -9` the agent of rank 1. Rank 1 sees its launcher gone and asks every rank
+    to stop: they save a checkpoint, and the other agent ends promptly, non-zero.
+    The ranks ran with recpipe's intra-op thread rule (one each), not torch's one
+    thread per core, which torchrun leaves in place with one process per node."""
+    run, port = tmp_path / "run", _free_port()
+    logs = [open(tmp_path / f"agent{n}.log", "w") for n in range(2)]
+    agents: list[subprocess.Popen] = []
+    try:
+        for node in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                   "--node-rank", str(node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                   "--max-restarts", "0", "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run)]
+            agents.append(subprocess.Popen(cmd, stdout=logs[node], stderr=subprocess.STDOUT, env=_env(),
+                                           start_new_session=True))
+            end = time.monotonic() + 60
+            while node == 0 and not _listening(port):  # agent 0 hosts the rendezvous store
+                assert agents[0].poll() is None and time.monotonic() < end, (tmp_path / "agent0.log").read_text()
+                time.sleep(0.1)
+        wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, agents[0])
+        ranks = {int(_environ(p)["RANK"]): p for a in agents for p in descendants(a.pid) if "RANK" in _environ(p)}
+        assert sorted(ranks) == [0, 1], ranks
+        holder = next(a for a in agents if ranks[1] in descendants(a.pid))
+        other = next(a for a in agents if a is not holder)
+        holder.kill()
+        killed_at = time.monotonic()
+        other.wait(timeout=120)
+        took = time.monotonic() - killed_at
+        end = time.monotonic() + 30
+        while alive(ranks[1]) and time.monotonic() < end:
+            time.sleep(0.1)
+        orphan_alive = alive(ranks[1])
+    finally:
+        for a in agents:
+            _kill_group(a.pid)
+        for log in logs:
+            log.close()
+    text = "".join((tmp_path / f"agent{n}.log").read_text() for n in range(2))
+    assert other.returncode != 0 and took < 60, (other.returncode, took, text[-4000:])
+    assert not orphan_alive, "the rank whose torchrun was killed trained on"
+    assert f"rank 1: its launcher (pid {holder.pid}) is gone" in text, text[-4000:]
+    line, step = _stop_line(text)
+    assert "stopped by the loss of a rank's launcher (torchrun) after step" in line, line
+    assert f"[exit {EXIT_LAUNCHER_GONE}]" in line, line
+    assert latest_checkpoint(run / "ckpt") == run / "ckpt" / f"step_{step:08d}"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["world_size"] == 2
+    assert summary["intra_op_threads"] == 1, summary  # torch's default: one per core; torchrun sets none
+
+
+# ----------------------------------------------------------------- no training data
+def _tsv_line(label: int, dense: list[int], ids: list[str]) -> str:
+    return "\t".join([str(label), *map(str, dense), *ids]) + "\n"
+
+
+def _tsv(path: Path, lines: int, malformed_at: int | None = None) -> Path:
+    """Criteo-layout lines for TINY_MODEL (13 counts, 4 ids); line ``malformed_at`` (1-based) has 3 columns."""
+    with open(path, "w") as fh:
+        for i in range(1, lines + 1):
+            fh.write("1\t2\t3\n" if i == malformed_at else _tsv_line(i % 2, [i % 7] * 13, [f"{i:08x}"] * 4))
+    return path
+
+
+TSV = ["data.source=criteo_tsv", "data.num_workers=0", "data.batch_size=16"]
+
+
+def test_an_empty_tsv_file_is_an_error_naming_it(tmp_path, capfd):
+    empty = tmp_path / "day_0.tsv"
+    empty.write_text("")
+    code = main(["train", "--config", str(CONFIG), *_sets(*SHORT, *TSV, f"data.criteo.train_files=[{empty}]",
+                                                         f"logging.run_dir={tmp_path / 'run'}")])
+    err = capfd.readouterr().err
+    assert code == EXIT_BAD_DATA, err
+    assert f"data.criteo.train_files: {empty} holds no line: no training data [exit {EXIT_BAD_DATA}]" in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_a_binary_dataset_without_rows_is_an_error(tmp_path, capfd):
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    data = tmp_path / "data"
+    assert main(["data", "convert", "--config", str(CONFIG), *_sets(*TINY_MODEL), "--out", str(data), str(empty)]) == 0
+    capfd.readouterr()
+    code = main(["train", "--config", str(CONFIG), *_sets(*SHORT, "data.source=binary", f"data.binary.train_dir={data}",
+                                                         f"logging.run_dir={tmp_path / 'run'}")])
+    err = capfd.readouterr().err
+    assert code == EXIT_BAD_DATA, err
+    assert f"data.binary.train_dir={str(data)!r} holds no rows: no training data" in err
+
+
+@pytest.mark.slow
+def test_a_data_factory_that_yields_nothing_is_an_error(tmp_path, capfd):
+    run, config = tmp_path / "run", tmp_path / "factory.yaml"
+    raw = yaml.safe_load(CONFIG.read_text())
+    del raw["data"]["source"]  # a data.factory names the data instead
+    config.write_text(yaml.safe_dump(raw))
+    code = main(["train", "--config", str(config), *_sets(*SHORT, "data.factory=fault_data:no_batches",
+                                                         "distributed.nproc=1", f"logging.run_dir={run}",
+                                                         f"checkpoint.dir={run / 'ckpt'}")])
+    err = capfd.readouterr().err
+    assert code == EXIT_BAD_DATA, err[-3000:]
+    assert "no training data: data.factory='fault_data:no_batches' yielded no training batch (epoch 0" in err
+    assert json.loads((run / "summary.json").read_text())["status"] == "no_training_data"
+    assert latest_checkpoint(run / "ckpt") is None
+
+
+# ------------------------------------------------------------ full or read-only disks
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt 2>/dev/null || "
+                            "mount -t tmpfs -o size=64k tmpfs /tmp"], capture_output=True)
+    return probe.returncode == 0
+
+
+# Runs "$@" with a small tmpfs at $1 (a mount namespace of its own, as an unprivileged
+# user where user namespaces are allowed). FILL=now: filled before the command starts;
+# FILL=after:FILE: filled once FILE exists; then the complete checkpoints left in it
+# are printed (the mount is gone with the namespace).
+_FULL_FS = r"""
+dir=$1; shift
+mount -t tmpfs -o size=4m tmpfs "$dir" || exit 90
+fill() { dd if=/dev/zero of="$dir/filler" bs=4k 2>/dev/null; true; }
+case $FILL in
+  now) fill; exec "$@" ;;
+  after:*) "$@" & job=$!
+           while [ ! -e "${FILL#after:}" ] && kill -0 $job 2>/dev/null; do sleep 0.05; done
+           fill; wait $job; code=$?
+           for d in "$dir"/step_*; do [ -e "$d/metadata.json" ] && echo "complete: ${d##*/}"; done
+           exit $code ;;
+esac
+"""
+
+
+def _on_full_tmpfs(directory: Path, fill: str, cmd: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    directory.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["unshare", "-rm", "sh", "-c", _FULL_FS, "sh", str(directory), *cmd], capture_output=True,
+                          text=True, env=_env(FILL=fill), timeout=timeout, start_new_session=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` (user and mount namespaces) to mount a tmpfs")
+def test_a_full_filesystem_is_one_line_naming_the_path(tmp_path):
+    # logging.run_dir full from the start: refused before the first step, every rank.
+    run = tmp_path / "run"
+    out = _on_full_tmpfs(run, "now", [*RECPIPE, *_sets(*SHORT, f"logging.run_dir={run}",
+                                                      f"checkpoint.dir={tmp_path / 'ckpt'}")])
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("recpipe train:")]
+    assert lines == [f"recpipe train: cannot write logging.run_dir={str(run)!r} ({run / 'config.yaml'}): "
+                     f"No space left on device [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert latest_checkpoint(tmp_path / "ckpt") is None
+
+    # checkpoint.dir fills up once the step-10 checkpoint exists: a later save fails, and
+    # the checkpoint before it stays the newest complete one.
+    ckpt = tmp_path / "ckpt2"
+    out = _on_full_tmpfs(ckpt, f"after:{ckpt / 'step_00000010' / METADATA_FILE}",
+                         [*RECPIPE, *overrides(tmp_path / "run2", "checkpoint.every=10", f"checkpoint.dir={ckpt}")])
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "cannot save checkpoint" in line]
+    assert len(lines) == 1 and "No space left on device" in lines[0], out.stderr[-3000:]
+    failed = int(re.search(rf"cannot save checkpoint {ckpt}/step_(\d+) ", lines[0])[1])
+    still = re.search(rf"the newest complete checkpoint is still {ckpt}/(step_\d+)", lines[0])
+    left = re.findall(r"^complete: (step_\d+)$", out.stdout, re.MULTILINE)
+    assert still and left and max(left) == still[1] and int(still[1][5:]) < failed, (lines[0], left)
+    assert "Traceback" not in out.stderr
+
+
+def _without_root_override() -> list[str]:
+    from test_checkpoint import _without_root_override as prefix
+
+    return prefix()
+
+
+def test_a_directory_that_cannot_be_written_at_the_start_exits_6(tmp_path):
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        cmd = [*_without_root_override(), *RECPIPE, *_sets(*SHORT, f"logging.run_dir={locked / 'run'}")]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300)
+    finally:
+        locked.chmod(0o755)
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("recpipe train:")]
+    assert lines == [f"recpipe train: cannot write logging.run_dir={str(locked / 'run')!r} ({locked / 'run'}): "
+                     f"Permission denied [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
+

@@ -153,8 +153,8 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_a_run_never_stops_on_a_signal_from_an_earlier_run_in_the_same_process(tmp_path):
-    """One process that runs several trainings (a notebook, a sweep script, a test
-    session) keeps recpipe's signal handlers: a SIGTERM after one run has ended, or
+    """One process that runs several trainings (a notebook, a sweep script, a pytest
+    run) keeps recpipe's signal handlers: a SIGTERM after one run has ended, or
     the one that preempted it, must neither stop the next run at its first step
     (exit 143, "as if preempted", although nobody signalled it) nor turn the next
     run's own first SIGTERM into a "second" one that ends it without a checkpoint."""

@@ -43,7 +43,8 @@ def _suite_md(path: Path, record: dict[str, Any], rows: list[Row]) -> list[str]:
         f"- command: `{record['command']}`",
         f"- {gpu['name']} x {record['world_size']}; torch {v['torch']}, fbgemm-gpu {v['fbgemm_gpu']}, torchrec "
         f"{v['torchrec']}, CUDA {v['cuda']}, NCCL {v['nccl']}; PYTORCH_CUDA_ALLOC_CONF: "
-        f"{record.get('cuda_alloc_conf') or 'PyTorch default'}; {record['date']}",
+        f"{record.get('cuda_alloc_conf') or 'PyTorch default'}"""
+            + (f"; {record['date']}" if record.get("date") else ""),
         f"- {bench.get('rounds', 1)} round(s) x {bench['steps']} timed steps after {bench['warmup']} warm-up; "
         f"global batch {bench['global_batch']}",
         f"- full report: [`{path.stem}.md`]({path.stem}.md); plots: "

@@ -62,8 +62,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """``recpipe bench``'s flags after ``--config`` / ``--set`` (the studies in benchmarks/studies/ add theirs)."""
     p.add_argument("--pipelines", default=None,
                    help="comma-separated pipeline names (default: all five); a variant with its own pipeline options: "
-                        "name:key=value+key=value, e.g. semi_sync:output_dist_wait=early (recpipe only); a dotted "
-                        "key sets any other config key but data.* for that run, e.g. "
+                        "name:key=value+key=value, e.g. semi_sync:output_dist_wait=early or "
+                        "sparse_dist:cuda_graphs=true+cuda_graphs.optimizer=false (recpipe only); a key that starts "
+                        "with a config section sets that key (not data.*) for that run, e.g. "
                         "sparse_dist:sharding.default.weights_precision=fp16 (TorchRec's pipelines too)")
     p.add_argument("--with-torchrec", action="store_true",
                    help="also run TorchRec's counterpart of each (and TrainPipelinePT2 when pipeline.compile is on); "
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time recpipe's pipelines (and, with --with-torchrec, TorchRec's counterparts) on the same "
         "model, sharding and pre-generated batches, in interleaved rounds. Reports P50/P90 step time, "
         "samples/s, GPU busy time (by kernel class), host time and memory as OUT/bench.md, bench.json and PNG "
-        "plots; what each number means: docs/bench.md.",
+        "plots; what each number means: docs/benchmarking.md.",
     )
     _add_config_args(bench)
     add_bench_arguments(bench)

@@ -165,6 +165,12 @@ def test_pipeline_variants_run_with_their_own_options_and_typos_are_config_error
                          "pipeline.stash_gradients": True}
     _, _, skip = config_for_pipeline(cfg, "prefetch:cache_fill=false")
     assert "fused_uvm_caching" in skip  # the variant's pipeline is still checked against the tables
+    # one key of a speed feature's section, after its shorthand or alone
+    cfg_p, overrides, skip = config_for_pipeline(cfg, "sparse_dist:cuda_graphs=true+cuda_graphs.optimizer=false")
+    assert not skip and cfg_p.pipeline.cuda_graphs.enabled and not cfg_p.pipeline.cuda_graphs.optimizer
+    assert overrides["pipeline.cuda_graphs.optimizer"] is False
+    cfg_p, _, skip = config_for_pipeline(cfg, "sparse_dist:step_graph.enabled=true+step_graph.headroom=1.5")
+    assert not skip and cfg_p.pipeline.step_graph.enabled and cfg_p.pipeline.step_graph.headroom == 1.5
     for bad in ("semi_sync:output_dist_wait=late", "semi_sync:no_such_option=1", "sparse_dist:oops"):
         assert main(["bench", "--config", SMOKE, "--pipelines", f"base,{bad}"]) == EXIT_BAD_CONFIG
         assert bad.split(":")[1].split("=")[0] in capsys.readouterr().err

@@ -55,6 +55,9 @@ def _worker(cfg) -> None:
         loss.backward()
     assert applied.compiles == compiles[-1] and forwards["head"].eager_calls == 1
     assert "CompiledForward('head'" in repr(applied)
+    # what summary.json reports under speedups.compile
+    assert applied.summary() == {"dense_arch": {"compiled_calls": 6, "eager_calls": 1},
+                                 "head": {"compiled_calls": 6, "eager_calls": 1}}
     applied.remove()
     assert not any(isinstance(vars(m).get("forward"), CompiledForward) for m in sm.model.modules())
 

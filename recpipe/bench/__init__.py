@@ -7,6 +7,6 @@ the flags are ``recpipe.cli``'s), ``run`` one timed run on one rank and its type
 trace of the steps after the timed ones says, ``uvm_cache`` FBGEMM's cache counters,
 ``torchrec_impl`` TorchRec's pipeline for each of recpipe's, ``compare`` rounds and paired
 ratios, ``report`` / ``sections`` / ``plots`` the record. Each module's ``__all__`` is its
-public API (the studies in benchmarks/studies/ use nothing else); docs/bench.md says
+public API (the studies in benchmarks/studies/ use nothing else); docs/benchmarking.md says
 what each number means. Nothing is imported here, so ``recpipe --help`` stays light.
 """

@@ -1,7 +1,7 @@
 """Rounds (``recpipe bench --rounds R``): the interleaved run order, one row merged from its
 rounds, and paired comparisons with a sign test. Runs of a host-bound step vary by about
 10 % from run to run, more than pipelines differ, so A / B is taken within each round,
-where drift hits both sides alike (docs/bench.md, "Rounds")."""
+where drift hits both sides alike (docs/benchmarking.md, "Rounds")."""
 
 from __future__ import annotations
 

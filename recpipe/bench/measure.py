@@ -1,5 +1,5 @@
 """The bench's one clock (:class:`StepClock`, and :func:`time_stage` on it), allocator
-snapshots and statistics. What each number means: docs/bench.md, "Clocks and memory"."""
+snapshots and statistics. What each number means: docs/benchmarking.md, "Clocks and memory"."""
 
 from __future__ import annotations
 

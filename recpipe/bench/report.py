@@ -201,7 +201,7 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         "",
         "P50/P90 over timed steps of the slowest rank's step time; GPU busy: the union of device intervals per",
         "profiled step (n/a on CPU); **x GPU busy = P50 / GPU busy** (1.00: the GPU never idles); host ms/call: host",
-        "time inside progress(); step +GiB: step-only peak above the model. Every number: docs/bench.md.",
+        "time inside progress(); step +GiB: step-only peak above the model. Every number: docs/benchmarking.md.",
         "",
         format_table(rows, markdown=True),
         "",

@@ -101,17 +101,24 @@ def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
     return iter([dataclasses.replace(b, sparse_features=copy.copy(b.sparse_features)) for b in batches])
 
 
+def _is_pipeline_key(key: str) -> bool:
+    """A variant's key is a ``pipeline.<key>`` option, nested ones included
+    (``cuda_graphs.optimizer``), unless it starts with another config section."""
+    return key.split(".")[0] not in RecpipeConfig.model_fields
+
+
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:
     """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync", {"output_dist_wait":
-    "early", "start_batch": 2})`` (values read as YAML). A key without a dot is a ``pipeline.<key>``
-    option; a dotted key any other config key but ``data.*`` (every run has the same batches)."""
+    "early", "start_batch": 2})`` (values read as YAML). A key that does not start with a config
+    section is a ``pipeline.<key>`` option (``cuda_graphs.optimizer=false`` sets one key of that
+    section); a key that does, any other config key but ``data.*`` (every run has the same batches)."""
     name, _, options = label.partition(":")
     pairs = [item.partition("=") for item in options.split("+") if item]
     bad = [key for key, eq, _ in pairs if not eq or not key]
     if bad or (options and not pairs):
         raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options "
                           "or dotted config keys)")
-    refused = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline") and "." in key]
+    refused = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline")]
     if refused:
         raise ConfigError(f"pipeline variant {label!r}: {', '.join(refused)}: a variant cannot set data.* (all runs "
                           "share the pregenerated batches; use --set) nor pipeline.* by its dotted name (write the "
@@ -120,8 +127,8 @@ def split_variant(label: str) -> tuple[str, dict[str, Any]]:
 
 
 def pipeline_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The ``pipeline.<key>`` options of a variant (the dotted keys are other config keys)."""
-    return {k: v for k, v in options.items() if "." not in k}
+    """The ``pipeline.<key>`` options of a variant (the other keys are other config keys)."""
+    return {k: v for k, v in options.items() if _is_pipeline_key(k)}
 
 
 def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig | None, dict[str, Any], str]:
@@ -133,7 +140,7 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
     raw = cfg.editable_dump()
     overrides: dict[str, Any] = {}
     for key, value in options.items():
-        if "." in key:
+        if not _is_pipeline_key(key):
             apply_override(raw, key, value)
             overrides[key] = value
     probe = config_from_dict(raw, f"bench config for {label}") if overrides else cfg
@@ -144,7 +151,11 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
     pipe_opts = pipeline_options(options)
-    raw["pipeline"].update(pipe_opts)
+    for key, value in sorted(pipe_opts.items(), key=lambda kv: kv[0].count(".")):  # sections before their keys
+        section = key.split(".")[0]
+        if "." in key and isinstance(raw["pipeline"].get(section), bool):  # the shorthand true/false
+            raw["pipeline"][section] = {"enabled": raw["pipeline"][section]}
+        apply_override(raw["pipeline"], key, value)
     overrides.update({f"pipeline.{k}": v for k, v in pipe_opts.items()})
     if name != "prefetch" and probe.cache_line_locking and probe.sharding.prefetch_passes != 1:
         raw["sharding"].update(prefetch_passes=1)  # multi-pass prefetch is the prefetch pipeline's

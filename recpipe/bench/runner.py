@@ -1,7 +1,7 @@
 """``recpipe bench``: every (pipeline, implementation) on the same pregenerated batches, one
 after the other in one process group, ``--rounds`` times interleaved; each a ``run.run_local``
 on a fresh model, every rank's result combined into a row. Rank 0 writes ``bench.json``,
-``bench.md`` and the plots (docs/bench.md). A recpipe pipeline that refuses the config is
+``bench.md`` and the plots (docs/benchmarking.md). A recpipe pipeline that refuses the config is
 skipped with its message, a TorchRec one that raises recorded as failed. Exit codes: 0, 1 when
 a rank died or a recpipe pipeline failed, 2 for bad arguments. Studies add their measurement
 after the rows (:func:`run_worker`'s ``sections``) and run on every rank as the bench does

@@ -1,4 +1,4 @@
-"""Markdown of each row's profiled steps beside the main table (docs/bench.md, "Profiled
+"""Markdown of each row's profiled steps beside the main table (docs/benchmarking.md, "Profiled
 steps"): GPU time with its kernel classes, host time by phase, host syncs, the UVM cache.
 Each reads the row's JSON fields; a missing number prints as '-' with the reason beside it."""
 
@@ -98,7 +98,7 @@ def _cache_md(rows: list[Any]) -> list[str]:
     return ["## UVM cache", "",
             "FBGEMM's cache counters over the timed steps, the cache work in the profiled steps (overlapped with "
             "other device work, in brackets with compute kernels, or exposed), and bytes fetched over the GPU time "
-            "of the cache insert (note: its op) or of its row moves; the rank that fetches most (docs/bench.md).",
+            "of the cache insert (note: its op) or of its row moves; the rank that fetches most (docs/benchmarking.md).",
             "", grid(header, body, markdown=True), ""] if body else []
 
 

@@ -1,6 +1,6 @@
 """What a torch.profiler trace of a few steady-state ``progress()`` calls says about one
 bench row: GPU busy time, GPU time by kernel class, host time per call and by phase,
-host syncs by site, and the device work of the UVM cache's ops (docs/bench.md, "Profiled
+host syncs by site, and the device work of the UVM cache's ops (docs/benchmarking.md, "Profiled
 steps"). :func:`profile_progress` takes the trace, :func:`summarize_trace` reads it,
 :func:`combine_ranks` keeps the slowest rank's headline numbers."""
 

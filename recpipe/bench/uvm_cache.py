@@ -1,6 +1,6 @@
 """UVM-cache metrics of a bench row: FBGEMM's cache counters read around the timed steps
 (hit rate, rows and bytes fetched per step, cache occupancy, evictions), the cache work's
-GPU time and overlap from the trace, and the achieved host-to-HBM bandwidth (docs/bench.md,
+GPU time and overlap from the trace, and the achieved host-to-HBM bandwidth (docs/benchmarking.md,
 "UVM cache"). The counters need ``gather_uvm_cache_stats=True`` on every cached TBE
 (:func:`stats_fused_params`, a TBE argument torchrec passes through; fbgemm-gpu 1.6, 1.8):
 a few atomics in FBGEMM's cache kernels, on every row of a cached config alike.

@@ -46,13 +46,13 @@ class Streams:
     _scratch: dict = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def create(device: torch.device, roles: frozenset[str], lookup_on: str = "dist") -> "Streams":
+    def create(device: torch.device, roles: frozenset[str]) -> "Streams":
         """Streams for ``roles`` on ``device``; roles not asked for are ``None``.
 
         Side streams get high priority (-1) like TorchRec's, so the small copies and
-        all-to-alls they carry are not starved by long compute kernels.
-        ``lookup_on``: 'dist' reuses the dist stream (one allocator pool fewer),
-        'new' creates one, 'compute' runs the lookup on the compute stream.
+        all-to-alls they carry are not starved by long compute kernels. Each side role
+        a schedule names is a stream of its own (``lookup``: a lookup off the compute
+        and dist streams, with its own allocator pool).
         """
         if device.type != "cuda":
             return Streams(None, None, None, None, None)
@@ -62,10 +62,7 @@ class Streams:
 
         compute = torch.cuda.current_stream(device)
         dist = make("dist")
-        lookup: Stream = None
-        if "lookup" in roles:
-            lookup = {"dist": dist, "new": torch.cuda.Stream(device=device, priority=-1), "compute": compute}[lookup_on]
-        return Streams(compute, make("memcpy"), dist, lookup, make("prefetch"))
+        return Streams(compute, make("memcpy"), dist, make("lookup"), make("prefetch"))
 
     def by_role(self, role: str) -> Stream:
         return getattr(self, role)

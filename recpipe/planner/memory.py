@@ -1,4 +1,5 @@
-"""The memory estimate: :func:`estimate_memory` (pure: ``PlannerInputs`` in,
+"""The memory estimate's terms, assembled by
+:func:`recpipe.planner.estimate.estimate_memory` (pure: ``PlannerInputs`` in,
 ``MemoryPlan`` out; no process group, no GPU).
 
 Per rank r the HBM total is

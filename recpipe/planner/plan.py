@@ -88,7 +88,7 @@ TERM_DOC: dict[str, str] = {
     "allocator_fragmentation": "reserved-over-allocated of the default stream's pool",
     "reserve_memcpy_stream": "memcpy stream pool: one batch freed late (record_stream)",
     "reserve_dist_stream": "dist stream pool: input all-to-all staging (permuted/bucketized KJT)",
-    "reserve_lookup_stream": "emb_lookup stream pool ('new'): early pooled embeddings not reusable by the default stream",
+    "reserve_lookup_stream": "lookup stream pool (a schedule with a lookup role): early pooled embeddings not reusable by the default stream",
     "reserve_prefetch_stream": "prefetch stream pool: its scratch when not overlapping the peak",
     # cached
     "prefetch_pass_segments": "multi-pass prefetch with PyTorch's default segments: the prefetch pool's segments stay "

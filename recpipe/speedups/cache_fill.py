@@ -24,7 +24,7 @@ right after it see the same cache):
    locked slots and slots stamped this step, exactly as FBGEMM's kernel (ties between
    equal LRU times go to the lower way); a miss without one is a conflict miss, which
    the lookup then reads from host memory, as with FBGEMM;
-4. move (``cache_fill_sms`` persistent programs): for every taken slot, the evicted
+4. move (``pipeline.cache_fill.sms`` persistent programs): for every taken slot, the evicted
    row to host memory and the new row into the cache, a tile of rows in flight at
    once per program, so a few SMs keep PCIe busy.
 

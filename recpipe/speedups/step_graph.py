@@ -8,7 +8,7 @@ feature), the step can be captured once and replayed: NVIDIA's MLPerf DLRM submi
 capture their whole iteration for that reason.
 
 :func:`apply_step_graph` turns a ``base`` or ``sparse_dist`` pipeline into a two-step
-schedule (``recpipe schedule``'s ``step_graph``): the next batch's host-to-device copy
+schedule (``step_graph.SCHEDULE``): the next batch's host-to-device copy
 on the memcpy stream, as before, and ``train_step``: the batch copied into the graph's
 static input buffers, then one replay of the captured step: input dist (one rank:
 nothing to exchange; several ranks: the id all-to-all with splits known from the
@@ -37,7 +37,7 @@ Life of a pipeline with a step graph:
    (``torch.cuda.graph``); every later batch with the same shapes is a copy and a
    replay. A batch over capacity (or of other shapes: a last, smaller batch) trains
    eagerly on its own, unpadded: counted in ``eager_steps``, named once in a warning,
-   and in ``summary()`` (the trainer's summary.json). On several ranks the ranks agree
+   and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
    first (one Gloo all-reduce a step), so all take the same path.
 
 Exactness: a replay launches the captured kernels on the same buffers, so a graphed

@@ -40,7 +40,7 @@ import resource
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Callable, Iterator, NoReturn, TypeVar
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 import fbgemm_gpu
 import torch
@@ -533,6 +533,7 @@ class Trainer:
             "world_size": self.world_size,
             "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
+            "speedups": self._speedups(),
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {
                 "torch": torch.__version__,
@@ -541,6 +542,17 @@ class Trainer:
                 "cuda": torch.version.cuda,
             },
         }
+
+    def _speedups(self) -> dict[str, Any]:
+        """What each speed feature applied to the pipeline did (``summary()``: the step
+        graph's replays and eager steps, compiled and eager calls), else what it is."""
+        return {_speedup_key(a): a.summary() if callable(getattr(a, "summary", None)) else repr(a)
+                for a in getattr(self.pipeline, "applied", ())}
+
+
+def _speedup_key(applied: Any) -> str:
+    """``recpipe.speedups.step_graph.StepGraph`` -> ``step_graph``: the module's name, as the config key."""
+    return type(applied).__module__.rsplit(".", 1)[-1]
 
 
 def _total(count: int, device: torch.device) -> int:

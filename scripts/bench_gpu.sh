@@ -6,7 +6,11 @@
 # SUITE: criteo (8192 samples/GPU, host-bound on one H100), gpu_bound (65536/GPU),
 # opt_heavy (Adam on a 52M-parameter over-arch), uvm (prefetch pipeline on UVM-cached
 # tables, recpipe beside TorchRec's PrefetchTrainPipelineSparseDist), multipass (the
-# multi-pass prefetch sweep on 2M-row cached tables at pooling 40). Default: all.
+# multi-pass prefetch sweep on 2M-row cached tables at pooling 40), and the speed features
+# beside TorchRec: criteo_step_graph (Criteo-sized, bf16: CUDA graphs, compile, one graph per
+# step), mlperf (MLPerf DLRM-DCNv2's shapes, compiled, profiled by kernel class) and
+# gpu_bound_compile (65536/GPU, bf16, compiled on both sides: TorchRec's TrainPipelinePT2).
+# Default: all.
 # Every suite runs each pipeline in ROUNDS interleaved rounds (default 3) with the stages
 # timed alone (benchmarks/studies/bound.py: recpipe bench's rows plus the estimate); the
 # multipass suite is benchmarks/studies/multipass.py. One process per GPU (torchrun) when
@@ -16,7 +20,7 @@ set -uo pipefail
 out=${1:?usage: scripts/bench_gpu.sh OUT_DIR [SUITE ...]}
 shift
 suites=("$@")
-[ ${#suites[@]} -gt 0 ] || suites=(criteo gpu_bound opt_heavy uvm multipass)
+[ ${#suites[@]} -gt 0 ] || suites=(criteo gpu_bound opt_heavy uvm multipass criteo_step_graph mlperf gpu_bound_compile)
 rounds=${ROUNDS:-3}
 nproc=${NPROC:-$(nvidia-smi -L | wc -l)}
 export PYTHONUNBUFFERED=1
@@ -32,6 +36,18 @@ bench() {  # bench SUITE STUDY ARGS...: one study's bench (bound or multipass), 
         torchrun --standalone --nproc-per-node "$nproc" "$study" "$@" --out "$out/$suite" 2>&1
     else
         python3 "$study" "$@" --out "$out/$suite" 2>&1
+    fi | grep -v "compat_table\|WARNING:root" | tee "$out/$suite.log"
+}
+
+speed() {  # speed SUITE ARGS...: recpipe bench rows of the speed features, on all GPUs
+    local suite=$1
+    shift
+    mkdir -p "$out"
+    echo "== $suite: recpipe bench $* (nproc $nproc)"
+    if [ "$nproc" -gt 1 ]; then
+        torchrun --standalone --nproc-per-node "$nproc" -m recpipe bench "$@" --out "$out/$suite" 2>&1
+    else
+        python3 -m recpipe bench "$@" --out "$out/$suite" 2>&1
     fi | grep -v "compat_table\|WARNING:root" | tee "$out/$suite.log"
 }
 
@@ -51,7 +67,15 @@ for suite in "${suites[@]}"; do
         --set 'model.num_embeddings_per_feature=[2000000,2000000,2000000,2000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000,100000]' \
         --set 'data.synthetic.mean_pooling_factors=[40,40,40,40,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1]' \
         --set sharding.prefetch_min_pass_size=65536 ;;
-    *) echo "unknown suite $suite (criteo gpu_bound opt_heavy uvm multipass)" >&2; exit 2 ;;
+    criteo_step_graph) speed criteo_step_graph --config configs/bench/dlrm_criteo.yaml --set train.precision=bf16 \
+        --set pipeline.cuda_graphs=true "${common[@]}" --steps 50 --warmup 10 --trace-steps 3 \
+        --pipelines "base,sparse_dist,sparse_dist:compile=true,sparse_dist:step_graph=true+cuda_graphs=false,sparse_dist:compile=true+step_graph=true+cuda_graphs=false" ;;
+    mlperf) speed mlperf --config configs/bench/mlperf_dcnv2.yaml "${common[@]}" --steps 40 --warmup 10 --trace-steps 3 \
+        --profile --pipelines "base,sparse_dist,sparse_dist:compile=true,sparse_dist:compile=true+step_graph=true+cuda_graphs=false" ;;
+    gpu_bound_compile) speed gpu_bound_compile --config configs/bench/dlrm_criteo_gpu_bound.yaml --set train.precision=bf16 \
+        --set pipeline.compile=true --set pipeline.cuda_graphs=true "${common[@]}" --steps 30 --warmup 8 --trace-steps 3 \
+        --profile --pipelines "base,sparse_dist,sparse_dist:step_graph=true+cuda_graphs=false" ;;
+    *) echo "unknown suite $suite (criteo gpu_bound opt_heavy uvm multipass criteo_step_graph mlperf gpu_bound_compile)" >&2; exit 2 ;;
     esac
     rc=$?
     [ $rc -eq 0 ] || { echo "== $suite exited $rc"; status=1; }

@@ -177,14 +177,14 @@ def with_hooks(pipeline_cls: type) -> type:
 
 def worker(cfg: Any) -> None:
     from recpipe.distributed import init_process_group
-    from recpipe.pipelines import PIPELINES
+    from recpipe.pipelines import PIPELINES, make_pipeline
     from recpipe.sharding import shard_model
 
     device = init_process_group(cfg)
     torch.manual_seed(cfg.train.seed)
     sharded = shard_model(build_model(cfg), cfg, device)
-    options = cfg.pipeline.model_dump(exclude={"name", "inputs"})
-    pipe = with_hooks(PIPELINES[cfg.pipeline.name])(sharded.model, sharded.optimizer, device, **options)
+    # the configured pipeline, its options and speed features, built as the script's subclass
+    pipe = make_pipeline(cfg, sharded.model, sharded.optimizer, device, cls=with_hooks(PIPELINES[cfg.pipeline.name].cls))
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = itertools.islice(make_batches(cfg, rank=rank, world_size=world, split="train", epoch=0, start_batch=0),
                                cfg.train.steps)

@@ -30,25 +30,25 @@ def _steps(cfg, batches, compiled: bool):
             break
         losses.append(pipe.last_loss.clone())
         compiles.append(applied.compiles if applied else 0)
-    return sm, applied, torch.stack(losses), compiles
+    return sm, pipe, applied, torch.stack(losses), compiles
 
 
 def _worker(cfg) -> None:
     init_process_group(cfg)
     batches = make_batches(cfg, 6, dist.get_rank())
-    _, _, eager, _ = _steps(cfg, batches, compiled=False)
-    sm, applied, compiled, compiles = _steps(cfg, batches, compiled=True)
+    _, _, _, eager, _ = _steps(cfg, batches, compiled=False)
+    sm, pipe, applied, compiled, compiles = _steps(cfg, batches, compiled=True)
     # dense arch and head: a forward and a backward graph each, compiled at the first step only
     assert compiles[0] > 0 and compiles == [compiles[0]] * len(compiles), compiles
     assert torch.allclose(eager, compiled, rtol=1e-4, atol=1e-6), (eager, compiled)
     forwards = {f.name: f for f in applied.forwards}
     assert set(forwards) == {"dense_arch", "head"} and all(f.compiled_calls == 6 for f in forwards.values())
     # evaluation, and a batch of another size: the module's own forward, nothing compiled
-    with torch.no_grad():
+    with torch.no_grad(), pipe.detached():
         sm.model.eval()
         sm.model(batches[0])
         sm.model.train()
-    with pytest.warns(UserWarning, match="compiled for other input shapes"):
+    with pytest.warns(UserWarning, match="compiled for other input shapes"), pipe.detached():
         small = make_batches(cfg.model_copy(update={"data": cfg.data.model_copy(update={"batch_size": 8})}), 1,
                              dist.get_rank())[0]
         loss, _ = sm.model(small)

@@ -122,3 +122,14 @@ def test_memory_facts_read_off_the_schedules_are_the_stated_ones():
     for name, schedule in checked.items():
         facts = memory_facts(schedule)
         assert tuple(facts[f] for f in FIELDS) == STATED[name], (name, facts)
+
+
+def test_make_pipeline_builds_a_subclass_of_the_configured_pipeline_only():
+    """A trainer script's hooks: ``cls`` must subclass the class of ``pipeline.name``."""
+    from recpipe.config import load_config
+    from recpipe.errors import PipelineError
+    from recpipe.pipelines import PIPELINES, make_pipeline
+
+    cfg = load_config(None, ["pipeline.name=sparse_dist"])
+    with pytest.raises(PipelineError, match="not a subclass of SparseDistPipeline"):
+        make_pipeline(cfg, None, None, torch.device("cpu"), cls=PIPELINES["base"].cls)

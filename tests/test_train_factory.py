@@ -45,7 +45,10 @@ def test_factory_model_trains_logs_and_resumes_bit_identically(tmp_path, capfd, 
     assert _train(straight, steps=9, every=4) == 0
     out = capfd.readouterr().out
     assert "user_ebc <- batch.features['user']" in out and "history_ec <- batch.history" in out  # found inputs
-    assert "item_history" in out and "row_wise" in out  # the plan table names the model's own tables
+    assert "sharding: 5 tables over 2 ranks" in out and "row_wise" in out  # the model's own tables, placed
+    # `recpipe plan` names each of them (the start line of `recpipe train` only counts them)
+    assert main(["plan", "--config", str(CONFIG), *[a for pair in SMALL for a in ("--set", pair)]]) == 0
+    assert "item_history" in capfd.readouterr().out
     summary = json.loads((straight / "summary.json").read_text())
     assert summary["steps"] == 9 and summary["pipeline"] == "semi_sync" and summary["epoch"] == 1
     assert summary["loss"] is not None and summary["eval_auc"] is not None  # the output contract's metrics

@@ -13,6 +13,7 @@ registry and nothing else. Adding a pipeline is one file and one line in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from recpipe.callables import load_callable
+from recpipe.errors import PipelineError
 from recpipe.pipelines import base, fused_sparse_dist, prefetch, semi_sync, sparse_dist
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
@@ -69,12 +71,19 @@ def main_schedule(args: argparse.Namespace) -> int:
 
 
 def make_pipeline(
-    cfg: "RecpipeConfig", model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    cfg: "RecpipeConfig", model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device,
+    cls: type | None = None,
 ) -> Pipeline:
     """The pipeline ``cfg.pipeline`` names, its ``inputs`` functions imported, with the
-    speed features of ``cfg.pipeline`` applied to it and to ``model``."""
+    speed features of ``cfg.pipeline`` applied to it and to ``model``. ``cls``: a
+    subclass of that pipeline's class (a trainer script's hooks), built in its place."""
     options = cfg.pipeline
     definition = PIPELINES[options.name]
+    if cls is not None:
+        if not (isinstance(cls, type) and issubclass(cls, definition.cls)):
+            raise PipelineError(f"make_pipeline(cls={cls!r}): not a subclass of {definition.cls.__name__}, the class "
+                                f"of pipeline.name={options.name!r}")
+        definition = dataclasses.replace(definition, cls=cls)
     inputs = {fqn: load_callable(spec, f"pipeline.inputs.{fqn}") for fqn, spec in options.inputs.items()}
     if inputs and not definition.cls.intercepts:
         warnings.warn(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")

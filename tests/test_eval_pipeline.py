@@ -1,0 +1,167 @@
+"""Evaluation through every pipeline's eval schedule (recpipe.pipelines.evaluation) gives
+the plain loop's outputs and metrics bit for bit, on uneven eval data with a partial last
+batch, and training continues after it exactly as after the plain loop. Gloo on CPU
+(1 and 2 processes); tests/test_eval_pipeline_gpu.py runs the same worker on CUDA."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipeline_harness import assert_same, build, local_state, make, make_batches, small_config, RunResult
+from recpipe.distributed import init_process_group, launch_local
+from recpipe.pipelines import PIPELINES, base
+from recpipe.pipelines.evaluation import PLAIN_SCHEDULE, Evaluation, eval_schedule_of
+from recpipe.train.metrics import ClickMetrics, click_outputs
+
+NAMES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync", "prefetch")
+# semi_sync and fused_sparse_dist's default order need every table updated inside the TBE backward
+TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
+PARTIAL = 10  # samples in each rank's last eval batch (data.batch_size is 16)
+
+
+def eval_batches(cfg, rank: int, world: int) -> list:
+    """Rank r: 2 + r full batches and one partial one. Two ranks: 3 and 4 batches, so rank 0
+    pads once; its padding batch is its partial last one, while rank 1 evaluates its own."""
+    full = make_batches(cfg, 2 + rank, rank, seed=7)
+    short = cfg.model_copy(update={"data": cfg.data.model_copy(update={"batch_size": PARTIAL})})
+    return full + make_batches(short, 1, rank, seed=8)
+
+
+def reference_eval(pipe, batches: list, device: torch.device) -> list:
+    """The plain loop: ``model(batch.to(device))`` outside the pipeline, in eval mode, under
+    no_grad; a rank that has run out feeds its last batch with zero weights until no rank has
+    a batch left (the padding every rank needs for the collectives of the others' forwards)."""
+    count = torch.tensor([len(batches)])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    model, outputs = pipe.model, []
+    with pipe.detached(), torch.no_grad():
+        model.eval()
+        for i in range(int(count)):
+            padding = i >= len(batches)
+            batch = batches[-1].as_padding() if padding else batches[i]
+            outputs.append((model(batch.to(device, non_blocking=True)), padding))
+        model.train()
+    return outputs
+
+
+def clicks_of(outputs: list, device: torch.device) -> tuple[list, dict[str, float]]:
+    """Each batch's (logits, labels, weights) as the trainer reads them, and the metrics."""
+    metrics, rows = ClickMetrics(device), []
+    for result, padding in outputs:
+        logits, labels, weights = click_outputs(result[1])
+        weights = torch.zeros_like(labels) if padding else torch.ones_like(labels) if weights is None else weights
+        metrics.update(logits, labels, weights)
+        rows.append((logits.cpu(), labels.cpu(), weights.cpu()))
+    return rows, metrics.compute()
+
+
+def train_steps(pipe, batches: list, losses: list) -> None:
+    it = iter(batches)
+    while True:
+        try:
+            losses.append(pipe.progress(it)[0].detach().cpu())
+        except StopIteration:
+            return
+
+
+def assert_same_outputs(a: list, b: list, what: str) -> None:
+    assert len(a) == len(b), f"{what}: {len(a)} vs {len(b)} batches"
+    for i, (x, y) in enumerate(zip(a, b)):
+        for name, s, t in zip(("logits", "labels", "weights"), x, y):
+            assert s.shape == t.shape and torch.equal(s, t), f"{what}: batch {i} {name} differ: {s} vs {t}"
+
+
+def _worker(cfg, device_type: str = "cpu") -> None:
+    device = init_process_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before = make_batches(cfg, 3, rank, seed=1)
+    after = make_batches(cfg, 3, rank, seed=2)
+    evals = eval_batches(cfg, rank, world)
+    if device.type == "cuda":
+        before, after, evals = ([b.pin_memory() for b in bs] for bs in (before, after, evals))
+    for name in NAMES:
+        # A: train, the plain loop written out, the engine's plain loop, train on.
+        sm = build(cfg, device)
+        pipe = make(name, sm, device)
+        losses_a: list = []
+        train_steps(pipe, before, losses_a)
+        ref = reference_eval(pipe, evals, device)
+        plain = list(Evaluation(pipe, pipelined=False).run(evals))
+        train_steps(pipe, after, losses_a)
+        state_a = local_state(sm.model)
+        pipe.detach()
+        # B: train, the pipelined evaluation, one left after its first batch, train on.
+        sm = build(cfg, device)
+        pipe = make(name, sm, device)
+        losses_b: list = []
+        train_steps(pipe, before, losses_b)
+        pipelined = list(Evaluation(pipe).run(evals))
+        with contextlib.closing(Evaluation(pipe).run(evals)) as stopped:
+            next(stopped)
+        assert pipe.attached and pipe.in_flight() == 0
+        train_steps(pipe, after, losses_b)
+        state_b = local_state(sm.model)
+        pipe.detach()
+
+        want, want_metrics = clicks_of(ref, device)
+        assert len(want) == 4 if world == 2 else len(want) == 3
+        assert [p for _, p in ref] == [p for _, p in plain] == [p for _, p in pipelined]
+        for what, outputs in (("plain", plain), ("pipelined", pipelined)):
+            got, got_metrics = clicks_of(outputs, device)
+            assert_same_outputs(want, got, f"{name} {device_type} {what} eval")
+            assert got_metrics == want_metrics, f"{name} {what}: {got_metrics} != {want_metrics}"
+        assert_same(RunResult(losses_a, [], state_a), RunResult(losses_b, [], state_b),
+                    f"{name}: training after the pipelined evaluation")
+        dist.barrier()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_pipelined_eval_equals_the_plain_loop_for_every_pipeline(nproc):
+    launch_local(_worker, nproc, small_config(nproc, overrides=TABLES))
+
+
+def test_eval_schedules_are_training_steps_without_the_update():
+    """Each pipeline's eval schedule: its training steps, same stream and batch offset, without
+    zero_grad/backward/optimizer, and forward_eval for forward; printed by ``recpipe schedule``."""
+    from recpipe.cli import main
+
+    for name, definition in PIPELINES.items():
+        evaluation = definition.eval_schedule.validate()
+        train = {(s.name, s.stream, s.offset) for s in definition.schedules[0].steps}
+        steps = {(s.name, s.stream, s.offset) for s in evaluation.steps}
+        assert ("forward_eval", "compute", 0) in steps and ("forward", "compute", 0) in train, name
+        assert steps - {("forward_eval", "compute", 0)} <= train, (name, steps - train)
+        assert not {s for s, *_ in steps} & {"zero_grad", "backward", "optimizer", "forward"}, name
+        assert main(["schedule", name]) == 0
+
+
+def test_which_eval_schedule_a_pipeline_runs():
+    """Its own; base's where its model runs its own sharded forward (base; a step graph's
+    schedule intercepts no module) or its class states none; the plain one when asked."""
+    from recpipe.pipelines.engine import Pipeline
+
+    for name, definition in PIPELINES.items():
+        pipe = object.__new__(definition.cls)  # only what choosing a schedule reads
+        pipe._modules = {"sparse.ebc": object()} if definition.cls.intercepts else {}
+        assert eval_schedule_of(pipe) is definition.eval_schedule, name
+        assert Evaluation(pipe, pipelined=False).schedule is PLAIN_SCHEDULE
+        pipe._modules = {}
+        assert eval_schedule_of(pipe) is base.EVAL_SCHEDULE, name
+
+    class Custom(Pipeline):
+        schedule = base.SCHEDULE
+
+    custom = object.__new__(Custom)
+    custom._modules = {"sparse.ebc": object()}
+    assert eval_schedule_of(custom) is base.EVAL_SCHEDULE
+
+
+def test_plain_schedule_is_the_plain_loop():
+    """One batch at a time on the compute stream: the copy of batch i+1 queued after forward(i)."""
+    assert PLAIN_SCHEDULE.depth == 2 and PLAIN_SCHEDULE.roles == frozenset({"compute"})
+    assert [s.name for s in PLAIN_SCHEDULE.steps] == ["forward_eval", "h2d"]

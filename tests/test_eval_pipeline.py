@@ -165,3 +165,43 @@ def test_plain_schedule_is_the_plain_loop():
     """One batch at a time on the compute stream: the copy of batch i+1 queued after forward(i)."""
     assert PLAIN_SCHEDULE.depth == 2 and PLAIN_SCHEDULE.roles == frozenset({"compute"})
     assert [s.name for s in PLAIN_SCHEDULE.steps] == ["forward_eval", "h2d"]
+
+
+def _train(run, *extra: str) -> int:
+    from pathlib import Path
+
+    from recpipe.cli import main
+
+    quickstart = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+    config = run.parent / f"{run.name}.yaml"  # quickstart's, the data made by the factory
+    config.write_text("\n".join(line for line in quickstart.read_text().splitlines() if "source: synthetic" not in line))
+    sets = ["model.num_embeddings_per_feature=[500, 500, 200, 200, 100, 100]", "model.embedding_dim=8",
+            "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[32, 1]",
+            "sharding.tables={t_cat_0: {type: row_wise}}", "data.batch_size=128", "data.synthetic.num_eval_batches=5",
+            "data.factory=eval_data:uneven_eval", "train.steps=4", "train.eval_every=2", "train.log_every=2",
+            "train.progress=false", f"logging.run_dir={run}", *extra]
+    return main(["train", "--config", str(config), *[a for s in sets for a in ("--set", s)]])
+
+
+@pytest.mark.slow
+def test_trainer_evaluates_uneven_eval_data_pipelined_as_plain_and_reports_samples_per_s(tmp_path, capfd):
+    """Two ranks with 3 and 4 eval batches (a user's data.factory): the trainer's pipelined
+    evaluation gives the plain loop's metrics exactly; samples/s in the eval line, in
+    TensorBoard (eval/samples_per_s) and in summary.json (eval_samples_per_s)."""
+    import json
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    summaries = {}
+    for pipelined in (True, False):
+        run = tmp_path / str(pipelined)
+        assert _train(run, f"train.eval_pipelined={str(pipelined).lower()}") == 0
+        lines = [line for line in capfd.readouterr().out.splitlines() if ": eval auc " in line]
+        assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"], lines
+        assert all(line.endswith(" samples/s)") for line in lines), lines
+        summaries[pipelined] = json.loads((run / "summary.json").read_text())
+        assert summaries[pipelined]["eval_samples_per_s"] > 0
+        events = EventAccumulator(str(run)).Reload()
+        assert [e.step for e in events.Scalars("eval/samples_per_s")] == [2, 4]
+    for key in ("eval_auc", "eval_ne", "eval_loss", "eval_accuracy", "loss"):
+        assert summaries[True][key] == summaries[False][key], (key, summaries)

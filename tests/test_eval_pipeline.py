@@ -23,12 +23,23 @@ TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wi
 PARTIAL = 10  # samples in each rank's last eval batch (data.batch_size is 16)
 
 
-def eval_batches(cfg, rank: int, world: int) -> list:
+def batches_of(cfg, n: int, rank: int, seed: int, zipf: bool = False) -> list:
+    """``n`` batches: the harness's (few distinct ids), or with ``zipf`` the synthetic click
+    log's (Zipf ids over whole tables: on a small UVM cache, evictions and conflict misses)."""
+    if not zipf:
+        return make_batches(cfg, n, rank, seed=seed)
+    from recpipe.data.synthetic import SyntheticClickLog
+
+    log = SyntheticClickLog(cfg)
+    return [log.batch(rank=rank, split="train", epoch=seed, index=i) for i in range(n)]
+
+
+def eval_batches(cfg, rank: int, world: int, zipf: bool = False) -> list:
     """Rank r: 2 + r full batches and one partial one. Two ranks: 3 and 4 batches, so rank 0
     pads once; its padding batch is its partial last one, while rank 1 evaluates its own."""
-    full = make_batches(cfg, 2 + rank, rank, seed=7)
+    full = batches_of(cfg, 2 + rank, rank, 7, zipf)
     short = cfg.model_copy(update={"data": cfg.data.model_copy(update={"batch_size": PARTIAL})})
-    return full + make_batches(short, 1, rank, seed=8)
+    return full + batches_of(short, 1, rank, 8, zipf)
 
 
 def reference_eval(pipe, batches: list, device: torch.device) -> list:
@@ -75,18 +86,23 @@ def assert_same_outputs(a: list, b: list, what: str) -> None:
             assert s.shape == t.shape and torch.equal(s, t), f"{what}: batch {i} {name} differ: {s} vs {t}"
 
 
-def _worker(cfg, device_type: str = "cpu") -> None:
+def _worker(cfg, runs: tuple = tuple((name, {}) for name in NAMES), zipf: bool = False) -> None:
+    """For each (pipeline, ``make`` options) of ``runs``: model A trains, evaluates with the plain
+    loop written out and the engine's plain loop, trains on; model B trains, evaluates pipelined
+    (and once more, left after its first batch), trains on. The three evaluations' outputs and
+    metrics are equal, and so are A's and B's losses and weights at the end."""
+    from recpipe.pipelines.prefetch import cached_tbes
+
     device = init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    before = make_batches(cfg, 3, rank, seed=1)
-    after = make_batches(cfg, 3, rank, seed=2)
-    evals = eval_batches(cfg, rank, world)
+    before, after = batches_of(cfg, 3, rank, 1, zipf), batches_of(cfg, 3, rank, 2, zipf)
+    evals = eval_batches(cfg, rank, world, zipf)
     if device.type == "cuda":
         before, after, evals = ([b.pin_memory() for b in bs] for bs in (before, after, evals))
-    for name in NAMES:
+    for name, options in runs:
         # A: train, the plain loop written out, the engine's plain loop, train on.
         sm = build(cfg, device)
-        pipe = make(name, sm, device)
+        pipe = make(name, sm, device, **options)
         losses_a: list = []
         train_steps(pipe, before, losses_a)
         ref = reference_eval(pipe, evals, device)
@@ -96,13 +112,15 @@ def _worker(cfg, device_type: str = "cpu") -> None:
         pipe.detach()
         # B: train, the pipelined evaluation, one left after its first batch, train on.
         sm = build(cfg, device)
-        pipe = make(name, sm, device)
+        pipe = make(name, sm, device, **options)
         losses_b: list = []
         train_steps(pipe, before, losses_b)
         pipelined = list(Evaluation(pipe).run(evals))
         with contextlib.closing(Evaluation(pipe).run(evals)) as stopped:
             next(stopped)
-        assert pipe.attached and pipe.in_flight() == 0
+        assert pipe.attached and pipe.in_flight() == 0 and sm.model.training
+        for tbe in cached_tbes(sm.model):  # the eval forwards' cache-line locks and prefetches are gone
+            assert int(tbe.lxu_cache_locking_counter.abs().sum()) == 0 and not tbe.lxu_cache_locations_list
         train_steps(pipe, after, losses_b)
         state_b = local_state(sm.model)
         pipe.detach()
@@ -112,10 +130,10 @@ def _worker(cfg, device_type: str = "cpu") -> None:
         assert [p for _, p in ref] == [p for _, p in plain] == [p for _, p in pipelined]
         for what, outputs in (("plain", plain), ("pipelined", pipelined)):
             got, got_metrics = clicks_of(outputs, device)
-            assert_same_outputs(want, got, f"{name} {device_type} {what} eval")
+            assert_same_outputs(want, got, f"{name} {options} {device.type} {what} eval")
             assert got_metrics == want_metrics, f"{name} {what}: {got_metrics} != {want_metrics}"
         assert_same(RunResult(losses_a, [], state_a), RunResult(losses_b, [], state_b),
-                    f"{name}: training after the pipelined evaluation")
+                    f"{name} {options} {device.type}: training after the pipelined evaluation")
         dist.barrier()
 
 
@@ -123,6 +141,47 @@ def _worker(cfg, device_type: str = "cpu") -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_pipelined_eval_equals_the_plain_loop_for_every_pipeline(nproc):
     launch_local(_worker, nproc, small_config(nproc, overrides=TABLES))
+
+
+def _step_graph_worker(cfg) -> None:
+    """A step graph (stand-in capture, as in tests/test_step_graph.py) in padding mode: its
+    schedule intercepts no module, so the evaluation runs base's eval schedule on the model's
+    own forward (step graph's padding-bag forward installed); nothing of the captured step
+    runs in it, and training continues as after the plain loop."""
+    from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph
+
+    device = init_process_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    before, after = make_batches(cfg, 5, rank, seed=1), make_batches(cfg, 3, rank, seed=2)
+    evals = eval_batches(cfg, rank, world)
+    runs = {}
+    for pipelined in (False, True):
+        sm = build(cfg, device)
+        pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, device)
+        graph = apply_step_graph(pipe, StepGraphOptions(enabled=True, capacity_batches=2), capture=lambda step: step)
+        losses: list = []
+        train_steps(pipe, before, losses)
+        assert graph.padded and graph.replays > 0, graph
+        seen = (graph.replays, graph.eager_steps, len(graph._counts))
+        evaluation = Evaluation(pipe, pipelined=pipelined)
+        assert evaluation.schedule is (base.EVAL_SCHEDULE if pipelined else PLAIN_SCHEDULE)
+        ref = reference_eval(pipe, evals, device)
+        outputs = list(evaluation.run(evals))
+        assert (graph.replays, graph.eager_steps, len(graph._counts)) == seen, graph
+        train_steps(pipe, after, losses)
+        runs[pipelined] = (clicks_of(ref, device), clicks_of(outputs, device),
+                           RunResult(losses, [], local_state(sm.model)))
+    for pipelined, ((want, want_metrics), (got, got_metrics), _) in runs.items():
+        assert_same_outputs(want, got, f"step graph, pipelined={pipelined}")
+        assert got_metrics == want_metrics
+    assert_same(runs[False][2], runs[True][2], "step graph: training after the pipelined evaluation")
+    dist.barrier()
+
+
+@pytest.mark.slow
+def test_step_graph_pipeline_evaluates_without_its_captured_step():
+    tables = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
+    launch_local(_step_graph_worker, 2, small_config(2, overrides=tables))
 
 
 def test_eval_schedules_are_training_steps_without_the_update():

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from pipeline_harness import assert_same, build, local_state, make, make_batches, small_config, RunResult
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.pipelines import PIPELINES, base
+from recpipe.pipelines import PIPELINES, base, steps
 from recpipe.pipelines.evaluation import PLAIN_SCHEDULE, Evaluation, eval_schedule_of
 from recpipe.train.metrics import ClickMetrics, click_outputs
 
@@ -197,6 +197,27 @@ def test_eval_schedules_are_training_steps_without_the_update():
         assert steps - {("forward_eval", "compute", 0)} <= train, (name, steps - train)
         assert not {s for s, *_ in steps} & {"zero_grad", "backward", "optimizer", "forward"}, name
         assert main(["schedule", name]) == 0
+
+
+def test_eval_plans_fence_only_across_streams():
+    """Compiled for distinct stand-in streams (as on CUDA): every wait across streams is a
+    fence on an event recorded after the step it names; waits on the same stream are dropped."""
+    from recpipe.pipelines.evaluation import EvalPipeline
+    from recpipe.pipelines.streams import Streams
+
+    s = {role: object() for role in ("compute", "memcpy", "dist", "prefetch")}
+    streams = Streams(s["compute"], s["memcpy"], s["dist"], s["dist"], s["prefetch"])
+    for schedule in [d.eval_schedule for d in PIPELINES.values()] + [PLAIN_SCHEDULE]:
+        pipe = object.__new__(EvalPipeline)  # only what compiling a plan reads
+        pipe.streams, pipe.max_batches_ahead, pipe._plans, pipe.schedule = streams, None, {}, schedule
+        pipe._wrappers, pipe._extra_steps = {}, {}
+        _, ops, by_name = pipe._plan(schedule)
+        stream_of = {step.name: streams.by_role(step.stream) for step in schedule.steps}
+        for op in ops:
+            cross = tuple((d, k) for d, k in op.step.waits if stream_of[d] is not op.stream)
+            assert op.stream is stream_of[op.step.name] and op.fences == cross, (schedule.name, op.step.name)
+            assert all(by_name[dep].record for dep, _ in cross), (schedule.name, op.step.name)
+        assert by_name["forward_eval"].fn is steps.forward_eval
 
 
 def test_which_eval_schedule_a_pipeline_runs():

@@ -53,6 +53,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from recpipe.errors import PipelineError
 from recpipe.pipelines import base
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
@@ -117,7 +118,9 @@ class EvalPipeline(Pipeline):
 
     def abandon(self) -> None:
         """Drop the batches in flight (a pass left before its end: an error, or the caller
-        stopped reading); the engine is not used again."""
+        stopped reading); the engine is not used again. The current stream first waits for
+        their side-stream work (a prefetch that no forward will wait for)."""
+        self.streams.join()
         self._slots = [None] * self._depth
         self._recent.clear()
 
@@ -144,16 +147,22 @@ class Evaluation:
         it = iter(batches)
         was_training = model.training
         with train.detached():
-            model.eval()
             engine = EvalPipeline(train, self.schedule)
             done = False
             try:
+                model.eval()
                 while True:
                     try:
                         output = engine.progress(it)
                     except StopIteration:
                         done = True
                         return
+                    except PipelineError as err:
+                        if not self.pipelined:
+                            raise
+                        raise PipelineError(f"{err} (in the evaluation through schedule {engine.schedule.name}; "
+                                            "train.eval_pipelined=false evaluates one batch at a time, the model "
+                                            "running its own forward)") from err
                     yield output, engine.last_is_padding
             finally:
                 if not done:

@@ -184,7 +184,7 @@ def test_step_graph_pipeline_evaluates_without_its_captured_step():
     launch_local(_step_graph_worker, 2, small_config(2, overrides=tables))
 
 
-def test_eval_schedules_are_training_steps_without_the_update():
+def test_eval_schedules_are_training_steps_without_the_update(capsys):
     """Each pipeline's eval schedule: its training steps, same stream and batch offset, without
     zero_grad/backward/optimizer, and forward_eval for forward; printed by ``recpipe schedule``."""
     from recpipe.cli import main
@@ -197,6 +197,9 @@ def test_eval_schedules_are_training_steps_without_the_update():
         assert steps - {("forward_eval", "compute", 0)} <= train, (name, steps - train)
         assert not {s for s, *_ in steps} & {"zero_grad", "backward", "optimizer", "forward"}, name
         assert main(["schedule", name]) == 0
+        printed = capsys.readouterr().out
+        assert printed.rstrip().endswith(evaluation.table().splitlines()[-1]), name  # the eval schedule comes last
+        assert f"schedule {evaluation.name}:" in printed
 
 
 def test_eval_plans_fence_only_across_streams():

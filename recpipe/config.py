@@ -385,6 +385,11 @@ class TrainConfig(Section):
     # torch.manual_seed takes 64 bits; numpy's generators (data shuffling) take non-negative seeds.
     seed: int = Field(0, ge=0, lt=2**63)
     eval_every: int = Field(100, ge=0, description="steps between evaluations; 0 = only at the end")
+    # Evaluate through the pipeline's eval schedule (recpipe/pipelines/evaluation.py): the next
+    # batches' copy, input all-to-all and lookup or UVM-cache prefetch overlap the forward, with
+    # the plain loop's metrics bit for bit. false: one batch at a time, the plain loop, for a
+    # model whose eval forward cannot be pipelined. benchmarks/studies/eval_speed.py times both.
+    eval_pipelined: bool = True
     # Steps between log points. Each costs the training loop about 6 ms of host time (metrics
     # update and all-reduce, TensorBoard, the bar): at 10, 5-6 % of a Criteo-sized 8192-sample
     # step on one H100, at 100 about 0.6 % (benchmarks/results/h100x1/trainer_vs_bench.md).

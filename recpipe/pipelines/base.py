@@ -28,6 +28,16 @@ SCHEDULE = Schedule(
     doc="The plain loop: forward, backward, optimizer; the next batch's copy overlaps all three.",
 ).validate()
 
+# Also the evaluation of every pipeline whose model runs its own sharded forward (a step graph's).
+EVAL_SCHEDULE = Schedule(
+    "base_eval",
+    (
+        Step("h2d", "memcpy", 1),
+        Step("forward_eval", "compute", 0, waits=(("h2d", 0),)),
+    ),
+    doc="Evaluation: the next batch's copy overlaps the forward; the model runs its own sharded forward.",
+).validate()
+
 
 class Options(PipelineOptions):
     name: Literal["base"] = "base"
@@ -36,6 +46,7 @@ class Options(PipelineOptions):
 class BasePipeline(Pipeline):
     name = "base"
     schedule = SCHEDULE
+    eval_schedule = EVAL_SCHEDULE
     intercepts = False
 
 

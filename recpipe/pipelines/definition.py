@@ -34,7 +34,8 @@ class PipelineDef:
     * ``cls``: its engine class, built as ``cls(model, optimizer, device, **options)``;
     * ``options``: its pydantic options (a :class:`PipelineOptions` subclass whose
       ``name`` is ``Literal[name]``);
-    * ``schedules``: every schedule it may run, the default first (``recpipe schedule NAME``);
+    * ``schedules``: every training schedule it may run, the default first (``recpipe schedule
+      NAME`` prints them, then ``eval_schedule``, its engine class's evaluation);
     * ``check``: the config rules that concern it (problems, one per line);
     * ``schedule_of``: the schedule a given set of options runs (its memory facts come
       from it, :func:`recpipe.pipelines.schedule.memory_facts`), and ``extra_facts``
@@ -55,6 +56,11 @@ class PipelineDef:
     torchrec: str | None = None
     torchrec_options: Callable[[Any], tuple[dict[str, Any], list[str]]] = field(
         default=lambda options: ({}, []))
+
+    @property
+    def eval_schedule(self) -> Schedule | None:
+        """The schedule its evaluation runs (its engine class's; ``recpipe.pipelines.evaluation``)."""
+        return self.cls.eval_schedule
 
     def __call__(self, model: Any, optimizer: Any, device: Any, **options: Any) -> Pipeline:
         """``PIPELINES[name](model, optimizer, device, **options)``: the engine, as its class

@@ -73,7 +73,8 @@ class InFlight:
     events: dict[str, Event] = field(default_factory=dict)
     loss: torch.Tensor | None = None  # until backward (it holds the autograd graph)
     loss_value: torch.Tensor | None = None  # detached, for the caller
-    output: Any = None  # what the model returned besides the loss
+    output: Any = None  # what the model returned besides the loss (forward_eval: all it returned)
+    forwarded: bool = False  # forward_eval ran (an evaluation keeps no loss)
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,6 +111,8 @@ class Pipeline:
 
     name = "pipeline"
     schedule: Schedule
+    # Its evaluation (recpipe.pipelines.evaluation); None: the copy-only one of ``base``.
+    eval_schedule: Schedule | None = None
     intercepts = True  # does forward take prepared inputs from the pipeline?
 
     def __init__(
@@ -123,10 +126,12 @@ class Pipeline:
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
         splits_exchange: str = "device",
+        streams: Streams | None = None,
     ) -> None:
         """``schedule``: run this schedule instead of the pipeline's own (a variant order,
-        made of the steps this pipeline has functions for). The other
-        options are the ``pipeline`` config section's common keys
+        made of the steps this pipeline has functions for). ``streams``: run on these
+        (an evaluation runs on its training pipeline's, ``recpipe.pipelines.evaluation``).
+        The other options are the ``pipeline`` config section's common keys
         (``recpipe.pipelines.options.PipelineOptions``, where they are validated)."""
         if schedule is not None:
             self.schedule = schedule.validate()
@@ -136,7 +141,7 @@ class Pipeline:
         self.device = device
         self.max_batches_ahead = max_batches_ahead
         self.uneven_data = uneven_data
-        self.streams = Streams.create(device, self.all_roles())
+        self.streams = streams if streams is not None else Streams.create(device, self.all_roles())
         self._modules = sharded.find_sharded_modules(model) if self.intercepts else {}
         self.inputs = dict(inputs or {})
         unknown = sorted(set(self.inputs) - set(self._modules))
@@ -287,7 +292,8 @@ class Pipeline:
         raise StopIteration
 
     def _finish_step(self, head: InFlight) -> Any:
-        assert head.loss_value is not None, f"{self.name}: schedule finished without a forward for batch {head.index}"
+        assert head.loss_value is not None or head.forwarded, \
+            f"{self.name}: schedule finished without a forward for batch {head.index}"
         del self._slots[0]
         self._slots.append(None)
         self.last_loss, self.last_is_padding = head.loss_value, head.is_padding
@@ -319,7 +325,7 @@ class Pipeline:
         self._slots[0] = batch
         schedule, ops, by_name = self._plan(self.schedule_for(batch))
         self._run(by_name["h2d"], batch)
-        upto = next(i for i, op in enumerate(ops) if op.step.name == "forward")
+        upto = next(i for i, op in enumerate(ops) if op.step.name in ("forward", "forward_eval"))
         head_ops = [op for op in ops[: upto + 1] if op.step.offset == 0]
         self.discovering = True
         try:

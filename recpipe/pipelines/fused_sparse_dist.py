@@ -57,6 +57,20 @@ SCHEDULE_AFTER_OPTIMIZER = Schedule(
     doc="With data_parallel tables (the dense optimizer updates them): lookup of batch i+1 after optimizer(i).",
 ).validate()
 
+# No update to wait for in an evaluation: the lookup of batch i+1 right after forward(i), on the
+# compute stream as in training.
+EVAL_SCHEDULE = Schedule(
+    "fused_sparse_dist_eval",
+    (
+        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
+        Step("h2d", "memcpy", 2),
+        Step("forward_eval", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
+        Step("input_dist_wait", "dist", 1),
+        Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),)),
+    ),
+    doc="Evaluation: the lookup of batch i+1 right after forward(i).",
+).validate()
+
 
 class Options(PipelineOptions):
     name: Literal["fused_sparse_dist"]
@@ -65,6 +79,7 @@ class Options(PipelineOptions):
 class FusedSparseDistPipeline(Pipeline):
     name = "fused_sparse_dist"
     schedule = SCHEDULE
+    eval_schedule = EVAL_SCHEDULE
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  schedule: Schedule | None = None, **options: Any) -> None:

@@ -69,6 +69,21 @@ SCHEDULE = Schedule(
         "while the GPU runs forward(i); forward(i+1) waits for the prefetch.",
 ).validate()
 
+# One prefetch per forward, in order (FBGEMM's forward pops the prefetched cache locations):
+# the training order without backward and optimizer. The eval forwards' cache-line locks are
+# released when the evaluation ends (after_detached_run).
+EVAL_SCHEDULE = Schedule(
+    "prefetch_eval",
+    (
+        Step("h2d", "memcpy", 2),
+        Step("forward_eval", "compute", 0, waits=(("h2d", 0), ("prefetch", 0))),
+        Step("input_dist_wait", "dist", 1),
+        Step("prefetch", "prefetch", 1, waits=(("input_dist_wait", 0),)),
+        Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
+    ),
+    doc="Evaluation: prefetch of batch i+1 after forward(i) is queued; forward(i+1) waits for it.",
+).validate()
+
 def cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
     """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
     TBE with a UVM cache; the bench reads their cache statistics). torchrec hides
@@ -118,6 +133,7 @@ def check(cfg: "RecpipeConfig") -> list[str]:
 class PrefetchPipeline(Pipeline):
     name = "prefetch"
     schedule = SCHEDULE
+    eval_schedule = EVAL_SCHEDULE
 
     def __init__(self, model, optimizer, device, **options) -> None:
         super().__init__(model, optimizer, device, **options)

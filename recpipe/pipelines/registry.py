@@ -60,13 +60,15 @@ def all_schedules() -> dict[str, list[Schedule]]:
 
 
 def main_schedule(args: argparse.Namespace) -> int:
-    """``recpipe schedule NAME``: print the pipeline's schedule tables (``all``: every pipeline's)."""
+    """``recpipe schedule NAME``: print the pipeline's schedule tables, its evaluation's last
+    (``all``: every pipeline's)."""
     schedules = all_schedules()
     if args.name != "all" and args.name not in schedules:
         print(f"recpipe schedule: unknown pipeline {args.name!r}; choose one of {', '.join(schedules)} (or all)")
         return 2
     names = list(schedules) if args.name == "all" else [args.name]
-    print("\n\n".join(s.table() for name in names for s in schedules[name]))
+    tables = [s for name in names for s in [*schedules[name], PIPELINES[name].eval_schedule] if s is not None]
+    print("\n\n".join(s.table() for s in tables))
     return 0
 
 

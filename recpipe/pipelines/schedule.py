@@ -30,6 +30,7 @@ STEP_DOC = {
     "prefetch": "UVM cache prefetch (FBGEMM locks the cache lines until this batch's backward)",
     "zero_grad": "zero the dense gradients",
     "forward": "model(batch): sharded modules take their prepared inputs/outputs",
+    "forward_eval": "model(batch) in eval mode under torch.no_grad(): its output for the metrics, no loss kept",
     "backward": "loss.backward(): dense grads + fused TBE update of the embedding rows",
     "backward_dense": "loss.backward() down to the (detached) pooled embeddings",
     "backward_emb": "pooled-embedding backward: output all-to-all backward + fused TBE update",

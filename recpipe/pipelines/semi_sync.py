@@ -142,6 +142,20 @@ SCHEDULE_BEFORE_UPDATE_WAIT_EARLY_WARMUP = Schedule(
     doc="Warm-up of the before_update, wait-early variant.",
 ).validate()
 
+# No update in an evaluation, so nothing is stale: the lookup of batch i+1 right after forward(i),
+# on the compute stream as in training (every variant evaluates alike).
+EVAL_SCHEDULE = Schedule(
+    "semi_sync_eval",
+    (
+        Step("h2d", "memcpy", 2),
+        Step("input_dist", "dist", 2, waits=(("h2d", 0),)),
+        Step("forward_eval", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
+        Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),)),
+        Step("input_dist_wait", "dist", 2),
+    ),
+    doc="Evaluation: the lookup of batch i+1 right after forward(i); exact (no update to miss).",
+).validate()
+
 _PAIRS = ((SCHEDULE, SCHEDULE_WARMUP), (SCHEDULE_WAIT_EARLY, SCHEDULE_WAIT_EARLY_WARMUP),
           (SCHEDULE_BEFORE_UPDATE, SCHEDULE_BEFORE_UPDATE_WARMUP),
           (SCHEDULE_BEFORE_UPDATE_WAIT_EARLY, SCHEDULE_BEFORE_UPDATE_WAIT_EARLY_WARMUP))
@@ -255,6 +269,7 @@ def check(cfg: "RecpipeConfig") -> list[str]:
 class SemiSyncPipeline(Pipeline):
     name = "semi_sync"
     schedule = SCHEDULE
+    eval_schedule = EVAL_SCHEDULE
 
     def __init__(
         self,

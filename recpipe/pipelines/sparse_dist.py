@@ -30,6 +30,17 @@ SCHEDULE = Schedule(
     doc="TorchRec's TrainPipelineSparseDist order, with per-batch events instead of whole-stream waits.",
 ).validate()
 
+EVAL_SCHEDULE = Schedule(
+    "sparse_dist_eval",
+    (
+        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
+        Step("h2d", "memcpy", 2),
+        Step("forward_eval", "compute", 0, waits=(("h2d", 0),)),
+        Step("input_dist_wait", "dist", 1),
+    ),
+    doc="Evaluation: the training order without backward and optimizer (TorchRec's EvalPipelineSparseDist).",
+).validate()
+
 
 class Options(PipelineOptions):
     name: Literal["sparse_dist"]
@@ -38,6 +49,7 @@ class Options(PipelineOptions):
 class SparseDistPipeline(Pipeline):
     name = "sparse_dist"
     schedule = SCHEDULE
+    eval_schedule = EVAL_SCHEDULE
 
 
 def _torchrec_options(options: Any) -> tuple[dict[str, Any], list[str]]:

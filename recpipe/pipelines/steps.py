@@ -138,17 +138,36 @@ def forward(pipe: "Pipeline", b: "InFlight") -> None:
             "model returns (loss, output), as TorchRec's pipelines require (docs/models.md)"
         )
     loss, output = result
+    _check_consumed(pipe, b)
+    if b.zero_loss:  # a padding batch of a batch type without as_padding(): train nothing
+        loss = loss * 0.0
+    b.loss = loss
+    b.loss_value = loss.detach()
+    b.output = output
+
+
+def forward_eval(pipe: "Pipeline", b: "InFlight") -> None:
+    """``model(batch)`` under ``torch.no_grad()`` (the caller set the model's eval mode):
+    all the model returns is the batch's output, whatever its form (an evaluation reads
+    its logits and labels, recpipe.pipelines.evaluation); no loss is kept for a backward."""
+    hand_off(b.device, pipe.streams.compute)
+    pipe._current = b
+    try:
+        with torch.no_grad():
+            b.output = pipe.model(b.device)
+    finally:
+        pipe._current = None
+    _check_consumed(pipe, b)
+    b.forwarded = True
+
+
+def _check_consumed(pipe: "Pipeline", b: "InFlight") -> None:
     if len(b.consumed) != len(pipe._modules):  # consumed holds only names of pipe._modules
         missing = set(pipe._modules) - b.consumed
         raise PipelineError(
             f"{pipe.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
             "input all-to-all for this batch, so every sharded module must be called once per forward"
         )
-    if b.zero_loss:  # a padding batch of a batch type without as_padding(): train nothing
-        loss = loss * 0.0
-    b.loss = loss
-    b.loss_value = loss.detach()
-    b.output = output
 
 
 def backward(pipe: "Pipeline", b: "InFlight") -> None:
@@ -235,6 +254,7 @@ STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {
     "output_dist_wait": output_dist_wait,
     "zero_grad": zero_grad,
     "forward": forward,
+    "forward_eval": forward_eval,
     "backward": backward,
     "optimizer": optimizer,
 }

@@ -99,6 +99,22 @@ class Streams:
             for stream in others.values():
                 fence(stream, event)
 
+    def join(self) -> None:
+        """The current stream waits for the work queued so far on every side stream.
+
+        For a pass left before its end (an evaluation the caller stopped reading, an error):
+        work queued for batches that will never be forwarded (a UVM-cache prefetch, whose
+        cache-line locks the pipeline then releases on the current stream; an all-to-all)
+        has no forward to fence it into the current stream, and what follows there must
+        come after it. A pass that ends normally needs none: each batch's forward waited
+        for its side-stream work."""
+        if self.compute is None:
+            return
+        current = torch.cuda.current_stream(self.compute.device)
+        for stream in {id(s): s for s in (self.compute, self.memcpy, self.dist, self.lookup, self.prefetch)
+                       if s is not None and s != current}.values():
+            fence(current, record_event(stream))
+
     def hand_over(self, obj: object, from_stream: Stream, to_stream: Stream) -> None:
         """``hand_off(obj, to_stream, after=<everything queued on from_stream so far>)``.
 

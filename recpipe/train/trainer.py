@@ -32,6 +32,7 @@ host sync per step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -54,6 +55,7 @@ from recpipe.distributed import control_group, init_process_group, shutdown_proc
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
+from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
@@ -147,6 +149,7 @@ class Trainer:
             first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
             self.pipeline.padding_template = next(iter(first), None)
         self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
+        self.evaluation = Evaluation(self.pipeline, pipelined=cfg.train.eval_pipelined)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
             self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
@@ -173,6 +176,7 @@ class Trainer:
         self._pending_log: tuple[int, float, PendingMetrics] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
+        self.last_eval_samples_per_s: float | None = None
 
     # ----------------------------------------------------------------- setup
     def _resume(self) -> TrainPosition:
@@ -444,17 +448,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Collective. AUC / accuracy / BCE / NE on the eval split, outside the pipeline."""
+        """Collective. AUC / accuracy / BCE / NE on the eval split, through the pipeline's eval
+        schedule (``train.eval_pipelined``; else one batch at a time), and its samples/s: the
+        eval batches' samples over the time from the first fetch to the end of the last
+        forward (one host sync, the count's all-reduce)."""
         if not self.has_eval:
             return {}
-        model = self.sharded.model
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
-        model.eval()
-        evaluated = 0
-        with self.pipeline.detached():
-            for batch in data_errors(loader, "eval data"):
-                evaluated += 1
-                result = model(batch.to(self.device, non_blocking=True))
+        started = time.perf_counter()
+        evaluated = samples = 0
+        with contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs:
+            for result, padding in outputs:
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:
                     self.has_eval = False
@@ -462,19 +466,28 @@ class Trainer:
                               "and labels (docs/models.md, 'Metrics')")
                     break
                 logits, labels, weights = clicks
+                if padding:  # this rank's eval data ran out before another's: it counts for nothing
+                    weights = torch.zeros_like(labels)
+                else:
+                    evaluated += 1
+                    samples += labels.numel()
                 self.eval_metrics.update(logits, labels, torch.ones_like(labels) if weights is None else weights)
-        model.train()
-        if self.has_eval and _total(evaluated, self.device) == 0:  # a data.factory returning None for 'eval'
+        if not self.has_eval:
+            return {}
+        evaluated, samples = _total([evaluated, samples], self.device)  # host sync: after the last forward
+        samples_per_s = samples / max(time.perf_counter() - started, 1e-9)
+        if evaluated == 0:  # a data.factory returning None for 'eval'
             self.has_eval = False
             self._say("evaluation is skipped: the eval split has no batches")
-        if not self.has_eval:
             return {}
         metrics = self.eval_metrics.compute()
         self.eval_metrics.reset()
-        self.last_eval = metrics
+        self.last_eval, self.last_eval_samples_per_s = metrics, samples_per_s
         step = self.position.step
-        self._write_scalars(step, {f"eval/{name}": value for name, value in metrics.items()})
-        self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}")
+        self._write_scalars(step, {**{f"eval/{name}": value for name, value in metrics.items()},
+                                   "eval/samples_per_s": samples_per_s})
+        self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}  "
+                  f"({samples_per_s:,.0f} samples/s)")
         if not math.isfinite(metrics["bce"]):  # the same on every rank (all-reduced metrics)
             self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["bce"]))
         return metrics
@@ -524,6 +537,7 @@ class Trainer:
             "eval_ne": self.last_eval.get("ne"),
             "eval_loss": self.last_eval.get("bce"),
             "eval_accuracy": self.last_eval.get("accuracy"),
+            "eval_samples_per_s": self.last_eval_samples_per_s,  # of the last evaluation
             "pipeline": self.cfg.pipeline.name,
             "epoch": self.position.epoch,
             "resumed_from_step": self.start_step if self.start_step else None,
@@ -555,11 +569,11 @@ def _speedup_key(applied: Any) -> str:
     return type(applied).__module__.rsplit(".", 1)[-1]
 
 
-def _total(count: int, device: torch.device) -> int:
-    """Collective: ``count`` summed over the ranks (every rank decides alike)."""
-    total = torch.tensor([count], dtype=torch.int64, device=device)
+def _total(counts: list[int], device: torch.device) -> list[int]:
+    """Collective: each of ``counts`` summed over the ranks (every rank decides alike)."""
+    total = torch.tensor(counts, dtype=torch.int64, device=device)
     dist.all_reduce(total)
-    return int(total.item())
+    return total.tolist()
 
 
 def _due(step: int, every: int) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import build, make_batches, small_config
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.compile import CompileOptions, CompiledForward, apply_compile
@@ -70,6 +70,16 @@ def test_compiled_dense_modules_compile_once_and_train_like_eager():
 def test_compile_section():
     cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.compile=true"])
     assert cfg.pipeline.compile.enabled and cfg.pipeline.compile.mode == "default"
+    assert cfg.pipeline.compile.deterministic
+    assert cfg.pipeline.compile.inductor_options() == {"deterministic": True}
     cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.compile={enabled: true, modules: [model.over_arch],"
-                             " mode: max-autotune-no-cudagraphs}"])
+                             " mode: max-autotune-no-cudagraphs, deterministic: false}"])
     assert cfg.pipeline.compile.modules == ["model.over_arch"]
+    assert cfg.pipeline.compile.inductor_options() == {"max_autotune": True, "coordinate_descent_tuning": True,
+                                                       "deterministic": False}
+
+
+def test_timed_kernel_choices_need_deterministic_off():
+    with pytest.raises(ConfigError, match=r"pipeline.compile.deterministic=false"):
+        load_config(None, ["pipeline.name=sparse_dist",
+                           "pipeline.compile={enabled: true, mode: max-autotune-no-cudagraphs}"])

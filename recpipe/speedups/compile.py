@@ -23,6 +23,16 @@ reference; ``benchmarks/studies/compile_quality.py`` measures the eval AUC of bo
 A compiled step replayed as CUDA graphs equals the same compiled step run eagerly, bit
 for bit (same kernels).
 
+Same kernels from every compile (``deterministic``, on by default): inductor picks some
+kernel parameters by timing candidates on the GPU when it first runs a kernel (a
+reduction's block size and warp count, which set its summation order; GEMM templates and
+padding under max-autotune). Near-tied timings flip from one process to the next, so two
+compiles of the same model could round differently: a restarted run would not resume bit
+for bit, and on one H200 beside a busy second GPU a compiled run and its CUDA-graphed twin
+differed in a bias by 1.5e-8 after 8 steps. Inductor's deterministic mode
+(``torch._inductor.config.deterministic``) makes those choices by heuristics instead;
+``deterministic: false`` restores the timed choices.
+
 Shapes: compiled for the first training call's shapes (``dynamic=False``); a call with
 other shapes (a last, smaller batch) runs the module's own forward, with one warning,
 instead of compiling again; evaluation (``model.eval()`` or ``torch.no_grad()``) runs
@@ -66,11 +76,30 @@ class CompileOptions(Section):
     # Inductor's on-disk cache (compiled kernels and graphs); null = TORCHINDUCTOR_CACHE_DIR,
     # else inductor's default (/tmp/torchinductor_<user>).
     cache_dir: str | None = None
+    # Kernel choices that change rounding made by inductor's heuristics, not by timing on the
+    # GPU (inductor's deterministic mode): every compile of the model makes the same kernels, so
+    # a restarted run resumes bit for bit. false: timed choices (may differ between processes).
+    deterministic: bool = True
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, value: Any) -> Any:
         return {"enabled": value} if isinstance(value, bool) else value
+
+    @model_validator(mode="after")
+    def _autotune_needs_timing(self) -> "CompileOptions":
+        if self.enabled and self.deterministic and self.mode != "default":
+            raise ValueError(f"pipeline.compile.mode={self.mode!r} picks kernels by timing them, which "
+                             "pipeline.compile.deterministic=true rules out: set pipeline.compile.deterministic=false "
+                             "to use it, or mode: default")
+        return self
+
+    def inductor_options(self) -> dict[str, Any]:
+        """``torch.compile``'s ``options`` for this section: the mode's inductor settings and
+        the deterministic mode."""
+        from torch import _inductor
+
+        return {**_inductor.list_mode_options(self.mode), "deterministic": self.deterministic}
 
 
 def graph_count() -> int:
@@ -89,14 +118,13 @@ def _signature(args: tuple, kwargs: dict) -> tuple:
 class CompiledForward:
     """Stands in for one dense module's ``forward`` (its instance attribute)."""
 
-    def __init__(self, name: str, module: nn.Module, mode: str) -> None:
+    def __init__(self, name: str, module: nn.Module, inductor_options: dict[str, Any]) -> None:
         if "forward" in vars(module):
             raise PipelineError(f"pipeline.compile: module {name!r} already has an instance forward "
                                 f"({vars(module)['forward']!r}); apply compile before other speed features")
         self.name, self.module = name, module
         own = type(module).forward.__get__(module)
-        options = None if mode == "default" else mode
-        self._compiled = torch.compile(own, dynamic=False, mode=options)
+        self._compiled = torch.compile(own, dynamic=False, options=inductor_options)
         self._shapes: tuple | None = None
         self.compiled_calls = 0
         self.eager_calls = 0
@@ -160,14 +188,14 @@ def _resolve_numerics(model: nn.Module) -> None:
 
 
 def apply_compile(model: nn.Module, options: CompileOptions,
-                  compile_module: Callable[[str, nn.Module, str], Any] = CompiledForward) -> Compiled:
+                  compile_module: Callable[[str, nn.Module, dict[str, Any]], Any] = CompiledForward) -> Compiled:
     """Compile ``model``'s dense modules (see the module docstring); returns what was installed."""
     if options.cache_dir:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.abspath(options.cache_dir)
     _resolve_numerics(model)
     applied = Compiled(graphs_before=graph_count())
     for name, module in dense_modules(model, list(options.modules), "pipeline.compile").items():
-        forward = compile_module(name, module, options.mode)
+        forward = compile_module(name, module, options.inductor_options())
         module.forward = forward
         applied.forwards.append(forward)
     return applied

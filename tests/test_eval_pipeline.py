@@ -46,7 +46,7 @@ def reference_eval(pipe, batches: list, device: torch.device) -> list:
     """The plain loop: ``model(batch.to(device))`` outside the pipeline, in eval mode, under
     no_grad; a rank that has run out feeds its last batch with zero weights until no rank has
     a batch left (the padding every rank needs for the collectives of the others' forwards)."""
-    count = torch.tensor([len(batches)])
+    count = torch.tensor([len(batches)], device=device)  # NCCL reduces device tensors only
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     model, outputs = pipe.model, []
     with pipe.detached(), torch.no_grad():

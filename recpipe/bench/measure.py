@@ -1,5 +1,5 @@
-"""The bench's one clock (:class:`StepClock`, and :func:`time_stage` on it), allocator
-snapshots and statistics. What each number means: docs/benchmarking.md, "Clocks and memory"."""
+"""The bench's one clock (:class:`StepClock`), allocator snapshots and statistics. What each
+number means: docs/benchmarking.md, "Clocks and memory"."""
 
 from __future__ import annotations
 
@@ -7,15 +7,11 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar
 
 import numpy as np
 import torch
 
-T = TypeVar("T")
-
-__all__ = ["MemorySnapshot", "StepClock", "free_device_memory", "percentile", "summarize_ms", "synchronize",
-           "time_stage"]
+__all__ = ["MemorySnapshot", "StepClock", "free_device_memory", "percentile", "summarize_ms", "synchronize"]
 
 _GIB = 2**30
 
@@ -38,38 +34,28 @@ def synchronize(device: torch.device) -> None:
 
 
 class StepClock:
-    """Times calls. CUDA: a pair of events on the current (compute) stream around each
-    call, read after one synchronize, so consecutive calls tile the compute stream's
-    timeline (host stalls inside a call included, the caller's work between calls
-    not). CPU: the host's wall time. Always: the host time spent inside each call."""
+    """Times calls. CUDA: a pair of events on the current (compute) stream around each call, read after one
+    synchronize, so consecutive calls tile the compute stream's timeline (host stalls inside a call included,
+    the caller's work between calls not). CPU: the host's wall time. Always: the host time inside each call."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._wall: list[float] = []
+        self.method = "cuda_events_per_progress_call" if self.cuda else "host_wall_per_progress_call"
+        self._events: list[torch.cuda.Event] = []  # CUDA: start, end of every call
         self._host: list[float] = []
         self._t0 = 0.0
-        self._event0: torch.cuda.Event | None = None
 
-    @property
-    def method(self) -> str:
-        return "cuda_events_per_progress_call" if self.cuda else "host_wall_per_progress_call"
+    def _record(self) -> None:
+        if self.cuda:
+            self._events.append(torch.cuda.Event(enable_timing=True))
+            self._events[-1].record()
 
     def start(self) -> None:
         self._t0 = time.perf_counter()
-        if self.cuda:
-            self._event0 = torch.cuda.Event(enable_timing=True)
-            self._event0.record()
+        self._record()
 
     def stop(self) -> None:
-        if self.cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            assert self._event0 is not None
-            self._pairs.append((self._event0, end))
-            self._event0 = None
-        else:
-            self._wall.append((time.perf_counter() - self._t0) * 1e3)
+        self._record()
         self._host.append((time.perf_counter() - self._t0) * 1e3)
 
     def host_ms(self) -> list[float]:
@@ -79,27 +65,14 @@ class StepClock:
     def times_ms(self) -> list[float]:
         """Milliseconds of each call. Host sync on CUDA: waits for every recorded event."""
         if not self.cuda:
-            return list(self._wall)
+            return list(self._host)
         torch.cuda.synchronize()
-        return [start.elapsed_time(end) for start, end in self._pairs]
-
-
-def time_stage(device: torch.device, fn: Callable[[], T]) -> tuple[float, T]:
-    """Milliseconds of ``fn()`` run alone, and its result: the device drained first,
-    then one :class:`StepClock` interval. Work ``fn`` issues on other streams counts
-    only where the current stream waits for it; host syncs inside ``fn`` count."""
-    synchronize(device)
-    clock = StepClock(device)
-    clock.start()
-    out = fn()
-    clock.stop()
-    return clock.times_ms()[0], out
+        return [start.elapsed_time(end) for start, end in zip(self._events[::2], self._events[1::2])]
 
 
 @dataclass
 class MemorySnapshot:
-    """The caching allocator's peaks of one run on one rank, in bytes, read with a reset
-    after the build, the warm-up and the timed steps (all empty on CPU)."""
+    """The allocator's peaks of one run on one rank (bytes; none on CPU), reset after build, warm-up, timed steps."""
 
     cuda: bool
     before_build: int = 0  # allocated before the model was built: leftovers of earlier runs
@@ -119,8 +92,7 @@ class MemorySnapshot:
     def built(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
-            self.after_build = torch.cuda.memory_allocated()
-            self.reserved_after_build = torch.cuda.memory_reserved()
+            self.after_build, self.reserved_after_build = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
             self.phase_done("build")
 
     def phase_done(self, phase: str) -> None:
@@ -133,22 +105,17 @@ class MemorySnapshot:
     def as_gib(self) -> dict[str, float | None]:
         if not self.cuda or not self.peaks:
             return {}
-        alloc = max(a for a, _ in self.peaks.values())
-        reserved = max(r for _, r in self.peaks.values())
-        steps = [p for p in ("warmup", "timed") if p in self.peaks]
-        step_alloc = max((self.peaks[p][0] for p in steps), default=self.after_build)
-        step_reserved = max((self.peaks[p][1] for p in steps), default=self.reserved_after_build)
+        alloc, reserved = (max(p[i] for p in self.peaks.values()) for i in (0, 1))
+        steps = [self.peaks[p] for p in ("warmup", "timed") if p in self.peaks]
+        step_alloc = max((a for a, _ in steps), default=self.after_build)
+        step_reserved = max((r for _, r in steps), default=self.reserved_after_build)
         timed_alloc = self.peaks.get("timed", (self.after_build, 0))[0]
-        return {
-            "peak_alloc_gib": alloc / _GIB,
-            "peak_reserved_gib": reserved / _GIB,
-            "reserved_over_alloc": reserved / alloc if alloc else None,
-            "step_peak_alloc_above_build_gib": (step_alloc - self.after_build) / _GIB,
-            "step_peak_reserved_above_build_gib": (step_reserved - self.reserved_after_build) / _GIB,
-            "timed_peak_alloc_above_build_gib": (timed_alloc - self.after_build) / _GIB,
-            "alloc_after_build_gib": self.after_build / _GIB,
-            "alloc_before_build_gib": self.before_build / _GIB,
-        }
+        return {"peak_alloc_gib": alloc / _GIB, "peak_reserved_gib": reserved / _GIB,
+                "reserved_over_alloc": reserved / alloc if alloc else None,
+                "step_peak_alloc_above_build_gib": (step_alloc - self.after_build) / _GIB,
+                "step_peak_reserved_above_build_gib": (step_reserved - self.reserved_after_build) / _GIB,
+                "timed_peak_alloc_above_build_gib": (timed_alloc - self.after_build) / _GIB,
+                "alloc_after_build_gib": self.after_build / _GIB, "alloc_before_build_gib": self.before_build / _GIB}
 
 
 def free_device_memory(device: torch.device) -> None:

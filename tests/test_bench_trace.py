@@ -1,5 +1,5 @@
 """The bench's profiled-step numbers (recpipe.bench.trace) and UVM-cache metrics
-(recpipe.bench.uvm_cache): interval arithmetic on synthetic intervals, kernel classes of
+(recpipe.bench.measure): interval arithmetic on synthetic intervals, kernel classes of
 real kernel names, a synthetic GPU trace (two streams, a memcpy, FBGEMM cache ops), a real
 CPU profile of a fake pipeline with phase ranges, combining ranks and rounds, the cache
 counters' math."""
@@ -25,7 +25,7 @@ from recpipe.bench.trace import (
     summarize_trace,
     union_length,
 )
-from recpipe.bench.uvm_cache import COUNTERS, cache_metrics, counter_delta, populate_op
+from recpipe.bench.measure import COUNTERS, cache_metrics, counter_delta, populate_op
 
 
 def test_union_of_intervals():

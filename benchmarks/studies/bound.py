@@ -65,10 +65,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from benchmarks.studies.common import bench_parser, run_study
-from recpipe.bench.measure import StepClock, free_device_memory, summarize_ms, synchronize
+from recpipe.bench.measure import StepClock, cached_tables, free_device_memory, summarize_ms, synchronize
 from recpipe.bench.report import Row, grid
 from recpipe.bench.run import fresh_batches, gather
-from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
 from recpipe.models import make_model

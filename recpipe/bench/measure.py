@@ -1,5 +1,6 @@
-"""The bench's one clock (:class:`StepClock`), allocator snapshots and statistics. What each
-number means: docs/benchmarking.md, "Clocks and memory"."""
+"""What a run reads around its timed steps: the bench's one clock, the allocator's peaks, FBGEMM's
+UVM-cache counters (with the cache work from the trace), and statistics. What each number means:
+docs/benchmarking.md, "Clocks and memory" and "UVM cache"."""
 
 from __future__ import annotations
 
@@ -7,11 +8,18 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["MemorySnapshot", "StepClock", "free_device_memory", "percentile", "summarize_ms", "synchronize"]
+from recpipe.config import RecpipeConfig
+from recpipe.pipelines.prefetch import cached_tbes
+from recpipe.speedups.cache_fill import CacheFill
+
+__all__ = ["COUNTERS", "MemorySnapshot", "StepClock", "cache_metrics", "cached_tables", "counter_delta",
+           "free_device_memory", "percentile", "populate_op", "prefetch_unavailable", "read_counters",
+           "summarize_ms", "synchronize"]
 
 _GIB = 2**30
 
@@ -125,3 +133,75 @@ def free_device_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+# UVMCacheStatsIndex order (fbgemm_gpu.split_table_batched_embeddings_ops_training)
+COUNTERS = ("calls", "requested", "unique", "unique_misses", "conflict_unique_misses", "conflict_misses")
+
+
+def cached_tables(cfg: RecpipeConfig) -> list[str]:
+    """Tables with a UVM cache (``fused_uvm_caching``)."""
+    return [t for t, s in cfg.table_sharding().items() if s.kernel == "fused_uvm_caching"]
+
+
+def prefetch_unavailable(cfg: RecpipeConfig) -> str:
+    """Why the prefetch pipeline cannot run on ``cfg``'s tables ('' if it can)."""
+    return "" if cached_tables(cfg) else ("needs a fused_uvm_caching table (the prefetch pipeline prefetches into "
+                                          "UVM caches; none is configured)")
+
+
+def read_counters(model: torch.nn.Module) -> list[dict[str, int]]:
+    """Every cached TBE's counters and its cache row's bytes. Host sync (``tolist``)."""
+    out = []
+    for tbe in cached_tbes(model, locked=False):
+        weights, state = tbe.lxu_cache_weights, tbe.lxu_cache_state
+        out.append({**dict(zip(COUNTERS, tbe.get_uvm_cache_stats().tolist())), "occupied": int((state >= 0).sum()),
+                    "slots": state.numel(), "row_bytes": weights.shape[1] * weights.element_size()})
+    return out
+
+
+def counter_delta(before: list[dict[str, int]], after: list[dict[str, int]]) -> list[dict[str, int]]:
+    """Per TBE, what the counters and the occupied slots (``filled``) grew by; the rest as after."""
+    return [{**{k: a[k] - b[k] for k in COUNTERS}, "filled": a["occupied"] - b["occupied"], "occupied": a["occupied"],
+             "slots": a["slots"], "row_bytes": a["row_bytes"]} for b, a in zip(before, after)]
+
+
+def populate_op(pipe: Any) -> str:
+    """The profiler name of the cache insert ``pipe`` runs: recpipe's (``cache_fill``) or FBGEMM's."""
+    recpipe_insert = any(isinstance(a, CacheFill) for a in getattr(pipe, "applied", ()))
+    return "recpipe::lru_cache_populate" if recpipe_insert else "fbgemm::lru_cache_populate"
+
+
+def _rank_numbers(delta: list[dict[str, int]], steps: int) -> dict[str, float]:
+    fetched = sum(d["unique_misses"] - d["conflict_unique_misses"] for d in delta)
+    nbytes = sum((d["unique_misses"] - d["conflict_unique_misses"]) * d["row_bytes"] for d in delta)
+    slots = sum(d["slots"] for d in delta)
+    return {"rows_fetched_per_step": fetched / steps, "bytes_fetched_per_step": nbytes / steps,
+            "occupancy": sum(d["occupied"] for d in delta) / slots if slots else None,
+            "evicted_per_step": (fetched - sum(d["filled"] for d in delta)) / steps,
+            "uvm_lookups_per_step": sum(d["conflict_misses"] for d in delta) / steps,
+            "requested_per_step": sum(d["requested"] for d in delta) / steps,
+            "unique_per_step": sum(d["unique"] for d in delta) / steps}
+
+
+def _gb_per_s(nbytes: float, ms: float | None) -> float | None:
+    return nbytes / (ms / 1e3) / 1e9 if ms else None
+
+
+def cache_metrics(deltas: list[list[dict[str, int]]], steps: int, traced: list[dict[str, Any] | None],
+                  populate: str = "fbgemm::lru_cache_populate") -> dict[str, Any]:
+    """The row's ``cache`` section (the rank that fetches most) from every rank's counter deltas and traced
+    cache work (or None); the GPU time of ``populate``, the insert's op, gives the bandwidth."""
+    unique = sum(d["unique"] for rank in deltas for d in rank)
+    misses = sum(d["unique_misses"] for rank in deltas for d in rank)
+    per_rank = [_rank_numbers(rank, steps) for rank in deltas]
+    for numbers, work in zip(per_rank, traced):
+        if work:
+            nbytes = numbers["bytes_fetched_per_step"]
+            numbers.update({k: work.get(k) for k in ("gpu_ms", "overlap_ms", "exposed_ms", "overlap_compute_ms",
+                                                     "overlap_fraction", "by_op_ms")},
+                           h2d_GB_per_s_populate=_gb_per_s(nbytes, work["by_op_ms"].get(populate)),
+                           h2d_GB_per_s_insert=_gb_per_s(nbytes, work["insert_kernels_ms"]))
+    top = max(range(len(per_rank)), key=lambda r: per_rank[r]["bytes_fetched_per_step"])
+    return {"hit_rate": 1.0 - misses / unique if unique else None, "populate_op": populate, **per_rank[top],
+            "per_rank": per_rank}

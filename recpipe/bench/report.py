@@ -56,7 +56,7 @@ class Row:
     gpu_busy_ms: float | None = None  # per profiled step, the slowest rank's (trace.py)
     x_busy: float | None = None  # P50 / GPU busy: the headline (1.0 = the GPU never idles)
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
-    cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (uvm_cache.py), or {"reason": ...}
+    cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (measure.cache_metrics), or {"reason": ...}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,12 +18,12 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, summarize_ms, synchronize
+from recpipe.bench.measure import (MemorySnapshot, StepClock, cache_metrics, cached_tables, counter_delta,
+                                   free_device_memory, populate_op, prefetch_unavailable, read_counters,
+                                   summarize_ms, synchronize)
 from recpipe.bench.report import Row
 from recpipe.bench.torchrec_impl import build_torchrec_pipeline, dynamo_config_kept, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
-from recpipe.bench.uvm_cache import (cache_metrics, counter_delta, populate_op, prefetch_unavailable, read_counters,
-                                     stats_fused_params, unavailable)
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.models import make_model
@@ -185,7 +185,9 @@ def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunRe
     ``result`` skipped when the recpipe pipeline refuses the config."""
     result = result if result is not None else RunResult()
     torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(make_model(cfg), cfg, device, extra_fused_params=stats_fused_params(cfg))
+    # FBGEMM's cache counters (fbgemm-gpu 1.6, 1.8): a few atomics in its cache kernels, on every row alike
+    stats = {"gather_uvm_cache_stats": True} if cached_tables(cfg) else {}
+    sharded = shard_model(make_model(cfg), cfg, device, extra_fused_params=stats)
     if impl == "recpipe":
         try:
             pipe = (build or make_pipeline)(cfg, sharded.model, sharded.optimizer, device)
@@ -221,10 +223,10 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
         synchronize(device)  # the timed steps start on an idle device
     if result.pipeline_class.startswith("torchrec."):
         result.pipelined = pipelined_module_count(pipe)
-    why = unavailable(cfg, device)
-    counters = read_counters(model) if not why else None
-    if why and cfg.pipeline.name == "prefetch":
-        result.cache_reason = why
+    counters = read_counters(model) if cached_tables(cfg) and device.type == "cuda" else None
+    if counters is None and cfg.pipeline.name == "prefetch":
+        result.cache_reason = ("n/a: CPU run (no UVM cache)" if cached_tables(cfg)
+                               else "n/a: no fused_uvm_caching table (no UVM cache)")
     clock, wall = StepClock(device), time.perf_counter()  # after the warm-up's synchronize
     for _ in range(opts.steps):
         clock.start()

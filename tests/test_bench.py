@@ -231,17 +231,16 @@ def test_help_shows_every_flag_with_its_default_and_no_study_flags(capsys):
 
 
 def test_torchrecs_compiled_pipeline_is_a_row_only_with_compile_on():
-    """``pipeline.compile.enabled`` (read through ``compile_enabled``) adds TorchRec's
-    TrainPipelinePT2 as one more base row with --with-torchrec; TorchRec 1.6 and 1.8 take
-    (model, optimizer, device, compile_configs)."""
+    """``pipeline.compile.enabled`` adds TorchRec's TrainPipelinePT2 as one more base row
+    with --with-torchrec; TorchRec 1.6 and 1.8 take (model, optimizer, device, compile_configs)."""
     import torch
 
-    from recpipe.bench.torchrec_impl import build_torchrec_pipeline, compile_enabled, dynamo_config_kept
+    from recpipe.bench.run import build_torchrec_pipeline, dynamo_config_kept
 
     cfg = load_config(SMOKE)
-    assert not compile_enabled(cfg)  # pipeline.compile off by default
+    assert not cfg.pipeline.compile.enabled  # pipeline.compile off by default
     on = load_config(SMOKE, ["pipeline.compile=true"])
-    assert compile_enabled(on)
+    assert on.pipeline.compile.enabled
     opts = BenchOptions(("sparse_dist", "semi_sync:output_dist_wait=early"), True, 3, 1, 0, "unused")
     assert runs_of(cfg, opts) == [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),
                                   ("semi_sync:output_dist_wait=early", "recpipe")]

@@ -35,7 +35,6 @@ from recpipe.bench.report import Row, environment, format_table, write_outputs
 from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
                                split_variant)
 from recpipe.bench.sections import gpu_time_table, rows_md
-from recpipe.bench.torchrec_impl import compile_enabled
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
@@ -159,7 +158,7 @@ def runs_of(cfg: RecpipeConfig, opts: BenchOptions) -> list[tuple[str, str]]:
     With compile on, TorchRec's compiled pipeline (TrainPipelinePT2) is one more base row."""
     runs = [(name, impl) for name in opts.pipelines for impl in ("recpipe", "torchrec")
             if impl == "recpipe" or (opts.with_torchrec and not pipeline_options(split_variant(name)[1]))]
-    return runs + ([("base", "torchrec_pt2")] if opts.with_torchrec and compile_enabled(cfg) else [])
+    return runs + ([("base", "torchrec_pt2")] if opts.with_torchrec and cfg.pipeline.compile.enabled else [])
 
 
 def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None = None) -> list[Row]:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from recpipe.bench.measure import percentile, summarize_ms
-from recpipe.bench.plots import MEMORY, STEP_TIME, write_plots
-from recpipe.bench.report import Row, format_table
+from recpipe.bench.report import MEMORY_PLOT, STEP_TIME_PLOT, Row, format_table, write_plots
 from recpipe.bench.run import config_for_pipeline
 from recpipe.bench.run import DRAIN, BenchOptions
 from recpipe.bench.runner import runs_of
@@ -101,9 +100,9 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
                                                  / rows["sparse_dist", "torchrec"]["step_ms"]["p50"])
     assert pair["rounds"] == 1 and pair["sign_test_p"] is None
     # plots: step time, no memory plot on CPU
-    assert record["plots"]["written"] == [STEP_TIME] and MEMORY in record["plots"]["reason"]
-    assert (out / STEP_TIME).read_bytes().startswith(PNG_MAGIC)
-    assert not (out / MEMORY).exists()
+    assert record["plots"]["written"] == [STEP_TIME_PLOT] and MEMORY_PLOT in record["plots"]["reason"]
+    assert (out / STEP_TIME_PLOT).read_bytes().startswith(PNG_MAGIC)
+    assert not (out / MEMORY_PLOT).exists()
 
 
 def _check_cpu_trace(key: tuple[str, str], r: dict) -> None:
@@ -286,8 +285,8 @@ def test_plots_are_pngs_and_skip_what_has_no_data(tmp_path: Path):
             Row("base", "torchrec_pt2", step_ms={"p50": 9.5, "p90": 9.9}, memory=mem),
             Row("prefetch", "torchrec", status="failed", reason="x")]
     result = write_plots(tmp_path, rows)
-    assert result == {"written": [STEP_TIME, MEMORY], "reason": ""}
+    assert result == {"written": [STEP_TIME_PLOT, MEMORY_PLOT], "reason": ""}
     for name in result["written"]:
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
     result = write_plots(tmp_path / "cpu", [Row("base", "recpipe", step_ms={"p50": 1.0, "p90": 2.0})])
-    assert result["written"] == [STEP_TIME] and MEMORY in result["reason"]
+    assert result["written"] == [STEP_TIME_PLOT] and MEMORY_PLOT in result["reason"]

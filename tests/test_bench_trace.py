@@ -11,8 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from recpipe.bench.compare import mean_leaves, merge_rounds
-from recpipe.bench.report import Row
-from recpipe.bench.sections import gpu_time_table, rows_md
+from recpipe.bench.report import Row, gpu_time_table, rows_md
 from recpipe.bench.trace import (
     KERNEL_CLASSES,
     combine_ranks,

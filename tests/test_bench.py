@@ -10,9 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from recpipe.bench.measure import percentile, summarize_ms, time_stage
-from recpipe.bench.plots import MEMORY, STEP_TIME, write_plots
-from recpipe.bench.report import Row, format_table
+from recpipe.bench.measure import percentile, summarize_ms
+from recpipe.bench.report import MEMORY_PLOT, STEP_TIME_PLOT, Row, format_table, write_plots
 from recpipe.bench.run import config_for_pipeline
 from recpipe.bench.run import DRAIN, BenchOptions
 from recpipe.bench.runner import runs_of
@@ -101,9 +100,9 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
                                                  / rows["sparse_dist", "torchrec"]["step_ms"]["p50"])
     assert pair["rounds"] == 1 and pair["sign_test_p"] is None
     # plots: step time, no memory plot on CPU
-    assert record["plots"]["written"] == [STEP_TIME] and MEMORY in record["plots"]["reason"]
-    assert (out / STEP_TIME).read_bytes().startswith(PNG_MAGIC)
-    assert not (out / MEMORY).exists()
+    assert record["plots"]["written"] == [STEP_TIME_PLOT] and MEMORY_PLOT in record["plots"]["reason"]
+    assert (out / STEP_TIME_PLOT).read_bytes().startswith(PNG_MAGIC)
+    assert not (out / MEMORY_PLOT).exists()
 
 
 def _check_cpu_trace(key: tuple[str, str], r: dict) -> None:
@@ -231,17 +230,16 @@ def test_help_shows_every_flag_with_its_default_and_no_study_flags(capsys):
 
 
 def test_torchrecs_compiled_pipeline_is_a_row_only_with_compile_on():
-    """``pipeline.compile.enabled`` (read through ``compile_enabled``) adds TorchRec's
-    TrainPipelinePT2 as one more base row with --with-torchrec; TorchRec 1.6 and 1.8 take
-    (model, optimizer, device, compile_configs)."""
+    """``pipeline.compile.enabled`` adds TorchRec's TrainPipelinePT2 as one more base row
+    with --with-torchrec; TorchRec 1.6 and 1.8 take (model, optimizer, device, compile_configs)."""
     import torch
 
-    from recpipe.bench.torchrec_impl import build_torchrec_pipeline, compile_enabled, dynamo_config_kept
+    from recpipe.bench.run import build_torchrec_pipeline, dynamo_config_kept
 
     cfg = load_config(SMOKE)
-    assert not compile_enabled(cfg)  # pipeline.compile off by default
+    assert not cfg.pipeline.compile.enabled  # pipeline.compile off by default
     on = load_config(SMOKE, ["pipeline.compile=true"])
-    assert compile_enabled(on)
+    assert on.pipeline.compile.enabled
     opts = BenchOptions(("sparse_dist", "semi_sync:output_dist_wait=early"), True, 3, 1, 0, "unused")
     assert runs_of(cfg, opts) == [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),
                                   ("semi_sync:output_dist_wait=early", "recpipe")]
@@ -260,13 +258,6 @@ def test_torchrecs_compiled_pipeline_is_a_row_only_with_compile_on():
     with dynamo_config_kept():
         torch._dynamo.config.capture_scalar_outputs = not before
     assert torch._dynamo.config.capture_scalar_outputs == before
-
-
-def test_time_stage_is_one_interval_of_the_step_clock():
-    import time
-
-    ms, out = time_stage(__import__("torch").device("cpu"), lambda: time.sleep(0.02) or 7)
-    assert out == 7 and 19.0 <= ms < 1000
 
 
 def test_percentiles_and_table():
@@ -294,8 +285,8 @@ def test_plots_are_pngs_and_skip_what_has_no_data(tmp_path: Path):
             Row("base", "torchrec_pt2", step_ms={"p50": 9.5, "p90": 9.9}, memory=mem),
             Row("prefetch", "torchrec", status="failed", reason="x")]
     result = write_plots(tmp_path, rows)
-    assert result == {"written": [STEP_TIME, MEMORY], "reason": ""}
+    assert result == {"written": [STEP_TIME_PLOT, MEMORY_PLOT], "reason": ""}
     for name in result["written"]:
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
     result = write_plots(tmp_path / "cpu", [Row("base", "recpipe", step_ms={"p50": 1.0, "p90": 2.0})])
-    assert result["written"] == [STEP_TIME] and MEMORY in result["reason"]
+    assert result["written"] == [STEP_TIME_PLOT] and MEMORY_PLOT in result["reason"]

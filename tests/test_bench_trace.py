@@ -1,5 +1,5 @@
 """The bench's profiled-step numbers (recpipe.bench.trace) and UVM-cache metrics
-(recpipe.bench.uvm_cache): interval arithmetic on synthetic intervals, kernel classes of
+(recpipe.bench.measure): interval arithmetic on synthetic intervals, kernel classes of
 real kernel names, a synthetic GPU trace (two streams, a memcpy, FBGEMM cache ops), a real
 CPU profile of a fake pipeline with phase ranges, combining ranks and rounds, the cache
 counters' math."""
@@ -11,8 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from recpipe.bench.compare import mean_leaves, merge_rounds
-from recpipe.bench.report import Row
-from recpipe.bench.sections import gpu_time_table, rows_md
+from recpipe.bench.report import Row, gpu_time_table, rows_md
 from recpipe.bench.trace import (
     KERNEL_CLASSES,
     combine_ranks,
@@ -25,7 +24,7 @@ from recpipe.bench.trace import (
     summarize_trace,
     union_length,
 )
-from recpipe.bench.uvm_cache import COUNTERS, cache_metrics, counter_delta, populate_op
+from recpipe.bench.measure import COUNTERS, cache_metrics, counter_delta, populate_op
 
 
 def test_union_of_intervals():

@@ -11,7 +11,7 @@ can step faster than this sum: it is an estimate, not a bound (GPU busy time is 
 On a fresh sharded model (same config, ``train.seed``, the bench's pre-generated
 batches) each *chain* runs one batch through the stages below, one at a time: the
 device is drained before each stage and the clock read after it
-(``measure.time_stage``). A chain is a whole forward and backward, so nothing is
+(:func:`time_stage`). A chain is a whole forward and backward, so nothing is
 left in autograd and FBGEMM's prefetch contract holds (prefetch(i), forward(i),
 backward(i)). Chains alternate two ways of running the lookup, both with public
 ShardedModule APIs: *split* (``compute`` then ``output_dist``, with the lookup
@@ -54,7 +54,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 if __package__ in (None, ""):  # run as a script: the repository's packages first
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -65,10 +65,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from benchmarks.studies.common import bench_parser, run_study
-from recpipe.bench.measure import free_device_memory, summarize_ms, time_stage
+from recpipe.bench.measure import StepClock, cached_tables, free_device_memory, summarize_ms, synchronize
 from recpipe.bench.report import Row, grid
 from recpipe.bench.run import fresh_batches, gather
-from recpipe.bench.uvm_cache import cached_tables
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch
 from recpipe.models import make_model
@@ -80,7 +79,9 @@ from recpipe.pipelines.streams import use_stream
 from recpipe.sharding import shard_model
 
 __all__ = ["STAGES", "Bound", "bound_md", "hbm_peak", "measure_bound", "measure_prefetch_memory", "prefetch_memory",
-           "stream_reserved_bytes", "x_bound"]
+           "stream_reserved_bytes", "time_stage", "x_bound"]
+
+T = TypeVar("T")
 
 WARMUP_CHAINS = 4  # two of each kind: input dists are created, kernels and NCCL warmed
 TIMED_CHAINS = 20  # ten of each kind; a chain costs about one training step plus syncs
@@ -107,6 +108,18 @@ RESOURCES = ("compute", "comm", "copy", "prefetch")
 
 # Peak HBM bandwidth by GPU name (datasheets, bytes/s); other GPUs: not reported.
 _HBM_PEAK = (("H200", "H200", 4.8e12), ("H100 80GB HBM3", "H100 SXM", 3.35e12), ("H100 SXM", "H100 SXM", 3.35e12))
+
+
+def time_stage(device: torch.device, fn: Callable[[], T]) -> tuple[float, T]:
+    """Milliseconds of ``fn()`` run alone, and its result: the device drained first,
+    then one bench ``StepClock`` interval. Work ``fn`` issues on other streams counts
+    only where the current stream waits for it; host syncs inside ``fn`` count."""
+    synchronize(device)
+    clock = StepClock(device)
+    clock.start()
+    out = fn()
+    clock.stop()
+    return clock.times_ms()[0], out
 
 
 def hbm_peak(gpu_name: str) -> tuple[str, float] | None:

@@ -47,10 +47,9 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.studies.bound import measure_prefetch_memory  # noqa: E402
 from benchmarks.studies.common import bench_parser, run_study, write_plot  # noqa: E402
-from recpipe.bench.measure import StepClock, summarize_ms  # noqa: E402
+from recpipe.bench.measure import StepClock, prefetch_unavailable, summarize_ms  # noqa: E402
 from recpipe.bench.report import Row, grid  # noqa: E402
 from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local  # noqa: E402
-from recpipe.bench.uvm_cache import prefetch_unavailable  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
 from recpipe.data import Batch  # noqa: E402
 from recpipe.pipelines import make_pipeline  # noqa: E402

@@ -50,11 +50,10 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.studies.common import bench_parser, run_study, write_plot  # noqa: E402
 from recpipe.bench.compare import merge_rounds  # noqa: E402
-from recpipe.bench.measure import free_device_memory, synchronize  # noqa: E402
+from recpipe.bench.measure import cached_tables, free_device_memory, prefetch_unavailable, synchronize  # noqa: E402
 from recpipe.bench.report import Row, grid  # noqa: E402
 from recpipe.bench.run import RunResult, build_run, combine, config_for_pipeline, gather, measure_steps  # noqa: E402
 from recpipe.bench.runner import pregenerate  # noqa: E402
-from recpipe.bench.uvm_cache import cached_tables, prefetch_unavailable  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
 from recpipe.data import Batch  # noqa: E402
 from recpipe.pipelines.prefetch import cached_tbes  # noqa: E402

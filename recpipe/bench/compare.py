@@ -1,29 +1,25 @@
-"""Rounds (``recpipe bench --rounds R``): the interleaved run order, one row merged from its
-rounds, and paired comparisons with a sign test. Runs of a host-bound step vary by about
-10 % from run to run, more than pipelines differ, so A / B is taken within each round,
-where drift hits both sides alike (docs/benchmarking.md, "Rounds")."""
+"""Rounds (``--rounds R``): the interleaved run order, one row merged from its rounds, and paired
+comparisons with a sign test. Runs of a host-bound step vary by about 10 %, more than pipelines differ,
+so A / B is taken within each round, where drift hits both sides alike (docs/benchmarking.md, "Rounds")."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from typing import Any, Sequence
 
-from recpipe.bench.report import Row, grid
+from recpipe.bench.report import Row, md_section
 
 __all__ = ["comparisons", "comparisons_md", "mean_leaves", "merge_rounds", "paired", "round_order", "sign_test_p"]
 
 
 def round_order(runs: Sequence[tuple[str, str]], r: int) -> list[tuple[str, str]]:
-    """The (pipeline, impl) runs of round ``r``: pipelines rotated by ``r``, and on odd
-    rounds each pipeline's implementations in reverse order."""
+    """The (pipeline, impl) runs of round ``r``: pipelines rotated by ``r``, implementations reversed on odd rounds."""
     names = list(dict.fromkeys(name for name, _ in runs))
     shift = r % len(names) if names else 0
-    order = []
-    for name in names[shift:] + names[:shift]:
-        impls = [run for run in runs if run[0] == name]
-        order += impls[::-1] if r % 2 else impls
-    return order
+    by_name = [[run for run in runs if run[0] == name] for name in names[shift:] + names[:shift]]
+    return [run for impls in by_name for run in (impls[::-1] if r % 2 else impls)]
 
 
 def mean_leaves(dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -42,31 +38,27 @@ def mean_leaves(dicts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_rounds(rounds: list[Row], global_batch: int) -> Row:
-    """One row from the same (pipeline, impl) measured in each round: steps pooled (P50/P90
-    over all), each round's P50 kept, memory the worst round's, trace and cache numbers
-    the mean over rounds. A round that did not run ok makes the row that round's."""
+    """One row from the rounds of one (pipeline, impl): steps pooled, each round's P50 kept, memory the worst
+    round's, trace and cache numbers the mean; a round that did not run ok makes the row that round's."""
     first = rounds[0]
     bad = next((r for r in rounds if r.status != "ok"), None)
     if len(rounds) == 1 or bad is not None:
         out = bad or first
         out.round_p50_ms = [r.step_ms["p50"] for r in rounds if r.status == "ok"]
         return out
-    row = Row(pipeline=first.pipeline, impl=first.impl, pipeline_class=first.pipeline_class, options=first.options,
-              config_overrides=first.config_overrides, notes=list(first.notes),
-              torchrec_pipelined_modules=first.torchrec_pipelined_modules)
-    row.step_ms_per_step = [t for r in rounds for t in r.step_ms_per_step]
-    row.host_ms_per_step = [t for r in rounds for t in r.host_ms_per_step]
-    row.round_p50_ms = [r.step_ms["p50"] for r in rounds]
-    row.step_ms_p50_per_rank = [statistics.median(col) for col in zip(*(r.step_ms_p50_per_rank for r in rounds))]
-    row.wall_s, row.build_s = sum(r.wall_s or 0.0 for r in rounds), max(r.build_s or 0.0 for r in rounds)
-    row.first_step_s = rounds[0].first_step_s  # the first round's: later rounds find compiled kernels cached
-    row.first_step_s_rounds = [r.first_step_s for r in rounds if r.first_step_s is not None]
-    row.memory = _merge_memory([r.memory for r in rounds])
-    row.trace = _merge_traces([r.trace for r in rounds]) if first.trace else {}
+    # a copy of the first round's row (its first_step_s: later rounds find the compiled kernels cached)
+    row = dataclasses.replace(
+        first, notes=list(first.notes), round_p50_ms=[r.step_ms["p50"] for r in rounds],
+        step_ms_per_step=[t for r in rounds for t in r.step_ms_per_step],
+        host_ms_per_step=[t for r in rounds for t in r.host_ms_per_step],
+        step_ms_p50_per_rank=[statistics.median(col) for col in zip(*(r.step_ms_p50_per_rank for r in rounds))],
+        wall_s=sum(r.wall_s or 0.0 for r in rounds), build_s=max(r.build_s or 0.0 for r in rounds),
+        first_step_s_rounds=[r.first_step_s for r in rounds if r.first_step_s is not None],
+        memory=_merge_memory([r.memory for r in rounds]),
+        trace=_merge_traces([r.trace for r in rounds]) if first.trace else {})
     row.fill_rates(global_batch)
-    if first.cache:
-        with_numbers = all(r.cache.get("hit_rate") is not None for r in rounds)
-        row.cache = dict(mean_leaves([r.cache for r in rounds]), rounds=len(rounds)) if with_numbers else first.cache
+    if first.cache and all(r.cache.get("hit_rate") is not None for r in rounds):
+        row.cache = dict(mean_leaves([r.cache for r in rounds]), rounds=len(rounds))
     return row
 
 
@@ -75,20 +67,16 @@ def _merge_memory(mems: list[dict[str, Any]]) -> dict[str, Any]:
     ratio, not a ratio of maxima); per-rank details of the round that reserved most."""
     if not mems or not mems[0]:
         return {}
-    out: dict[str, Any] = {}
-    for key in (k for k in mems[0] if k != "per_rank"):
-        values = [m[key] for m in mems if m.get(key) is not None]
-        out[key] = max(values) if values else None
+    values = {key: [m[key] for m in mems if m.get(key) is not None] for key in mems[0] if key != "per_rank"}
+    out = {key: max(v) if v else None for key, v in values.items()}
     worst = max(mems, key=lambda m: m.get("peak_reserved_gib") or 0.0)
     return dict(out, **({"per_rank": worst["per_rank"]} if "per_rank" in worst else {}))
 
 
 def _merge_traces(traces: list[dict[str, Any]]) -> dict[str, Any]:
-    """The mean over rounds of every number (``gpu_busy_ms_per_round`` keeps each); a name
-    (phase, stream, host-sync site) a round did not see counts 0 there. A round without a
-    trace makes the merged trace that round's."""
-    bad = next((t for t in traces if t.get("status") != "ok"), None)
-    if bad is not None:
+    """The mean over rounds of every number (``gpu_busy_ms_per_round`` keeps each); a phase, stream or
+    host-sync site a round did not see counts 0 there; a round without a trace makes it that round's."""
+    if (bad := next((t for t in traces if t.get("status") != "ok"), None)) is not None:
         return bad
     filled = [dict(t) for t in traces]
     for key in ("phases_ms", "library_ms", "streams_busy_ms"):
@@ -127,24 +115,20 @@ def comparisons(rows: list[Row]) -> list[dict[str, Any]]:
     """Every recpipe row against each TorchRec row of its pipeline and against recpipe's base."""
     ok = {(r.pipeline, r.impl): r for r in rows if r.status == "ok"}
     out = []
-    for (name, impl), row in ok.items():
-        if impl != "recpipe":
-            continue
+    for name, row in ((name, r) for (name, impl), r in ok.items() if impl == "recpipe"):
         against = [other for (n, i), other in ok.items() if n == name and i != "recpipe"]
         against += [ok[("base", "recpipe")]] if name != "base" and ("base", "recpipe") in ok else []
         pairs = [(b, paired(row, b)) for b in against]
-        out += [{"a": f"{name} ({impl})", "b": f"{b.pipeline} ({b.impl})", **p} for b, p in pairs if p]
+        out += [{"a": f"{name} (recpipe)", "b": f"{b.pipeline} ({b.impl})", **p} for b, p in pairs if p]
     return out
 
 
 def comparisons_md(pairs: list[dict[str, Any]]) -> list[str]:
-    if not pairs:
-        return []
     body = [[p["a"], p["b"], f"{p['pooled_ratio']:.3f}", f"{p['median_ratio']:.3f}",
              f"[{p['min_ratio']:.3f}, {p['max_ratio']:.3f}]", f"{p['a_faster_rounds']}/{p['rounds']}",
              "-" if p["sign_test_p"] is None else f"{p['sign_test_p']:.2g}"] for p in pairs]
-    header = ("A", "B", "A / B P50 (pooled steps)", "median per round", "range", "A faster in rounds", "sign test p")
-    return ["## Paired comparisons", "",
-            "A's P50 over B's (below 1: A is faster), pooled over all steps and within each round (the same drift "
-            "on both sides); the sign test asks how likely a split at least this uneven is if each round were a "
-            "coin flip.", "", grid(header, body, markdown=True), ""]
+    return md_section(
+        "Paired comparisons", "A's P50 over B's (below 1: A is faster), pooled over all steps and within each round "
+        "(the same drift on both sides); the sign test asks how likely a split at least this uneven is if each round "
+        "were a coin flip.",
+        ("A", "B", "A / B P50 (pooled steps)", "median per round", "range", "A faster in rounds", "sign test p"), body)

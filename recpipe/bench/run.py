@@ -1,16 +1,15 @@
-"""One timed run of one (pipeline, implementation) on one rank (:func:`run_local`: a fresh
-model, then :func:`measure_steps`, the phases a caller with its own model runs too), its
-typed :class:`RunResult`, and every rank's results combined into a row (:func:`combine`)."""
+"""One timed run of one (pipeline, implementation) on one rank (:func:`run_local`: a fresh model,
+then :func:`measure_steps`), its :class:`RunResult`, and every rank's combined into a row."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import itertools
 import time
 import traceback
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -18,29 +17,29 @@ import torch.distributed as dist
 import yaml
 from tqdm import tqdm
 
-from recpipe.bench.measure import MemorySnapshot, StepClock, free_device_memory, summarize_ms, synchronize
+from recpipe.bench.measure import (MemorySnapshot, StepClock, cache_metrics, cached_tables, counter_delta,
+                                   free_device_memory, populate_op, prefetch_unavailable, read_counters,
+                                   summarize_ms, synchronize)
 from recpipe.bench.report import Row
-from recpipe.bench.torchrec_impl import build_torchrec_pipeline, dynamo_config_kept, pipelined_module_count
 from recpipe.bench.trace import combine_ranks, profile_progress
-from recpipe.bench.uvm_cache import (cache_metrics, counter_delta, populate_op, prefetch_unavailable, read_counters,
-                                     stats_fused_params, unavailable)
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
-from recpipe.models import make_model
 from recpipe.errors import PipelineError
+from recpipe.models import make_model
 from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.registry import make_pipeline
+from recpipe.pipelines.registry import PIPELINES, make_pipeline
 from recpipe.sharding import shard_model
 
-__all__ = ["DRAIN", "BenchOptions", "Build", "RunResult", "build_run", "combine", "config_for_pipeline",
-           "fresh_batches", "gather", "measure_steps", "pipeline_options", "run_local", "split_variant", "untimed_steps"]
+__all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
+           "config_for_pipeline", "dynamo_config_kept", "fresh_batches", "gather", "measure_steps", "pipeline_options",
+           "run_local", "split_variant", "untimed_steps"]
 
 DRAIN = 3  # untimed batches after the timed (and traced) ones: TorchRec's SemiSync fetches three ahead
 
 
 @dataclass(frozen=True)
 class BenchOptions:
-    """``recpipe bench``'s flags, checked (:func:`options_from_args`; defaults: ``recpipe.cli``)."""
+    """``recpipe bench``'s flags, checked (``runner.options_from_args``; defaults: ``recpipe.cli``)."""
 
     pipelines: tuple[str, ...]
     with_torchrec: bool
@@ -56,9 +55,6 @@ class BenchOptions:
     @property
     def batches_per_run(self) -> int:
         return self.warmup + self.steps + self.trace_steps + DRAIN
-
-
-Build = Callable[[RecpipeConfig, Any, Any, torch.device], Any]  # (cfg, model, optimizer, device) -> pipeline
 
 
 @dataclass
@@ -83,8 +79,7 @@ class RunResult:
     trace: dict[str, Any] | None = None  # summarize_trace of the profiled steps, or its failure
 
     def fail(self, err: BaseException) -> "RunResult":
-        first = (str(err).strip().splitlines() or [""])[0]
-        self.status, self.reason = "failed", f"{type(err).__name__}: {first[:300]}"
+        self.status, self.reason = "failed", f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
         return self
 
 
@@ -98,28 +93,18 @@ def gather(obj: Any) -> list[Any]:
 def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
     """The same tensors in new Batch/KJT objects: KJT caches (offsets, ...) that one
     pipeline computes on a host batch must not make the next one's copies bigger."""
-    return iter([dataclasses.replace(b, sparse_features=copy.copy(b.sparse_features)) for b in batches])
-
-
-def _is_pipeline_key(key: str) -> bool:
-    """A variant's key is a ``pipeline.<key>`` option, nested ones included
-    (``cuda_graphs.optimizer``), unless it starts with another config section."""
-    return key.split(".")[0] not in RecpipeConfig.model_fields
+    return iter([replace(b, sparse_features=copy.copy(b.sparse_features)) for b in batches])
 
 
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:
     """``"semi_sync:output_dist_wait=early+start_batch=2"`` -> ``("semi_sync", {"output_dist_wait":
-    "early", "start_batch": 2})`` (values read as YAML). A key that does not start with a config
-    section is a ``pipeline.<key>`` option (``cuda_graphs.optimizer=false`` sets one key of that
-    section); a key that does, any other config key but ``data.*`` (every run has the same batches)."""
+    "early", "start_batch": 2})``, values read as YAML (docs/benchmarking.md, ``--pipelines``)."""
     name, _, options = label.partition(":")
     pairs = [item.partition("=") for item in options.split("+") if item]
-    bad = [key for key, eq, _ in pairs if not eq or not key]
-    if bad or (options and not pairs):
+    if any(not eq or not key for key, eq, _ in pairs) or (options and not pairs):
         raise ConfigError(f"pipeline variant {label!r}: write name:key=value+key=value (pipeline.<key> options "
                           "or dotted config keys)")
-    refused = [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline")]
-    if refused:
+    if refused := [key for key, _, _ in pairs if key.strip().split(".")[0] in ("data", "pipeline")]:
         raise ConfigError(f"pipeline variant {label!r}: {', '.join(refused)}: a variant cannot set data.* (all runs "
                           "share the pregenerated batches; use --set) nor pipeline.* by its dotted name (write the "
                           "bare pipeline option)")
@@ -127,22 +112,20 @@ def split_variant(label: str) -> tuple[str, dict[str, Any]]:
 
 
 def pipeline_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The ``pipeline.<key>`` options of a variant (the other keys are other config keys)."""
-    return {k: v for k, v in options.items() if _is_pipeline_key(k)}
+    """A variant's ``pipeline.<key>`` options (``cuda_graphs.optimizer`` too): keys not naming a config section."""
+    return {k: v for k, v in options.items() if k.split(".")[0] not in RecpipeConfig.model_fields}
 
 
 def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig | None, dict[str, Any], str]:
-    """(config to run ``label`` with, its overrides versus ``cfg``, skip reason or ''):
-    ``cfg`` with ``pipeline.name`` set (its pipeline options kept only for the pipeline
-    it names; the common ones always), a variant's keys, and ``prefetch`` alone locking
-    cache lines. ``label``: a pipeline name or a variant (:func:`split_variant`)."""
+    """(config to run ``label``, a pipeline or a variant, with; its overrides versus ``cfg``; skip
+    reason or ''): ``cfg`` with ``pipeline.name`` set (its pipeline options kept only for the pipeline
+    it names, the common ones always), the variant's keys, and ``prefetch`` alone locking cache lines."""
     name, options = split_variant(label)
+    pipe_opts = pipeline_options(options)
     raw = cfg.editable_dump()
-    overrides: dict[str, Any] = {}
-    for key, value in options.items():
-        if not _is_pipeline_key(key):
-            apply_override(raw, key, value)
-            overrides[key] = value
+    overrides = {key: value for key, value in options.items() if key not in pipe_opts}
+    for key, value in overrides.items():
+        apply_override(raw, key, value)
     probe = config_from_dict(raw, f"bench config for {label}") if overrides else cfg
     if name == "prefetch" and prefetch_unavailable(probe):
         return None, overrides, prefetch_unavailable(probe)
@@ -150,7 +133,6 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         common = {k: v for k, v in raw["pipeline"].items() if k in PipelineOptions.model_fields and k != "name"}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
-    pipe_opts = pipeline_options(options)
     for key, value in sorted(pipe_opts.items(), key=lambda kv: kv[0].count(".")):  # sections before their keys
         section = key.split(".")[0]
         if "." in key and isinstance(raw["pipeline"].get(section), bool):  # the shorthand true/false
@@ -166,26 +148,70 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         return None, overrides, str(err).replace("\n", " ")
 
 
+def build_torchrec_pipeline(cfg: RecpipeConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            device: torch.device, compiled: bool = False) -> tuple[Any, dict[str, Any], list[str]]:
+    """TorchRec's pipeline of the role of ``cfg.pipeline.name`` (``PipelineDef.torchrec``) on the same model:
+    (pipeline, its options, notes on what has no TorchRec counterpart: never silently dropped). ``compiled``:
+    ``TrainPipelinePT2`` with ``TorchCompileConfig()`` defaults (for ``base``). TorchRec 1.6 and 1.8 take these
+    arguments; some versions do not export ``TrainPipelineSemiSync`` from the package, hence the module."""
+    from torchrec.distributed.train_pipeline import train_pipelines
+
+    p = cfg.pipeline
+    notes: list[str] = []
+    if p.max_batches_ahead is not None:
+        notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
+    notes += [f"pipeline.{feature} is recpipe's: TorchRec's pipeline runs the dense part eagerly"
+              for feature in ("compile", "cuda_graphs", "step_graph") if getattr(p, feature).enabled]
+    if p.inputs:
+        notes.append(f"pipeline.inputs {sorted(p.inputs)} has no TorchRec counterpart here")
+    kwargs, own_notes = PIPELINES[p.name].torchrec_options(p)
+    notes += own_notes
+    if compiled:
+        assert p.name == "base", p.name
+        config = train_pipelines.TorchCompileConfig()
+        pipe = train_pipelines.TrainPipelinePT2(model, optimizer, device, compile_configs=config)
+        return pipe, {"compile_configs": asdict(config)}, notes
+    name = PIPELINES[p.name].torchrec
+    if name is None:
+        raise PipelineError(f"pipeline {p.name!r} has no TorchRec counterpart")
+    return getattr(train_pipelines, name)(model, optimizer, device, **kwargs), kwargs, notes
+
+
+@contextlib.contextmanager
+def dynamo_config_kept() -> Iterator[None]:
+    """``torch._dynamo.config`` as it was before, and dynamo's caches dropped, after the block."""
+    import torch._dynamo
+
+    saved = torch._dynamo.config.save_config()
+    try:
+        yield
+    finally:
+        with warnings.catch_warnings():  # the saved config names deprecated keys too
+            warnings.simplefilter("ignore", FutureWarning)
+            torch._dynamo.config.load_config(saved)
+        torch._dynamo.reset()
+
+
 def untimed_steps(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> None:
     """``n`` untimed steps (None: until StopIteration, the drain)."""
-    for _ in itertools.count() if n is None else range(n):
-        try:
+    try:
+        for _ in itertools.count() if n is None else range(n):
             pipe.progress(it)
-        except StopIteration:
-            if n is None:
-                return
+            bar.update(1)
+    except StopIteration:
+        if n is not None:
             raise
-        bar.update(1)
 
 
 def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunResult | None = None,
-              build: Build | None = None) -> tuple[Any, Any]:
-    """(sharded model, pipeline) on a fresh model from ``train.seed``. ``impl``: recpipe
-    (``build``, default ``make_pipeline``), torchrec or torchrec_pt2. (model, None) with
-    ``result`` skipped when the recpipe pipeline refuses the config."""
-    result = result if result is not None else RunResult()
+              build: Callable[..., Any] | None = None) -> tuple[Any, Any]:
+    """(sharded model, pipeline or None if recpipe's refuses the config) on a fresh model from ``train.seed``;
+    ``impl``: recpipe (``build(cfg, model, optimizer, device)``, default ``make_pipeline``) or torchrec(_pt2)."""
+    result = RunResult() if result is None else result
     torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(make_model(cfg), cfg, device, extra_fused_params=stats_fused_params(cfg))
+    # FBGEMM's cache counters (fbgemm-gpu 1.6, 1.8): a few atomics in its cache kernels, on every row alike
+    stats = {"gather_uvm_cache_stats": True} if cached_tables(cfg) else {}
+    sharded = shard_model(make_model(cfg), cfg, device, extra_fused_params=stats)
     if impl == "recpipe":
         try:
             pipe = (build or make_pipeline)(cfg, sharded.model, sharded.optimizer, device)
@@ -204,28 +230,27 @@ def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunRe
 def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch], opts: BenchOptions,
                   device: torch.device, bar: tqdm, result: RunResult, memory: MemorySnapshot | None = None,
                   label: str = "") -> RunResult:
-    """The phases of a run on a built model and pipeline: ``opts.warmup`` untimed steps,
-    ``opts.steps`` timed ones (UVM-cache counters read around them), ``opts.trace_steps``
-    profiled ones, then the drain; ``memory`` closes a phase after the warm-up and after
-    the timed steps. Raises what the pipeline raises."""
-    it = fresh_batches(batches)
+    """The phases of a run on a built pipeline: warm-up, timed steps (UVM-cache counters read around them),
+    profiled steps, the drain; ``memory`` closes a phase after the warm-up and the timed steps."""
+    it, memory = fresh_batches(batches), memory or MemorySnapshot(cuda=False)  # None: no allocator snapshots
     synchronize(device)
     started = time.perf_counter()
     untimed_steps(pipe, it, bar, 1)  # the first step: a compile or a capture shows here
     synchronize(device)
     result.first_step_s = time.perf_counter() - started
     untimed_steps(pipe, it, bar, opts.warmup - 1)
-    if memory:
-        memory.phase_done("warmup")  # synchronizes
-    else:
-        synchronize(device)  # the timed steps start on an idle device
+    synchronize(device)  # the timed steps start on an idle device
+    memory.phase_done("warmup")
     if result.pipeline_class.startswith("torchrec."):
-        result.pipelined = pipelined_module_count(pipe)
-    why = unavailable(cfg, device)
-    counters = read_counters(model) if not why else None
-    if why and cfg.pipeline.name == "prefetch":
-        result.cache_reason = why
-    clock, wall = StepClock(device), time.perf_counter()  # after the warm-up's synchronize
+        # The sharded modules TorchRec's FX trace of the first batch could pipeline (it only logs one it
+        # cannot; 0: no overlap). A private attribute, present in 1.6.1 and 1.8.0; None: it rewrites none.
+        modules = getattr(pipe, "_pipelined_modules", None)
+        result.pipelined = None if modules is None else len(modules)
+    counters = read_counters(model) if cached_tables(cfg) and device.type == "cuda" else None
+    if counters is None and cfg.pipeline.name == "prefetch":
+        result.cache_reason = ("n/a: CPU run (no UVM cache)" if cached_tables(cfg)
+                               else "n/a: no fused_uvm_caching table (no UVM cache)")
+    clock, wall = StepClock(device), time.perf_counter()
     for _ in range(opts.steps):
         clock.start()
         pipe.progress(it)
@@ -235,8 +260,7 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     result.wall_s = time.perf_counter() - wall
     if counters is not None:
         result.cache_counters = counter_delta(counters, read_counters(model))
-    if memory:
-        memory.phase_done("timed")
+    memory.phase_done("timed")
     if opts.trace_steps:
         tables = (opts.profile, label or cfg.pipeline.name) if opts.profile else None
         try:
@@ -249,9 +273,8 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
 
 
 def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOptions, device: torch.device,
-              bar: tqdm, label: str | None = None, build: Build | None = None) -> RunResult:
-    """This rank's run on a fresh model; never raises (the error goes into the result).
-    ``label``: the row's name in ``--profile``'s tables (default the pipeline's)."""
+              bar: tqdm, label: str | None = None, build: Callable[..., Any] | None = None) -> RunResult:
+    """This rank's run of ``label`` (default: the pipeline) on a fresh model; errors go into the result."""
     result = RunResult()
     pipe = sharded = None
     bar_end = bar.n + len(batches)  # every batch of the run ticks the bar once, whatever happens
@@ -283,11 +306,10 @@ def combine(row: Row, per_rank: list[RunResult], global_batch: int, steps: int) 
     """Fill ``row`` from every rank's result: a step's time is the slowest rank's."""
     first = per_rank[0]
     row.pipeline_class, row.options, row.notes = first.pipeline_class, first.options, list(first.notes)
-    bad = [(i, r) for i, r in enumerate(per_rank) if r.status != "ok"]
-    if bad:
+    if bad := [(i, r) for i, r in enumerate(per_rank) if r.status != "ok"]:
         row.status = "failed" if any(r.status == "failed" for _, r in bad) else "skipped"
-        reasons = dict.fromkeys(r.reason for _, r in bad)
-        row.reason = " | ".join(reasons) + ("" if len(bad) == len(per_rank) else f" (ranks {[i for i, _ in bad]})")
+        row.reason = (" | ".join(dict.fromkeys(r.reason for _, r in bad))
+                      + ("" if len(bad) == len(per_rank) else f" (ranks {[i for i, _ in bad]})"))
         return row
     row.step_ms_per_step = [max(ts) for ts in zip(*(r.times_ms for r in per_rank))]
     row.host_ms_per_step = [max(ts) for ts in zip(*(r.host_ms for r in per_rank))]

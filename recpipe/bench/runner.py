@@ -1,17 +1,11 @@
-"""``recpipe bench``: every (pipeline, implementation) on the same pregenerated batches, one
-after the other in one process group, ``--rounds`` times interleaved; each a ``run.run_local``
-on a fresh model, every rank's result combined into a row. Rank 0 writes ``bench.json``,
-``bench.md`` and the plots (docs/benchmarking.md). A recpipe pipeline that refuses the config is
-skipped with its message, a TorchRec one that raises recorded as failed. Exit codes: 0, 1 when
-a rank died or a recpipe pipeline failed, 2 for bad arguments. Studies add their measurement
-after the rows (:func:`run_worker`'s ``sections``) and run on every rank as the bench does
-(:func:`launch`)."""
+"""``recpipe bench``: every (pipeline, implementation) on the same pregenerated batches, one after
+the other in one process group, ``--rounds`` times interleaved (docs/benchmarking.md). Studies add
+their measurement after the rows (:data:`Sections`) and run on every rank as the bench does."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import logging
@@ -24,48 +18,42 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessException
 from tqdm import tqdm
 
 from recpipe.bench.compare import comparisons, comparisons_md, merge_rounds, round_order
 from recpipe.bench.measure import StepClock
-from recpipe.bench.plots import write_plots
-from recpipe.bench.report import Row, environment, format_table, write_outputs
+from recpipe.bench.report import Row, environment, format_table, gpu_time_table, rows_md, write_outputs, write_plots
 from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
                                split_variant)
-from recpipe.bench.sections import gpu_time_table, rows_md
-from recpipe.bench.torchrec_impl import compile_enabled
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
+from recpipe.distributed import (init_process_group, launch_local, shutdown_process_group, torchrun_overrides,
+                                 under_torchrun)
+from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.pipelines import PIPELINES
 
 __all__ = ["Sections", "launch", "main_bench", "options_from_args", "pregenerate", "run_one", "run_worker", "runs_of",
            "single_rank_group"]
 
-EXIT_FAILED = 1
-
-
-# What a study measures after the rows, on every rank (collective): (cfg, opts, rows,
-# this rank's batches, device, progress bar) -> (sections for bench.json, markdown lines).
+# A study's measurement after the rows, on every rank (collective): -> (bench.json sections, markdown lines)
 Sections = Callable[[RecpipeConfig, BenchOptions, list[Row], list[Batch], torch.device, tqdm],
                     tuple[dict[str, Any], list[str]]]
 
 
-# ----------------------------------------------------------------- CLI
 def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
-                      default_pipelines: tuple[str, ...] = tuple(PIPELINES)) -> BenchOptions:
-    """Checked options; ConfigError (exit 2) naming the flag. Without ``--pipelines``:
-    ``default_pipelines`` (a study that measures only its own runs passes ())."""
+                      default_pipelines: tuple[str, ...] = tuple(PIPELINES),
+                      command: str | None = None) -> BenchOptions:
+    """Checked options; ConfigError (exit 2) naming the flag. Without ``--pipelines``: ``default_pipelines`` (a
+    study that measures only its own runs passes ()); ``command``: the record's (default: the bench's flags)."""
     asked = [n.strip() for n in (args.pipelines or "").split(",") if n.strip()]
     names = list(dict.fromkeys(asked)) if args.pipelines else list(default_pipelines)
     unknown = [n for n in names if split_variant(n)[0] not in PIPELINES]
     if unknown or not (names or not default_pipelines):
         raise ConfigError(f"--pipelines={args.pipelines!r}: unknown {unknown}; choose from {', '.join(PIPELINES)}")
     for name in names:  # a variant's options are checked now, not after the other runs
-        if split_variant(name)[1] and config_for_pipeline(cfg, name)[0] is None:
-            raise ConfigError(f"--pipelines: {name!r}: {config_for_pipeline(cfg, name)[2]}")
+        if split_variant(name)[1] and (skip := config_for_pipeline(cfg, name)[2]):
+            raise ConfigError(f"--pipelines: {name!r}: {skip}")
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0), ("--rounds", args.rounds, 1),
                              ("--trace-steps", args.trace_steps, 0)):
         if value < low:
@@ -73,17 +61,17 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
     if args.profile and not args.trace_steps:
         raise ConfigError("--profile writes the op tables of the traced steps: it needs --trace-steps >= 1")
     out = args.out or cfg.logging.run_dir
-    flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--no-plots", not args.plots),
-                                   (f"--rounds {args.rounds}", args.rounds > 1), ("--profile", args.profile)) if on]
-    command = " ".join(["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
-                        *([f"--pipelines {','.join(names)}"] if names else []), *flags,
-                        f"--steps {args.steps} --warmup {args.warmup} --trace-steps {args.trace_steps} --out {out}"])
+    if command is None:
+        flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--no-plots", not args.plots),
+                                       (f"--rounds {args.rounds}", args.rounds > 1), ("--profile", args.profile)) if on]
+        command = " ".join(["recpipe bench --config", str(args.config), *(f"--set {o}" for o in args.overrides),
+                            *([f"--pipelines {','.join(names)}"] if names else []), *flags, f"--steps {args.steps}",
+                            f"--warmup {args.warmup} --trace-steps {args.trace_steps} --out {out}"])
     opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, args.trace_steps, out,
                         command, str(Path(out) / "profile.txt") if args.profile else None, args.plots, args.rounds)
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
-    short = [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]
-    if short:
+    if short := [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]:
         raise ConfigError(
             f"the bench needs warmup + steps + trace steps + {DRAIN} = {opts.batches_per_run} batches per rank but "
             f"(rank, batches) {short} have fewer; raise data.synthetic.num_batches or lower --steps/--warmup")
@@ -92,74 +80,62 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
 
 def main_bench(args: argparse.Namespace, sections: Sections | None = None,
                default_pipelines: tuple[str, ...] = tuple(PIPELINES), command: str | None = None) -> int:
-    """``recpipe bench``; a study passes its ``sections`` (see :func:`run_worker`), the
-    pipelines it runs without ``--pipelines`` and its own command line for the record."""
+    """``recpipe bench``: 0, 1 when a rank died or a recpipe pipeline failed (ConfigError: 2). A study passes its
+    ``sections``, the pipelines it runs without ``--pipelines`` and its own command line for the record."""
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2 (recpipe.cli)
-    opts = options_from_args(args, cfg, default_pipelines)
-    if command is not None:
-        opts = dataclasses.replace(opts, command=command)
+    opts = options_from_args(args, cfg, default_pipelines, command)
     try:
         rows = launch(run_worker, cfg, opts, sections)
     except ProcessException as err:
         print(f"recpipe bench: rank {err.error_index} failed:\n{err}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_WORKER_FAILED
     if rows is None:  # ranks in other processes: rank 0 wrote them
         rows = [Row.from_dict(r) for r in json.loads((Path(opts.out) / "bench.json").read_text())["rows"]]
-    failed = [r.pipeline for r in rows if r.impl == "recpipe" and r.status == "failed"]
-    if failed:
+    if failed := [r.pipeline for r in rows if r.impl == "recpipe" and r.status == "failed"]:
         print(f"recpipe bench: recpipe pipelines failed: {', '.join(failed)}", file=sys.stderr)
-        return EXIT_FAILED
+        return EXIT_WORKER_FAILED
     return 0
 
 
 def launch(worker: Callable[..., Any], cfg: RecpipeConfig, *args: Any) -> Any:
-    """``worker(cfg, *args)`` on every rank: this process under torchrun or with one rank
-    (its result returned), else ``distributed.nproc`` spawned processes (None returned;
-    ``worker`` and ``args`` must pickle; a failed rank raises ``ProcessException``)."""
+    """``worker(cfg, *args)`` on every rank: in this process under torchrun or with one rank (its result),
+    else in ``distributed.nproc`` spawned processes (None; they pickle ``worker`` and ``args``)."""
     if under_torchrun():
         try:
             return worker(cfg, *args)
         finally:
             shutdown_process_group()
     if cfg.distributed.nproc > 1:
-        launch_local(worker, cfg.distributed.nproc, cfg, *args)
-        return None
+        return launch_local(worker, cfg.distributed.nproc, cfg, *args)
     with single_rank_group():
         return worker(cfg, *args)
-
-
-_RANK_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @contextlib.contextmanager
 def single_rank_group() -> Iterator[None]:
     """A one-rank env:// rendezvous in this process (like ``launch_local``'s children),
     environment restored afterwards so a later call does not look like torchrun."""
-    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    saved = {k: os.environ.get(k) for k in _RANK_ENV}
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         yield
     finally:
         shutdown_process_group()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+        for k in (k for k, v in saved.items() if v is None):
+            os.environ.pop(k, None)
         del store
 
 
-# ------------------------------------------------------------------ one rank
 def runs_of(cfg: RecpipeConfig, opts: BenchOptions) -> list[tuple[str, str]]:
-    """The (pipeline, impl) runs of a round. A variant's pipeline options (name:key=value)
-    are recpipe's own: TorchRec has no counterpart; a variant of dotted keys runs on both.
-    With compile on, TorchRec's compiled pipeline (TrainPipelinePT2) is one more base row."""
+    """The (pipeline, impl) runs of a round: a variant of pipeline options runs on recpipe only, one of
+    dotted keys on both; with compile on, TorchRec's TrainPipelinePT2 is one more base row."""
     runs = [(name, impl) for name in opts.pipelines for impl in ("recpipe", "torchrec")
             if impl == "recpipe" or (opts.with_torchrec and not pipeline_options(split_variant(name)[1]))]
-    return runs + ([("base", "torchrec_pt2")] if opts.with_torchrec and compile_enabled(cfg) else [])
+    return runs + ([("base", "torchrec_pt2")] if opts.with_torchrec and cfg.pipeline.compile.enabled else [])
 
 
 def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None = None) -> list[Row]:
@@ -173,16 +149,21 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
     started = time.perf_counter()
     batches = pregenerate(cfg, rank, world, opts.batches_per_run, device)
     generation_s = max(gather(time.perf_counter() - started))
-    header = _header(cfg, opts, device, world, gpu_names, generation_s, len(batches))
+    header = dict(environment(device, world, gpu_names), bench={
+        "pipelines": list(opts.pipelines), "with_torchrec": opts.with_torchrec, "steps": opts.steps,
+        "warmup": opts.warmup, "drain": DRAIN, "global_batch": cfg.data.batch_size * world,
+        "batches_per_rank": len(batches), "batch_generation_s": generation_s,
+        "batch_generation_ms_per_batch": 1e3 * generation_s / len(batches), "pinned": device.type == "cuda",
+        "timing": StepClock(device).method, "rounds": opts.rounds, "trace_steps": opts.trace_steps,
+        "runs": "sequential in one process group; fresh model (train.seed) per run"
+                + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else "")})
+    header["command"] = opts.command or header["command"]
     runs = runs_of(cfg, opts)
     if rank == 0:
         v = header["versions"]
-        print(
-            f"recpipe bench: {len(runs)} runs on {world} x {header['gpu']['name']}; torch {v['torch']}, "
-            f"fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}{f', CUDA ' + v['cuda'] if v['cuda'] else ''}; "
-            f"{len(batches)} batches/rank made in {generation_s:.1f} s",
-            flush=True,
-        )
+        print(f"recpipe bench: {len(runs)} runs on {world} x {header['gpu']['name']}; torch {v['torch']}, "
+              f"fbgemm-gpu {v['fbgemm_gpu']}, torchrec {v['torchrec']}{f', CUDA ' + v['cuda'] if v['cuda'] else ''}; "
+              f"{len(batches)} batches/rank made in {generation_s:.1f} s", flush=True)
     # rank 0's bar, on a terminal only (disable=None): in a log every refresh is one more line
     bar = tqdm(total=opts.rounds * len(runs) * len(batches), unit="step", dynamic_ncols=True,
                disable=None if rank == 0 and cfg.train.progress else True)
@@ -196,7 +177,11 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
             row = run_one(cfg, name, impl, batches, opts, device, bar)
             measured[(name, impl)].append(row)
             if rank == 0:
-                tqdm.write(f"recpipe bench: {_describe(row)}" + (f" (round {r + 1})" if opts.rounds > 1 else ""))
+                ms = row.step_ms
+                result = f"{row.status}: {row.reason}" if row.status != "ok" else (
+                    f"P50 {ms['p50']:.2f} ms, P90 {ms['p90']:.2f} ms, {row.samples_per_s:,.0f} samples/s")
+                tqdm.write(f"recpipe bench: {row.pipeline} ({row.impl}) {result}"
+                           + (f" (round {r + 1})" if opts.rounds > 1 else ""))
     rows = [merge_rounds(measured[run], cfg.data.batch_size * world) for run in runs]
     extra, extra_md = sections(cfg, opts, rows, batches, device, bar) if sections else ({}, [])
     bar.close()
@@ -206,40 +191,16 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
     return rows
 
 
-def _describe(row: Row) -> str:
-    if row.status != "ok":
-        return f"{row.pipeline} ({row.impl}) {row.status}: {row.reason}"
-    return (f"{row.pipeline} ({row.impl}) P50 {row.step_ms['p50']:.2f} ms, P90 {row.step_ms['p90']:.2f} ms, "
-            f"{row.samples_per_s:,.0f} samples/s")
-
-
-def _header(cfg: RecpipeConfig, opts: BenchOptions, device: torch.device, world: int, gpu_names: list[str],
-            generation_s: float, num_batches_made: int) -> dict[str, Any]:
-    header = environment(device, world, gpu_names)
-    header["command"] = opts.command or header["command"]
-    header["bench"] = {
-        "pipelines": list(opts.pipelines), "with_torchrec": opts.with_torchrec, "steps": opts.steps,
-        "warmup": opts.warmup, "drain": DRAIN, "global_batch": cfg.data.batch_size * world,
-        "batches_per_rank": num_batches_made, "batch_generation_s": generation_s,
-        "batch_generation_ms_per_batch": 1e3 * generation_s / num_batches_made, "pinned": device.type == "cuda",
-        "timing": StepClock(device).method, "rounds": opts.rounds, "trace_steps": opts.trace_steps,
-        "runs": "sequential in one process group; fresh model (train.seed) per run"
-                + (f"; {opts.rounds} interleaved rounds (compare.round_order)" if opts.rounds > 1 else "")}
-    return header
-
-
 def _write(cfg: RecpipeConfig, opts: BenchOptions, header: dict[str, Any], rows: list[Row], extra: dict[str, Any],
            extra_md: list[str]) -> None:
     """Rank 0: plots, bench.json and bench.md; the table (and with --profile the kernel classes) printed."""
     pairs = comparisons(rows)
-    sections: dict[str, Any] = {"comparisons": pairs, **extra}
-    if opts.plots:
-        sections["plots"] = write_plots(opts.out, rows)
-    plots = sections.get("plots")
+    plots = write_plots(opts.out, rows) if opts.plots else None
+    sections = {"comparisons": pairs, **extra, **({"plots": plots} if plots else {})}
     plots_md = [f"Plots: {', '.join(f'`{p}`' for p in plots['written']) or 'none'}"
                 + (f" ({plots['reason']})" if plots["reason"] else ""), ""] if plots else []
-    path = write_outputs(opts.out, cfg, header, rows, sections, rows_md(rows) + comparisons_md(pairs) + extra_md
-                         + plots_md)
+    path = write_outputs(opts.out, cfg, header, rows, sections,
+                         rows_md(rows) + comparisons_md(pairs) + extra_md + plots_md)
     print(format_table(rows))
     if opts.profile and gpu_time_table(rows, markdown=False):
         print(f"GPU ms per step by kernel class (share of summed kernel time):\n{gpu_time_table(rows, markdown=False)}")
@@ -251,8 +212,7 @@ def _write(cfg: RecpipeConfig, opts: BenchOptions, header: dict[str, Any], rows:
 def pregenerate(cfg: RecpipeConfig, rank: int, world: int, count: int, device: torch.device) -> list[Batch]:
     """``count`` host batches of this rank's train split, pinned on CUDA."""
     batches = list(itertools.islice(iter(make_dataloader(cfg, rank=rank, world_size=world, split="train")), count))
-    counts = gather(len(batches))
-    if min(counts) < count:
+    if min(counts := gather(len(batches))) < count:
         raise ValueError(f"the bench needs {count} batches per rank, the data gave (per rank) {counts}")
     if device.type == "cuda":
         batches = [b if b.dense_features.is_pinned() else b.pin_memory() for b in batches]

@@ -1,8 +1,6 @@
-"""What a torch.profiler trace of a few steady-state ``progress()`` calls says about one
-bench row: GPU busy time, GPU time by kernel class, host time per call and by phase,
-host syncs by site, and the device work of the UVM cache's ops (docs/benchmarking.md, "Profiled
-steps"). :func:`profile_progress` takes the trace, :func:`summarize_trace` reads it,
-:func:`combine_ranks` keeps the slowest rank's headline numbers."""
+"""What a torch.profiler trace of a few steady-state ``progress()`` calls says about one bench
+row: GPU busy time, GPU time by kernel class, host time per call and by phase, host syncs by
+site, and the device work of the UVM cache's ops (docs/benchmarking.md, "Profiled steps")."""
 
 from __future__ import annotations
 
@@ -19,39 +17,35 @@ import torch
 
 from recpipe.bench.measure import percentile
 
-__all__ = ["KERNEL_CLASSES", "PROGRESS_RANGE", "RuntimeCall", "Trace", "combine_ranks", "intersection_length",
+__all__ = ["KERNEL_CLASSES", "PROGRESS_RANGE", "Event", "Trace", "combine_ranks", "intersection_length",
            "kernel_class", "merge_intervals", "parse_chrome_trace", "phase_name", "profile_progress",
            "summarize_trace", "union_length"]
 
 PROGRESS_RANGE = "bench.progress"
-DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+LIBRARY_TOP = 8  # library ranges kept per row
 _RANGE = re.compile(r"^## (.+) ##$")
 _RECORD_FUNCTION = re.compile(r'record_function\(\s*f?"(## .*? ##)"', re.DOTALL)
-LIBRARY_TOP = 8  # library ranges kept per row
 _CACHE_OP = re.compile(r"^(fbgemm|recpipe)::.*cache")  # FBGEMM's cache ops, recpipe's populate (cache_fill)
 _ROW_MOVES = re.compile(r"lru_cache_insert|_move_kernel")  # the kernels that move cache rows
+# CUDA calls that return only once the device has caught up (runtime and driver names)
+_BLOCKING = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+                       "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"})
 
 Interval = tuple[float, float]
 
-# GPU time by kernel class: (class, pattern searched in the kernel's name), the first match
-# wins; memcpy and memset records are "copies", a kernel no pattern matches is "other".
-# Inductor names its Triton kernels by template: poi(ntwise), red(uction), per(sistent
-# reduction), tem(plate: matmuls).
+# GPU time by kernel class: (class, pattern searched in the kernel's name), the first match wins;
+# memcpy and memset records are "copies", a kernel no pattern matches is "other". Inductor names its
+# Triton kernels by template: poi(ntwise), red(uction), per(sistent reduction), tem(plate: matmuls).
 _KERNEL_PATTERNS = tuple((cls, re.compile(p)) for cls, p in (
-    ("communication", r"\bnccl"),
-    ("tbe_forward", r"embedding\w*_codegen_forward"),
-    ("tbe_backward", r"embedding\w*_backward_codegen"),
-    ("optimizer", r"multi_tensor_apply_kernel"),
+    ("communication", r"\bnccl"), ("tbe_forward", r"embedding\w*_codegen_forward"),
+    ("tbe_backward", r"embedding\w*_backward_codegen"), ("optimizer", r"multi_tensor_apply_kernel"),
     ("gemm", r"\btriton_(tem|mm)|gemm|gemv|cutlass|cublas|nvjet|xmma"),
-    ("reduction", r"\btriton_(red|per)_|reduce_kernel"),
-    ("elementwise", r"\btriton_poi_|elementwise_kernel"),
+    ("reduction", r"\btriton_(red|per)_|reduce_kernel"), ("elementwise", r"\btriton_poi_|elementwise_kernel"),
 ))
 KERNEL_CLASSES = ("elementwise", "gemm", "tbe_forward", "tbe_backward", "optimizer", "communication", "copies",
                   "reduction", "other")  # the report's column order
 
 
-# ------------------------------------------------------------------ intervals
 def merge_intervals(intervals: Iterable[Interval]) -> list[Interval]:
     """Sorted, disjoint intervals covering the same points (touching ones merged)."""
     out: list[list[float]] = []
@@ -70,11 +64,9 @@ def union_length(intervals: Iterable[Interval]) -> float:
 def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
     """Length of the points in both unions (two-pointer walk over the merged lists)."""
     x, y = merge_intervals(a), merge_intervals(b)
-    i = j = 0
-    total = 0.0
+    i, j, total = 0, 0, 0.0
     while i < len(x) and j < len(y):
-        lo, hi = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
-        total += max(0.0, hi - lo)
+        total += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
         if x[i][1] < y[j][1]:
             i += 1
         else:
@@ -82,96 +74,69 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
     return total
 
 
-# ------------------------------------------------------------------ parsing
-class DeviceOp(NamedTuple):
-    start: float  # microseconds, the trace's clock
-    end: float
-    stream: int
-    correlation: int | None
-    name: str
-    kind: str = "kernel"  # kernel | gpu_memcpy | gpu_memset
-
-
-class HostRange(NamedTuple):
-    name: str
-    start: float
-    end: float
-    tid: Any
-    cat: str  # user_annotation (record_function) | cpu_op
-
-
-class RuntimeCall(NamedTuple):
-    """A CUDA runtime or driver call on the host (``cudaLaunchKernel``, ``cudaStreamSynchronize``)."""
+class Event(NamedTuple):
+    """A device op (``cat`` kernel, gpu_memcpy or gpu_memset; ``tid``: its stream), a host range (user_annotation,
+    cpu_op) or a CUDA runtime or driver call (with the correlation id of its launch). Microseconds."""
 
     name: str
     start: float
     end: float
-    tid: Any
-    correlation: int | None
+    tid: Any  # the host thread, or a device op's stream
+    cat: str
+    correlation: int | None = None
 
 
 @dataclass
 class Trace:
-    device_ops: list[DeviceOp] = field(default_factory=list)
-    launches: dict[int, tuple[Any, float]] = field(default_factory=dict)  # correlation -> (host thread, time)
-    ranges: list[HostRange] = field(default_factory=list)
-    runtime: list[RuntimeCall] = field(default_factory=list)
+    device_ops: list[Event] = field(default_factory=list)
+    ranges: list[Event] = field(default_factory=list)
+    runtime: list[Event] = field(default_factory=list)
 
-
-def _computes(op: DeviceOp) -> bool:
-    """A kernel that computes (not a copy, a memset or an NCCL collective)."""
-    return op.kind == "kernel" and not op.name.startswith("nccl")
+    @property
+    def launches(self) -> dict[int, tuple[Any, float]]:
+        """correlation -> (host thread, time) of the call that launched it."""
+        return {c.correlation: (c.tid, c.start) for c in self.runtime if c.correlation is not None}
 
 
 def parse_chrome_trace(trace: dict[str, Any] | list[dict[str, Any]]) -> Trace:
     """The events this module reads from a Chrome trace (``export_chrome_trace``)."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
     out = Trace()
-    for e in events:
+    for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
         if e.get("ph") != "X":
             continue
-        cat, args = str(e.get("cat", "")).lower(), e.get("args") or {}
-        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0))
-        if cat in DEVICE_CATS:
-            stream = args.get("stream", e.get("tid"))
-            out.device_ops.append(DeviceOp(start, end, int(stream) if str(stream).isdigit() else -1,
-                                           args.get("correlation"), str(e.get("name", "")), cat))
-        elif cat in LAUNCH_CATS:
-            corr = args.get("correlation")
-            if corr is not None:
-                out.launches[int(corr)] = (e.get("tid"), start)
-            out.runtime.append(RuntimeCall(str(e.get("name", "")), start, end, e.get("tid"),
-                                           int(corr) if corr is not None else None))
+        cat, args, name, tid = str(e.get("cat", "")).lower(), e.get("args") or {}, str(e.get("name", "")), e.get("tid")
+        start, end, corr = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), args.get("correlation")
+        if cat in ("kernel", "gpu_memcpy", "gpu_memset"):
+            stream = args.get("stream", tid)
+            out.device_ops.append(Event(name, start, end, int(stream) if str(stream).isdigit() else -1, cat, corr))
+        elif cat in ("cuda_runtime", "cuda_driver"):
+            out.runtime.append(Event(name, start, end, tid, cat, None if corr is None else int(corr)))
         elif cat in ("user_annotation", "cpu_op"):
-            out.ranges.append(HostRange(str(e.get("name", "")), start, end, e.get("tid"), cat))
+            out.ranges.append(Event(name, start, end, tid, cat))
     return out
-
-
-def _template(template: str) -> tuple[re.Pattern[str], str]:
-    """A ``record_function`` f-string template as (regex of its names, phase name):
-    ``## forward {self.contexts[0].index} ##`` -> (``## forward .+? ##``, ``forward``)."""
-    parts = re.split(r"\{[^}]*\}", template)
-    pattern = re.compile(".+?".join(re.escape(p) for p in parts) + "$")
-    name = re.sub(r"\s+", " ", "".join(parts).strip("# ")).replace(" :", ":").strip(" :")
-    return pattern, name
 
 
 @functools.lru_cache(maxsize=1)
 def torchrec_phase_templates() -> tuple[tuple[re.Pattern[str], str], ...]:
-    """The ``## ... ##`` ranges TorchRec's train pipelines open, from its sources."""
+    """The ``## ... ##`` ranges TorchRec's train pipelines open, read from its sources, as (regex
+    of their names, phase name): ``## forward {self.contexts[0].index} ##`` -> (``## forward .+? ##``,
+    ``forward``). Literal names come first (``## backward ##`` before ``## backward {i} ##``)."""
     spec = importlib.util.find_spec("torchrec.distributed.train_pipeline")
     found: dict[str, None] = {}
     for folder in (spec.submodule_search_locations or []) if spec else []:
         for path in sorted(Path(folder).glob("*.py")):
             found.update(dict.fromkeys(_RECORD_FUNCTION.findall(path.read_text())))
-    # literal names before templates with placeholders (``## backward ##`` before ``## backward {i} ##``)
-    return tuple(_template(t) for t in sorted(found, key=lambda t: "{" in t))
+    out = []
+    for template in sorted(found, key=lambda t: "{" in t):
+        parts = re.split(r"\{[^}]*\}", template)
+        name = re.sub(r"\s+", " ", "".join(parts).strip("# ")).replace(" :", ":").strip(" :")
+        out.append((re.compile(".+?".join(re.escape(part) for part in parts) + "$"), name))
+    return tuple(out)
 
 
 def phase_name(name: str) -> tuple[str, str] | None:
-    """(source, phase) of a host range that names a pipeline phase, else None:
-    ("recpipe", step) for ``recpipe.<step>``, ("torchrec", phase) for a range of
-    TorchRec's train pipelines, ("library", name) for another ``## name ##`` range."""
+    """(source, phase) of a host range that names a phase, else None: ("recpipe", step) for ``recpipe.<step>``,
+    ("torchrec", phase) for TorchRec's train pipelines' ranges, ("library", name) for other ``## name ##``."""
     if name.startswith("recpipe."):
         return "recpipe", name[len("recpipe."):]
     if not _RANGE.match(name):
@@ -189,7 +154,6 @@ def kernel_class(name: str, kind: str = "kernel") -> str:
     return next((cls for cls, pattern in _KERNEL_PATTERNS if pattern.search(name)), "other")
 
 
-# ------------------------------------------------------------------ summary
 def _per_step(x: float, steps: int) -> float:
     return x / 1e3 / steps  # microseconds in the trace -> milliseconds per step
 
@@ -201,9 +165,8 @@ def _phases(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
     for r in trace.ranges:
         named = phase_name(r.name) if r.cat == "user_annotation" else None
         if named:
-            target = library if named[0] == "library" else by_phase
             sources.update({named[0]} - {"library"})
-            target.setdefault(named[1], []).append((r.start, r.end))
+            (library if named[0] == "library" else by_phase).setdefault(named[1], []).append((r.start, r.end))
 
     def per_step(ranges: dict[str, list[Interval]]) -> dict[str, float]:
         ms = {p: _per_step(intersection_length(iv, calls), steps) for p, iv in ranges.items()}
@@ -216,18 +179,13 @@ def _phases(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
     if not by_phase:
         out["phases_reason"] = ("no phase ranges in the trace (recpipe.<step> or TorchRec's pipeline ## name ##): "
                                 "the pipeline opens none")
-    out["phase_source"] = ", ".join(sorted(sources)) or None
-    return out
+    return dict(out, phase_source=", ".join(sorted(sources)) or None)
 
 
 def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
-    """Device work launched inside FBGEMM's cache ops (and recpipe's populate), by op, and its overlap."""
-    # FBGEMM's ops are cpu_op ranges; recpipe's populate is a record_function range (user_annotation)
-    cache_ranges = [r for r in trace.ranges if r.cat in ("cpu_op", "user_annotation") and _CACHE_OP.match(r.name)]
-    if not cache_ranges or not trace.device_ops:
-        return None
-    # correlation -> the outermost cache op whose range holds the launch (the op the
-    # Python code called: lru_cache_populate, not what it may call through the dispatcher)
+    """Device work launched in FBGEMM's cache ops and recpipe's populate (a record_function), by op; its overlap."""
+    cache_ranges = [r for r in trace.ranges if _CACHE_OP.match(r.name)]
+    # correlation -> the outermost cache op around the launch (lru_cache_populate, not what it calls inside)
     owner: dict[int, str] = {}
     for corr, (tid, t) in trace.launches.items():
         holding = [r for r in cache_ranges if r.tid == tid and r.start <= t <= r.end]
@@ -236,36 +194,26 @@ def _cache_work(trace: Trace, steps: int) -> dict[str, Any] | None:
     mine = [op for op in trace.device_ops if op.correlation in owner]
     if not mine:
         return None
-    others = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner]
-    compute = [(op.start, op.end) for op in trace.device_ops if op.correlation not in owner and _computes(op)]
+    others = [op for op in trace.device_ops if op.correlation not in owner]
+    compute = [(op.start, op.end) for op in others if op.cat == "kernel" and not op.name.startswith("nccl")]
     spans = [(op.start, op.end) for op in mine]
     by_op: dict[str, list[Interval]] = {}
     for op in mine:
         by_op.setdefault(owner[op.correlation], []).append((op.start, op.end))
-    gpu = union_length(spans)
-    overlap = intersection_length(spans, others)
-    return {
-        "gpu_ms": _per_step(gpu, steps),
-        "overlap_ms": _per_step(overlap, steps),
-        "overlap_compute_ms": _per_step(intersection_length(spans, compute), steps),
-        "exposed_ms": _per_step(gpu - overlap, steps),
-        "overlap_fraction": overlap / gpu if gpu else None,
-        "by_op_ms": {name: _per_step(union_length(iv), steps) for name, iv in sorted(by_op.items())},
-        "insert_kernels_ms": _per_step(union_length((op.start, op.end) for op in mine if _ROW_MOVES.search(op.name)),
-                                       steps),
-        "kernels_per_step": len(mine) / steps,
-        "streams": sorted({op.stream for op in mine}),
-    }
-
-
-# CUDA calls that return only once the device has caught up (runtime and driver names)
-_BLOCKING = frozenset({"cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
-                       "cuStreamSynchronize", "cuEventSynchronize", "cuCtxSynchronize"})
+    gpu, overlap = union_length(spans), intersection_length(spans, [(op.start, op.end) for op in others])
+    moves = union_length((op.start, op.end) for op in mine if _ROW_MOVES.search(op.name))
+    return {"gpu_ms": _per_step(gpu, steps), "overlap_ms": _per_step(overlap, steps),
+            "overlap_compute_ms": _per_step(intersection_length(spans, compute), steps),
+            "exposed_ms": _per_step(gpu - overlap, steps), "overlap_fraction": overlap / gpu if gpu else None,
+            "by_op_ms": {name: _per_step(union_length(iv), steps) for name, iv in sorted(by_op.items())},
+            "insert_kernels_ms": _per_step(moves, steps), "kernels_per_step": len(mine) / steps,
+            "streams": sorted({op.tid for op in mine})}
 
 
 def _host_syncs(trace: Trace, calls: list[Interval], steps: int) -> dict[str, Any]:
-    """The blocking CUDA calls inside ``calls``, per step and by site (module docstring)."""
-    pageable = {op.correlation for op in trace.device_ops if op.kind == "gpu_memcpy" and "Pageable" in op.name
+    """The blocking CUDA calls inside ``calls`` (a synchronize, or a copy to pageable memory),
+    per step and by site: the innermost phase, and the outermost and innermost CPU ops around it."""
+    pageable = {op.correlation for op in trace.device_ops if op.cat == "gpu_memcpy" and "Pageable" in op.name
                 and ("DtoH" in op.name or "Device -> Pageable" in op.name)}
     syncs = [c for c in trace.runtime
              if (c.name in _BLOCKING or (c.name.startswith(("cudaMemcpy", "cuMemcpy")) and c.correlation in pageable))
@@ -291,15 +239,10 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
     if len(calls) != steps:
         raise ValueError(f"expected {steps} {PROGRESS_RANGE!r} ranges in the trace, found {len(calls)}")
     host = [(b - a) / 1e3 for a, b in calls]
-    out: dict[str, Any] = {
-        "steps": steps,
-        "host_ms_per_call": host,
-        "host_ms_p50": percentile(host, 50),
-        "window_ms": _per_step(max([b for _, b in calls] + [op.end for op in trace.device_ops])
-                               - min(a for a, _ in calls), steps),
-        **_phases(trace, calls, steps),
-    }
     ops = trace.device_ops
+    window = max([b for _, b in calls] + [op.end for op in ops]) - min(a for a, _ in calls)
+    out = {"steps": steps, "host_ms_per_call": host, "host_ms_p50": percentile(host, 50),
+           "window_ms": _per_step(window, steps), **_phases(trace, calls, steps)}
     if not ops:
         reason = ("n/a: CPU run (no device kernels in the trace)" if device_type != "cuda"
                   else "n/a: no kernel in the trace (CUDA activity not recorded)")
@@ -307,9 +250,10 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
     streams: dict[int, list[Interval]] = {}
     classes = dict.fromkeys(KERNEL_CLASSES, 0.0)
     for op in ops:
-        streams.setdefault(op.stream, []).append((op.start, op.end))
-        classes[kernel_class(op.name, op.kind)] += op.end - op.start
-    out.update(
+        streams.setdefault(op.tid, []).append((op.start, op.end))
+        classes[kernel_class(op.name, op.cat)] += op.end - op.start
+    return dict(
+        out,
         gpu_busy_ms=_per_step(union_length((op.start, op.end) for op in ops), steps),
         nccl_busy_ms=_per_step(union_length((op.start, op.end) for op in ops if op.name.startswith("nccl")), steps),
         device_ops_per_step=len(ops) / steps,
@@ -318,20 +262,16 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
         cache=_cache_work(trace, steps),
         host_syncs=_host_syncs(trace, calls, steps),
     )
-    return out
 
 
-# ------------------------------------------------------------------ profiling
 def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.device,
                      op_tables: tuple[str, str] | None = None) -> dict[str, Any]:
-    """Run ``steps`` calls of ``pipe.progress(it)`` under torch.profiler and return
-    :func:`summarize_trace` of them. ``op_tables`` = (file, title): also append the
-    profiler's op tables (by self and by total CPU time; on CUDA also by device time) to file."""
+    """:func:`summarize_trace` of ``steps`` calls of ``pipe.progress(it)`` under torch.profiler; ``op_tables`` =
+    (file, title): also append its op tables there, by self and total CPU time (on CUDA also device time)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(steps):
             with record_function(PROGRESS_RANGE):
                 pipe.progress(it)
@@ -340,12 +280,9 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
     if op_tables is not None:
         path, title = op_tables
         Path(path).parent.mkdir(parents=True, exist_ok=True)
+        sorts = [("self_cpu_time_total", 25), ("cpu_time_total", 40), ("self_device_time_total", 40)][:3 if cuda else 2]
         averages = prof.key_averages()
-        tables = averages.table(sort_by="self_cpu_time_total", row_limit=25)
-        # inclusive: the ranges (recpipe's steps, torchrec's modules) whose host time holds the ops above
-        tables += "\n" + averages.table(sort_by="cpu_time_total", row_limit=40)
-        if cuda:
-            tables += "\n" + averages.table(sort_by="self_device_time_total", row_limit=40)
+        tables = "\n".join(averages.table(sort_by=key, row_limit=n) for key, n in sorts)
         with open(path, "a") as f:
             f.write(f"\n===== {title}: {steps} steps =====\n{tables}\n")
     with tempfile.TemporaryDirectory() as tmp:
@@ -355,17 +292,14 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
     return summarize_trace(trace, steps, device.type)
 
 
-# ------------------------------------------------------------------ ranks, rounds
 _SLOWEST = ("gpu_busy_ms", "host_ms_p50", "window_ms")  # per row: the slowest rank's
 
 
 def combine_ranks(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """The row's trace: busy time, host time per call and window of the slowest rank
-    (the one that sets the step); phases, streams, cache work and host syncs of rank 0; each
-    rank's headline numbers under ``per_rank``."""
-    bad = [f"rank {r}: {t.get('reason', '?') if t else 'no trace'}" for r, t in enumerate(per_rank)
-           if not t or t.get("status") != "ok"]
-    if bad:
+    """The row's trace: busy time, host time per call and window of the slowest rank (it sets the step);
+    phases, streams, cache work and host syncs of rank 0; each rank's headline numbers under ``per_rank``."""
+    if bad := [f"rank {r}: {t.get('reason', '?') if t else 'no trace'}" for r, t in enumerate(per_rank)
+               if not t or t.get("status") != "ok"]:
         return {"status": "failed", "reason": " | ".join(bad)}
     out = {k: v for k, v in per_rank[0].items() if k != "host_ms_per_call"}
     for key in _SLOWEST:

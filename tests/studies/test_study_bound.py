@@ -1,5 +1,5 @@
 """benchmarks/studies/bound.py: every stage alone on CPU beside the bench's rows (2 Gloo
-ranks, end to end), its markdown, the prefetch-memory summary and the stream's reserved bytes."""
+ranks, end to end), its markdown, the prefetch-memory summary, the stream's reserved bytes and the stage clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.studies.bound import STAGES, bound_md, hbm_peak, main, prefetch_memory, stream_reserved_bytes
+from benchmarks.studies.bound import (STAGES, bound_md, hbm_peak, main, prefetch_memory, stream_reserved_bytes,
+                                      time_stage)
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOKE = str(ROOT / "configs" / "bench" / "smoke_cpu.yaml")
@@ -97,3 +98,12 @@ def test_stream_reserved_bytes_sums_the_streams_segments(monkeypatch):
 
     assert stream_reserved_bytes(torch.device("cuda", 0), Stream()) == 22 * MiB
     assert stream_reserved_bytes(torch.device("cuda", 1), Stream()) == MiB
+
+
+def test_time_stage_is_one_interval_of_the_step_clock():
+    import time
+
+    import torch
+
+    ms, out = time_stage(torch.device("cpu"), lambda: time.sleep(0.02) or 7)
+    assert out == 7 and 19.0 <= ms < 1000

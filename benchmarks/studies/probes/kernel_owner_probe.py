@@ -78,11 +78,11 @@ for label, impl in RUNS:
         return f"{step} {node}".strip(), inner
     busy = defaultdict(float)
     for op in trace.device_ops:
-        busy[op.stream] += op.end - op.start
+        busy[op.tid] += op.end - op.start  # a device op's tid is its stream
     compute = max(busy, key=busy.get)
     table = defaultdict(float)
     for op in trace.device_ops:
-        if op.stream != compute:
+        if op.tid != compute:
             continue
         where, inner = owner(op.correlation)
         table[(where, inner, op.name[:70])] += (op.end - op.start) / 1000 / STEPS

@@ -24,9 +24,9 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.studies.sweep import empty_cache
+from recpipe.bench.measure import COUNTERS, read_counters
 from recpipe.bench.run import RunResult, build_run, fresh_batches, untimed_steps
 from recpipe.bench.runner import pregenerate
-from recpipe.bench.uvm_cache import COUNTERS, read_counters, stats_fused_params
 from recpipe.config import load_config
 from recpipe.distributed import init_process_group
 from recpipe.pipelines.prefetch import cached_tbes

@@ -116,15 +116,18 @@ def _environ_rank(pid: int) -> int | None:
 
 def ranks_of(pid: int, torchrun: bool = False, nproc: int = 2, timeout: float = 60.0) -> dict[int, int]:
     """{rank: pid} of the ``nproc`` training ranks under launcher ``pid``. torchrun puts
-    RANK in each worker's environment at exec; ``launch_local`` starts rank 0 then
-    rank 1 (multiprocessing spawn children, in pid order), setting RANK only later."""
+    RANK in each worker's environment at exec; ``launch_local``'s forkserver (the
+    launcher's child) forks rank 0 then rank 1 (its children, in pid order), which set
+    RANK only later."""
     end = time.monotonic() + timeout
     while True:
         if torchrun:
             ranks = {r: p for p in descendants(pid) if (r := _environ_rank(p)) is not None}
         else:
-            spawned = sorted(p for p in descendants(pid) if "spawn_main" in _cmdline(p))
-            ranks = dict(enumerate(spawned))
+            servers = [p for p in descendants(pid) if "multiprocessing.forkserver" in _cmdline(p)
+                       and (stat := _stat(p)) is not None and stat[1] == pid]
+            ranks = dict(enumerate(sorted(p for s in servers for p in descendants(s)
+                                          if (stat := _stat(p)) is not None and stat[1] == s)))
         if len(ranks) >= nproc or time.monotonic() > end:
             return ranks
         time.sleep(0.05)

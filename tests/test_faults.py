@@ -28,6 +28,7 @@ from recpipe.exit_codes import (
     EXIT_CHECKPOINT,
     EXIT_INTERRUPTED,
     EXIT_LAUNCHER_GONE,
+    EXIT_PREEMPTED,
 )
 from recpipe.train.checkpoint import latest_checkpoint
 from recpipe.train.integrity import METADATA_FILE
@@ -76,10 +77,14 @@ def _stop_line(err: str) -> tuple[str, int]:
 
 
 # ------------------------------------------------------------ one signal, delivered twice
-def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path):
-    """`set -m; timeout 300 recpipe train ... & kill -INT -$!`: the launcher gets SIGINT
-    from the group and again from `timeout`, which forwards it (and sends it to its
-    group once more); the ranks get it three times. One request: drain, save, 130."""
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, EXIT_INTERRUPTED), (signal.SIGTERM, EXIT_PREEMPTED)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path, sig, code):
+    """`set -m; timeout 300 recpipe train ... & kill -INT -$!` (or -TERM, as schedulers
+    deliver it): the launcher gets the signal from the group and again from `timeout`,
+    which forwards it (and sends it to its group once more); the ranks get it three
+    times, and so does the server that forks them, which must outlive it. One request:
+    drain, save, 130 (143)."""
     if shutil.which("timeout") is None:
         pytest.skip("needs coreutils' timeout")
     run = tmp_path / "run"
@@ -87,14 +92,14 @@ def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path):
                             stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
     try:
         wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         _, err = finish(proc, timeout=120)
     finally:
         _kill_group(proc.pid)
-    assert proc.returncode == EXIT_INTERRUPTED, err[-4000:]
-    assert "second SIGINT" not in err and "Traceback" not in err, err[-4000:]
+    assert proc.returncode == code, err[-4000:]
+    assert f"second {sig.name}" not in err and "Traceback" not in err, err[-4000:]
     line, step = _stop_line(err)
-    assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {EXIT_INTERRUPTED}]" in line
+    assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {code}]" in line
     assert latest_checkpoint(run / "ckpt") == run / "ckpt" / f"step_{step:08d}"
     assert not _group_members(proc.pid), "a process of the job outlived it"
 

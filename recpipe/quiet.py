@@ -12,8 +12,9 @@ once per shared library and per process: a screen of ``WARNING:root:`` lines in 
 rank, data worker and bench process, saying nothing a user can act on. It is dropped
 here, matched on exactly that text; fbgemm's other warning (a version that is listed
 and does not match the installed torch) still prints. :func:`install` runs when
-``recpipe`` is imported, so it covers the launcher, every spawned rank (which imports
-recpipe before torchrec) and forked producers; it adds one filter, once.
+``recpipe`` is imported, so it covers the launcher, every rank (forked from a server that
+imports recpipe before torchrec: ``recpipe.launch_preload``) and forked producers; it adds
+one filter, once.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def main_bench(args: argparse.Namespace, sections: Sections | None = None,
 
 def launch(worker: Callable[..., Any], cfg: RecpipeConfig, *args: Any) -> Any:
     """``worker(cfg, *args)`` on every rank: in this process under torchrun or with one rank (its result),
-    else in ``distributed.nproc`` spawned processes (None; they pickle ``worker`` and ``args``)."""
+    else in ``distributed.nproc`` processes of ``launch_local`` (None; ``worker`` and ``args`` are pickled)."""
     if under_torchrun():
         try:
             return worker(cfg, *args)

@@ -83,7 +83,7 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
 
 
 def _local_rank(cfg: RecpipeConfig, debug: bool) -> None:
-    """``launch_local``'s target (module level: spawn pickles it); exits with the rank's code."""
+    """``launch_local``'s target (module level: multiprocessing pickles it); exits with the rank's code."""
     code = run_rank(cfg, debug)
     if code:
         sys.exit(code)

@@ -193,28 +193,39 @@ def _ours(kernels: str):
     return insert
 
 
+# Cache sizes: one set (a small cache, or a table's share of one on several ranks), two, odd
+# counts and the default test cache.
+SETS = (1, 2, 6, 7)
+
+
+@pytest.mark.parametrize("sets", SETS)
 @pytest.mark.parametrize("lock", [True, False])
-def test_reference_matches_fbgemms_populate(lock):
+def test_reference_matches_fbgemms_populate(lock, sets):
     """Every step, the cache state, LRU stamps, locks, counters, cache rows and host rows
     equal the port of FBGEMM's kernels, with evictions, conflicts (locked and fully
     stamped sets) and two cached tables of different dims."""
-    ours, ref = FakeTBE(), FakeTBE()
+    ours, ref = FakeTBE(sets), FakeTBE(sets)
     _train_cache(ours, _ours("torch"), lock)
     _train_cache(ref, _fbgemm_port, lock)
-    _same_state(ours, ref, f"lock={lock}")
+    _same_state(ours, ref, f"lock={lock}, sets={sets}")
     stats = ours.uvm_cache_stats.tolist()
     assert stats[3] > stats[4] > 0, f"the test needs misses and conflicts: {stats}"
-    assert not torch.equal(ours.weights_uvm, FakeTBE().weights_uvm), "no evicted row was written back"
+    evicted = not torch.equal(ours.weights_uvm, FakeTBE().weights_uvm)
+    # One locked set: its 32 ways fill with the hot ids, which every next batch hits and so keeps
+    # locked: FBGEMM's port evicts nothing either (the state equality above is the check).
+    assert evicted or (sets == 1 and lock), "no evicted row was written back"
 
 
 def triton_matches_reference() -> None:
     """The Triton kernels (run where Triton runs them: on CUDA, or on CPU in its
-    interpreter) give exactly the reference's cache and host rows."""
-    for lock in (True, False):
-        ours, ref = FakeTBE(), FakeTBE()
-        _train_cache(ours, _ours("triton"), lock)
-        _train_cache(ref, _ours("torch"), lock)
-        _same_state(ours, ref, f"triton, lock={lock}")
+    interpreter) give exactly the reference's cache and host rows, for every cache size
+    of ``SETS`` (one set included: Triton makes an int argument equal to 1 a constant)."""
+    for sets in SETS:
+        for lock in (True, False):
+            ours, ref = FakeTBE(sets), FakeTBE(sets)
+            _train_cache(ours, _ours("triton"), lock)
+            _train_cache(ref, _ours("torch"), lock)
+            _same_state(ours, ref, f"triton, lock={lock}, sets={sets}")
 
 
 def test_triton_kernels_match_the_reference_in_the_interpreter():

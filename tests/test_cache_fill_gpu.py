@@ -33,7 +33,7 @@ def test_compiled_kernels_match_the_reference():
         test_cache_fill.FakeTBE = original
 
 
-def _tbe(seed: int):
+def _tbe(seed: int, cache_sets: int = 0):
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
@@ -44,15 +44,20 @@ def _tbe(seed: int):
              (60_000, 128, EmbeddingLocation.MANAGED_CACHING, ComputeDevice.CUDA)]
     return SplitTableBatchedEmbeddingBagsCodegen(
         embedding_specs=specs, optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=0.05, cache_load_factor=0.03,
-        prefetch_pipeline=True, uvm_host_mapped=True, gather_uvm_cache_stats=True)
+        cache_sets=cache_sets, prefetch_pipeline=True, uvm_host_mapped=True, gather_uvm_cache_stats=True)
 
 
-def test_fbgemm_tbe_trains_the_same_with_either_insert():
+@pytest.mark.parametrize("cache_sets", [0, 1, 2, 7], ids=["load_factor", "1set", "2sets", "7sets"])
+def test_fbgemm_tbe_trains_the_same_with_either_insert(cache_sets):
+    """``cache_sets`` 0: FBGEMM sizes the cache from its load factor (94 sets); 1, 2 and 7:
+    the small and odd caches a table's share on several ranks can have."""
     from recpipe.speedups import cache_fill
 
     if cache_fill.available():
         pytest.skip(cache_fill.available())
-    fbgemm, ours = _tbe(0), _tbe(0)
+    fbgemm, ours = _tbe(0, cache_sets), _tbe(0, cache_sets)
+    if cache_sets:
+        assert ours.lxu_cache_state.shape[0] == cache_sets
     for a, b in zip(fbgemm.split_embedding_weights(), ours.split_embedding_weights()):
         assert torch.equal(a, b)
     rows = [40_000, 1_000, 60_000]

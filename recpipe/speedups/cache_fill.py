@@ -233,9 +233,11 @@ if triton is not None:
     # Triton compiles a kernel again for an int argument that is 1 or a multiple of 16
     # the first time it sees one: the step stamp and the row counts change every call,
     # so such a compile (0.2-0.9 s) would land inside training steps (seen on one H100:
-    # a 907 ms step at stamp 16). They are passed unspecialized.
+    # a 907 ms step at stamp 16). They are passed unspecialized. So is the cache's set
+    # count: a cache of one set (a small cache, or a table's share on several ranks)
+    # would make it the constant 1, a Python int without the tensor methods the hash uses.
 
-    @triton.jit(do_not_specialize=["n", "time_stamp"])
+    @triton.jit(do_not_specialize=["n", "time_stamp", "sets"])
     def _find_kernel(uniq_ptr, length_ptr, n, total, state_ptr, lru_ptr, lock_ptr, sets_ptr, time_stamp, sets,
                      LOCK: tl.constexpr, BLOCK: tl.constexpr):
         p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -260,7 +262,7 @@ if triton is not None:
         tl.store(lru_ptr + slot, tl.full([BLOCK], 0, tl.int64) + time_stamp, mask=hit)
         tl.store(sets_ptr + p, tl.where(valid & ~hit, home, sets), mask=inside)
 
-    @triton.jit(do_not_specialize=["n", "time_stamp"])
+    @triton.jit(do_not_specialize=["n", "time_stamp", "sets"])
     def _insert_kernel(by_set_ptr, ids_ptr, n, sets, state_ptr, lru_ptr, lock_ptr, slot_ptr, old_ptr, time_stamp,
                        LOCK: tl.constexpr):
         p = tl.program_id(0)

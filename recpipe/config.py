@@ -211,12 +211,15 @@ class DataConfig(Section):
 
 
 # ------------------------------------------------------------------ sharding
-SHARDING_TYPES = ("table_wise", "row_wise", "column_wise", "data_parallel")
+SHARDING_TYPES = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
 COMPUTE_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
 
 
 class TableSharding(Section):
-    type: Literal["table_wise", "row_wise", "column_wise", "data_parallel"] = "table_wise"
+    # table_wise: the whole table on one rank; row_wise: rows split over every rank;
+    # table_row_wise: rows split over the ranks of one host (hosts balanced by rows);
+    # column_wise: columns split over every rank; data_parallel: a copy on every rank.
+    type: Literal["table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel"] = "table_wise"
     # fused = FBGEMM TBE with weights in HBM; fused_uvm = weights in UVM (host);
     # fused_uvm_caching = UVM weights with an HBM cache; dense = data-parallel only.
     kernel: Literal["fused", "fused_uvm", "fused_uvm_caching", "dense"] = "fused"

@@ -15,6 +15,7 @@ cheap to import.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from recpipe.embedding_tables import (EBC, EC, FPEBC, MODULE_TYPES, check_table_names, model_on_meta, model_tables,
@@ -347,7 +348,7 @@ def placed_type(t: "TableSharding", world_size: int) -> str:
     tables: per step one lookup and one output dist fewer, and no row-wise bucketize
     of the ids. The numbers are the same (tests/test_pipelines.py, tests/test_sharding.py;
     with fp16 weights, stochastic rounding draws from the merged TBE's random stream instead)."""
-    return "table_wise" if world_size == 1 and t.type == "row_wise" else t.type
+    return "table_wise" if world_size == 1 and t.type in ("row_wise", "table_row_wise") else t.type
 
 
 def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
@@ -371,10 +372,43 @@ def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[Ta
     return placed
 
 
+def _with_kernel(generator: Callable, kernel: str) -> Callable:
+    """``generator`` with its ParameterSharding's compute kernel set to ``kernel`` (torchrec's
+    ``table_row_wise`` takes none and picks its own)."""
+
+    def with_kernel(*args, **kwargs):
+        sharding = generator(*args, **kwargs)
+        sharding.compute_kernel = kernel
+        return sharding
+
+    return with_kernel
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks per host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, ``recpipe train``), else
+    every rank on one host (``recpipe plan``, which plans one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return local if 0 < local <= world_size and world_size % local == 0 else world_size
+
+
+def table_row_wise_hosts(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
+    """Host of each table_row_wise table of ``tables``: the least-loaded host (largest
+    tables first, load = rows), so placement is deterministic."""
+    hosts = world_size // local_world_size(world_size)
+    loads = [0] * hosts
+    placed: dict[str, int] = {}
+    twrw = [t for t in tables if cfg.sharding.for_table(t.name).type == "table_row_wise"]
+    for t in sorted(twrw, key=lambda t: (-t.rows, t.name)):
+        host = min(range(hosts), key=lambda h: (loads[h], h))
+        placed[t.name] = host
+        loads[host] += t.rows
+    return placed
+
+
 def parameter_sharding_generator(t: "TableSharding", rank: int | None, world_size: int) -> Callable:
-    """torchrec's ``sharding_plan`` generator for one table (``rank``: placed
-    table_wise only; the type is ``placed_type``'s)."""
-    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_wise
+    """torchrec's ``sharding_plan`` generator for one table (``rank``: the rank of a table
+    placed table_wise, the host of a table_row_wise one; the type is ``placed_type``'s)."""
+    from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_row_wise, table_wise
 
     kernel = KERNELS[t.kernel]
     kind = placed_type(t, world_size)
@@ -382,6 +416,8 @@ def parameter_sharding_generator(t: "TableSharding", rank: int | None, world_siz
         return table_wise(rank=rank, compute_kernel=kernel)
     if kind == "row_wise":
         return row_wise(compute_kernel=kernel)
+    if kind == "table_row_wise":
+        return _with_kernel(table_row_wise(host_index=rank or 0), kernel)
     if kind == "column_wise":
         return column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
     return data_parallel()

@@ -98,8 +98,6 @@ def test_skip_step_updates_nothing_in_every_pipeline():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_skip_step_updates_nothing_on_cuda(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_skip_worker, nproc, nproc, ["train.device=cuda"])
 
 

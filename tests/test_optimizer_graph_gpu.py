@@ -87,8 +87,6 @@ def _pipelines_and_optimizers(configs) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_graphed_optimizer_step_is_bit_identical_to_eager(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     configs = {dense: small_config(nproc, ["train.device=cuda", FUSED, f"optimizer.dense.name={dense}",
                                            "optimizer.dense.weight_decay=0.01"]) for dense in ("adagrad", "sgd")}
     launch_local(_pipelines_and_optimizers, nproc, configs)
@@ -140,7 +138,5 @@ def _lr_and_checkpoints(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_graphed_optimizer_across_lr_change_and_checkpoints(nproc, tmp_path):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     cfg = small_config(nproc, ["train.device=cuda", FUSED, f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.keep=1"])
     launch_local(_lr_and_checkpoints, nproc, cfg)

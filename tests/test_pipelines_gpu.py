@@ -53,8 +53,6 @@ def _numerics(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_pipelines_match_base_on_cuda(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_numerics, nproc, small_config(nproc, ["train.device=cuda", FUSED]))
 
 
@@ -166,8 +164,6 @@ def _eval_releases_locks(cfg, batches, device, start, **options) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("passes", [1, 3])
 def test_prefetch_with_small_uvm_cache_trains_like_hbm(nproc, passes):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     common = [
         "train.device=cuda",
         f"model.num_embeddings_per_feature={CACHED_ROWS}",
@@ -219,8 +215,6 @@ def _models(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_any_model_matches_the_plain_loop_on_cuda(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_models, nproc, small_config(nproc, ["train.device=cuda"]))
 
 
@@ -247,8 +241,6 @@ def _graphs(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_cuda_graphs_keep_pipelines_bit_identical(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_graphs, nproc, small_config(nproc, ["train.device=cuda", FUSED]))
 
 
@@ -269,8 +261,6 @@ def _graphs_user_model(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_cuda_graphs_by_module_path(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_graphs_user_model, nproc, small_config(nproc, ["train.device=cuda"]))
 
 
@@ -284,11 +274,10 @@ def test_one_rank_shortcuts_are_exact_on_cuda():
     launch_local(_one_rank_row_wise_worker, 1, cfg)
 
 
+@pytest.mark.gpus(2)
 def test_two_ranks_average_dense_gradients_exactly_as_ddp_on_cuda():
     """recpipe's flat all-reduce of the dense gradients (NCCL) trains bit-identically
     to torchrec's DDP wrapper on two GPUs, with and without CUDA graphs."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     from test_pipelines import _dense_gradients_worker
 
     launch_local(_dense_gradients_worker, 2, small_config(2, ["train.device=cuda"]))

@@ -111,8 +111,6 @@ def _err(est: float, meas: float) -> float:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_precision_estimates_match_measured(world_size, tmp_path):
-    if torch.cuda.device_count() < world_size:
-        pytest.skip(f"needs {world_size} GPUs")
     from recpipe.distributed import launch_local
     from recpipe.planner import plan_from_config
 

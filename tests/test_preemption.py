@@ -106,8 +106,9 @@ print("not stopped", flush=True)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpus(2)
 def test_sigterm_stops_a_cuda_run_with_a_checkpoint(tmp_path):
-    nproc = min(2, torch.cuda.device_count())  # 2: NCCL for training, a Gloo group for the agreement
+    nproc = 2  # NCCL for training, a Gloo group for the agreement
     run = tmp_path / "run"
     on_cuda = ["train.device=cuda", "distributed.backend=auto", f"distributed.nproc={nproc}"]
     proc, ranks, err = interrupt(run, lambda proc, ranks: proc.send_signal(signal.SIGTERM), *on_cuda, nproc=nproc)

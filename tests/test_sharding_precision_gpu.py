@@ -41,8 +41,6 @@ def _numerics(cfg) -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_pipelines_match_base_with_fp16_tables_and_bf16_comms(nproc):
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     launch_local(_numerics, nproc, small_config(nproc, PRECISE))
 
 
@@ -50,8 +48,6 @@ def test_pipelines_match_base_with_fp16_tables_and_bf16_comms(nproc):
 def test_fp16_tables_resume_bit_identically_on_cuda(nproc, tmp_path):
     """Stochastic rounding draws from the CUDA generator, which the checkpoint saves:
     a resumed run equals the uninterrupted one bit for bit."""
-    if torch.cuda.device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs")
     from pathlib import Path
 
     from recpipe.cli import main
@@ -78,11 +74,10 @@ def test_fp16_tables_resume_bit_identically_on_cuda(nproc, tmp_path):
     assert not different, f"resumed run differs from the uninterrupted one in {different}"
 
 
+@pytest.mark.gpus(2)
 def test_tbes_write_bf16_and_train_as_torchrecs_codecs_on_cuda():
     """bf16 both ways on two GPUs: the TBEs write bf16 pooled outputs, cast codecs only
     (tests/test_sharding_precision.py, the CPU version with fp16)."""
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs")
     from test_sharding_precision import _tbe_output_worker
 
     launch_local(_tbe_output_worker, 2, small_config(2, PRECISE))

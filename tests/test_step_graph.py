@@ -22,6 +22,10 @@ from recpipe.speedups.optimizer_graph import torch_optimizers
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
 
 TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
+# Every sharding type a step graph holds: row-wise tables on several ranks have their ids per
+# rank padded to a capacity.
+ROW_TABLES = ["sharding.tables={t_cat_0: {type: row_wise}, t_cat_1: {type: table_row_wise}, "
+              "t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
 
 
 def _no_graph(step):
@@ -67,16 +71,30 @@ def _graphed(cfg, name, batches, options, segments=None):
     return RunResult(losses, weights, local_state(sm.model)), graph, sm
 
 
+def row_features(cfg, ids_per_sample=(1, 2, 1, 3)) -> dict[str, int]:
+    """The features of row-wise tables on several ranks -> a capacity no batch of
+    ``_fixed_batches`` exceeds in any rank's bucket (all its ids in one bucket)."""
+    W = cfg.distributed.nproc
+    return {f: k * cfg.data.batch_size * W for f, k, t in zip(cfg.model.feature_names, ids_per_sample,
+                                                             (f"t_{f}" for f in cfg.model.feature_names))
+            if W > 1 and cfg.sharding.for_table(t).type in ("row_wise", "table_row_wise")}
+
+
 def _worker(cfg) -> None:
     init_process_group(cfg)
     rank = dist.get_rank()
-    # Fixed shapes: nothing padded, every step after the measured ones replays.
+    # Fixed shapes: nothing padded (but the buckets of row-wise tables on several ranks,
+    # whose ids per rank vary), every step after the measured ones replays.
     fixed = _fixed_batches(cfg, 9, rank)
     want = train(cfg, "base", fixed)
+    rows = row_features(cfg)
     for name in ("base", "sparse_dist"):
-        got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3), [5, 4])
+        got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3, capacity=rows),
+                                  [5, 4])
         assert_same(want, got, f"{name} step graph, fixed shapes")
-        assert graph.replays == 7 and graph.eager_steps == 2 and not graph.padded and graph.over_capacity == 0, graph
+        assert sorted(graph.buckets) == sorted(rows), (graph.buckets, rows)
+        assert graph.replays == 7 and graph.eager_steps == 2 and graph.padded == bool(rows), graph
+        assert graph.over_capacity == 0, graph
         # the dense optimizer's host step counts are where eager steps leave them
         counts = {int(s["step"]) for opt in torch_optimizers(sm.optimizer) for s in opt.state.values()}
         assert counts == {9}, counts
@@ -88,7 +106,8 @@ def _worker(cfg) -> None:
                                                                           capacity=roomy))
     assert_same(want, got, "step graph, padded batches")
     assert graph.padded and graph.replays == 8 and graph.eager_steps == 2 and graph.over_capacity == 0, graph
-    tight = StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.0)
+    # over capacity: the other features at their measured largest count (row-wise ones never)
+    tight = StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.0, capacity=row_features(cfg, (3, 3, 3, 3)))
     with pytest.warns(UserWarning, match="does not fit the captured step"):
         got, graph, _ = _graphed(cfg, "base", varying, tight)
     assert_same(want, got, "step graph, some batches over capacity")
@@ -97,9 +116,10 @@ def _worker(cfg) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tables", [TABLES, ROW_TABLES], ids=["table_column_wise", "every_type"])
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_step_graph_trains_like_the_plain_loop(nproc):
-    launch_local(_worker, nproc, small_config(nproc, TABLES))
+def test_step_graph_trains_like_the_plain_loop(nproc, tables):
+    launch_local(_worker, nproc, small_config(nproc, tables))
 
 
 def test_padding_adds_one_bag_and_nothing_to_the_pooled_output():
@@ -135,8 +155,10 @@ def test_config_refuses_what_a_step_graph_cannot_hold():
     assert "pipeline.cuda_graphs=false" in problems("pipeline.name=sparse_dist", "pipeline.cuda_graphs=true")
     assert "UVM-cached" in problems("pipeline.name=sparse_dist", "sharding.default={kernel: fused_uvm_caching}",
                                     "train.device=cuda")
-    assert "row_wise" in problems("pipeline.name=sparse_dist", "distributed.nproc=2",
-                                  "sharding.tables={t_cat_0: {type: row_wise}}")
+    for kind in ("row_wise", "table_row_wise"):  # their ids per rank are padded to a capacity: no refusal
+        cfg = load_config(None, ["pipeline.step_graph=true", "pipeline.name=sparse_dist", "distributed.nproc=2",
+                                 f"sharding.tables={{t_cat_0: {{type: {kind}}}}}"])
+        assert cfg.pipeline.step_graph.enabled
     assert "Adam" in problems("pipeline.name=sparse_dist", "optimizer.embedding.name=adam")
     assert "dense_gradients" in problems("pipeline.name=sparse_dist", "sharding.dense_gradients=ddp")
     assert "DistributedDataParallel" in problems("pipeline.name=sparse_dist",

@@ -50,6 +50,15 @@ def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
     return found
 
 
+def shardings(module: ShardedModule) -> list[tuple[str, Any]]:
+    """(sharding type, torchrec's sharding object) of each sharding group of ``module``:
+    ShardedEmbeddingBagCollection lists them (``_sharding_types``, ``_embedding_shardings``),
+    ShardedEmbeddingCollection maps them (``_sharding_type_to_sharding``), in torchrec 1.6.1 to 1.8."""
+    if hasattr(module, "_embedding_shardings"):
+        return list(zip(module._sharding_types, module._embedding_shardings))
+    return list(getattr(module, "_sharding_type_to_sharding", {}).items())
+
+
 def has_feature_processor(module: ShardedModule) -> bool:
     return "FeatureProcessed" in type(module).__name__ or hasattr(module, "_feature_processor")
 

@@ -69,7 +69,8 @@ if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
 
 MiB = 1 << 20
-A2A_TYPES = ("table_wise", "row_wise", "column_wise")
+A2A_TYPES = ("table_wise", "row_wise", "table_row_wise", "column_wise")
+ROW_TYPES = ("row_wise", "table_row_wise")  # one host: the same exchange
 DDP_BUCKET_BYTES = 25 * MiB  # torch DDP bucket_cap_mb default
 _OPT_TENSORS = {"sgd": 3, "adagrad": 5, "adam": 7}  # fp32 tensors read + written per param by the step
 
@@ -118,16 +119,16 @@ def a2a_bytes(inputs: PlannerInputs) -> dict[str, list[tuple[float, float]]]:
         t = inputs.table(sh.table)
         if t.sharding_type == "data_parallel":
             continue
-        share = sh.rows / t.rows if t.sharding_type == "row_wise" else 1.0
+        share = sh.rows / t.rows if t.sharding_type in ROW_TYPES else 1.0
         id_bytes = INDEX_BYTES + (WEIGHT_BYTES if t.weighted else 0)
         # pooled: one row per sample and feature; sequence: one per id (RW: the
         # shard's ids only, sent back by an all-to-all, not reduce-scattered)
         rows = B * t.num_features if t.pooled else B * t.ids_per_sample * share
         for r in range(W):
             send(kjt, r, sh.rank, B * t.num_features * (LENGTH_BYTES + id_bytes * t.pooling_factor * share))
-            if t.sharding_type != "row_wise" or not t.pooled:
+            if t.sharding_type not in ROW_TYPES or not t.pooled:
                 send(out, sh.rank, r, rows * sh.cols)
-    rw_dims = sum(t.dim * t.num_features for t in inputs.tables if t.sharding_type == "row_wise" and t.pooled)
+    rw_dims = sum(t.dim * t.num_features for t in inputs.tables if t.sharding_type in ROW_TYPES and t.pooled)
     ring_rs = (W - 1) * B * rw_dims  # RW reduce-scatter, ring (values)
     ring_ar = 2 * (W - 1) / W * 4 * _replicated_params(inputs)
     fwd, bwd = inputs.comm_bytes  # sharding.comm_precision: fp32 4 B, fp16 / bf16 2 B per value

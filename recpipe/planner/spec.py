@@ -271,7 +271,7 @@ def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: 
     for t in tables:
         if t.sharding_type == "table_wise":
             out.append(ShardSpec(t.name, tw_ranks[t.name], t.rows, t.dim))
-        elif t.sharding_type == "row_wise":
+        elif t.sharding_type in ("row_wise", "table_row_wise"):  # one host: every rank is its host's
             offset = 0
             for rank, n in enumerate(rw_shard_rows(t.rows, world_size)):
                 out.append(ShardSpec(t.name, rank, n, t.dim, row_offset=offset))

@@ -135,7 +135,7 @@ def shard_indices(inputs: PlannerInputs, shard: ShardSpec) -> float:
     B, W = inputs.batch_size, inputs.world_size
     if t.sharding_type in ("table_wise", "column_wise"):
         return W * B * t.ids_per_sample
-    if t.sharding_type == "row_wise":
+    if t.sharding_type in ("row_wise", "table_row_wise"):
         return W * B * t.ids_per_sample * shard.rows / t.rows
     return B * t.ids_per_sample
 

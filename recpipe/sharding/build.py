@@ -31,10 +31,12 @@ from recpipe.sharding.data_parallel import DataParallelAcrossRanks
 from recpipe.torchrec_args import (
     apply_weights_precision,
     cache_params,
+    local_world_size,
     make_sharders,
     parameter_sharding_generator,
     precision_warnings,
     stochastic_rounding,
+    table_row_wise_hosts,
     table_wise_ranks,
 )
 from recpipe.torchrec_args import make_sharder  # noqa: F401  (re-exported: recpipe.sharding.build.make_sharder)
@@ -52,7 +54,7 @@ def sharding_plan(
     balanced over all of the model's tables together. ``tables``: the model's
     (:func:`recpipe.embedding_tables.validated_tables`), computed when not given."""
     tables = validated_tables(cfg, model, device_type) if tables is None else tables
-    ranks = table_wise_ranks(cfg, world_size, tables)
+    ranks = {**table_wise_ranks(cfg, world_size, tables), **table_row_wise_hosts(cfg, world_size, tables)}
     sharders = make_sharders(cfg, device_type)
     plan = {}
     for fqn, module in find_embedding_modules(model).items():
@@ -65,7 +67,7 @@ def sharding_plan(
             module,
             per_param_sharding=generators,
             sharder=sharders[mine[0].module_type],
-            local_size=world_size,
+            local_size=local_world_size(world_size),
             world_size=world_size,
             device_type=device_type,
         )

@@ -12,7 +12,7 @@ schedule (``step_graph.SCHEDULE``): the next batch's host-to-device copy
 on the memcpy stream, as before, and ``train_step``: the batch copied into the graph's
 static input buffers, then one replay of the captured step: input dist (one rank:
 nothing to exchange; several ranks: the id all-to-all with splits known from the
-shapes, :class:`FixedSplitsForward`), TBE lookups, output dist, the dense forward and
+shapes, :mod:`recpipe.speedups.fixed_splits`), TBE lookups, output dist, the dense forward and
 backward (the compiled modules when ``pipeline.compile`` is on), the output dist
 backward, the TBE backward with its fused update, the dense gradients' all-reduce and
 the dense optimizer. The step's outputs (loss, logits, labels, weights) are copied out
@@ -33,6 +33,14 @@ Life of a pipeline with a step graph:
    (:class:`DropPaddingBag`), so its gradient is zero and no table row moves: pooling
    over padded entries adds nothing. EmbeddingCollection (sequence) outputs have no
    bag to drop: models with them need fixed shapes.
+   Row-wise tables on several ranks (``row_wise``; ``table_row_wise`` within a host)
+   send each rank the ids of its rows, a number that varies with the ids even where a
+   feature's ids per batch do not. Such a feature's capacity is one per rank (its
+   bucket: the largest measured count times ``headroom``, or ``capacity`` split evenly),
+   the same on every rank, and every batch's buckets are padded to it (the padding
+   ids of a bucket are the bucket's own ids, or its first row where it has none), so
+   the captured all-to-all's splits hold for every batch. The host counts each
+   bucket's ids as torchrec's bucketization will (:class:`~recpipe.speedups.fixed_splits.Buckets`).
 3. The next batch that fits is copied into static buffers and the step captured
    (``torch.cuda.graph``); every later batch with the same shapes is a copy and a
    replay. A batch over capacity (or of other shapes: a last, smaller batch) trains
@@ -48,8 +56,8 @@ device ``iter`` counter (captured), so checkpoints are the eager ones.
 
 Refused, with the setting to change (:func:`refusal`): pipelines other than ``base`` and
 ``sparse_dist`` (their overlap of two batches is not one step), UVM-cached tables (the
-rows a prefetch moves vary per batch), row_wise tables on several ranks (each rank's
-share of a batch's ids varies), data_parallel tables (torchrec trains them through DDP), an embedding optimizer whose FBGEMM kernel reads the
+rows a prefetch moves vary per batch), data_parallel tables (torchrec trains them through
+DDP), grid_shard tables, an embedding optimizer whose FBGEMM kernel reads the
 host step count (Adam), DDP (its gradient hooks belong to the default stream),
 ``pipeline.cuda_graphs`` beside it (the step graph holds the dense part already), a
 pipeline subclass with per-step hooks (they run on the host each step).
@@ -67,7 +75,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from pydantic import Field, model_validator
-from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaitable
 from torchrec.distributed.types import Awaitable, LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -77,12 +84,13 @@ from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.sections import Section
+from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, RecatCache, fixed_splits_installed, row_buckets
 from recpipe.speedups.optimizer_graph import HOST_STATE, torch_optimizers
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
 
-__all__ = ["DropPaddingBag", "FixedSplitsForward", "SCHEDULE", "StepGraph", "StepGraphOptions",
+__all__ = ["DropPaddingBag", "SCHEDULE", "StepGraph", "StepGraphOptions",
            "apply_step_graph", "pad_features", "refusal"]
 
 # Eager steps before the capture: the first creates what first calls create lazily (torchrec's
@@ -138,11 +146,6 @@ def refusal(cfg: "RecpipeConfig") -> list[str]:
     if cached:
         problems.append(f"{key}: UVM-cached tables {cached} move a different number of rows each step (cache "
                         "misses); use kernel 'fused' or 'fused_uvm' for them, or pipeline.step_graph=false")
-    row_wise = [n for n, t in cfg.table_sharding().items() if t.type == "row_wise"]
-    if row_wise and cfg.distributed.nproc > 1:
-        problems.append(f"{key}: row_wise tables {row_wise} on {cfg.distributed.nproc} ranks send each rank a "
-                        "data-dependent number of ids; shard them table_wise or column_wise, or "
-                        "pipeline.step_graph=false")
     if cfg.optimizer.embedding.name == "adam":
         problems.append(f"{key}: FBGEMM's Adam reads its step count on the host each step, which a replay cannot "
                         "advance; use optimizer.embedding.name=rowwise_adagrad or sgd, or pipeline.step_graph=false")
@@ -216,31 +219,55 @@ def _clone(obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------- padding
-def pad_features(kjt: KeyedJaggedTensor, capacity: list[int]) -> KeyedJaggedTensor | None:
+def pad_features(kjt: KeyedJaggedTensor, capacity: list[int | list[int]],
+                 buckets: list[Buckets | None] | None = None) -> KeyedJaggedTensor | None:
     """``kjt`` (on the host) with each key's ids padded to ``capacity`` in one extra bag
-    per key (stride + 1); None if a key has more ids than its capacity. The padding ids
-    are copies of the key's own ids (row 0 for a key without ids), so no row is touched
-    that the batch does not touch; their per-id weights are 0."""
+    per key (stride + 1); None if a key has more ids than its capacity. A key with
+    ``buckets`` (a row-wise table on several ranks) has a capacity per bucket, and each
+    bucket is padded to its own. The padding ids are copies of the key's own ids (of
+    the bucket's, for a bucketed key; its first row where the bucket has none; row 0 for
+    a key without ids), so no row is touched that the batch does not touch, but for
+    such a first row, which gets a zero gradient; their per-id weights are 0."""
     counts = kjt.length_per_key()
-    if any(n > c for n, c in zip(counts, capacity)):
-        return None
+    buckets = buckets or [None] * len(counts)
     stride = kjt.stride()
-    lengths = kjt.lengths().view(len(counts), stride)
-    pads = torch.tensor([c - n for n, c in zip(counts, capacity)], dtype=lengths.dtype)
-    new_lengths = torch.cat([lengths, pads.view(-1, 1)], dim=1).view(-1)
-    values, weights = [], []
     w = kjt.weights_or_none()
-    for key_values, key_weights, n, c in zip(kjt.values().split(counts), (w.split(counts) if w is not None
-                                                                         else [None] * len(counts)), counts, capacity):
-        values.append(key_values)
-        if c > n:
-            source = key_values if n > 0 else torch.zeros(1, dtype=key_values.dtype)
-            values.append(source[torch.arange(c - n) % source.numel()])
+    values, weights, pads = [], [], []
+    for key_values, key_weights, cap, b in zip(kjt.values().split(counts),
+                                              w.split(counts) if w is not None else [None] * len(counts),
+                                              capacity, buckets):
+        extra = _padding(key_values, cap, b)
+        if extra is None:
+            return None
+        values += [key_values, extra]
+        pads.append(extra.numel())
         if key_weights is not None:
-            weights += [key_weights, torch.zeros(c - n, dtype=key_weights.dtype)]
+            weights += [key_weights, torch.zeros(extra.numel(), dtype=key_weights.dtype)]
+    lengths = kjt.lengths().view(len(counts), stride)
+    new_lengths = torch.cat([lengths, torch.tensor(pads, dtype=lengths.dtype).view(-1, 1)], dim=1).view(-1)
     return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=new_lengths,
                              weights=torch.cat(weights) if w is not None else None, stride=stride + 1,
-                             length_per_key=list(capacity))
+                             length_per_key=[n + p for n, p in zip(counts, pads)])
+
+
+def _padding(ids: torch.Tensor, cap: int | list[int], b: Buckets | None) -> torch.Tensor | None:
+    """The ids that fill one key up to ``cap`` (per bucket of ``b``); None if over it."""
+    if b is None:
+        cap = cap if isinstance(cap, int) else sum(cap)
+        if ids.numel() > cap:
+            return None
+        source = ids if ids.numel() else torch.zeros(1, dtype=ids.dtype)
+        return source[torch.arange(cap - ids.numel()) % source.numel()]
+    bucket = b.of(ids)
+    counts = torch.bincount(bucket, minlength=b.count).tolist()
+    if any(n > c for n, c in zip(counts, cap)):
+        return None
+    out = []
+    for r, (n, c) in enumerate(zip(counts, cap)):
+        if c > n:
+            source = ids[bucket == r] if n else torch.tensor([b.first_row(r)], dtype=ids.dtype)
+            out.append(source[torch.arange(c - n) % source.numel()])
+    return torch.cat(out) if out else ids[:0]
 
 
 class DropPaddingBag:
@@ -267,89 +294,6 @@ class DropPaddingBag:
             )
         return KeyedTensor(keys=out.keys(), length_per_key=out.length_per_key(),
                            values=out.values()[: self.padded_stride - 1], key_dim=1)
-
-
-# -------------------------------------------------------- fixed splits
-class _FixedSplits(Awaitable):
-    """torchrec's splits awaitable without the splits all-to-all: every rank sends the
-    same shapes, so what rank s sends here is what this rank sends itself."""
-
-    def __init__(self, kjt_dist: KJTAllToAll, kjt: KeyedJaggedTensor) -> None:
-        super().__init__()
-        pg = kjt_dist._pg
-        rank, world = dist.get_rank(pg), pg.size()
-        cumsum = [0]
-        for s in kjt_dist._splits:
-            cumsum.append(cumsum[-1] + s)
-        self._args = dict(
-            pg=pg, input=kjt, splits=kjt_dist._splits, input_splits=kjt.dist_splits(kjt_dist._splits),
-            labels=kjt.dist_labels(), keys=kjt.keys()[cumsum[rank]:cumsum[rank + 1]], device=kjt.device(),
-            stagger=kjt_dist._stagger, stride_per_rank=[kjt.stride()] * world, input_tensors=kjt.dist_tensors())
-        self._args["output_splits"] = [[row[rank]] * world for row in self._args["input_splits"]]
-
-    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
-        return KJTAllToAllTensorsAwaitable(**self._args)
-
-
-class FixedSplitsForward:
-    """Stands in for ``KJTAllToAll.forward`` while a step graph captures (several ranks):
-    the id all-to-all with splits known from the shapes, no host sync."""
-
-    def __init__(self, kjt_dist: KJTAllToAll) -> None:
-        self.kjt_dist = kjt_dist
-
-    def __repr__(self) -> str:
-        return "FixedSplitsForward(splits from the batch shapes; recpipe.speedups.step_graph)"
-
-    def __call__(self, kjt: KeyedJaggedTensor) -> _FixedSplits:
-        if kjt.variable_stride_per_key():
-            raise PipelineError("pipeline.step_graph: a KJT with variable stride per key has no fixed splits")
-        return _FixedSplits(self.kjt_dist, kjt)
-
-
-def _install_fixed_splits(modules: dict[str, Any]) -> list[KJTAllToAll]:
-    targets = [d for d in sharded.kjt_all_to_alls(modules) if d._pg.size() > 1]
-    for d in targets:
-        d.forward = FixedSplitsForward(d)
-    return targets
-
-
-def _remove_fixed_splits(targets: list[KJTAllToAll]) -> None:
-    for d in targets:
-        if isinstance(vars(d).get("forward"), FixedSplitsForward):
-            del d.forward
-
-
-# ------------------------------------------------------------ torchrec's recat
-class _RecatCache:
-    """torchrec's ``KJTAllToAllTensorsAwaitable`` makes its recat indices with
-    ``torch.tensor(list, device=cuda)`` at every input dist (torchrec 1.6.1 to 1.8:
-    ``dist_data._get_recat``, one rank too): a copy from pageable host memory, which a CUDA
-    graph cannot capture. They depend only on the splits, so while a step graph runs the
-    model (its eager steps, its capture) each is made once, at its first eager call, and
-    reused: the captured step reads the same device tensor at every replay."""
-
-    def __init__(self) -> None:
-        from torchrec.distributed import dist_data
-
-        self._module = dist_data
-        self._original = dist_data._get_recat
-        self._made: dict[tuple, Any] = {}
-
-    def __call__(self, local_split: int, num_splits: int, stagger: int = 1, device: Any = None,
-                 batch_size_per_rank: Any = None) -> Any:
-        key = (local_split, num_splits, stagger, str(device), tuple(batch_size_per_rank or ()))
-        if key not in self._made:
-            self._made[key] = self._original(local_split, num_splits, stagger, device, batch_size_per_rank)
-        return self._made[key]
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        self._module._get_recat = self
-        try:
-            yield
-        finally:
-            self._module._get_recat = self._original
 
 
 # ----------------------------------------------------------------- capture
@@ -384,13 +328,16 @@ class StepGraph:
 
     options: StepGraphOptions
     capture: Capture = capture_with_torch
-    capacity: list[int] | None = None  # per key of the batch's first KJT, once known
+    # row-wise features on several ranks -> how torchrec splits their ids among the ranks
+    buckets: dict[str, Buckets] = field(default_factory=dict)
+    capacity: list[list[int]] | None = None  # per key of the batch's first KJT, per bucket, once known
     keys: list[str] = field(default_factory=list)
     padded: bool = False  # batches get the padding bag
+    padded_stride: int = 0  # a padded batch's stride: its samples and the padding bag
     eager_steps: int = 0  # steps that could not replay (before the capture, or over capacity)
     over_capacity: int = 0
     replays: int = 0
-    _counts: list[list[int]] = field(default_factory=list)  # ids per key of the measured batches
+    _counts: list[list[int]] = field(default_factory=list)  # ids per (key, bucket) of the measured batches
     _replay: Callable[[], None] | None = None
     _static: Any = None
     _signature: tuple | None = None
@@ -398,19 +345,26 @@ class StepGraph:
     _host_counts: list[torch.Tensor] = field(default_factory=list)
     _host_next: list[torch.Tensor] = field(default_factory=list)  # their values after the next replay
     _dropping: list[DropPaddingBag] = field(default_factory=list)
-    _recat: _RecatCache = field(default_factory=_RecatCache)
+    _recat: RecatCache = field(default_factory=RecatCache)
     _warned: bool = False
 
     def __repr__(self) -> str:
         state = "captured" if self._replay is not None else "not captured yet"
-        cap = "measuring" if self.capacity is None else (f"capacity {dict(zip(self.keys, self.capacity))}"
+        cap = "measuring" if self.capacity is None else (f"capacity {self._capacity_by_key()}"
                                                           f"{', padded' if self.padded else ''}")
         return (f"StepGraph({state}; {cap}; {self.replays} replays, {self.eager_steps} eager steps, "
                 f"{self.over_capacity} over capacity)")
 
     def summary(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
-                "padded": self.padded, "capacity": dict(zip(self.keys, self.capacity or []))}
+                "padded": self.padded, "capacity": self._capacity_by_key()}
+
+    def _capacity_by_key(self) -> dict[str, int | list[int]]:
+        """Ids per batch of each feature; a list (ids per rank's bucket) for a row-wise one."""
+        return {k: c if k in self.buckets else c[0] for k, c in zip(self.keys, self.capacity or [])}
+
+    def _bucketing(self) -> list[Buckets | None]:
+        return [self.buckets.get(k) for k in self.keys]
 
     # ------------------------------------------------ on the host, at fetch
     def h2d(self, fn: Callable) -> Callable:
@@ -424,7 +378,7 @@ class StepGraph:
                 if self.padded and self.capacity is not None:
                     # every rank pads this batch, or none does: torchrec's pooled all-to-all needs the
                     # same batch size on every rank
-                    padded = pad_features(kjts[0], self.capacity)
+                    padded = pad_features(kjts[0], self.capacity, self._bucketing())
                     if _agree(padded is not None):
                         b.host = _replace_kjt(b.host, kjts[0], padded)
             fn(pipe, b)
@@ -435,7 +389,9 @@ class StepGraph:
         if self.capacity is not None:
             return
         self.keys = list(kjt.keys())
-        self._counts.append(list(kjt.length_per_key()))
+        per_key = kjt.values().split(kjt.length_per_key())
+        self._counts.append([n for ids, b in zip(per_key, self._bucketing())
+                             for n in (b.counts(ids) if b is not None else [ids.numel()])])
         if len(self._counts) < self.options.capacity_batches:
             return
         unknown = sorted(set(self.options.capacity) - set(self.keys))
@@ -443,14 +399,28 @@ class StepGraph:
             raise PipelineError(f"pipeline.step_graph.capacity names features {unknown}, which the batches do not "
                                 f"have; they have {self.keys}")
         # the same capacity on every rank (the ids all-to-all's splits follow from it): the largest
-        # and smallest count of each feature over every rank's measured batches
+        # and smallest count of each feature (of each rank's bucket of it) over every rank's measured batches
         counts = torch.tensor(self._counts, dtype=torch.int64)
-        most, least = _over_ranks(counts.max(dim=0).values, "max"), _over_ranks(counts.min(dim=0).values, "min")
-        self.capacity = [self.options.capacity.get(k, hi if hi == lo else math.ceil(hi * self.options.headroom))
-                         for k, hi, lo in zip(self.keys, most.tolist(), least.tolist())]
-        self.padded = any(c != hi or hi != lo for c, hi, lo in zip(self.capacity, most.tolist(), least.tolist()))
+        most = iter(_over_ranks(counts.max(dim=0).values, "max").tolist())
+        least = iter(_over_ranks(counts.min(dim=0).values, "min").tolist())
+        self.capacity, varying = [], False
+        for key, b in zip(self.keys, self._bucketing()):
+            measured = [(next(most), next(least)) for _ in range(b.count if b is not None else 1)]
+            varying |= any(hi != lo for hi, lo in measured)
+            if key in self.options.capacity:  # the feature's ids per batch; a row-wise one's split evenly
+                given = self.options.capacity[key]
+                cap = [given] if b is None else [math.ceil(given / b.count)] * b.count
+            else:
+                cap = [hi if hi == lo else math.ceil(hi * self.options.headroom) for hi, lo in measured]
+            if b is not None:  # a bucket without rows of the table never holds an id
+                cap = [c if b.first_row(r) is not None else 0 for r, c in enumerate(cap)]
+            varying |= any(c != hi for c, (hi, _) in zip(cap, measured))
+            self.capacity.append(cap)
+        # a row-wise feature's ids per bucket vary with the ids even where its ids per batch do not:
+        # its buckets are always padded to their capacity (the splits the captured all-to-all holds)
+        self.padded = varying or bool(self.buckets.keys() & set(self.keys))
         if self.padded:
-            stride = kjt.stride() + 1
+            self.padded_stride = stride = kjt.stride() + 1
             for fqn, module in sharded.find_sharded_modules(pipe.model).items():
                 if "forward" in vars(module):
                     raise PipelineError(f"pipeline.step_graph: sharded module {fqn!r} already has an instance "
@@ -461,6 +431,7 @@ class StepGraph:
     # ------------------------------------------------ on the compute stream
     def train_step(self, pipe: Any, b: Any) -> None:
         fits = (self.capacity is not None and not b.zero_loss and (self._replay is not None or self.eager_steps >= WARMUP_STEPS)
+                and (not self.padded or self._was_padded(b))
                 and (self._signature is None or signature(b.device) == self._signature))
         fits = _agree(fits)
         if not fits:
@@ -483,6 +454,12 @@ class StepGraph:
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (self._outputs["loss"], self._outputs["output"]))
         b.loss_value, b.output = loss.detach(), output
 
+    def _was_padded(self, b: Any) -> bool:
+        """In padding mode only a padded batch is captured or replayed: one that some rank
+        could not pad (over capacity) trains eagerly, as it is."""
+        kjts = _kjts(b.device)
+        return bool(kjts) and kjts[0].stride() == self.padded_stride
+
     def _eager(self, pipe: Any, b: Any) -> None:
         self.eager_steps += 1
         with self._recat.installed():
@@ -496,18 +473,31 @@ class StepGraph:
             return
         self._warned = True
         kjts = _kjts(b.host)
-        counts = dict(zip(self.keys, kjts[0].length_per_key())) if kjts else {}
-        over = {k: (n, c) for (k, n), c in zip(counts.items(), self.capacity or []) if n > c}
+        over = {}
+        if kjts and list(kjts[0].keys()) == self.keys:
+            per_key = kjts[0].values().split(kjts[0].length_per_key())
+            for key, ids, cap, bk in zip(self.keys, per_key, self.capacity or [], self._bucketing()):
+                n = bk.counts(ids) if bk is not None else [ids.numel()]
+                if any(x > c for x, c in zip(n, cap)):
+                    over[key] = (n, cap) if bk is not None else (n[0], cap[0])
         warnings.warn(f"pipeline.step_graph: batch {b.index} does not fit the captured step "
                       f"({'ids over capacity ' + str(over) if over else 'other shapes'}); such batches train eagerly "
                       "and are counted (step_graph.over_capacity in summary.json); raise "
                       "pipeline.step_graph.capacity or headroom", stacklevel=3)
 
+    @contextlib.contextmanager
+    def _fixed_layout(self, pipe: Any) -> Iterator[None]:
+        """The model's input dists with their splits known on the host (several ranks:
+        :mod:`recpipe.speedups.fixed_splits`) and torchrec's recat indices made once."""
+        rows = {k: c for k, c in zip(self.keys, self.capacity or []) if k in self.buckets}
+        buckets = FixedBuckets(rows) if rows else None
+        with fixed_splits_installed(sharded.find_sharded_modules(pipe.model), buckets), self._recat.installed():
+            yield
+
     def _capture(self, pipe: Any, b: Any) -> None:
         model, optimizer = pipe.model, pipe.optimizer
         self._static = _clone(b.device)
         self._signature = signature(b.device)
-        fixed = _install_fixed_splits(sharded.find_sharded_modules(model))
         outputs = self._outputs
 
         def step() -> None:
@@ -520,36 +510,29 @@ class StepGraph:
         counts = _host_step_counts(optimizer)
         before = [t.clone() for t in counts]
         try:
-            with self._recat.installed():
+            with self._fixed_layout(pipe):
                 replay = self.capture(step)
         except Exception as err:
             for t, value in zip(counts, before):
                 t.copy_(value)
             raise PipelineError(
                 f"pipeline.step_graph: cannot capture the training step ({type(err).__name__}: {err}). A captured "
-                "step must not synchronize with the host (.item(), .tolist(), data-dependent shapes); set "
-                "pipeline.step_graph=false, or run with CUDA_LAUNCH_BLOCKING=0 and "
+                "step must not synchronize with the host (.item(), .tolist(), data-dependent shapes) nor copy from "
+                "pageable host memory; set pipeline.step_graph=false, or run with "
                 "torch.cuda.set_sync_debug_mode('warn') to find the call"
             ) from err
-        finally:
-            _remove_fixed_splits(fixed)
         # After k replays the step counts are where k eager steps leave them: a capture runs the
         # step's host part once (+1, the first replay's), a replay none.
         self._host_counts, self._host_next = counts, [t + 1 for t in before]
-        self._replay = replay if not fixed else self._with_fixed_splits(replay, pipe)
+        self._replay = replay if self.capture is capture_with_torch else self._stand_in(replay, pipe)
 
-    def _with_fixed_splits(self, replay: Callable[[], None], pipe: Any) -> Callable[[], None]:
+    def _stand_in(self, replay: Callable[[], None], pipe: Any) -> Callable[[], None]:
         """A stand-in capture that re-runs the step in Python (CPU tests) must see the
-        fixed splits too; a real replay calls no Python and is unaffected."""
-        modules = sharded.find_sharded_modules(pipe.model)
+        fixed layout too; a real replay calls no Python and needs none."""
 
         def run() -> None:
-            fixed = _install_fixed_splits(modules)
-            try:
-                with self._recat.installed():
-                    replay()
-            finally:
-                _remove_fixed_splits(fixed)
+            with self._fixed_layout(pipe):
+                replay()
 
         return run
 
@@ -613,21 +596,18 @@ def apply_step_graph(pipeline: Any, options: StepGraphOptions, capture: Capture 
     if hooked:
         raise PipelineError(f"pipeline.step_graph: {type(pipeline).__name__} overrides {hooked}, which run on the "
                             "host every step; a replayed step runs none: set pipeline.step_graph=false")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    replicated = [fqn for fqn, m in sharded.find_sharded_modules(pipeline.model).items()
-                  if "data_parallel" in getattr(m, "_sharding_type_to_sharding", {})]
+    modules = sharded.find_sharded_modules(pipeline.model)
+    types = {fqn: {t for t, _ in sharded.shardings(m)} for fqn, m in modules.items()}
+    replicated = [fqn for fqn, t in types.items() if "data_parallel" in t]
     if replicated:
         raise PipelineError(f"pipeline.step_graph: {replicated} hold data_parallel tables, which train through torchrec's "
                             "DistributedDataParallel, whose gradient hooks were made on the default stream and cannot "
                             "be captured; shard them table_wise")
-    varying = {fqn: sorted(t for t in getattr(m, "_sharding_type_to_sharding", {})
-                           if t in ("row_wise", "table_row_wise", "grid_shard"))
-               for fqn, m in sharded.find_sharded_modules(pipeline.model).items()}
-    varying = {fqn: types for fqn, types in varying.items() if types}
-    if varying and world > 1:
-        raise PipelineError(f"pipeline.step_graph: {varying} send each of the {world} ranks a data-dependent number of "
-                            "ids (row-wise buckets); shard those tables table_wise or column_wise")
-    graph = StepGraph(options, capture)
+    grid = [fqn for fqn, t in types.items() if "grid_shard" in t]
+    if grid:
+        raise PipelineError(f"pipeline.step_graph: {grid} hold grid_shard tables, whose input dist the step graph "
+                            "cannot fix; shard them row_wise, table_row_wise or column_wise")
+    graph = StepGraph(options, capture, buckets=row_buckets(modules))
     pipeline.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
     pipeline.wrap_step("h2d", graph.h2d)
     return graph

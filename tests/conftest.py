@@ -1,0 +1,81 @@
+"""What every test shares: how many GPUs a `gpu`-marked test needs, and its time limit.
+
+A `gpu` test needs the GPUs its `gpus` marker names (``@pytest.mark.gpus(4)``), else its
+``nproc`` or ``world_size`` parameter's value, else one. With fewer visible it is
+skipped as "needs N GPUs" (the GPU suite's record counts those as not run);
+``--gpus-needed N`` keeps only the `gpu` tests that need exactly N (the GPU suite runs
+each count on its own GPUs). ``--gpu-test-timeout S`` ends a `gpu` test that runs
+longer than S seconds as a failure, so that a hang costs one test, not the suite's call.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+
+def gpus_needed(item: pytest.Item) -> int:
+    marker = item.get_closest_marker("gpus")
+    if marker is not None:
+        return int(marker.args[0])
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for name in ("nproc", "world_size"):
+        if name in params:
+            return int(params[name])
+    return 1
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpus-needed", type=int, default=None,
+                     help="keep only the gpu-marked tests that need exactly this many GPUs")
+    parser.addoption("--gpu-test-timeout", type=float, default=0,
+                     help="fail a gpu-marked test that runs longer than this many seconds (0: no limit)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "gpus(n): the GPUs a gpu-marked test needs (default: its nproc / world_size, else 1)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = config.getoption("--gpus-needed")
+    keep, drop = [], []
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            keep.append(item)
+            continue
+        n = gpus_needed(item)
+        item.user_properties.append(("gpus_needed", n))
+        (keep if wanted is None or n == wanted else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is None:
+        return
+    item.user_properties.append(("gpus_visible", torch.cuda.device_count()))
+    n = gpus_needed(item)
+    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    limit = item.config.getoption("--gpu-test-timeout")
+    if not limit or item.get_closest_marker("gpu") is None:
+        yield
+        return
+
+    def expired(signum, frame):
+        pytest.fail(f"ran longer than --gpu-test-timeout={limit:g} s", pytrace=True)
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, limit)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -50,14 +50,16 @@ class Part:
     seconds: float = 0.0
 
 
-def collect() -> dict[str, int]:
-    """Every `gpu`-marked test's node id -> the GPUs it needs, as pytest collects them."""
+def collect(select: str = "") -> dict[str, int]:
+    """Every `gpu`-marked test's node id -> the GPUs it needs, as pytest collects them
+    (``select``: only those matching a pytest ``-k`` expression)."""
     code = ("import json, sys, pytest\n"
             "class P:\n"
             "    def pytest_collection_finish(self, session):\n"
             "        sys.__stdout__.write('\\n' + json.dumps({i.nodeid: dict(i.user_properties).get('gpus_needed', 1)\n"
             "                                            for i in session.items}) + '\\n')\n"
-            "sys.exit(pytest.main(['-m', 'gpu', '--collect-only', '-q', '-p', 'no:cacheprovider', 'tests'], plugins=[P()]))\n")
+            f"sys.exit(pytest.main(['-m', 'gpu', '--collect-only', '-q', '-p', 'no:cacheprovider', 'tests',"
+            f" '-k', {select!r}], plugins=[P()]))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0 or not lines:
@@ -105,7 +107,8 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
                 continue
             devices, free = free[:take], free[take:]
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
-                   "MASTER_PORT": str(29500 + 17 * k), "PYTHONUNBUFFERED": "1"}
+                   "MASTER_PORT": str(29500 + 17 * k), "PYTHONUNBUFFERED": "1",
+                   "PYTHONFAULTHANDLER": "1"}  # a test past its time limit prints its ranks' stacks
             log = open(out / f"part{k}_gpus{part.gpus}.log", "w")
             cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
                    "--durations=0", f"--junitxml={out}/part{k}_gpus{part.gpus}.xml",
@@ -134,7 +137,7 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
     return status
 
 
-def render(commit: str, reports: list[Path]) -> str:
+def render(commit: str, reports: list[Path], select: str = "") -> str:
     rows, totals = [], collections.Counter()
     seconds, want = 0.0, 0
     for path in reports:
@@ -166,7 +169,7 @@ def render(commit: str, reports: list[Path]) -> str:
         "by hand. A change under `recpipe/` or `tests/` lands with this file recording a commit with the same "
         "`recpipe/` and `tests/` trees, 0 failed and 0 skipped for want of GPUs.",
         "",
-        f"- commit: {commit}",
+        f"- commit: {commit}" + (f"; only the tests matching -k {select!r}: not the gate" if select else ""),
         f"- machine: {stack.get('device')}; each test ran on the GPUs it needs (column 'GPUs seen')",
         f"- torch {stack.get('torch')}, CUDA {stack.get('cuda')}, fbgemm-gpu {stack.get('fbgemm_gpu')}, "
         f"torchrec {stack.get('torchrec')}",
@@ -216,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p_run.add_argument("--test-timeout", type=float, default=300, help="seconds a test may run (default 300)")
     p_run.add_argument("--deadline", type=float, default=0, help="interrupt parts still running after this many seconds")
+    for p in (p_run, p_plan):
+        p.add_argument("-k", dest="select", default="", help="only the tests matching this pytest -k expression "
+                       "(a record of a subset is no gate)")
     rend = sub.add_parser("render", help="the record from the parts' JUnit XML")
     rend.add_argument("--commit", required=True)
     rend.add_argument("--out", required=True)
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(render(args.commit, [p for p in args.reports if p.is_file()]))
         return 0
     gpus = args.gpus if args.gpus is not None else _gpu_count()
-    parts = plan(collect(), max(gpus, 1), last_seconds())
+    parts = plan(collect(args.select), max(gpus, 1), last_seconds())
     if args.command == "plan":
         for k, part in enumerate(parts, start=1):
             print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s), ~{part.seconds:.0f} s")
@@ -236,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     status = run(parts, gpus, args.out, args.test_timeout, args.deadline)
     record = args.out / "gpu_suite.md"
-    record.write_text(render(args.commit, sorted(args.out.glob("part*_gpus*.xml"))))
+    record.write_text(render(args.commit, sorted(args.out.glob("part*_gpus*.xml")), args.select))
     print(record.read_text().split("\n\n")[2], flush=True)  # the summary lines
     return status
 

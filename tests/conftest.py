@@ -10,7 +10,10 @@ longer than S seconds as a failure, so that a hang costs one test, not the suite
 
 from __future__ import annotations
 
+import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +73,9 @@ def pytest_runtest_call(item: pytest.Item):
         return
 
     def expired(signum, frame):
-        pytest.fail(f"ran longer than --gpu-test-timeout={limit:g} s", pytrace=True)
+        dumped = _dump_descendants()
+        pytest.fail(f"ran longer than --gpu-test-timeout={limit:g} s"
+                    + (f" (stacks of {dumped} child processes above)" if dumped else ""), pytrace=True)
 
     previous = signal.signal(signal.SIGALRM, expired)
     signal.setitimer(signal.ITIMER_REAL, limit)
@@ -79,3 +84,30 @@ def pytest_runtest_call(item: pytest.Item):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def _dump_descendants() -> int:
+    """With ``PYTHONFAULTHANDLER`` set (the GPU suite sets it, so the ranks inherit it),
+    SIGABRT makes each process below this one print every thread's Python stack before it
+    ends: where a hung test's ranks wait. Returns how many were signalled."""
+    if not os.environ.get("PYTHONFAULTHANDLER"):
+        return 0
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    below, todo = [], [os.getpid()]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            below.append(pid)
+            todo.append(pid)
+    for pid in below:
+        try:
+            os.kill(pid, signal.SIGABRT)
+        except ProcessLookupError:
+            pass
+    time.sleep(3)
+    return len(below)

@@ -1,4 +1,4 @@
-"""Pipelined evaluation on CUDA streams (NCCL), one and two GPUs: outputs and metrics equal
+"""Pipelined evaluation on CUDA streams (NCCL), one, two and four GPUs: outputs and metrics equal
 the plain loop's bit for bit and training after it continues exactly (the worker of
 tests/test_eval_pipeline.py) for ``sparse_dist`` and ``fused_sparse_dist``, ``sparse_dist``
 with its dense part replayed as CUDA graphs (eager in eval), and ``prefetch`` on UVM-cached
@@ -22,7 +22,7 @@ pytestmark = [
 CACHED_ROWS = [2000, 3000, 4000, 5000]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_pipelined_eval_equals_the_plain_loop_on_cuda(nproc):
     hbm = small_config(nproc, ["train.device=cuda", *TABLES])
     launch_local(_worker, nproc, hbm, (("sparse_dist", {}), ("fused_sparse_dist", {}),

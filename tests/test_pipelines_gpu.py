@@ -1,4 +1,4 @@
-"""The pipeline numerics on CUDA streams (NCCL), with one and with two GPUs, and
+"""The pipeline numerics on CUDA streams (NCCL), with one, two and four GPUs, and
 the prefetch pipeline with a UVM cache far smaller than the working set."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def _numerics(cfg) -> None:
             assert_same(want, got, f"cuda semi_sync {start_batch} {stash} output_dist_wait={wait} before_update")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_pipelines_match_base_on_cuda(nproc):
     launch_local(_numerics, nproc, small_config(nproc, ["train.device=cuda", FUSED]))
 

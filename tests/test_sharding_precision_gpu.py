@@ -1,4 +1,4 @@
-"""fp16 tables and bf16 comms on CUDA streams (NCCL), 1 and 2 GPUs: every pipeline
+"""fp16 tables and bf16 comms on CUDA streams (NCCL), 1, 2 and 4 GPUs (bf16 comms), 1 and 2 (resume): every pipeline
 trains exactly like the plain loop (semi_sync like its reference), so the
 cross-stream hand-offs stay correct when torchrec's quantized all-to-alls encode
 and decode the pooled embeddings; and a checkpoint of fp16 tables resumes exactly.
@@ -39,7 +39,7 @@ def _numerics(cfg) -> None:
                     f"cuda fp16/bf16 semi_sync {start_batch} {stash}")
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_pipelines_match_base_with_fp16_tables_and_bf16_comms(nproc):
     launch_local(_numerics, nproc, small_config(nproc, PRECISE))
 

@@ -117,7 +117,8 @@ class StepGraphOptions(Section):
     # listed: measured on the first capacity_batches batches (see capacity_batches).
     capacity: dict[str, int] = Field(default_factory=dict)
     # Batches whose ids set the capacity of unlisted features: the count they all had (fixed
-    # shapes: nothing is padded), else their largest count times headroom. They train eagerly.
+    # shapes: nothing is padded), else their largest count times headroom. They train eagerly,
+    # unpadded. With every feature listed in capacity, batches are padded from the first.
     capacity_batches: int = Field(4, ge=1)
     # Room above the largest measured count, for features whose counts vary; a batch over
     # capacity trains eagerly (counted, and named in a warning).
@@ -392,7 +393,8 @@ class StepGraph:
         per_key = kjt.values().split(kjt.length_per_key())
         self._counts.append([n for ids, b in zip(per_key, self._bucketing())
                              for n in (b.counts(ids) if b is not None else [ids.numel()])])
-        if len(self._counts) < self.options.capacity_batches:
+        given = set(self.keys) <= set(self.options.capacity)  # nothing to measure: padded from the first batch
+        if len(self._counts) < self.options.capacity_batches and not given:
             return
         unknown = sorted(set(self.options.capacity) - set(self.keys))
         if unknown:

@@ -1,0 +1,65 @@
+"""The GPU gate's script on CPU: how it splits the suite over a machine's GPUs, and what
+its record counts (scripts/gpu_suite.py; the GPU machine runs it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _suite():
+    spec = importlib.util.spec_from_file_location("gpu_suite", ROOT / "scripts" / "gpu_suite.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parts_run_each_test_on_the_gpus_it_needs():
+    suite = _suite()
+    needs = {f"t.py::one[{i}]": 1 for i in range(8)} | {f"t.py::two[{i}]": 2 for i in range(4)} | {"t.py::four": 4}
+    parts = suite.plan(needs, gpus=4, seconds={"t.py::one[0]": 100.0})
+    assert [p.gpus for p in parts] == [4, 2, 2, 1, 1, 1, 1]  # largest need first: it takes the whole machine
+    assert sorted(t for p in parts for t in p.tests) == sorted(needs)
+    assert all(needs[t] == p.gpus for p in parts for t in p.tests)
+    ones = [p for p in parts if p.gpus == 1]
+    assert [len(p.tests) for p in ones if "t.py::one[0]" in p.tests] == [1]  # the long one has a part to itself
+    # A 2-GPU machine: the 4-GPU test gets a part of its own (its tests skip "needs 4 GPUs").
+    assert [p.gpus for p in suite.plan(needs, gpus=2, seconds={})] == [4, 2, 1, 1]
+
+
+def test_record_counts_tests_skipped_for_want_of_gpus(tmp_path):
+    suite = _suite()
+    xml = tmp_path / "part1_gpus2.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.test_a" name="test_x[2]" time="3.5">'
+        '<properties><property name="gpus_needed" value="2"/><property name="gpus_visible" value="2"/></properties>'
+        '</testcase>'
+        '<testcase classname="tests.test_a" name="test_x[4]" time="0.1">'
+        '<properties><property name="gpus_needed" value="4"/><property name="gpus_visible" value="2"/></properties>'
+        '<skipped message="needs 4 GPUs"/></testcase>'
+        '<testcase classname="tests.test_b" name="test_y" time="1.0"><failure message="boom&#10;more"/></testcase>'
+        '</testsuite></testsuites>')
+    record = suite.render("abc1234", [xml])
+    assert "passed 1, failed 1, skipped 1 (1 for want of GPUs)" in record
+    assert "| `tests/test_a.py::test_x[4]` | skipped | needs 4 GPUs | 4 | 2 | 0.1 |" in record
+    assert "| `tests/test_b.py::test_y` | failed | boom |" in record
+    (tmp_path / "gpu_suite.md").write_text(record)
+    assert suite.last_seconds(tmp_path / "gpu_suite.md") == {"tests/test_a.py::test_x[2]": 3.5,
+                                                             "tests/test_a.py::test_x[4]": 0.1,
+                                                             "tests/test_b.py::test_y": 1.0}
+
+
+def test_each_gpu_test_needs_what_its_parameters_say():
+    """Collected on CPU: every gpu-marked test states its GPU count (conftest.py)."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_suite.py"), "plan", "--gpus", "4"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "tests needing 4 GPU(s)" in out.stdout and "tests needing 2 GPU(s)" in out.stdout
+    four = out.stdout.split("needing 4 GPU(s)")[1].split("part ")[0]
+    assert "test_step_graph_replays_train_like_eager_steps[4-every_type]" in four

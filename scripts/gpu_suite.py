@@ -78,12 +78,12 @@ def last_seconds(record: Path = RECORD) -> dict[str, float]:
     return seconds
 
 
-def plan(needs: dict[str, int], gpus: int, seconds: dict[str, float]) -> list[Part]:
-    """The parts: for each need, ``max(1, gpus // need)`` parts, tests placed longest first
-    into the part with the least time (a need above ``gpus`` gets one part, to be skipped)."""
+def plan(needs: dict[str, int], gpus: int, seconds: dict[str, float], slots: int = 1) -> list[Part]:
+    """The parts: for each need, ``max(1, gpus * slots // need)`` parts, tests placed longest
+    first into the part with the least time (a need above ``gpus`` gets one part, to be skipped)."""
     parts = []
     for need in sorted(set(needs.values()), reverse=True):
-        group = [Part(need) for _ in range(max(1, gpus // need))]
+        group = [Part(need) for _ in range(max(1, gpus * slots // need) if need <= gpus else 1)]
         tests = sorted((t for t, n in needs.items() if n == need), key=lambda t: (-seconds.get(t, NEW_TEST_S), t))
         for test in tests:
             lightest = min(group, key=lambda p: p.seconds)
@@ -93,22 +93,27 @@ def plan(needs: dict[str, int], gpus: int, seconds: dict[str, float]) -> list[Pa
     return parts
 
 
-def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: float) -> int:
-    """Runs the parts as GPUs come free (list order: largest need first); returns 1 if any failed."""
+def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: float, slots: int = 1) -> int:
+    """Runs the parts as GPUs come free (list order: largest need first), ``slots`` parts at
+    a time on each GPU (the suite's tests leave most of a GPU idle: their time is launches,
+    collectives and compiles); returns 1 if any failed."""
     out.mkdir(parents=True, exist_ok=True)
-    free = list(range(gpus))
+    free = [slots] * gpus  # parts each GPU can still take
     pending = list(enumerate(parts, start=1))
     running: dict[int, tuple[subprocess.Popen, list[int], object]] = {}
     status, start = 0, time.monotonic()
     while pending or running:
         for k, part in list(pending):
             take = min(part.gpus, gpus)
-            if len(free) < take:
+            devices = sorted(sorted(range(gpus), key=lambda g: -free[g])[:take])
+            if any(free[g] == 0 for g in devices):
                 continue
-            devices, free = free[:take], free[take:]
+            for g in devices:
+                free[g] -= 1
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
                    "MASTER_PORT": str(29500 + 17 * k), "PYTHONUNBUFFERED": "1",
-                   "PYTHONFAULTHANDLER": "1"}  # a test past its time limit prints its ranks' stacks
+                   "PYTHONFAULTHANDLER": "1",  # a test past its time limit prints its ranks' stacks
+                   "RECPIPE_GPU_SUITE": "1"}  # failures printed as they happen (tests/conftest.py)
             log = open(out / f"part{k}_gpus{part.gpus}.log", "w")
             cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
                    "--durations=0", f"--junitxml={out}/part{k}_gpus{part.gpus}.xml",
@@ -132,7 +137,8 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
             code = proc.returncode
             print(f"part {k} ended with exit code {code} after {time.monotonic() - start:.0f} s", flush=True)
             status |= int(code not in (0, 5))  # 5: every test deselected
-            free += devices
+            for g in devices:
+                free[g] += 1
             del running[k]
     return status
 
@@ -218,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     for p in (p_run, p_plan):
         p.add_argument("--gpus", type=int, default=None, help="GPUs to use (default: all visible)")
     p_run.add_argument("--test-timeout", type=float, default=300, help="seconds a test may run (default 300)")
+    for p in (p_run, p_plan):
+        p.add_argument("--slots", type=int, default=2, help="parts at a time on each GPU (default 2)")
     p_run.add_argument("--deadline", type=float, default=0, help="interrupt parts still running after this many seconds")
     for p in (p_run, p_plan):
         p.add_argument("-k", dest="select", default="", help="only the tests matching this pytest -k expression "
@@ -231,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(render(args.commit, [p for p in args.reports if p.is_file()]))
         return 0
     gpus = args.gpus if args.gpus is not None else _gpu_count()
-    parts = plan(collect(args.select), max(gpus, 1), last_seconds())
+    parts = plan(collect(args.select), max(gpus, 1), last_seconds(), args.slots)
     if args.command == "plan":
         for k, part in enumerate(parts, start=1):
             print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s), ~{part.seconds:.0f} s")
@@ -240,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     if gpus < 1:
         print("gpu_suite.py: no CUDA GPU visible", file=sys.stderr)
         return 2
-    status = run(parts, gpus, args.out, args.test_timeout, args.deadline)
+    status = run(parts, gpus, args.out, args.test_timeout, args.deadline, args.slots)
     record = args.out / "gpu_suite.md"
     record.write_text(render(args.commit, sorted(args.out.glob("part*_gpus*.xml")), args.select))
     print(record.read_text().split("\n\n")[2], flush=True)  # the summary lines

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -54,6 +55,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Under the GPU suite (``RECPIPE_GPU_SUITE``), a failure's report is printed when it
+    happens, not at the end: a part stopped at its deadline still shows why its tests failed."""
+    if report.failed and os.environ.get("RECPIPE_GPU_SUITE"):
+        sys.stderr.write(f"\n== {report.nodeid} failed ({report.when}):\n{report.longreprtext[-8000:]}\n")
+        sys.stderr.flush()
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

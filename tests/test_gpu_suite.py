@@ -22,14 +22,16 @@ def _suite():
 def test_parts_run_each_test_on_the_gpus_it_needs():
     suite = _suite()
     needs = {f"t.py::one[{i}]": 1 for i in range(8)} | {f"t.py::two[{i}]": 2 for i in range(4)} | {"t.py::four": 4}
-    parts = suite.plan(needs, gpus=4, seconds={"t.py::one[0]": 100.0})
+    parts = suite.plan(needs, gpus=4, seconds={"t.py::one[0]": 100.0}, slots=1)
     assert [p.gpus for p in parts] == [4, 2, 2, 1, 1, 1, 1]  # largest need first: it takes the whole machine
     assert sorted(t for p in parts for t in p.tests) == sorted(needs)
     assert all(needs[t] == p.gpus for p in parts for t in p.tests)
     ones = [p for p in parts if p.gpus == 1]
     assert [len(p.tests) for p in ones if "t.py::one[0]" in p.tests] == [1]  # the long one has a part to itself
     # A 2-GPU machine: the 4-GPU test gets a part of its own (its tests skip "needs 4 GPUs").
-    assert [p.gpus for p in suite.plan(needs, gpus=2, seconds={})] == [4, 2, 1, 1]
+    assert [p.gpus for p in suite.plan(needs, gpus=2, seconds={}, slots=1)] == [4, 2, 1, 1]
+    # Two parts at a time on each GPU: twice the parts of each need.
+    assert [p.gpus for p in suite.plan(needs, gpus=4, seconds={}, slots=2)] == [4, 2, 2, 2, 2] + [1] * 8
 
 
 def test_record_counts_tests_skipped_for_want_of_gpus(tmp_path):
@@ -61,5 +63,12 @@ def test_each_gpu_test_needs_what_its_parameters_say():
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "tests needing 4 GPU(s)" in out.stdout and "tests needing 2 GPU(s)" in out.stdout
-    four = out.stdout.split("needing 4 GPU(s)")[1].split("part ")[0]
-    assert "test_step_graph_replays_train_like_eager_steps[4-every_type]" in four
+    need, tests = {}, []
+    for line in out.stdout.splitlines():
+        if line.startswith("part "):
+            gpus = int(line.split("needing ")[1].split(" GPU")[0])
+        else:
+            need[line.strip()] = gpus
+    assert need["tests/test_step_graph_gpu.py::test_step_graph_replays_train_like_eager_steps[4-every_type]"] == 4
+    assert need["tests/test_pipelines_gpu.py::test_two_ranks_average_dense_gradients_exactly_as_ddp_on_cuda"] == 2
+    assert need["tests/test_cache_fill_gpu.py::test_compiled_kernels_match_the_reference"] == 1

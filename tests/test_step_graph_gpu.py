@@ -116,8 +116,9 @@ def _worker(cfg) -> None:
         print(f"{dist.get_world_size()} rank(s), tables {cfg.sharding.tables}: exact; {graph}")
 
 
-@pytest.mark.parametrize("nproc,tables", [(1, TABLES), (2, TABLES), (2, ROW_TABLES), (4, TABLES), (4, ROW_TABLES)],
-                         ids=["1-table_column_wise", "2-table_column_wise", "2-every_type", "4-table_column_wise",
-                              "4-every_type"])
+# every_type: a table of each type (table_wise and column_wise among them); table_column_wise: the
+# unpadded fixed splits of several ranks (no row-wise table).
+@pytest.mark.parametrize("nproc,tables", [(1, TABLES), (2, TABLES), (2, ROW_TABLES), (4, ROW_TABLES)],
+                         ids=["1-table_column_wise", "2-table_column_wise", "2-every_type", "4-every_type"])
 def test_step_graph_replays_train_like_eager_steps(nproc, tables, tmp_path):
     launch_local(_worker, nproc, small_config(nproc, ["train.device=cuda", *tables, f"checkpoint.dir={tmp_path}"]))

@@ -151,8 +151,38 @@ class _FixedSplits(Awaitable):
             stagger=kjt_dist._stagger, stride_per_rank=[kjt.stride()] * world, input_tensors=kjt.dist_tensors())
         self._args["output_splits"] = [[row[rank]] * world for row in self._args["input_splits"]]
 
-    def _wait_impl(self) -> KJTAllToAllTensorsAwaitable:
-        return KJTAllToAllTensorsAwaitable(**self._args)
+    def _wait_impl(self) -> "_FixedTensors":
+        kjt, rank, world = self._args["input"], dist.get_rank(self._args["pg"]), self._args["pg"].size()
+        cumsum = [0, *itertools.accumulate(self._args["splits"])]
+        # what arrives of each key: what every rank sends of it, which is what this rank sends itself
+        received = [world * n for n in kjt.length_per_key()[cumsum[rank]:cumsum[rank + 1]]]
+        return _FixedTensors(KJTAllToAllTensorsAwaitable(**self._args), received)
+
+
+class _FixedTensors(Awaitable):
+    """The id all-to-all's result with its ids per key known on the host: torchrec 1.6.1's
+    ``KeyedJaggedTensor.dist_init`` asks the device for them (``sync()``), later torchrec
+    leaves them to be computed by the first caller (the lookup's ``split``); either is a
+    device-to-host copy that a captured step cannot make."""
+
+    def __init__(self, tensors: KJTAllToAllTensorsAwaitable, length_per_key: list[int]) -> None:
+        super().__init__()
+        self._tensors, self._length_per_key = tensors, length_per_key
+
+    def _wait_impl(self) -> KeyedJaggedTensor:
+        sync = KeyedJaggedTensor.sync
+        KeyedJaggedTensor.sync = _no_sync
+        try:
+            kjt = self._tensors.wait()
+        finally:
+            KeyedJaggedTensor.sync = sync
+        kjt._length_per_key = self._length_per_key
+        kjt._offset_per_key = [0, *itertools.accumulate(self._length_per_key)]
+        return kjt
+
+
+def _no_sync(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    return kjt
 
 
 class FixedSplitsForward:

@@ -24,7 +24,7 @@ from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.pipelines import all_schedules, fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 
 FUSED_TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
 SYNCHRONOUS = [

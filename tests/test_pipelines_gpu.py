@@ -10,7 +10,7 @@ import torch.distributed as dist
 from pipeline_harness import assert_same, local_state, make, make_batches, semi_sync_reference, small_config, train
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import fused_sparse_dist
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ import model_zoo
 from pipeline_harness import assert_differs, assert_same, expect_pipeline_error, small_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError, fused_sparse_dist
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 
 CASES = {
     "TestSparseNN": model_zoo.sparse_nn,

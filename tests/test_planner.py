@@ -23,7 +23,7 @@ from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, local_s
 from recpipe.planner.plan import TERM_DOC
 from recpipe.planner.spec import shards_from_plan
 from recpipe.planner.tbe import group_tbes, prefetch_pass_sizes, prefetch_scratch_bytes
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 
 GiB = 1 << 30
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner.md"

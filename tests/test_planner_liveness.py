@@ -48,7 +48,7 @@ import pytest
 import torch
 
 from recpipe.config import load_config
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 from recpipe.distributed import launch_local
 
 PIPELINES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync")

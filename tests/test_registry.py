@@ -18,7 +18,7 @@ from recpipe.pipelines import PIPELINES, Pipeline, PipelineDef, register, unregi
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.schedule import Schedule, Step, memory_facts
 from recpipe.planner import plan_from_config
-from study_schedules import schedule_variants as variants
+import schedule_variants as variants
 
 TOY_SCHEDULE = Schedule(
     "toy",

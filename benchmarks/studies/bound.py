@@ -60,23 +60,23 @@ if __package__ in (None, ""):  # run as a script: the repository's packages firs
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor  # noqa: E402
 
-from benchmarks.studies.common import bench_parser, run_study
-from recpipe.bench.measure import StepClock, cached_tables, free_device_memory, summarize_ms, synchronize
-from recpipe.bench.report import Row, grid
-from recpipe.bench.run import fresh_batches, gather
-from recpipe.config import RecpipeConfig
-from recpipe.data import Batch
-from recpipe.models import make_model
-from recpipe.pipelines import PIPELINES
-from recpipe.pipelines.prefetch import cached_tbes
-from recpipe.pipelines.sharded import find_sharded_modules
-from recpipe.pipelines.steps import dense_params
-from recpipe.pipelines.streams import use_stream
-from recpipe.sharding import shard_model
+from benchmarks.studies.common import bench_parser, gpu_names, mib, run_study  # noqa: E402
+from recpipe.bench.measure import StepClock, cached_tables, free_device_memory, summarize_ms, synchronize  # noqa: E402
+from recpipe.bench.report import Row, grid  # noqa: E402
+from recpipe.bench.run import fresh_batches, gather  # noqa: E402
+from recpipe.config import RecpipeConfig  # noqa: E402
+from recpipe.data import Batch  # noqa: E402
+from recpipe.models import make_model  # noqa: E402
+from recpipe.pipelines import PIPELINES  # noqa: E402
+from recpipe.pipelines.prefetch import cached_tbes  # noqa: E402
+from recpipe.pipelines.sharded import find_sharded_modules  # noqa: E402
+from recpipe.pipelines.steps import dense_params  # noqa: E402
+from recpipe.pipelines.streams import use_stream  # noqa: E402
+from recpipe.sharding import shard_model  # noqa: E402
 
 __all__ = ["STAGES", "Bound", "bound_md", "hbm_peak", "measure_bound", "measure_prefetch_memory", "prefetch_memory",
            "stream_reserved_bytes", "time_stage", "x_bound"]
@@ -492,9 +492,6 @@ def x_bound(rows: list[Row], bound: dict[str, Any]) -> list[dict[str, Any]]:
             for r in rows if r.status == "ok" and r.step_ms.get("p50")]
 
 
-MiB = float(1 << 20)
-
-
 def _ms(stage: dict[str, Any], key: str) -> str:
     return "-" if not stage.get("ms") else f"{stage['ms'][key]:.3f}"
 
@@ -526,14 +523,10 @@ def _rate_line(label: str, rate: dict[str, Any] | None) -> str:
 
 def _prefetch_memory_line(pm: dict[str, Any]) -> str:
     """Stage (g)'s own memory (bytes in the JSON, MiB here)."""
-    return (f"- cache prefetch memory: peak {_mib(pm['peak_alloc_bytes'])} MiB allocated above the allocation before "
-            f"it (max over ranks {_mib(pm['peak_alloc_bytes_max'])}), prefetch stream holds "
-            f"{_mib(pm['stream_reserved_bytes'])} MiB reserved "
-            f"(max over ranks {_mib(pm['stream_reserved_bytes_max'])}); rank 0, largest over the timed chains")
-
-
-def _mib(n_bytes: float | None) -> str:
-    return "-" if n_bytes is None else f"{n_bytes / MiB:,.1f}"
+    return (f"- cache prefetch memory: peak {mib(pm['peak_alloc_bytes'])} MiB allocated above the allocation before "
+            f"it (max over ranks {mib(pm['peak_alloc_bytes_max'])}), prefetch stream holds "
+            f"{mib(pm['stream_reserved_bytes'])} MiB reserved "
+            f"(max over ranks {mib(pm['stream_reserved_bytes_max'])}); rank 0, largest over the timed chains")
 
 
 def bound_md(bound: dict[str, Any]) -> list[str]:
@@ -579,16 +572,12 @@ class Bound:
     def __call__(self, cfg: RecpipeConfig, opts: Any, rows: list[Row], batches: list[Batch], device: torch.device,
                  bar: Any) -> tuple[dict[str, Any], list[str]]:
         bar.set_description("bound")
-        bound = measure_bound(cfg, list(fresh_batches(batches)), device, _gpu_name(device))
+        bound = measure_bound(cfg, list(fresh_batches(batches)), device, ", ".join(sorted(set(gpu_names(device)))))
         bound["x_bound"] = x_bound(rows, bound)
         if dist.get_rank() == 0:
             bar.write(f"bound {bound['bound_ms']:.3f} ms ({bound['bound_resource']})" if bound["status"] == "ok"
                       else f"bound failed: {bound['reason']}")
         return {"bound": bound}, bound_md(bound)
-
-
-def _gpu_name(device: torch.device) -> str:
-    return ", ".join(sorted(set(gather(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"))))
 
 
 def main(argv: list[str] | None = None) -> int:

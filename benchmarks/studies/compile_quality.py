@@ -6,7 +6,7 @@ same seeds, with ``recpipe train``, and compares the final eval AUC seed by seed
 mean difference, its standard error over the seeds, and each run's AUC.
 
     python benchmarks/studies/compile_quality.py --config configs/quickstart.yaml --seeds 0,1,2 \\
-        --out benchmarks/results/cpu/compile_quality
+        --set train.steps=1500 --set train.eval_every=0 --out OUT   # benchmarks/results/cpu/compile_quality.md
     python3 benchmarks/studies/compile_quality.py --config configs/dcnv2.yaml --seeds 0,1,2 \\
         --set train.device=cuda --set train.precision=bf16 --set distributed.nproc=1 --out ...
 
@@ -16,7 +16,6 @@ printed is the verdict (``|mean difference| <= max(0.001, standard error)``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -25,6 +24,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.studies.common import ROOT, command, config_parser, write_report  # noqa: E402
 
 
 def train(config: str, seed: int, compiled: bool, overrides: list[str], work: Path) -> dict:
@@ -35,7 +39,9 @@ def train(config: str, seed: int, compiled: bool, overrides: list[str], work: Pa
     for pair in overrides:
         args += ["--set", pair]
     started = time.perf_counter()
-    done = subprocess.run(args, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])  # the repository's recpipe
+    done = subprocess.run(args, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"})
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-4000:]}")
     summary = json.loads((run / "summary.json").read_text())
@@ -44,12 +50,8 @@ def train(config: str, seed: int, compiled: bool, overrides: list[str], work: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", required=True, help="a recpipe config with evaluation data")
-    parser.add_argument("--seeds", default="0,1,2", help="train.seed values, comma-separated")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="config overrides for every run (repeatable)")
+    parser = config_parser(__doc__)
+    parser.add_argument("--seeds", default="0,1,2", help="train.seed values, comma-separated (default 0,1,2)")
     parser.add_argument("--out", default=None, help="directory for compile_quality.{json,md} (default: print only)")
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -62,21 +64,17 @@ def main(argv: list[str] | None = None) -> int:
     se = (math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) / math.sqrt(len(diffs))
           if len(diffs) > 1 else float("nan"))
     same = abs(mean) <= max(0.001, se if se == se else 0.0)
-    record = {"config": args.config, "overrides": args.overrides, "runs": runs, "auc_difference_mean": mean,
-              "auc_difference_se": se, "same_quality": same}
+    record = {"command": command("compile_quality", argv), "config": args.config, "overrides": args.overrides,
+              "runs": runs, "auc_difference_mean": mean, "auc_difference_se": se, "same_quality": same}
     lines = [f"# Compiled vs eager dense step: eval AUC ({args.config})", "",
-             f"Overrides: {' '.join(args.overrides) or 'none'}", "",
+             f"Command: `{record['command']}`", "", f"Overrides: {' '.join(args.overrides) or 'none'}", "",
              "| seed | eager AUC | compiled AUC | compiled - eager |", "|---|---|---|---|"]
     lines += [f"| {s} | {by_seed[s][False]:.5f} | {by_seed[s][True]:.5f} | {d:+.5f} |" for s, d in zip(seeds, diffs)]
     lines += ["", f"Mean difference {mean:+.5f}, standard error {se:.5f} over {len(seeds)} seeds: "
                   f"{'the same quality' if same else 'NOT the same quality'} (|mean| <= max(0.001, SE))."]
-    text = "\n".join(lines)
-    print(text)
+    print("\n".join(lines))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "compile_quality.json").write_text(json.dumps(record, indent=2) + "\n")
-        (out / "compile_quality.md").write_text(text + "\n")
+        write_report(Path(args.out), "compile_quality", record, lines)
     print(f"compile quality: mean AUC difference {mean:+.5f} (SE {se:.5f}): {'same' if same else 'differs'}")
     return 0 if same else 1
 

@@ -34,12 +34,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # run as a script: the repository's recpipe and benchmarks packages
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks.studies.common import command, config_parser, gpu_names, write_report  # noqa: E402
 
 DEFAULT_CONFIG = "configs/bench/dlrm_criteo.yaml"
 # --device cpu: a model that evaluates in milliseconds on one Gloo rank (the script's path, not a measurement)
@@ -50,10 +51,7 @@ TINY = ["train.device=cpu", "distributed.backend=gloo", "distributed.nproc=1", "
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG, help=f"YAML config (default {DEFAULT_CONFIG})")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override any YAML key (repeatable)")
+    p = config_parser(__doc__, config_default=DEFAULT_CONFIG)
     p.add_argument("--pipelines", default="sparse_dist,fused_sparse_dist,base",
                    help="comma-separated pipeline names (default sparse_dist,fused_sparse_dist,base)")
     p.add_argument("--eval-batches", type=int, default=None,
@@ -65,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the config's model and data sizes: the script's path, not a measurement)")
     p.add_argument("--out", default="runs/eval_speed", help="directory for eval_speed.json and eval_speed.md")
     args = p.parse_args(argv)
+    args.command = command("eval_speed", argv)
     if args.eval_batches is None:
         args.eval_batches = 16 if args.device == "cpu" else 300
     for name in ("eval_batches", "warmup_batches", "rounds"):
@@ -184,8 +183,9 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     record = {
         "study": "eval_speed",
         "config": cfg.model_dump(mode="json"),
-        **environment(device, world, gather(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")),
-        "options": {k: v for k, v in vars(args).items()},
+        **environment(device, world, gpu_names(device)),
+        "command": args.command,
+        "options": {k: v for k, v in vars(args).items() if k != "command"},
         "eval_batches_per_rank": len(batches), "batch_size": cfg.data.batch_size, "batches_made_s": made_s,
         "model_builds": builds, "wall_s": time.perf_counter() - started,
         "schedules": schedules, "skipped": skipped, "passes": passes, "summary": summarize(passes),
@@ -218,8 +218,6 @@ def summarize(passes: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write(out: Path, record: dict[str, Any]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "eval_speed.json").write_text(json.dumps(record, indent=1, default=str))
     summary = record["summary"]
     lines = [
         "# Evaluation speed: plain loop against the pipeline's eval schedule", "",
@@ -239,7 +237,7 @@ def write(out: Path, record: dict[str, Any]) -> None:
                      f"{'yes' if s['metrics_equal'] else 'NO'} |")
     for name, why in record["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | | |")
-    (out / "eval_speed.md").write_text("\n".join(lines) + "\n")
+    write_report(out, "eval_speed", record, lines)
     print("\n".join(lines[-len(summary) - len(record["skipped"]):]))
     print(f"wrote {out / 'eval_speed.json'} and {out / 'eval_speed.md'}")
 

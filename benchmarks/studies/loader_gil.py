@@ -24,7 +24,6 @@ those rows with the core count and the load in mind. ``--json PATH`` writes the 
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -33,10 +32,12 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch  # noqa: E402
 
+from benchmarks.studies.common import config_parser  # noqa: E402
 from recpipe.config import load_config  # noqa: E402
 from recpipe.data import make_dataloader  # noqa: E402
 
@@ -106,17 +107,15 @@ def run_mode(cfg_args: tuple, mode: str, k: int, steps: int, warmup: int, n: int
             "samples_per_s": steps * cfg.data.batch_size / seconds, "cpu_ms_per_step": cpu / steps * 1e3}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default="configs/bench/dlrm_criteo.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+def main(argv: list[str] | None = None) -> None:
+    p = config_parser(__doc__, config_default="configs/bench/dlrm_criteo.yaml")
     p.add_argument("--workers", default="1,4", help="producer counts for the thread and process modes")
     p.add_argument("--step-ms", type=float, default=9.4, help="the loop's work per step alone (the H100 step: 9.4 ms)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the rows here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)  # the loop's ops are tiny: one intra-op thread, as on a busy GPU host
     n = calibrate(args.step_ms)
     modes = [("none", 0), ("inline", 0)] + [(m, int(k)) for k in args.workers.split(",") for m in ("thread", "process")]

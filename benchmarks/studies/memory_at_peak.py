@@ -3,6 +3,8 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/studies/memory_at_peak.py --config configs/bench/dlrm_criteo.yaml \\
         --pipelines sparse_dist,semi_sync,semi_sync:output_dist_wait=early --out runs/mem_peak
 
+(or without torchrun: ``distributed.nproc`` local processes, as ``recpipe bench`` runs).
+
 For each pipeline (names or bench variants ``name:key=value``): a fresh model as in
 ``recpipe bench``, ``--warmup`` steps, then torch's allocator history
 (``torch.cuda.memory._record_memory_history``, Python stacks) over ``--steps`` steps.
@@ -19,24 +21,25 @@ https://pytorch.org/memory_viz).
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import pickle
 import sys
 from collections import defaultdict
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
+from benchmarks.studies.common import command, config_parser  # noqa: E402
 from recpipe.bench.measure import free_device_memory  # noqa: E402
-from recpipe.bench.run import build_run, config_for_pipeline, fresh_batches  # noqa: E402
-from recpipe.bench.runner import pregenerate  # noqa: E402
+from recpipe.bench.run import build_run, config_for_pipeline, fresh_batches, gather, untimed_steps  # noqa: E402
+from recpipe.bench.runner import launch, pregenerate  # noqa: E402
 from recpipe.config import load_config  # noqa: E402
-from recpipe.distributed import init_process_group, shutdown_process_group  # noqa: E402
+from recpipe.distributed import init_process_group, torchrun_overrides  # noqa: E402
 
 _GIB = 2**30
 _OWN = ("recpipe/", "torchrec/", "fbgemm_gpu/")
@@ -235,9 +238,8 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
         return {"skipped": skip}
     free_device_memory(device)
     sharded, pipe = build_run(cfg_p, "recpipe", device)
-    it = fresh_batches(batches)
-    for _ in range(args.warmup):
-        pipe.progress(it)
+    it, bar = fresh_batches(batches), tqdm(disable=True)
+    untimed_steps(pipe, it, bar, args.warmup)
     torch.cuda.synchronize()
     streams = stream_roles(device, pipe)
     torch.cuda.reset_peak_memory_stats(device)
@@ -260,24 +262,15 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     result["reserved"] = reserved_summary(snapshot["segments"], trace, streams)
     result["gap"] = gap_at_peak(snapshot, device.index if device.index is not None else torch.cuda.current_device(),
                                 streams)
-    while _drain(pipe, it):
-        pass
+    untimed_steps(pipe, it, bar)  # the drain
     del pipe, sharded
     free_device_memory(device)
     return result
 
 
-def _drain(pipe, it) -> bool:
-    try:
-        pipe.progress(it)
-        return True
-    except StopIteration:
-        return False
-
-
 def markdown(results: dict[str, list[dict]], args) -> str:
     lines = ["# Live memory at the step-only peak, by allocation site", "",
-             f"`{' '.join(sys.argv)}`; {torch.cuda.get_device_name()}, torch {torch.__version__}; "
+             f"`{args.command}`; {torch.cuda.get_device_name()}, torch {torch.__version__}; "
              f"{args.warmup} warm-up steps, then {args.steps} recorded. Extra = bytes allocated inside the recorded "
              "steps and alive at their peak (the model and anything older is the baseline).", ""]
     for label, per_rank in results.items():
@@ -308,18 +301,17 @@ def markdown(results: dict[str, list[dict]], args) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config")
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__, config_required=False)
     parser.add_argument("--snapshot", action="append", default=[], metavar="PICKLE",
                         help="only analyse saved snapshots (e.g. tests/test_planner_gpu.py's): the free "
                              "holes at the peak allocated of each (streams by id)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--pipelines", default="sparse_dist,semi_sync")
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--out")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    args.command = command("memory_at_peak", argv)
     if args.snapshot:
         for path in args.snapshot:
             with open(path, "rb") as f:
@@ -329,24 +321,24 @@ def main() -> int:
         return 0
     if not args.config or not args.out:
         parser.error("--config and --out are required (or --snapshot)")
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])
     if not torch.cuda.is_available():
         raise SystemExit("memory_at_peak needs CUDA (the allocator history is the CUDA caching allocator's)")
+    launch(worker, cfg, args)
+    return 0
+
+
+def worker(cfg, args) -> None:
+    """One rank: every pipeline's recorded steps; rank 0 writes the report."""
     device = init_process_group(cfg)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     batches = pregenerate(cfg, dist.get_rank(), dist.get_world_size(), args.warmup + args.steps + 8, device)
-    results = {}
-    for label in [p for p in args.pipelines.split(",") if p]:
-        mine = run_one(cfg, label, args, batches, device, out)
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        results[label] = gathered
+    results = {label: gather(run_one(cfg, label, args, batches, device, out))
+               for label in args.pipelines.split(",") if label}
     if dist.get_rank() == 0:
         (out / "memory_at_peak.md").write_text(markdown(results, args))
         print(markdown(results, args))
-    shutdown_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -46,9 +46,9 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from benchmarks.studies.bound import measure_prefetch_memory  # noqa: E402
-from benchmarks.studies.common import bench_parser, run_study, write_plot  # noqa: E402
+from benchmarks.studies.common import MiB, bench_parser, mib, run_study, write_plot  # noqa: E402
 from recpipe.bench.measure import StepClock, prefetch_unavailable, summarize_ms  # noqa: E402
-from recpipe.bench.report import Row, grid  # noqa: E402
+from recpipe.bench.report import Row, cell, grid  # noqa: E402
 from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
 from recpipe.data import Batch  # noqa: E402
@@ -299,19 +299,8 @@ def describe_point(p: dict[str, Any]) -> str:
     if alone.get("status") != "ok":
         return line + f"; prefetch alone {alone.get('status', '-')}: {alone.get('reason', '')}"
     ratio = alone.get("measured_over_predicted")
-    return (line + f"; prefetch alone +{alone['peak_alloc_bytes'] / 2**20:.1f} MiB allocated"
+    return (line + f"; prefetch alone +{alone['peak_alloc_bytes'] / MiB:.1f} MiB allocated"
             + ("" if ratio is None else f" ({ratio:.3f} x predicted)"))
-
-
-MiB = float(1 << 20)
-
-
-def _f(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _mib(n_bytes: float | None) -> str:
-    return "-" if n_bytes is None else f"{n_bytes / MiB:,.1f}"
 
 
 def _gib_as_mib(gib: float | None) -> str:
@@ -338,11 +327,11 @@ def multipass_md(sweep: dict[str, Any]) -> list[str]:
         pf = p.get("prefetch_ms") or {}
         body.append([
             str(p["passes"]), ", ".join(f"{k}: {v}" for k, v in eff.items()) if eff else plan.get("reason", "-"),
-            _f((p.get("step_ms") or {}).get("p50"), ".3f"), _f(pf.get("p50"), ".3f"), _f(pf.get("p90"), ".3f"),
+            cell((p.get("step_ms") or {}).get("p50"), ".3f"), cell(pf.get("p50"), ".3f"), cell(pf.get("p90"), ".3f"),
             _gib_as_mib(mem.get("step_peak_alloc_above_build_gib")),
             _gib_as_mib(mem.get("step_peak_reserved_above_build_gib")),
-            _mib(plan.get("prefetch_terms_bytes")), _mib(plan.get("per_step_bytes")),
-            _mib(plan.get("per_step_plus_allocator_bytes")),
+            mib(plan.get("prefetch_terms_bytes")), mib(plan.get("per_step_bytes")),
+            mib(plan.get("per_step_plus_allocator_bytes")),
             p["status"] + (f": {p['reason']}" if p.get("reason") else "") + (
                 f" ({p['memory_reason']})" if p.get("memory_reason") else ""),
         ])
@@ -367,9 +356,9 @@ def _prefetch_alone_md(sweep: dict[str, Any]) -> list[str]:
         per_rank = [x for x in pm.get("measured_over_predicted_per_rank") or [] if x is not None]
         worst = max(per_rank, key=lambda x: abs(x - 1.0), default=None)
         body.append([
-            str(p["passes"]), _f((pm.get("ms") or {}).get("p50"), ".3f"), _mib(pm.get("peak_alloc_bytes")),
-            _mib(pm.get("peak_alloc_bytes_max")), _mib(pm.get("stream_reserved_bytes")),
-            _mib(pm.get("predicted_peak_bytes")), _f(pm.get("measured_over_predicted"), ".3f"), _f(worst, ".3f"),
+            str(p["passes"]), cell((pm.get("ms") or {}).get("p50"), ".3f"), mib(pm.get("peak_alloc_bytes")),
+            mib(pm.get("peak_alloc_bytes_max")), mib(pm.get("stream_reserved_bytes")),
+            mib(pm.get("predicted_peak_bytes")), cell(pm.get("measured_over_predicted"), ".3f"), cell(worst, ".3f"),
             pm.get("status", p["status"]) + (f": {pm['reason']}" if pm.get("reason") else ""),
         ])
     lines += [grid(header, body, markdown=True), ""]
@@ -389,7 +378,7 @@ def _prefetch_alone(ax: Any, points: list[dict[str, Any]], tolerance: float | No
     beside the planner's prediction, with the target's tolerance band around it."""
 
     def pairs(key: str) -> list[tuple[int, float]]:
-        return [(p["passes"], p["prefetch_memory"][key] / float(1 << 20)) for p in points
+        return [(p["passes"], p["prefetch_memory"][key] / MiB) for p in points
                 if (p.get("prefetch_memory") or {}).get(key) is not None]
 
     for label, key, style in (("measured peak +alloc", "peak_alloc_bytes", "-"),
@@ -415,7 +404,6 @@ def draw(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
     def series(get: Any) -> list[float | None]:
         return [get(p) for p in points]
 
-    mib = float(1 << 20)
     lines = {
         "measured step +alloc (rank 0)": series(lambda p: (p.get("memory_rank0") or {}).get(
             "step_peak_alloc_above_build_gib")),
@@ -425,7 +413,7 @@ def draw(plt: Any, path: Path, sweep: dict[str, Any]) -> str:
         "planner prefetch terms": series(lambda p: p.get("planner", {}).get("prefetch_terms_bytes")),
     }
     for label, ys in lines.items():
-        scale = 1024.0 if label.startswith("measured") else 1 / mib  # GiB -> MiB, bytes -> MiB
+        scale = 1024.0 if label.startswith("measured") else 1 / MiB  # GiB -> MiB, bytes -> MiB
         pairs = [(x, y * scale) for x, y in zip(xs, ys) if y is not None]
         if pairs:
             mem_ax.plot(*zip(*pairs), marker="o", linestyle="-" if label.startswith("measured") else "--", label=label)

@@ -50,8 +50,8 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.studies.common import bench_parser, run_study, write_plot  # noqa: E402
 from recpipe.bench.compare import merge_rounds  # noqa: E402
-from recpipe.bench.measure import cached_tables, free_device_memory, prefetch_unavailable, synchronize  # noqa: E402
-from recpipe.bench.report import Row, grid  # noqa: E402
+from recpipe.bench.measure import cached_tables, free_device_memory, prefetch_unavailable  # noqa: E402
+from recpipe.bench.report import Row, cell, grid  # noqa: E402
 from recpipe.bench.run import RunResult, build_run, combine, config_for_pipeline, gather, measure_steps  # noqa: E402
 from recpipe.bench.runner import pregenerate  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
@@ -264,14 +264,6 @@ def recommend(points: list[dict[str, Any]], lf: float | None, alpha: float) -> d
     return out
 
 
-def _f(x: Any, fmt: str) -> str:
-    return "-" if x is None else format(x, fmt)
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.1%}"
-
-
 def _recommendation_md(rec: dict[str, Any]) -> list[str]:
     if "reason" in rec:
         return [f"- recommendation: none ({rec['reason']})", ""]
@@ -284,7 +276,7 @@ def _recommendation_md(rec: dict[str, Any]) -> list[str]:
     if mine:
         lines.append(f"- **For this config** (load factor {mine['cache_load_factor']}, Zipf {mine['zipf_alpha']}): "
                      f"nearest point {mine['nearest_point']}: **use {mine['pipeline']}** (prefetch / sparse_dist "
-                     f"{mine['prefetch_over_sparse_dist']:.3f}, hit rate {_f(mine['hit_rate'], '.3f')}).")
+                     f"{mine['prefetch_over_sparse_dist']:.3f}, hit rate {cell(mine['hit_rate'], '.3f')}).")
         if mine.get("occupancy") is not None and mine["occupancy"] < 0.99:
             lines.append(f"- That point's cache was {mine['occupancy']:.0%} full after the timed steps: a long run "
                          "fills it and keeps more rows, so its hit rate is higher; compare training's own hit rate "
@@ -318,14 +310,14 @@ def sweep_md(sweep: dict[str, Any]) -> list[str]:
         pf, sd = p["prefetch"], p["sparse_dist"]
 
         def work(x: dict[str, Any]) -> str:
-            return f"{_f(x.get('cache_gpu_ms'), '.2f')} ({_f(x.get('cache_exposed_ms'), '.2f')})"
+            return f"{cell(x.get('cache_gpu_ms'), '.2f')} ({cell(x.get('cache_exposed_ms'), '.2f')})"
 
         body.append([str(p["cache_load_factor"]), str(p["zipf_alpha"]),
-                     _f((pf.get("step_ms") or {}).get("p50"), ".2f") if pf["status"] == "ok" else pf["status"],
-                     _f((sd.get("step_ms") or {}).get("p50"), ".2f") if sd["status"] == "ok" else sd["status"],
-                     _f(p.get("prefetch_over_sparse_dist"), ".3f"), _f(sd.get("hit_rate"), ".3f"),
-                     _f(sd.get("rows_fetched_per_step"), ",.0f"), _pct(sd.get("occupancy")), work(pf), work(sd),
-                     _pct(p.get("sparse_dist_miss_share")), p.get("winner", "-")])
+                     cell((pf.get("step_ms") or {}).get("p50"), ".2f") if pf["status"] == "ok" else pf["status"],
+                     cell((sd.get("step_ms") or {}).get("p50"), ".2f") if sd["status"] == "ok" else sd["status"],
+                     cell(p.get("prefetch_over_sparse_dist"), ".3f"), cell(sd.get("hit_rate"), ".3f"),
+                     cell(sd.get("rows_fetched_per_step"), ",.0f"), cell(sd.get("occupancy"), ".1%"), work(pf), work(sd),
+                     cell(p.get("sparse_dist_miss_share"), ".1%"), p.get("winner", "-")])
     return lines + [grid(header, body, markdown=True), ""] + _recommendation_md(sweep["recommendation"])
 
 

@@ -49,11 +49,14 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+import torch  # noqa: E402
 
+from benchmarks.studies.common import ROOT, config_parser  # noqa: E402
+from recpipe.bench.measure import summarize_ms  # noqa: E402
+from recpipe.bench.report import Row  # noqa: E402
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
 from recpipe.distributed import launch_local, shutdown_process_group  # noqa: E402
 
@@ -77,12 +80,12 @@ def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
 
 
 def read_bench(args: argparse.Namespace, out: Path) -> dict:
-    record = json.loads((out / "bench" / "bench.json").read_text())
-    row = next(r for r in record["rows"] if r["pipeline"] == args.pipeline and r["impl"] == "recpipe")
-    if row["status"] != "ok":
-        raise SystemExit(f"the bench of {args.pipeline} did not run: {row['status']} {row['reason']}")
-    return {"samples_per_s_wall": row["samples_per_s_wall"], "samples_per_s_p50": row["samples_per_s"],
-            "step_ms_p50": row["step_ms"]["p50"], "steps": row["steps"]}
+    rows = map(Row.from_dict, json.loads((out / "bench" / "bench.json").read_text())["rows"])
+    row = next(r for r in rows if r.pipeline == args.pipeline and r.impl == "recpipe")
+    if row.status != "ok":
+        raise SystemExit(f"the bench of {args.pipeline} did not run: {row.status} {row.reason}")
+    return {"samples_per_s_wall": row.samples_per_s_wall, "samples_per_s_p50": row.samples_per_s,
+            "step_ms_p50": row.step_ms["p50"], "steps": row.steps}
 
 
 def run_bench(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
@@ -208,13 +211,9 @@ def steady(record: dict, steady_from: int) -> dict:
 
 
 def host_parts(parts: dict[str, list[float]]) -> dict:
-    """Per-step host time (ms) in the steady window: total, P50, P90 and max of each part."""
-    out = {}
-    for name, values in parts.items():
-        ms = sorted(v * 1e3 for v in values)
-        if ms:
-            out[name] = {"total": sum(ms), "p50": ms[len(ms) // 2], "p90": ms[int(len(ms) * 0.9)], "max": ms[-1]}
-    return out
+    """Per-step host time (ms) in the steady window: the total and the bench's statistics of each part."""
+    return {name: {"total": 1e3 * sum(values), **summarize_ms([1e3 * v for v in values])}
+            for name, values in parts.items() if values}
 
 
 def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
@@ -234,10 +233,8 @@ def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> d
     return {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+def main(argv: list[str] | None = None) -> int:
+    parser = config_parser(__doc__)
     parser.add_argument("--pipeline", default="sparse_dist")
     parser.add_argument("--steps", type=int, default=800, help="trainer steps")
     parser.add_argument("--steady-from", type=int, default=200, help="first step of the trainer's steady window")
@@ -256,7 +253,7 @@ def main() -> int:
                         help="after the steady window, profile rank 0's host over this many more steps "
                              "(OUT/host_profile.txt: top functions by self CPU time, with Python stacks)")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*args.overrides, f"pipeline.name={args.pipeline}"]

@@ -10,7 +10,7 @@ prefetch of i+1 on the prefetch stream; FBGEMM's backward hooks serialize the TB
 backward(i) against it. TorchRec's order, with the host wait before forward(i), left
 the GPU idle while the host waited: on one H100 (configs/bench/uvm_caching.yaml,
 32768 samples) 1.10-1.17x its GPU busy time against 0.96-1.0x in this order, 2-3 ms a
-step (benchmarks/studies/schedule_variants.py keeps that order as a study).
+step (tests/schedule_variants.py keeps that order as a test schedule).
 
 Fixes of TorchRec's PrefetchTrainPipelineSparseDist by construction:
 * forward(i) waits for the prefetch of batch i itself (an event on the prefetch

@@ -1,4 +1,5 @@
-"""Schedule variants of recpipe's pipelines, kept as a study (not options of the product).
+"""Schedule variants of recpipe's pipelines that the tests run: orders that lost or tied in
+measurements, so they are not options of the product.
 
 Each is a named :class:`~recpipe.pipelines.schedule.Schedule` that moves batches like its
 pipeline's own schedule, so it runs as ``Pipeline(model, optimizer, device, schedule=X)``
@@ -20,13 +21,9 @@ product's schedule, measured on one H100:
   batch i+1 on the input-dist stream (TorchRec's ``data_dist``) or on a stream of its
   own, fenced on backward(i): at 65536 samples the compute stream (the product's) was 4 %
   faster than ``data_dist`` with 2 % less reserved memory.
-
-    python benchmarks/studies/schedule_variants.py   # prints every variant's table
 """
 
 from __future__ import annotations
-
-import argparse
 
 from recpipe.pipelines import fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
@@ -77,19 +74,3 @@ VARIANTS = {
     "prefetch": (PREFETCH_WAIT_BEFORE_FORWARD, PREFETCH_EARLY_SPLITS),
     "fused_sparse_dist": (FUSED_LOOKUP_ON_DIST, FUSED_LOOKUP_ON_OWN_STREAM),
 }
-
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Print the schedule table of every variant, by pipeline.")
-    parser.add_argument("--pipeline", choices=sorted(VARIANTS), help="only this pipeline's variants")
-    args = parser.parse_args(argv)
-    for pipeline, schedules in VARIANTS.items():
-        if args.pipeline in (None, pipeline):
-            for schedule in schedules:
-                print(f"[{pipeline}]", schedule.table(), sep="\n", end="\n\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

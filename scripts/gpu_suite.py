@@ -33,6 +33,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
 from dataclasses import dataclass, field
@@ -52,19 +53,16 @@ class Part:
 
 def collect(select: str = "") -> dict[str, int]:
     """Every `gpu`-marked test's node id -> the GPUs it needs, as pytest collects them
-    (``select``: only those matching a pytest ``-k`` expression)."""
-    code = ("import json, sys, pytest\n"
-            "class P:\n"
-            "    def pytest_collection_finish(self, session):\n"
-            "        sys.__stdout__.write('\\n' + json.dumps({i.nodeid: dict(i.user_properties).get('gpus_needed', 1)\n"
-            "                                            for i in session.items}) + '\\n')\n"
-            f"sys.exit(pytest.main(['-m', 'gpu', '--collect-only', '-q', '-p', 'no:cacheprovider', 'tests',"
-            f" '-k', {select!r}], plugins=[P()]))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
-    if out.returncode != 0 or not lines:
-        raise SystemExit(f"collecting the gpu-marked tests failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return json.loads(lines[-1])
+    (``select``: only those matching a pytest ``-k`` expression; tests/conftest.py writes
+    them to the file ``RECPIPE_GPU_NEEDS`` names)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        needs = Path(tmp) / "needs.json"
+        out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+                              "tests", *(["-k", select] if select else [])],
+                             capture_output=True, text=True, cwd=ROOT, env={**os.environ, "RECPIPE_GPU_NEEDS": str(needs)})
+        if out.returncode != 0 or not needs.is_file():
+            raise SystemExit(f"collecting the gpu-marked tests failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+        return json.loads(needs.read_text())
 
 
 def last_seconds(record: Path = RECORD) -> dict[str, float]:

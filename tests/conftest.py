@@ -10,6 +10,7 @@ longer than S seconds as a failure, so that a hang costs one test, not the suite
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -42,6 +43,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpus(n): the GPUs a gpu-marked test needs (default: its nproc / world_size, else 1)")
 
 
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = config.getoption("--gpus-needed")
     keep, drop = [], []
@@ -55,6 +57,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    if os.environ.get("RECPIPE_GPU_NEEDS"):  # scripts/gpu_suite.py plans its parts from them
+        Path(os.environ["RECPIPE_GPU_NEEDS"]).write_text(json.dumps(
+            {i.nodeid: gpus_needed(i) for i in items if i.get_closest_marker("gpu") is not None}))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -23,6 +23,7 @@ from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, Validati
                       model_validator)
 
 from recpipe.errors import ConfigError
+from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
@@ -340,6 +341,9 @@ class EmbeddingOptimizerConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    # The rate at each step: warm-up, polynomial or step decay of lr (recpipe/lr_schedule.py,
+    # docs/learning_rates.md); the default keeps lr.
+    schedule: LRSchedule = LRSchedule()
 
 
 class DenseOptimizerConfig(Section):
@@ -349,6 +353,8 @@ class DenseOptimizerConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    # As optimizer.embedding.schedule, for the dense optimizer.
+    schedule: LRSchedule = LRSchedule()
 
 
 class OptimizerConfig(Section):

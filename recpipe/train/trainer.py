@@ -58,6 +58,7 @@ from recpipe.pipelines import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
+from recpipe.train.learning_rates import LearningRates
 from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
     NonFiniteCheck,
@@ -143,6 +144,9 @@ class Trainer:
         self.position = self._resume()
         self.start_step = self.position.step
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
+        self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
+        if not self.rates.constant:
+            self._say(repr(self.rates))
         if self.position.batch > 0:
             # Resumed: this rank may be past its last batch while others are not;
             # its padding batches then take their shapes from its first batch.
@@ -172,8 +176,9 @@ class Trainer:
         self._has_clicks: bool | None = None  # known after the first step
         self._window_seconds = 0.0
         self._train_seconds = 0.0
-        # The last log point's values on their way to the host (published at the next).
-        self._pending_log: tuple[int, float, PendingMetrics] | None = None
+        # The last log point's values on their way to the host (published at the next), with
+        # its learning rates.
+        self._pending_log: tuple[int, float, PendingMetrics, dict[str, float]] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
@@ -279,6 +284,7 @@ class Trainer:
         trained = 0
         last = time.perf_counter()
         while True:
+            self.rates.set_step(self.position.step + trained + 1)  # the rates of the batch this call trains
             try:
                 output = self.pipeline.progress(batches)
             except StopIteration:
@@ -417,7 +423,7 @@ class Trainer:
             else:  # mean loss over the ranks' non-padding steps
                 values = PendingMetrics({"loss": self._mean_loss([loss for loss, padding, _ in kept if not padding])})
             self._publish_log()
-            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values)
+            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values, self.rates.scalars(step))
         if wait:
             self._publish_log()
 
@@ -434,7 +440,7 @@ class Trainer:
         """TensorBoard scalars and the bar's figures of the last log point (waits for them)."""
         if self._pending_log is None:
             return
-        step, samples_per_s, values = self._pending_log
+        step, samples_per_s, values, rates = self._pending_log
         self._pending_log = None
         metrics = values.result()
         if "bce" in metrics:
@@ -442,7 +448,7 @@ class Trainer:
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
-        self._write_scalars(step, {**scalars, **_memory_scalars(self.device)})
+        self._write_scalars(step, {**scalars, **rates, **_memory_scalars(self.device)})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
         self.bar.set_postfix({**postfix, "samples/s": f"{samples_per_s:,.0f}"}, refresh=False)
 

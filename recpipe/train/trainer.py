@@ -157,7 +157,10 @@ class Trainer:
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
             self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
-        self.run_dir = RunDir(cfg, self.rank)  # collective: StorageError (exit 6) on every rank if it cannot be written
+        # collective: StorageError (exit 6) on every rank if it cannot be written
+        self.run_dir = RunDir(cfg, self.rank, resumed_from=self.start_step)
+        if self.run_dir.note:
+            self._say(self.run_dir.note)
         self.wandb = None  # rank 0, with logging.wandb: the same scalars as TensorBoard
         if self.rank == 0 and cfg.logging.wandb is not None:
             from recpipe.train.wandb_logger import WandbLogger
@@ -448,9 +451,14 @@ class Trainer:
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
-        self._write_scalars(step, {**scalars, **rates, **_memory_scalars(self.device)})
+        memory = _memory_scalars(self.device)
+        self._write_scalars(step, {**scalars, **rates, **memory})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
         self.bar.set_postfix({**postfix, "samples/s": f"{samples_per_s:,.0f}"}, refresh=False)
+        if self.bar.disable:  # no bar (not a terminal, or train.progress=false): one line per log point
+            shown = "  ".join(f"{name} {value}" for name, value in postfix.items())
+            self._say(f"step {step}/{self.cfg.train.steps}  {shown}  {samples_per_s:,.0f} samples/s  "
+                      f"{_memory_line(memory)}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -584,6 +592,14 @@ def _total(counts: list[int], device: torch.device) -> list[int]:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _memory_line(memory: dict[str, float]) -> str:
+    """Rank 0's memory of :func:`_memory_scalars`, for the log line."""
+    if "memory/max_allocated_gib" in memory:
+        return (f"max allocated {memory['memory/max_allocated_gib']:.2f} GiB, "
+                f"max reserved {memory['memory/max_reserved_gib']:.2f} GiB")
+    return f"peak RSS {memory['memory/peak_rss_gib']:.2f} GiB"
 
 
 def _memory_scalars(device: torch.device) -> dict[str, float]:

@@ -610,6 +610,11 @@ def _precision_problems(key: str, t: TableSharding) -> list[str]:
     return problems
 
 
+PLANNER_ON_CPU = ("sharding.placement='planner' places shards by their GPU memory (torchrec's partitioner on "
+                  "recpipe's HBM estimates); this run is on CPU: use sharding.placement=config, which places them "
+                  "as sharding.default / sharding.tables say")
+
+
 def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
     """Rules that depend on the machine (checked where the job is launched, before
     any process starts): raises ConfigError naming every problem."""
@@ -631,6 +636,8 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("pipeline.step_graph=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+        if cfg.sharding.placement == "planner":
+            problems.append(PLANNER_ON_CPU)
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
         problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
                         "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")

@@ -84,8 +84,10 @@ def planner_placement(
     from recpipe.planner.estimator import plan_with_torchrec
     from recpipe.planner.inputs import inputs_from_config
 
-    if device.type != "cuda":
-        raise ValueError("sharding.placement='planner' places shards on GPUs; use placement 'config' on CPU")
+    if device.type != "cuda":  # recpipe train refuses it before any process starts (config.check_device)
+        from recpipe.config import PLANNER_ON_CPU, ConfigError
+
+        raise ConfigError(PLANNER_ON_CPU)
     box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size), model)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)

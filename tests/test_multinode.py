@@ -85,7 +85,7 @@ def test_two_node_launchers_on_one_host_train_like_one_launcher(tmp_path):
     summaries = [json.loads((run / "summary.json").read_text()) for run in (two, one)]
     assert summaries[0]["world_size"] == summaries[1]["world_size"] == 2
     assert summaries[0]["steps"] == summaries[1]["steps"] == 4
-    for key in ("loss", "eval_auc", "eval_loss"):
+    for key in ("loss", "eval_auc", "eval_logloss"):
         assert summaries[0][key] == summaries[1][key], key
     a = _full_state(two / "ckpt" / STEP, tmp_path)
     b = _full_state(one / "ckpt" / STEP, tmp_path)

@@ -59,7 +59,7 @@ from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
 from recpipe.train.learning_rates import LearningRates
-from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
+from recpipe.train.metrics import METRICS, ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
     NonFiniteCheck,
     SkipNonFiniteSteps,
@@ -152,7 +152,10 @@ class Trainer:
             # its padding batches then take their shapes from its first batch.
             first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
             self.pipeline.padding_template = next(iter(first), None)
-        self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
+        # Training: TorchRec's window values over one log interval (train/<name>) and lifetime ones
+        # (train/<name>_lifetime); evaluation: over the whole eval split.
+        self.train_metrics = ClickMetrics(device, window_samples=cfg.train.log_every * cfg.data.batch_size)
+        self.eval_metrics = ClickMetrics(device)
         self.evaluation = Evaluation(self.pipeline, pipelined=cfg.train.eval_pipelined)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
@@ -421,10 +424,9 @@ class Trainer:
             if self._has_clicks:
                 logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
                 self.train_metrics.update(logits, labels, weights)
-                values = self.train_metrics.compute_async()  # all-reduce over the ranks
-                self.train_metrics.reset()
-            else:  # mean loss over the ranks' non-padding steps
-                values = PendingMetrics({"loss": self._mean_loss([loss for loss, padding, _ in kept if not padding])})
+            # the mean loss over the ranks' non-padding steps, and the click metrics (all-reduces, queued)
+            loss = self._mean_loss([loss for loss, padding, _ in kept if not padding])
+            values = PendingMetrics({"loss": loss, **(self.train_metrics.compute_values() if self._has_clicks else {})})
             self._publish_log()
             self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values, self.rates.scalars(step))
         if wait:
@@ -446,8 +448,6 @@ class Trainer:
         step, samples_per_s, values, rates = self._pending_log
         self._pending_log = None
         metrics = values.result()
-        if "bce" in metrics:
-            metrics["loss"] = metrics["bce"]
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
@@ -462,7 +462,7 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Collective. AUC / accuracy / BCE / NE on the eval split, through the pipeline's eval
+        """Collective. The click metrics (``METRICS``) on the eval split, through the pipeline's eval
         schedule (``train.eval_pipelined``; else one batch at a time), and its samples/s: the
         eval batches' samples over the time from the first fetch to the end of the last
         forward (one host sync, the count's all-reduce)."""
@@ -500,15 +500,15 @@ class Trainer:
         step = self.position.step
         self._write_scalars(step, {**{f"eval/{name}": value for name, value in metrics.items()},
                                    "eval/samples_per_s": samples_per_s})
-        self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}  "
-                  f"({samples_per_s:,.0f} samples/s)")
-        if not math.isfinite(metrics["bce"]):  # the same on every rank (all-reduced metrics)
-            self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["bce"]))
+        shown = "  ".join(f"{name} {metrics[name]:.4f}" for name in METRICS)
+        self._say(f"step {step}: eval {shown}  ({samples_per_s:,.0f} samples/s)")
+        if not math.isfinite(metrics["logloss"]):  # the same on every rank (all-reduced metrics)
+            self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["logloss"]))
         return metrics
 
-    def _nonfinite_eval(self, step: int, bce: float) -> NoReturn:
+    def _nonfinite_eval(self, step: int, logloss: float) -> NoReturn:
         raise NonFiniteLossError(
-            f"non-finite eval loss after step {step} (eval bce {bce}): the weights have diverged although the training "
+            f"non-finite eval loss after step {step} (eval logloss {logloss}): the weights have diverged although the training "
             f"losses were finite; nothing saved after step {step - 1}. {describe_newest(self.cfg.checkpoint.dir)}. "
             "Lower optimizer.dense.lr / optimizer.embedding.lr"
         )
@@ -546,11 +546,8 @@ class Trainer:
             "steps": step,
             "samples": step * self.global_batch,
             "loss": self.last_train.get("loss"),
-            "train_auc": self.last_train.get("auc"),
-            "eval_auc": self.last_eval.get("auc"),
-            "eval_ne": self.last_eval.get("ne"),
-            "eval_loss": self.last_eval.get("bce"),
-            "eval_accuracy": self.last_eval.get("accuracy"),
+            **{f"train_{name}": self.last_train.get(name) for name in METRICS},  # the last log interval's
+            **{f"eval_{name}": self.last_eval.get(name) for name in METRICS},  # the last evaluation's
             "eval_samples_per_s": self.last_eval_samples_per_s,  # of the last evaluation
             "pipeline": self.cfg.pipeline.name,
             "epoch": self.position.epoch,

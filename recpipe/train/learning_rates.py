@@ -73,7 +73,8 @@ class LearningRates:
         def shown(schedule):
             return ", ".join(f"{k}={v}" for k, v in schedule.model_dump(exclude_defaults=True).items()) or "constant"
 
-        hooks = f"; the rate set at each lookup of {len(self._hooks)} TBEs" if self._hooks else ""
+        hooks = (f"; the rate set at each lookup of {len(self._hooks)} TBE{'s' if len(self._hooks) != 1 else ''}"
+                 if self._hooks else "")
         return (f"learning rates: dense {self.dense_cfg.lr} ({shown(self.dense_cfg.schedule)}), embedding "
                 f"{self.embedding_cfg.lr} ({shown(self.embedding_cfg.schedule)}){hooks} (recpipe.train.learning_rates)")
 

@@ -23,6 +23,7 @@ from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, Validati
                       model_validator)
 
 from recpipe.errors import ConfigError
+from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
@@ -343,6 +344,9 @@ class EmbeddingOptimizerConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    # The rate at each step: warm-up, polynomial or step decay of lr (recpipe/lr_schedule.py,
+    # docs/learning_rates.md); the default keeps lr.
+    schedule: LRSchedule = LRSchedule()
 
 
 class DenseOptimizerConfig(Section):
@@ -352,6 +356,8 @@ class DenseOptimizerConfig(Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
     weight_decay: float = Field(0.0, ge=0)
+    # As optimizer.embedding.schedule, for the dense optimizer.
+    schedule: LRSchedule = LRSchedule()
 
 
 class OptimizerConfig(Section):
@@ -607,6 +613,11 @@ def _precision_problems(key: str, t: TableSharding) -> list[str]:
     return problems
 
 
+PLANNER_ON_CPU = ("sharding.placement='planner' places shards by their GPU memory (torchrec's partitioner on "
+                  "recpipe's HBM estimates); this run is on CPU: use sharding.placement=config, which places them "
+                  "as sharding.default / sharding.tables say")
+
+
 def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
     """Rules that depend on the machine (checked where the job is launched, before
     any process starts): raises ConfigError naming every problem."""
@@ -628,6 +639,8 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("pipeline.step_graph=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+        if cfg.sharding.placement == "planner":
+            problems.append(PLANNER_ON_CPU)
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
         problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
                         "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")

@@ -40,13 +40,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from recpipe.config import RecpipeConfig, load_config
+from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_OK
 from recpipe.help_format import add_command
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
+PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")  # --tables: recpipe.serving.export_program's
 _MODEL_PREFIX = "model."  # the model's state under DCP (recpipe.train.checkpoint._dcp_state)
 _GIB = 2**30
 
@@ -58,11 +59,21 @@ class ExportReport:
     tables: dict[str, tuple[tuple[int, ...], torch.dtype]] = field(default_factory=dict)  # key -> shape, dtype
     dense: int = 0  # dense tensors
     bytes: int = 0
+    program: Path | None = None  # the servable program, with --format program
+    program_tables: str = "fp32"
 
     def lines(self) -> list[str]:
-        return [f"{self.out}: {len(self.tables)} embedding tables and {self.dense} dense tensors from "
-                f"{self.checkpoint} ({self.bytes / _GIB:.3f} GiB)"] + [
+        out = [f"{self.out}: {len(self.tables)} embedding tables and {self.dense} dense tensors from "
+               f"{self.checkpoint} ({self.bytes / _GIB:.3f} GiB)"] + [
             f"  {key}: {list(shape)} {str(dtype).removeprefix('torch.')}" for key, (shape, dtype) in self.tables.items()]
+        if self.program is not None:
+            needs = {"int8": " after `import fbgemm_gpu`",
+                     "int4": " after `import fbgemm_gpu` (torchrec installed: its UInt4Tensor weights)"}.get(
+                         self.program_tables, "")
+            out.append(f"{self.program}: torch.export program, {self.program_tables} tables; "
+                       f"torch.export.load(path).module()(dense_features, values, lengths){needs} -> click probability "
+                       "(docs/export.md)")
+        return out
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -109,8 +120,11 @@ def _load(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         dcp.load(tensors, storage_reader=FileSystemReader(str(path)), no_dist=True)
 
 
-def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Path, *, fp16_tables: bool = False) -> ExportReport:
-    """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring)."""
+def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Path, *, fp16_tables: bool = False,
+                      program: str | Path | None = None, program_tables: str = "fp32") -> ExportReport:
+    """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring);
+    with ``program``, also the servable ``torch.export`` program of the model with that
+    state, its tables as ``program_tables`` says (:func:`recpipe.serving.export_program`)."""
     path = resolve_checkpoint(checkpoint)
     model = _target(cfg)
     target, tables = model.state_dict(), table_keys(model)
@@ -137,6 +151,11 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     ordered = {key: state[key] for key in target}  # the model's own order
     report.bytes = sum(t.numel() * t.element_size() for t in ordered.values())
     _save_atomic(ordered, report.out)
+    if program is not None:
+        from recpipe.serving import export_program
+
+        export_program(cfg, ordered, program, program_tables, metadata={"checkpoint": str(path)})
+        report.program, report.program_tables = Path(program), program_tables
     return report
 
 
@@ -179,10 +198,25 @@ def add_export_parser(sub: argparse._SubParsersAction, add_config_args, parents:
     export.add_argument("--fp16-tables", action="store_true",
                         help="store the embedding tables in float16 (default: off, every tensor in the config's "
                              "model's dtype, float32 for the built-in model)")
+    export.add_argument("--format", choices=("state_dict", "program"), default="state_dict",
+                        help="state_dict: the state dict only; program: also a servable torch.export program of the "
+                             "model beside it, FILE with the suffix .pt2, whose inputs are plain tensors (dense "
+                             "features, KJT values and lengths) and which loads without recpipe (default: "
+                             "%(default)s)")
+    export.add_argument("--tables", choices=PROGRAM_TABLES, default="fp32",
+                        help="--format program: the program's tables: fp32, fp16, or TorchRec's quantized int8 / int4 "
+                             "(FBGEMM's inference kernels; load after `import fbgemm_gpu`) (default: %(default)s)")
 
 
 def main_export(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
-    report = export_checkpoint(cfg, args.checkpoint, args.out, fp16_tables=args.fp16_tables)
+    if args.tables != "fp32" and args.format != "program":
+        raise ConfigError(f"--tables {args.tables} sets the tables of the program: add --format program")
+    program = Path(args.out).with_suffix(".pt2") if args.format == "program" else None
+    if program is not None and program == Path(args.out):
+        raise ConfigError(f"--out {args.out}: the program goes beside the state dict as {program}; name the state "
+                          "dict FILE.pt")
+    report = export_checkpoint(cfg, args.checkpoint, args.out, fp16_tables=args.fp16_tables, program=program,
+                               program_tables=args.tables)
     print("\n".join(report.lines()))
     return EXIT_OK

@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from recpipe import config as config_module  # noqa: E402
+from recpipe import lr_schedule as lr_schedule_module  # noqa: E402
 from recpipe.config import RecpipeConfig  # noqa: E402
 from recpipe.pipelines import options as pipeline_options  # noqa: E402
 from recpipe.pipelines.options import PipelineOptions  # noqa: E402
@@ -93,10 +94,11 @@ def _field_comments(module) -> dict[tuple[str, str], str]:
 
 
 # Sections are defined where they belong: config.py, each pipeline's module (its Options), the
-# common pipeline keys (recpipe.pipelines.options) and each speed feature's module.
+# common pipeline keys (recpipe.pipelines.options), each speed feature's module and the
+# learning-rate schedule's (recpipe.lr_schedule).
 COMMENTS = {key: text for module in (config_module, pipeline_options, *(sys.modules[d.options.__module__]
                                                                         for d in PIPELINES.values()),
-                                     compile_module, cuda_graphs_module, step_graph_module, cache_fill_module)
+                                     compile_module, cuda_graphs_module, step_graph_module, cache_fill_module, lr_schedule_module)
             for key, text in _field_comments(module).items()}
 
 

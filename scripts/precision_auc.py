@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
 
-EVAL_LINE = re.compile(r"^step (\d+): eval auc ([0-9.]+)\s+ne ([0-9.]+)\s+bce ([0-9.]+)", re.MULTILINE)
+EVAL_LINE = re.compile(r"^step (\d+): eval auc ([0-9.]+)\s+ne ([0-9.]+)\s+logloss ([0-9.]+)", re.MULTILINE)
 
 
 def variant_overrides(cfg: RecpipeConfig, weights: str, comms: str) -> list[str]:
@@ -88,7 +88,7 @@ def run_variant(args: argparse.Namespace, name: str, out: Path) -> dict:
         raise SystemExit(f"[{name}] recpipe train exited {proc.returncode}; log: {run_dir / 'train.log'}\n"
                          + proc.stderr[-3000:])
     summary = json.loads((run_dir / "summary.json").read_text())
-    evals = [{"step": int(s), "auc": float(a), "ne": float(n), "bce": float(b)} for s, a, n, b in EVAL_LINE.findall(proc.stdout)]
+    evals = [{"step": int(s), "auc": float(a), "ne": float(n), "logloss": float(b)} for s, a, n, b in EVAL_LINE.findall(proc.stdout)]
     warnings = sorted({line.split("UserWarning: ", 1)[1] for line in proc.stderr.splitlines() if "UserWarning: " in line})
     print(f"[{name}] eval AUC {summary['eval_auc']:.5f} after {summary['steps']} steps ({wall:.0f} s)", flush=True)
     return {"name": name, "command": shlex.join(cmd), "overrides": overrides, "wall_s": round(wall, 1),
@@ -165,14 +165,14 @@ def render(record: dict) -> str:
         f"AUC on it (Hanley-McNeil): {stats['auc_se']:.5f}. Both runs of a pair score the same samples, so the "
         "standard error of their difference is below the unpaired sqrt(2) x that",
         "",
-        "| seed | run | tables | comms | final eval AUC | eval NE | eval BCE | train samples/s | wall s |",
+        "| seed | run | tables | comms | final eval AUC | eval NE | eval log loss | train samples/s | wall s |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for pair in record["pairs"]:
         for r in pair["runs"]:
             s, (w, c) = r["summary"], VARIANTS[r["name"]]
             lines.append(f"| {pair['seed']} | {r['name']} | {w} | {c} | {s['eval_auc']:.5f} | {s['eval_ne']:.5f} | "
-                         f"{s['eval_loss']:.5f} | {s['samples_per_s']:,.0f} | {r['wall_s']:.0f} |")
+                         f"{s['eval_logloss']:.5f} | {s['samples_per_s']:,.0f} | {r['wall_s']:.0f} |")
     lines.append("")
     for pair in record["pairs"]:
         verdict = "within" if pair["passed"] else "**outside**"

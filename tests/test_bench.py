@@ -6,6 +6,7 @@ it are tested in tests/studies/."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ SMOKE = str(CONFIGS / "smoke_cpu.yaml")
 # What runs on CPU (torchrec 1.8.0, fbgemm-gpu-cpu 1.8.0): every recpipe pipeline but
 # prefetch (no UVM cache on CPU: skipped); TorchRec's Base and SparseDist. TorchRec's
 # FusedSparseDist and SemiSync raise on CPU ("unknown parameter type"); the bench
-# records them as failed and goes on.
+# records them as skipped, saying why, and goes on.
 CPU_OK = {("base", "recpipe"), ("sparse_dist", "recpipe"), ("fused_sparse_dist", "recpipe"),
           ("semi_sync", "recpipe"), ("base", "torchrec"), ("sparse_dist", "torchrec")}
 
@@ -44,10 +45,12 @@ def _main_table(md: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
+def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path, capfd):
     out = tmp_path / "bench"
     code = main(["bench", "--config", SMOKE, "--steps", "3", "--warmup", "1", "--with-torchrec", "--out", str(out)])
     assert code == 0
+    printed = capfd.readouterr()
+    assert "USDT" not in printed.out + printed.err, "the profiler's marker lines reached the console"
     record = json.loads((out / "bench.json").read_text())
 
     # header first: resolved config, versions, hardware, world size, date
@@ -75,8 +78,10 @@ def test_smoke_cpu_bench_writes_json_and_markdown(tmp_path: Path):
     for impl in ("recpipe", "torchrec"):
         assert rows["prefetch", impl]["status"] == "skipped"
         assert "fused_uvm_caching" in rows["prefetch", impl]["reason"]
-    for name in ("fused_sparse_dist", "semi_sync"):  # TorchRec's on CPU: recorded, not fatal
-        assert rows[name, "torchrec"]["status"] in ("ok", "failed")
+    for name in ("fused_sparse_dist", "semi_sync"):  # TorchRec's on CPU: skipped, saying why
+        assert rows[name, "torchrec"]["status"] == "skipped", rows[name, "torchrec"]
+        assert "runs on CUDA only" in rows[name, "torchrec"]["reason"]
+        assert f"{name} (torchrec) skipped: TorchRec's pipeline runs on CUDA only" in printed.out
     # TorchRec's FX trace of RecModel(Batch) found the sharded EBC
     assert rows["sparse_dist", "torchrec"]["torchrec_pipelined_modules"] == 1
     assert rows["semi_sync", "torchrec"]["options"]["start_batch"] == 0
@@ -290,3 +295,12 @@ def test_plots_are_pngs_and_skip_what_has_no_data(tmp_path: Path):
         assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC)
     result = write_plots(tmp_path / "cpu", [Row("base", "recpipe", step_ms={"p50": 1.0, "p90": 2.0})])
     assert result["written"] == [STEP_TIME_PLOT] and MEMORY_PLOT in result["reason"]
+
+
+def test_kineto_marker_lines_are_dropped_and_nothing_else(capfd):
+    from recpipe.bench.trace import kineto_markers_dropped
+
+    with kineto_markers_dropped():
+        os.write(2, b"USDT:2000-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"a warning of someone else\n")
+    assert capfd.readouterr().err == "a warning of someone else\n"

@@ -463,7 +463,7 @@ def test_two_ranks_train_bit_identically_from_tsv_and_binary(tmp_path, tsv_files
                                                   "data.num_workers=2"], 100)
     summaries = [json.loads((run / "summary.json").read_text()) for run in (tsv, binary)]
     assert summaries[0]["steps"] == summaries[1]["steps"] == 6
-    for key in ("loss", "eval_auc", "eval_loss"):
+    for key in ("loss", "eval_auc", "eval_logloss"):
         assert summaries[0][key] == summaries[1][key], key
     _assert_same_state(_final_state(tsv, tmp_path), _final_state(binary, tmp_path), "binary vs TSV")
 

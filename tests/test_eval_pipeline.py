@@ -286,5 +286,5 @@ def test_trainer_evaluates_uneven_eval_data_pipelined_as_plain_and_reports_sampl
         assert summaries[pipelined]["eval_samples_per_s"] > 0
         events = EventAccumulator(str(run)).Reload()
         assert [e.step for e in events.Scalars("eval/samples_per_s")] == [2, 4]
-    for key in ("eval_auc", "eval_ne", "eval_loss", "eval_accuracy", "loss"):
+    for key in ("eval_auc", "eval_ne", "eval_logloss", "eval_accuracy", "loss"):
         assert summaries[True][key] == summaries[False][key], (key, summaries)

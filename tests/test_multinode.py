@@ -9,9 +9,11 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -83,7 +85,7 @@ def test_two_node_launchers_on_one_host_train_like_one_launcher(tmp_path):
     summaries = [json.loads((run / "summary.json").read_text()) for run in (two, one)]
     assert summaries[0]["world_size"] == summaries[1]["world_size"] == 2
     assert summaries[0]["steps"] == summaries[1]["steps"] == 4
-    for key in ("loss", "eval_auc", "eval_loss"):
+    for key in ("loss", "eval_auc", "eval_logloss"):
         assert summaries[0][key] == summaries[1][key], key
     a = _full_state(two / "ckpt" / STEP, tmp_path)
     b = _full_state(one / "ckpt" / STEP, tmp_path)
@@ -116,6 +118,123 @@ def test_slurm_script_is_valid_bash_and_starts_one_torchrun_per_node(tmp_path):
     assert "--nnodes 2 --nproc-per-node 8" in joined and "--rdzv-backend c10d --rdzv-endpoint gpu-a:29500" in joined
     assert "--rdzv-id 77" in joined and "-m recpipe train --config configs/dlrm_gpu.yaml --set train.steps=10" in joined
 
+
+
+# Slurm's side of a signal, reproduced for the test (Slurm's src/srun/signals.c, scancel(1)):
+# srun turns a SIGTERM, SIGHUP or SIGQUIT it receives into a SIGKILL of every task
+# ("forcing job termination"); a first SIGINT only prints the tasks' status and a second
+# within a second is forwarded; any other signal is forwarded as it is. srun exits with
+# its task's exit code, or 128 + the signal that ended it. The task runs on another node:
+# not in the batch shell's process group.
+FAKE_SRUN = """#!{python}
+import os, signal, subprocess, sys, time
+out = os.environ["FAKE_SLURM_OUT"]
+argv = sys.argv[1:]
+while argv and argv[0].startswith("-"):  # srun's own options, all --key=value here
+    argv.pop(0)
+task = subprocess.Popen(argv, start_new_session=True)
+with open(os.path.join(out, "task.pids"), "w") as f:
+    f.write(str(task.pid))
+last_int = [0.0]
+
+def on_signal(signum, frame):
+    with open(os.path.join(out, "srun.signals"), "a") as f:
+        f.write(signal.Signals(signum).name + "\\n")
+    if signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        task.send_signal(signal.SIGKILL)
+    elif signum == signal.SIGINT:
+        if time.monotonic() - last_int[0] < 1.0:
+            task.send_signal(signal.SIGINT)
+        last_int[0] = time.monotonic()
+    else:
+        task.send_signal(signum)
+
+for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(signum, on_signal)
+code = task.wait()
+sys.exit(128 - code if code < 0 else code)
+"""
+
+# scancel --signal=SIG JOBID: slurmctld signals the job's steps' tasks, not the batch step.
+FAKE_SCANCEL = """#!{python}
+import os, signal, sys
+out = os.environ["FAKE_SLURM_OUT"]
+with open(os.path.join(out, "scancel.args"), "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+name = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--signal="))
+for pid in open(os.path.join(out, "task.pids")).read().split():
+    os.kill(int(pid), getattr(signal, "SIG" + name.upper().removeprefix("SIG")))
+"""
+
+# A task: torchrun and its ranks in one process. On SIGTERM it "saves" and exits 143, as
+# recpipe's ranks do (checkpoint.on_preempt); a SIGKILL leaves no save behind.
+FAKE_TASK = """#!{python}
+import os, signal, sys, time
+out = os.environ["FAKE_SLURM_OUT"]
+
+def save(signum, frame):
+    with open(os.path.join(out, "task.saved"), "w") as f:
+        f.write(signal.Signals(signum).name)
+    sys.exit(128 + signum)
+
+signal.signal(signal.SIGTERM, save)
+with open(os.path.join(out, "task.started"), "w") as f:
+    f.write(" ".join(sys.argv[1:]))
+while True:
+    time.sleep(0.02)
+"""
+
+
+def _fake_slurm(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    """A bin directory with Slurm's srun, scancel and scontrol as the test needs them, and
+    the environment of a batch job of two nodes; what they saw lands in tmp_path/out."""
+    stubs, out = tmp_path / "bin", tmp_path / "out"
+    stubs.mkdir()
+    out.mkdir()
+    (stubs / "scontrol").write_text(
+        "#!/bin/sh\n"
+        f"printf '%s\\n' \"$*\" >> {out / 'scontrol.args'}\n"
+        "[ \"$1 $2\" = 'show hostnames' ] && printf 'gpu-a\\ngpu-b\\n'\n"
+        "exit 0\n")
+    for name, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL), ("python", FAKE_TASK)):
+        (stubs / name).write_text(text.replace("{python}", sys.executable))
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "77", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_GPUS_ON_NODE": "8", "CONFIG": "configs/dlrm_gpu.yaml",
+           "PYTHON": str(stubs / "python"), "FAKE_SLURM_OUT": str(out)}
+    return out, env
+
+
+def _wait_for(path: Path, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.02)
+
+
+def test_slurm_time_limit_signal_reaches_the_ranks_as_sigterm_and_the_job_requeues(tmp_path):
+    """--signal=B:TERM@300 signals the batch shell alone. The script must hand the tasks a
+    SIGTERM (they checkpoint) without signalling srun, which would SIGKILL them."""
+    out, env = _fake_slurm(tmp_path)
+    script = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm" / "train.sbatch"), "--set", "train.steps=10"],
+                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(out / "task.started")
+        script.send_signal(signal.SIGTERM)  # Slurm's B:TERM: to the batch shell, no other process
+        text, _ = script.communicate(timeout=60)
+    finally:
+        if script.poll() is None:
+            script.kill()
+            script.wait()
+    srun_saw = (out / "srun.signals").read_text().split() if (out / "srun.signals").exists() else []
+    assert (out / "task.saved").exists(), (f"the task never saw a SIGTERM (srun received {srun_saw}, which it turns "
+                                           f"into SIGKILL for its tasks):\n{text}")
+    assert (out / "task.saved").read_text() == "SIGTERM"
+    assert srun_saw == [], f"srun received {srun_saw}: it would have killed the ranks"
+    assert script.returncode == 143, text  # srun's: its task's exit code
+    assert "requeue 77" in (out / "scontrol.args").read_text().splitlines(), text
+    assert "requeueing job 77" in text
 
 def _load_component():
     spec = importlib.util.spec_from_file_location("recpipe_torchx", ROOT / "scripts" / "torchx" / "recpipe_component.py")

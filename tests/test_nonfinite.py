@@ -180,7 +180,7 @@ def test_a_non_finite_eval_loss_stops_the_run(tmp_path, capfd):
     assert code == EXIT_NONFINITE_LOSS, err[-3000:]
     lines = [line for line in err.splitlines() if "non-finite" in line]
     assert len(lines) == 1 and f"[exit {EXIT_NONFINITE_LOSS}]" in lines[0], err[-3000:]
-    assert "non-finite eval loss after step 1 (eval bce nan)" in lines[0], lines[0]
+    assert "non-finite eval loss after step 1 (eval logloss nan)" in lines[0], lines[0]
     assert _strict_json(tmp_path / "summary.json")["status"] == "nonfinite_loss"
     assert not complete_checkpoints(tmp_path / "ckpt")
 

@@ -29,6 +29,7 @@ from recpipe.speedups.optimizer_graph import (
     install,
     remove,
     torch_optimizers,
+    unsupported,
 )
 
 
@@ -143,6 +144,48 @@ def test_a_new_lr_is_recaptured_and_a_scheduler_ends_in_eager_steps():
     assert g.disabled and g.captures == 2
 
 
+# A scheduled dense rate (optimizer.dense.schedule) as recpipe.sharding.build.dense_optimizer
+# makes it: a 0-dim tensor on the parameters' device, on the torch paths that read it there.
+ON_DEVICE = {
+    "adagrad": lambda p, lr: torch.optim.Adagrad(p, lr=lr, weight_decay=0.01, initial_accumulator_value=0.1,
+                                                 **({"foreach": True} if torch.is_tensor(lr) else {})),
+    "sgd": lambda p, lr: torch.optim.SGD(p, lr=lr, weight_decay=0.01, **({"fused": True} if torch.is_tensor(lr) else {})),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ON_DEVICE))
+def test_a_scheduled_rate_on_the_device_is_read_by_every_replay(name):
+    """One capture follows a new rate at every step, bit-identical to the eager step with
+    the same rates as floats (a torch LRScheduler's way); a rate baked into the graph would
+    make every replay train at the captured one."""
+    rates = [0.1 * (k + 1) / 12 for k in range(12)]  # a warm-up: a new rate every step
+    models = [_model(), _model()]
+    lr = torch.tensor(rates[0])
+    eager, graphed_opt = ON_DEVICE[name](models[0].parameters(), rates[0]), ON_DEVICE[name](models[1].parameters(), lr)
+    graphed = GraphedOptimizerStep(graphed_opt, FakeGraph(graphed_opt))
+    install([graphed])
+    for i, rate in enumerate(rates):
+        eager.param_groups[0]["lr"] = rate
+        lr.fill_(rate)
+        for model, opt in zip(models, (eager, graphed_opt)):
+            opt.zero_grad()
+            _backward(model, i)
+            opt.step()
+    for (key, x), y in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(x, y), f"{key} differs"
+    assert (graphed.captures, graphed.changes, graphed.replays) == (1, 0, len(rates) - WARMUP_CALLS), graphed
+
+
+def test_a_tensor_rate_is_replayed_only_where_torch_reads_it_on_the_device():
+    p = [nn.Parameter(torch.zeros(3))]
+    assert "foreach SGD reads on the host (alpha=-lr); use fused=True" in unsupported(torch.optim.SGD(p, lr=torch.tensor(0.1)))
+    assert "single-tensor step reads on the host" in unsupported(torch.optim.Adagrad(p, lr=torch.tensor(0.1), foreach=False))
+    assert "a 0-dim tensor on the parameters' device" in unsupported(torch.optim.SGD(p, lr=torch.tensor(0.1, requires_grad=True), fused=True))
+    assert unsupported(torch.optim.SGD(p, lr=torch.tensor(0.1), fused=True)) is None
+    assert unsupported(torch.optim.Adagrad(p, lr=torch.tensor(0.1), foreach=True)) is None
+    assert "fused=True" in unsupported(torch.optim.Adagrad(p, lr=0.1, fused=True))
+
+
 def test_load_state_dict_in_place_keeps_the_graph_and_replacing_state_recaptures():
     # torchrec's KeyedOptimizer copies into the live state tensors: the graph stays valid.
     models = [_model(), _model()]
@@ -226,7 +269,8 @@ def test_optimizers_it_cannot_replay_exactly_are_named_and_stay_eager():
     cases = {
         "Adam computes its bias corrections on the host": torch.optim.Adam(model.parameters()),
         "lr_decay=0.1": torch.optim.Adagrad(model.parameters(), lr_decay=0.1),
-        r"\['lr'\] are tensors": torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1)),
+        r"\['momentum'\] are tensors": torch.optim.SGD(model.parameters(), lr=0.1, momentum=torch.tensor(0.9)),
+        r"lr is a tensor, which foreach SGD reads on the host": torch.optim.SGD(model.parameters(), lr=torch.tensor(0.1)),
     }
     for needle, opt in cases.items():
         with pytest.warns(UserWarning, match=needle):

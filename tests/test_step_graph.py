@@ -8,6 +8,8 @@ host bookkeeping do is exactly what runs around a real graph. The GPU test
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,7 +20,8 @@ from recpipe.config import ConfigError, load_config
 from recpipe.data.batch import Batch
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
-from recpipe.speedups.optimizer_graph import torch_optimizers
+from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers
+from recpipe.train.learning_rates import LearningRates
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
 
 TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
@@ -161,6 +164,7 @@ def test_config_refuses_what_a_step_graph_cannot_hold():
         assert cfg.pipeline.step_graph.enabled
     assert "Adam" in problems("pipeline.name=sparse_dist", "optimizer.embedding.name=adam")
     assert "dense_gradients" in problems("pipeline.name=sparse_dist", "sharding.dense_gradients=ddp")
+    assert "optimizer.dense.name=adagrad or sgd" in problems("pipeline.name=sparse_dist", "optimizer.dense.name=adam")
     assert "DistributedDataParallel" in problems("pipeline.name=sparse_dist",
                                                  "sharding.tables={t_cat_3: {type: data_parallel, kernel: dense}}")
     cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph={capacity: {cat_0: 64}}"])
@@ -189,3 +193,79 @@ def _refusals_worker(cfg) -> None:
 
 def test_apply_refuses_other_pipelines_and_per_step_hooks():
     launch_local(_refusals_worker, 1, small_config(1, TABLES))
+
+
+def _baked_embedding_rate(model, optimizer):
+    """A stand-in capture that keeps, as a CUDA graph does, the embedding rate FBGEMM read
+    on the host while capturing: each "replay" runs the step with that rate in the TBEs,
+    whatever rate is set now, and no Python hook can change it (none runs in a replay)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
+
+    from recpipe.pipelines.sharded import all_modules
+
+    tbes = [m for m in all_modules(model) if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
+    captures = []
+
+    def capture(step):
+        baked = [group["lr"] for opt in fused_optimizers(optimizer) for group in opt.param_groups]
+        captures.append(baked)
+
+        def replay():
+            for tbe, rate in zip(tbes, itertools.cycle(baked)):
+                tbe.set_learning_rate(rate)
+            for tbe in tbes:
+                tbe.set_learning_rate = lambda lr: None  # noqa: E731  (the host reads nothing in a replay)
+            try:
+                step()
+            finally:
+                for tbe in tbes:
+                    del tbe.set_learning_rate
+        return replay
+
+    return capture, captures
+
+
+def _scheduled_worker(cfg) -> None:
+    from pipeline_harness import RunResult, local_state
+
+    init_process_group(cfg)
+    batches = _fixed_batches(cfg, 12, dist.get_rank())
+
+    def run(graphed: bool):
+        sm = build(cfg, torch.device("cpu"))
+        pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
+        graph = captures = None
+        if graphed:
+            capture, captures = _baked_embedding_rate(sm.model, sm.optimizer)
+            graph = apply_step_graph(pipe, StepGraphOptions(enabled=True, capacity_batches=2), capture=capture)
+        rates = LearningRates(cfg, sm.optimizer, sm.model)
+        losses, it = [], iter(batches)
+        while True:
+            rates.set_step(len(losses) + 1)
+            try:
+                loss, *_ = pipe.progress(it)
+            except StopIteration:
+                break
+            losses.append(loss.clone())
+        dist.barrier()
+        return RunResult(losses, [], local_state(sm.model)), graph, captures
+
+    want, _, _ = run(graphed=False)
+    got, graph, captures = run(graphed=True)
+    assert_same(want, got, "step graph with an embedding warm-up and step decay")
+    # steps 1-2: eager (the graph's warm-up), 3: eager at a new rate (the warm-up's end), 4:
+    # captured at lr, 5-6 replay it, 7: eager at a new rate (the decay), 8: captured at lr/2,
+    # 9-12 replay it
+    assert [c[0] for c in captures] == [pytest.approx(0.1), pytest.approx(0.05)], captures
+    assert (graph.replays, graph.eager_steps, graph.lr_steps) == (8, 4, 2), graph
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_step_graph_trains_at_the_scheduled_embedding_rates(nproc):
+    """FBGEMM reads the embedding rate on the host: a graph keeps the rate of its capture.
+    A step at another rate runs eagerly and the graph is captured again once the rate holds;
+    the dense rate (a device tensor) changes every step inside the replays."""
+    schedules = ["optimizer.embedding.schedule={warmup_steps: 3, decay: step, decay_start_step: 7, gamma: 0.5}",
+                 "optimizer.dense.schedule={warmup_steps: 12}"]
+    launch_local(_scheduled_worker, nproc, small_config(nproc, TABLES + schedules))

@@ -294,12 +294,27 @@ def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOp
         result.fail(err)
         if impl == "recpipe":
             traceback.print_exc()
+        elif why := torchrec_cannot_run(err, device):
+            result.status, result.reason = "skipped", why
     finally:
         result.memory = memory.as_gib()
         bar.update(max(bar_end - bar.n, 0))
         del pipe, sharded
         free_device_memory(device)
     return result
+
+
+def torchrec_cannot_run(err: BaseException, device: torch.device) -> str | None:
+    """Why a TorchRec pipeline cannot run here, for an error known to mean that, else None.
+
+    On CPU, TorchRec's TrainPipelineFusedSparseDist and TrainPipelineSemiSync hand each
+    batch's KJTs to their embedding-lookup stream with ``record_stream``; torchrec (1.6.1,
+    1.8) has no such stream on CPU and passes None, which torch refuses with "unknown
+    parameter type" (``_start_embedding_lookup`` in torchrec's train_pipeline/utils.py)."""
+    if device.type == "cpu" and isinstance(err, RuntimeError) and "unknown parameter type" in str(err):
+        return ("TorchRec's pipeline runs on CUDA only: it calls record_stream with its embedding-lookup stream, "
+                "which is None on CPU (torchrec's _start_embedding_lookup: RuntimeError: unknown parameter type)")
+    return None
 
 
 def combine(row: Row, per_rank: list[RunResult], global_batch: int, steps: int) -> Row:

@@ -4,10 +4,13 @@ site, and the device work of the UVM cache's ops (docs/benchmarking.md, "Profile
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
+import os
 import re
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -264,6 +267,30 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
     )
 
 
+@contextlib.contextmanager
+def kineto_markers_dropped() -> Iterator[None]:
+    """Without kineto's marker lines on stderr: torch's profiler library prints
+    ``USDT:... SyncActivityProfilerHandler.cpp:52] profiler_start`` (and ``profiler_stop``) at
+    each start and stop of a CPU-only profile (torch 2.13), at a log level above its errors,
+    so ``KINETO_LOG_LEVEL`` cannot hide them without hiding its errors. The process's stderr
+    (file descriptor 2) goes to a temporary file for the block; every other line is written
+    back after it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().splitlines(keepends=True) if not line.startswith(b"USDT:")]
+            if kept:
+                os.write(2, b"".join(kept))
+
+
 def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.device,
                      op_tables: tuple[str, str] | None = None) -> dict[str, Any]:
     """:func:`summarize_trace` of ``steps`` calls of ``pipe.progress(it)`` under torch.profiler; ``op_tables`` =
@@ -271,12 +298,18 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    with kineto_markers_dropped():
+        prof.start()
+    try:
         for _ in range(steps):
             with record_function(PROGRESS_RANGE):
                 pipe.progress(it)
         if cuda:
             torch.cuda.synchronize()  # host sync: every launched kernel ends inside the window
+    finally:
+        with kineto_markers_dropped():
+            prof.stop()
     if op_tables is not None:
         path, title = op_tables
         Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
+from recpipe.pipelines import sharded
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.options import PipelineOptions
@@ -86,24 +87,10 @@ EVAL_SCHEDULE = Schedule(
 
 def cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
     """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
-    TBE with a UVM cache; the bench reads their cache statistics). torchrec hides
-    them from ``named_modules`` (its sharded modules keep their lookups in a plain
-    list), so walk registered children and lists of modules."""
+    TBE with a UVM cache; the bench reads their cache statistics)."""
     marker = "lxu_cache_locking_counter" if locked else "lxu_cache_weights"
-    found, seen, todo = [], set(), [model]
-    while todo:
-        module = todo.pop()
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
-        counter = getattr(module, marker, None)
-        if isinstance(counter, torch.Tensor) and counter.numel() > 0:
-            found.append(module)
-        todo.extend(m for m in module._modules.values() if m is not None)
-        for value in vars(module).values():
-            if isinstance(value, (list, tuple)):
-                todo.extend(v for v in value if isinstance(v, torch.nn.Module))
-    return found
+    return [m for m in sharded.all_modules(model)
+            if isinstance(getattr(m, marker, None), torch.Tensor) and getattr(m, marker).numel() > 0]
 
 
 class Options(PipelineOptions):

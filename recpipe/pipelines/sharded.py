@@ -59,6 +59,24 @@ def shardings(module: ShardedModule) -> list[tuple[str, Any]]:
     return list(getattr(module, "_sharding_type_to_sharding", {}).items())
 
 
+def all_modules(model: nn.Module) -> list[nn.Module]:
+    """Every module inside ``model``, FBGEMM's TBEs included: torchrec hides them from
+    ``named_modules`` (its sharded modules keep their lookups in a plain list), so this
+    walks registered children and lists of modules."""
+    found, seen, todo = [], set(), [model]
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        todo.extend(m for m in module._modules.values() if m is not None)
+        for value in vars(module).values():
+            if isinstance(value, (list, tuple)):
+                todo.extend(v for v in value if isinstance(v, nn.Module))
+    return found
+
+
 def has_feature_processor(module: ShardedModule) -> bool:
     return "FeatureProcessed" in type(module).__name__ or hasattr(module, "_feature_processor")
 

@@ -2,8 +2,9 @@
 
 Prints the memory plan (table or JSON) on stdout. Exit codes: 0 it fits, 3
 (``EXIT_DOES_NOT_FIT``) some rank does not fit: stderr names the rank, its capacity
-and its largest terms, and what to set to fit (the largest cache load factor, the
-fewest prefetch passes) when such a knob exists. A bad config raises
+and its largest terms, and the cheapest changes that make it fit, each checked by
+planning the changed config, with the memory it frees (:func:`recpipe.planner.advice.advise`;
+in JSON under ``"advice"``). A bad config raises
 ``ConfigError``, which ``recpipe.cli`` turns into exit code 2.
 
 ``--scaling 1,2,4,8`` adds the weak-scaling prediction of
@@ -25,7 +26,7 @@ from recpipe.config import ConfigError, load_config
 from recpipe.planner import estimate_memory, planner_inputs
 from recpipe.planner.plan import check_fits, render_table
 from recpipe.planner.scaling import predict_scaling, render_scaling
-from recpipe.planner.search import suggestions
+from recpipe.planner.advice import advice_lines, advise
 
 SCALING_GPU = "H200"
 
@@ -55,10 +56,10 @@ def main_plan(args: argparse.Namespace) -> int:
     inputs = planner_inputs(cfg)  # as recpipe train's pre-flight: plan_from_config
     plan = estimate_memory(inputs)
     problem = check_fits(plan)
-    hints = [s for s in suggestions(inputs)] if problem is not None else []
+    advice = advise(cfg, plan, inputs) if problem is not None else []
     if (getattr(args, "format", None) or "table") == "json":
         doc = plan.to_json()
-        doc["suggestions"] = [{"key": s.key, "value": s.value} for s in hints]
+        doc["advice"] = [a.to_json() for a in advice]
         if scaling is not None:
             doc["scaling"] = scaling
         print(json.dumps(doc, indent=2))
@@ -68,7 +69,7 @@ def main_plan(args: argparse.Namespace) -> int:
             print("\n" + render_scaling(scaling))
     if problem is None:
         return 0
-    lines = [f"recpipe plan: the configuration does not fit in GPU memory:", problem]
-    lines += [f"  to fit: {s.hint()}" for s in hints]
-    print("\n".join(lines), file=sys.stderr)
+    print(f"recpipe plan: the configuration does not fit in GPU memory:\n{problem}\n{advice_lines(advice)}",
+          file=sys.stderr)
     return EXIT_DOES_NOT_FIT
+

@@ -9,7 +9,8 @@
   early when a pass count stops lowering the peak).
 
 Both return a :class:`SearchResult` with the value, the plan at that value and the
-config key to set; ``value`` is None when nothing in range fits.
+config key to set; ``value`` is None when nothing in range fits. :mod:`recpipe.planner.advice`
+names them, with the other changes that make a plan fit.
 """
 
 from __future__ import annotations
@@ -92,14 +93,4 @@ def min_prefetch_passes(inputs: PlannerInputs, budget_bytes: int | None = None, 
     return SearchResult(key, None, None, budget)
 
 
-def suggestions(inputs: PlannerInputs, budget_bytes: int | None = None) -> list[SearchResult]:
-    """What could make a plan that does not fit fit: load factor and/or passes."""
-    out = []
-    if any(t.kernel == CACHED for t in inputs.tables):
-        out.append(fit_cache_load_factor(inputs, budget_bytes))
-    if inputs.prefetch_pipeline:
-        out.append(min_prefetch_passes(inputs, budget_bytes))
-    return out
-
-
-__all__ = ["SearchResult", "fit_cache_load_factor", "min_prefetch_passes", "suggestions"]
+__all__ = ["SearchResult", "fit_cache_load_factor", "min_prefetch_passes"]

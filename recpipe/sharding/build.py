@@ -86,8 +86,10 @@ def planner_placement(
     from recpipe.planner.estimator import plan_with_torchrec
     from recpipe.planner.inputs import inputs_from_config
 
-    if device.type != "cuda":
-        raise ValueError("sharding.placement='planner' places shards on GPUs; use placement 'config' on CPU")
+    if device.type != "cuda":  # recpipe train refuses it before any process starts (config.check_device)
+        from recpipe.config import PLANNER_ON_CPU, ConfigError
+
+        raise ConfigError(PLANNER_ON_CPU)
     box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size), model)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -98,12 +100,27 @@ def planner_placement(
 
 
 def dense_optimizer(model: nn.Module, opt: DenseOptimizerConfig) -> KeyedOptimizer:
-    """torch.optim over every parameter that is not updated inside the TBE backward."""
+    """torch.optim over every parameter that is not updated inside the TBE backward.
+
+    With a schedule that changes the rate (``optimizer.dense.schedule``), SGD's and
+    Adagrad's ``lr`` is a 0-dim float32 tensor on the parameters' device, which
+    ``recpipe.train.learning_rates`` fills before each step: the steps read it on the device,
+    so a captured step (``pipeline.cuda_graphs``, ``pipeline.step_graph``) follows the
+    schedule. Their torch paths that do so: fused SGD (foreach SGD passes ``alpha=-lr``,
+    read on the host) and foreach Adagrad (its single-tensor step calls ``.item()``); on
+    the same values both are bit-identical to the float-``lr`` steps (tests/test_lr_schedule.py).
+    Adam keeps a float ``lr``, set on the host."""
     params = dict(in_backward_optimizer_filter(model.named_parameters()))
+    lr: float | torch.Tensor = opt.lr
+    if not opt.schedule.constant and opt.name in ("sgd", "adagrad") and params:
+        lr = torch.tensor(opt.lr, dtype=torch.float32, device=next(iter(params.values())).device)
+    on_device = isinstance(lr, torch.Tensor)
     if opt.name == "sgd":
-        make = lambda p: torch.optim.SGD(p, lr=opt.lr, weight_decay=opt.weight_decay)  # noqa: E731
+        make = lambda p: torch.optim.SGD(p, lr=lr, weight_decay=opt.weight_decay,  # noqa: E731
+                                         **({"fused": True} if on_device else {}))
     elif opt.name == "adagrad":
-        make = lambda p: torch.optim.Adagrad(p, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay)  # noqa: E731
+        make = lambda p: torch.optim.Adagrad(p, lr=lr, eps=opt.eps, weight_decay=opt.weight_decay,  # noqa: E731
+                                             **({"foreach": True} if on_device else {}))
     else:
         make = lambda p: torch.optim.Adam(  # noqa: E731
             p, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay

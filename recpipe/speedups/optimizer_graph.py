@@ -28,7 +28,15 @@ does on the host, so only optimizers whose host part is known are replayed:
 * Anything else runs eagerly, with one warning naming the optimizer and the reason:
   Adam and its kin compute bias corrections on the host from the step count (their
   ``capturable=True`` computes them on the GPU and rounds differently from the eager
-  step), ``fused=True``, tensor-valued hyperparameters.
+  step), ``fused=True`` (except SGD's), tensor-valued hyperparameters other than ``lr``.
+
+A scheduled learning rate (``optimizer.dense.schedule``) is a 0-dim tensor on the
+parameters' device (``recpipe.sharding.build.dense_optimizer``) that the trainer fills
+before each step: the captured kernels read it on the device, so every replay uses the
+rate of its step with no new capture. Only the paths that read a tensor ``lr`` on the
+device are replayed with one: fused SGD (foreach SGD passes ``alpha=-lr``, which torch
+reads on the host) and foreach Adagrad (``-lr / 1`` and a multiplication, device work;
+its single-tensor step calls ``.item()``). A float ``lr`` is a binding, as below.
 
 Lifetime: a ``GraphedOptimizerStep`` is the torch optimizer's instance ``step`` while
 applied (``recpipe.speedups.cuda_graphs.apply_cuda_graphs``). Its first ``WARMUP_CALLS``
@@ -98,6 +106,16 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     return [optimizer]
 
 
+def fused_optimizers(optimizer: Any) -> list[Any]:
+    """torchrec's fused (in-backward) embedding optimizers inside ``optimizer``, in step order."""
+    from torchrec.optim.fused import FusedOptimizer
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    if isinstance(optimizer, CombinedOptimizer):
+        return [inner for _, opt in optimizer.optimizers for inner in fused_optimizers(opt)]
+    return [optimizer] if isinstance(optimizer, FusedOptimizer) else []
+
+
 def unsupported(opt: torch.optim.Optimizer) -> str | None:
     """Why replaying ``opt.step()`` could differ from running it, or None."""
     kind = type(opt)
@@ -107,10 +125,20 @@ def unsupported(opt: torch.optim.Optimizer) -> str | None:
                     "would move them to the GPU, rounding differently from the eager step)")
         return f"recpipe replays torch.optim.SGD and torch.optim.Adagrad steps, not {kind.__module__}.{kind.__name__}"
     for i, group in enumerate(opt.param_groups):
-        tensors = sorted(k for k, v in group.items() if k != "params" and isinstance(v, torch.Tensor))
+        tensors = sorted(k for k, v in group.items() if k not in ("params", "lr") and isinstance(v, torch.Tensor))
         if tensors:
             return f"param_groups[{i}] {tensors} are tensors (read on the host when captured)"
-        if group.get("fused"):
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            devices = {p.device for p in group["params"]}
+            if lr.numel() != 1 or lr.requires_grad or devices != {lr.device}:
+                return (f"param_groups[{i}] lr is a tensor on {lr.device} of {lr.numel()} elements (a 0-dim tensor on "
+                        f"the parameters' device, {sorted(map(str, devices))}, is read on the device)")
+            if kind is torch.optim.SGD and not group.get("fused"):
+                return f"param_groups[{i}] lr is a tensor, which foreach SGD reads on the host (alpha=-lr); use fused=True"
+            if kind is torch.optim.Adagrad and not group.get("foreach"):
+                return f"param_groups[{i}] lr is a tensor, which Adagrad's single-tensor step reads on the host; use foreach=True"
+        if group.get("fused") and kind is not torch.optim.SGD:
             return f"param_groups[{i}] has fused=True"
         if group.get("differentiable"):
             return f"param_groups[{i}] has differentiable=True"
@@ -191,8 +219,12 @@ class GraphedOptimizerStep:
         """What a graph bakes in, and the tensors among it: every param_groups value, and
         each parameter with a gradient and its state tensors by id and address."""
         opt = self.optimizer
-        hyper = tuple(tuple((k, v) for k, v in group.items() if k != "params") for group in opt.param_groups)
-        tensors = []
+        # A tensor hyperparameter (a scheduled lr) is bound by identity and address: the graph
+        # reads its memory, whatever value it holds.
+        hyper = tuple(tuple((k, ("tensor", id(v), v.data_ptr()) if isinstance(v, torch.Tensor) else v)
+                            for k, v in group.items() if k != "params") for group in opt.param_groups)
+        tensors = [v for group in opt.param_groups for k, v in group.items()
+                   if k != "params" and isinstance(v, torch.Tensor)]
         for p in with_grad:
             tensors.append(p)
             tensors.extend(v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor))

@@ -48,6 +48,15 @@ Life of a pipeline with a step graph:
    and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
    first (one Gloo all-reduce a step), so all take the same path.
 
+Learning rates (``optimizer.*.schedule``): the dense optimizer reads a scheduled rate
+from a device tensor (``recpipe.train.learning_rates``), so replays follow it. FBGEMM's
+TBE backward reads the embedding rate on the host (``learning_rate_tensor.item()``), so
+a captured step keeps the rate of its capture: a step whose embedding rate differs from
+the captured one runs eagerly (``lr_steps`` in ``summary()``), and a new graph is captured
+once the rate holds from one step to the next. A warm-up or a polynomial decay of the
+embedding rate changes it every step, so those steps run eagerly; a constant rate, a
+step decay's plateaus and the steps after a decay replay.
+
 Exactness: a replay launches the captured kernels on the same buffers, so a graphed
 step trains bit-identically to the same pipeline run eagerly on the same (padded)
 batches (GPU tests). The host state the captured step changes is kept as the eager
@@ -58,7 +67,8 @@ Refused, with the setting to change (:func:`refusal`): pipelines other than ``ba
 ``sparse_dist`` (their overlap of two batches is not one step), UVM-cached tables (the
 rows a prefetch moves vary per batch), data_parallel tables (torchrec trains them through
 DDP), grid_shard tables, an embedding optimizer whose FBGEMM kernel reads the
-host step count (Adam), DDP (its gradient hooks belong to the default stream),
+host step count (Adam), a dense Adam (torch computes its bias corrections on the host
+from the step count), DDP (its gradient hooks belong to the default stream),
 ``pipeline.cuda_graphs`` beside it (the step graph holds the dense part already), a
 pipeline subclass with per-step hooks (they run on the host each step).
 """
@@ -85,7 +95,7 @@ from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.sections import Section
 from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, RecatCache, fixed_splits_installed, row_buckets
-from recpipe.speedups.optimizer_graph import HOST_STATE, torch_optimizers
+from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch_optimizers
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -155,6 +165,10 @@ def refusal(cfg: "RecpipeConfig") -> list[str]:
         problems.append(f"{key}: data_parallel tables {data_parallel} train through torchrec's DistributedDataParallel, "
                         "whose gradient hooks were made on the default stream and cannot be captured; shard them "
                         "table_wise, or pipeline.step_graph=false")
+    if cfg.optimizer.dense.name == "adam":
+        problems.append(f"{key}: torch's Adam computes its bias corrections on the host from its step count each "
+                        "step, which a replay cannot advance; use optimizer.dense.name=adagrad or sgd, or "
+                        "pipeline.step_graph=false")
     if cfg.sharding.dense_gradients == "ddp":
         problems.append(f"{key}: DDP's gradient hooks were made on the default stream and cannot be captured; use "
                         "sharding.dense_gradients=all_reduce")
@@ -335,8 +349,9 @@ class StepGraph:
     keys: list[str] = field(default_factory=list)
     padded: bool = False  # batches get the padding bag
     padded_stride: int = 0  # a padded batch's stride: its samples and the padding bag
-    eager_steps: int = 0  # steps that could not replay (before the capture, or over capacity)
+    eager_steps: int = 0  # steps that could not replay (before the capture, over capacity, a new embedding rate)
     over_capacity: int = 0
+    lr_steps: int = 0  # eager steps whose embedding rate was not the captured one
     replays: int = 0
     _counts: list[list[int]] = field(default_factory=list)  # ids per (key, bucket) of the measured batches
     _replay: Callable[[], None] | None = None
@@ -348,17 +363,19 @@ class StepGraph:
     _dropping: list[DropPaddingBag] = field(default_factory=list)
     _recat: RecatCache = field(default_factory=RecatCache)
     _warned: bool = False
+    _captured_lrs: tuple = ()  # the embedding rates the graph holds
+    _previous_lrs: tuple | None = None  # the embedding rates of the previous step
 
     def __repr__(self) -> str:
         state = "captured" if self._replay is not None else "not captured yet"
         cap = "measuring" if self.capacity is None else (f"capacity {self._capacity_by_key()}"
                                                           f"{', padded' if self.padded else ''}")
         return (f"StepGraph({state}; {cap}; {self.replays} replays, {self.eager_steps} eager steps, "
-                f"{self.over_capacity} over capacity)")
+                f"{self.over_capacity} over capacity, {self.lr_steps} at a new embedding rate)")
 
     def summary(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
-                "padded": self.padded, "capacity": self._capacity_by_key()}
+                "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key()}
 
     def _capacity_by_key(self) -> dict[str, int | list[int]]:
         """Ids per batch of each feature; a list (ids per rank's bucket) for a row-wise one."""
@@ -432,18 +449,26 @@ class StepGraph:
 
     # ------------------------------------------------ on the compute stream
     def train_step(self, pipe: Any, b: Any) -> None:
+        # The embedding rates are the same on every rank (a function of the step): no agreement needed.
+        lrs, previous = _embedding_lrs(pipe.optimizer), self._previous_lrs
+        self._previous_lrs = lrs
+        if self._replay is not None and lrs != self._captured_lrs:
+            self._replay = None  # FBGEMM read the captured rate on the host: this graph cannot train at this one
+        new_rate = self._replay is None and lrs != previous and self.eager_steps >= WARMUP_STEPS
         fits = (self.capacity is not None and not b.zero_loss and (self._replay is not None or self.eager_steps >= WARMUP_STEPS)
                 and (not self.padded or self._was_padded(b))
                 and (self._signature is None or signature(b.device) == self._signature))
-        fits = _agree(fits)
+        fits = _agree(fits) and not new_rate
         if not fits:
             if self._replay is not None and not b.zero_loss:
                 self.over_capacity += 1
                 self._warn(b)
+            self.lr_steps += new_rate
             self._eager(pipe, b)
             return
         if self._replay is None:
             self._capture(pipe, b)
+            self._captured_lrs = lrs
         else:
             for dst, src in zip(_tensors(self._static), _tensors(b.device)):
                 dst.copy_(src, non_blocking=True)
@@ -543,6 +568,11 @@ class StepGraph:
             if vars(drop.module).get("forward") is drop:
                 del drop.module.forward
         self._dropping = []
+
+
+def _embedding_lrs(optimizer: Any) -> tuple:
+    """The rates of torchrec's fused embedding optimizers (host values)."""
+    return tuple(group["lr"] for opt in fused_optimizers(optimizer) for group in opt.param_groups)
 
 
 def _over_ranks(values: torch.Tensor, how: str) -> torch.Tensor:

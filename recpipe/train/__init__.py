@@ -3,17 +3,16 @@
 ``recpipe.train.cli.main_train`` validates the config and starts the ranks; each
 runs :func:`run_worker`, i.e. a :class:`Trainer` (see ``trainer`` for the segment
 loop, ``checkpoint`` for the DCP layout and resume, ``integrity`` for its checksums,
-``metrics`` for AUC / NE, ``preemption`` for stopping on signals, ``nonfinite``
+``metrics`` for AUC, NE and TorchRec's other metrics, ``preemption`` for stopping on signals, ``nonfinite``
 for NaN / inf losses).
 """
 
 from recpipe.train.checkpoint import TrainPosition, latest_checkpoint, load_checkpoint, save_checkpoint
-from recpipe.train.metrics import ClickMetrics, NormalizedEntropy
+from recpipe.train.metrics import ClickMetrics
 from recpipe.train.trainer import Trainer, run_worker
 
 __all__ = [
     "ClickMetrics",
-    "NormalizedEntropy",
     "TrainPosition",
     "Trainer",
     "latest_checkpoint",

@@ -1,5 +1,8 @@
 """Rank 0's files in ``logging.run_dir``: ``config.yaml``, TensorBoard scalars, ``summary.json``.
 
+A rerun into a used ``logging.run_dir`` continues its TensorBoard run when it resumes from a
+checkpoint, else starts a new one beside it (:func:`tensorboard_dir`).
+
 Every write goes through :class:`RunDir`, which turns a failed write (full disk,
 read-only filesystem, no permission) into one :class:`~recpipe.errors.StorageError`
 naming the directory, the file and the cause (exit code 6) instead of a traceback.
@@ -21,22 +24,54 @@ from torch.utils.tensorboard import SummaryWriter
 from recpipe.config import RecpipeConfig
 from recpipe.errors import StorageError, storage_problem
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "tensorboard_dir"]
+
+
+RERUN_PREFIX = "rerun_"
+EVENT_FILES = "events.out.tfevents.*"
+
+
+def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None, str | None]:
+    """Where this run's TensorBoard events go: (directory, purge step, what to say or None).
+
+    One TensorBoard run never gets two event files over the same steps. A run that resumes
+    from step ``s`` continues the newest TensorBoard run of ``run_dir`` (``run_dir`` itself
+    or its newest ``rerun_<n>``) with TensorBoard's ``purge_step`` ``s + 1``: what the earlier
+    process logged after its checkpoint is hidden, and the resumed steps are logged once. A
+    fresh run into a ``run_dir`` that holds events of an earlier run starts a new TensorBoard
+    run beside them, ``run_dir/rerun_<n>`` (``tensorboard --logdir`` shows each as a run)."""
+    runs = [run_dir] + sorted((d for d in run_dir.glob(f"{RERUN_PREFIX}*")
+                               if d.is_dir() and d.name.removeprefix(RERUN_PREFIX).isdigit()),
+                              key=lambda d: int(d.name.removeprefix(RERUN_PREFIX)))
+    used = [d for d in runs if any(d.glob(EVENT_FILES))]
+    if resumed_from > 0:
+        newest = used[-1] if used else run_dir
+        return newest, resumed_from + 1, None
+    if not used:
+        return run_dir, None, None
+    fresh = run_dir / f"{RERUN_PREFIX}{int(runs[-1].name.removeprefix(RERUN_PREFIX)) + 1 if len(runs) > 1 else 1}"
+    return fresh, None, (f"logging.run_dir={str(run_dir)!r} holds the TensorBoard events of an earlier run; this "
+                         f"run's go to {fresh} (a TensorBoard run of its own)")
 
 
 class RunDir:
-    """``logging.run_dir`` as rank 0 writes it; on other ranks every method does nothing."""
+    """``logging.run_dir`` as rank 0 writes it; on other ranks every method does nothing.
+    ``resumed_from``: the step a resumed run starts after (0: a fresh run); see
+    :func:`tensorboard_dir`. ``note``: what rank 0 should say about it, or None."""
 
-    def __init__(self, cfg: RecpipeConfig, rank: int) -> None:
+    def __init__(self, cfg: RecpipeConfig, rank: int, resumed_from: int = 0) -> None:
         self.path = Path(cfg.logging.run_dir)
         self.rank = rank
         self.writer: SummaryWriter | None = None
+        self.note: str | None = None
         problem = None
         if rank == 0:
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
                 (self.path / "config.yaml").write_text(cfg.to_yaml())
-                self.writer = SummaryWriter(str(self.path)) if cfg.logging.tensorboard else None
+                if cfg.logging.tensorboard:
+                    events, purge_step, self.note = tensorboard_dir(self.path, resumed_from)
+                    self.writer = SummaryWriter(str(events), purge_step=purge_step)
             except OSError as err:
                 problem = self._message(err, self.path / "config.yaml")
         shared = [problem]
@@ -55,7 +90,7 @@ class RunDir:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
         except OSError as err:  # raised by the writer thread's failed write
-            raise StorageError(self._message(err, self.path / "events.out.tfevents.*"), every_rank=False) from err
+            raise StorageError(self._message(err, self.path / EVENT_FILES), every_rank=False) from err
 
     def close(self) -> None:
         if self.writer is None:
@@ -64,7 +99,7 @@ class RunDir:
         try:
             writer.close()  # flushes what the writer thread still holds
         except OSError as err:
-            raise StorageError(self._message(err, self.path / "events.out.tfevents.*"), every_rank=False) from err
+            raise StorageError(self._message(err, self.path / EVENT_FILES), every_rank=False) from err
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         """``summary.json`` (strict JSON: the caller replaced non-finite numbers)."""

@@ -58,7 +58,8 @@ from recpipe.pipelines import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
-from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
+from recpipe.train.learning_rates import LearningRates
+from recpipe.train.metrics import METRICS, ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
     NonFiniteCheck,
     SkipNonFiniteSteps,
@@ -143,17 +144,26 @@ class Trainer:
         self.position = self._resume()
         self.start_step = self.position.step
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
+        self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
+        if not self.rates.constant:
+            self._say(repr(self.rates))
         if self.position.batch > 0:
             # Resumed: this rank may be past its last batch while others are not;
             # its padding batches then take their shapes from its first batch.
             first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
             self.pipeline.padding_template = next(iter(first), None)
-        self.train_metrics, self.eval_metrics = ClickMetrics(device), ClickMetrics(device)
+        # Training: TorchRec's window values over one log interval (train/<name>) and lifetime ones
+        # (train/<name>_lifetime); evaluation: over the whole eval split.
+        self.train_metrics = ClickMetrics(device, window_samples=cfg.train.log_every * cfg.data.batch_size)
+        self.eval_metrics = ClickMetrics(device)
         self.evaluation = Evaluation(self.pipeline, pipelined=cfg.train.eval_pipelined)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
             self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
-        self.run_dir = RunDir(cfg, self.rank)  # collective: StorageError (exit 6) on every rank if it cannot be written
+        # collective: StorageError (exit 6) on every rank if it cannot be written
+        self.run_dir = RunDir(cfg, self.rank, resumed_from=self.start_step)
+        if self.run_dir.note:
+            self._say(self.run_dir.note)
         self.wandb = None  # rank 0, with logging.wandb: the same scalars as TensorBoard
         if self.rank == 0 and cfg.logging.wandb is not None:
             from recpipe.train.wandb_logger import WandbLogger
@@ -172,8 +182,9 @@ class Trainer:
         self._has_clicks: bool | None = None  # known after the first step
         self._window_seconds = 0.0
         self._train_seconds = 0.0
-        # The last log point's values on their way to the host (published at the next).
-        self._pending_log: tuple[int, float, PendingMetrics] | None = None
+        # The last log point's values on their way to the host (published at the next), with
+        # its learning rates.
+        self._pending_log: tuple[int, float, PendingMetrics, dict[str, float]] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
@@ -279,6 +290,7 @@ class Trainer:
         trained = 0
         last = time.perf_counter()
         while True:
+            self.rates.set_step(self.position.step + trained + 1)  # the rates of the batch this call trains
             try:
                 output = self.pipeline.progress(batches)
             except StopIteration:
@@ -412,12 +424,11 @@ class Trainer:
             if self._has_clicks:
                 logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
                 self.train_metrics.update(logits, labels, weights)
-                values = self.train_metrics.compute_async()  # all-reduce over the ranks
-                self.train_metrics.reset()
-            else:  # mean loss over the ranks' non-padding steps
-                values = PendingMetrics({"loss": self._mean_loss([loss for loss, padding, _ in kept if not padding])})
+            # the mean loss over the ranks' non-padding steps, and the click metrics (all-reduces, queued)
+            loss = self._mean_loss([loss for loss, padding, _ in kept if not padding])
+            values = PendingMetrics({"loss": loss, **(self.train_metrics.compute_values() if self._has_clicks else {})})
             self._publish_log()
-            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values)
+            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values, self.rates.scalars(step))
         if wait:
             self._publish_log()
 
@@ -434,21 +445,24 @@ class Trainer:
         """TensorBoard scalars and the bar's figures of the last log point (waits for them)."""
         if self._pending_log is None:
             return
-        step, samples_per_s, values = self._pending_log
+        step, samples_per_s, values, rates = self._pending_log
         self._pending_log = None
         metrics = values.result()
-        if "bce" in metrics:
-            metrics["loss"] = metrics["bce"]
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
-        self._write_scalars(step, {**scalars, **_memory_scalars(self.device)})
+        memory = _memory_scalars(self.device)
+        self._write_scalars(step, {**scalars, **rates, **memory})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
         self.bar.set_postfix({**postfix, "samples/s": f"{samples_per_s:,.0f}"}, refresh=False)
+        if self.bar.disable:  # no bar (not a terminal, or train.progress=false): one line per log point
+            shown = "  ".join(f"{name} {value}" for name, value in postfix.items())
+            self._say(f"step {step}/{self.cfg.train.steps}  {shown}  {samples_per_s:,.0f} samples/s  "
+                      f"{_memory_line(memory)}")
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Collective. AUC / accuracy / BCE / NE on the eval split, through the pipeline's eval
+        """Collective. The click metrics (``METRICS``) on the eval split, through the pipeline's eval
         schedule (``train.eval_pipelined``; else one batch at a time), and its samples/s: the
         eval batches' samples over the time from the first fetch to the end of the last
         forward (one host sync, the count's all-reduce)."""
@@ -486,15 +500,15 @@ class Trainer:
         step = self.position.step
         self._write_scalars(step, {**{f"eval/{name}": value for name, value in metrics.items()},
                                    "eval/samples_per_s": samples_per_s})
-        self._say(f"step {step}: eval auc {metrics['auc']:.4f}  ne {metrics['ne']:.4f}  bce {metrics['bce']:.4f}  "
-                  f"({samples_per_s:,.0f} samples/s)")
-        if not math.isfinite(metrics["bce"]):  # the same on every rank (all-reduced metrics)
-            self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["bce"]))
+        shown = "  ".join(f"{name} {metrics[name]:.4f}" for name in METRICS)
+        self._say(f"step {step}: eval {shown}  ({samples_per_s:,.0f} samples/s)")
+        if not math.isfinite(metrics["logloss"]):  # the same on every rank (all-reduced metrics)
+            self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["logloss"]))
         return metrics
 
-    def _nonfinite_eval(self, step: int, bce: float) -> NoReturn:
+    def _nonfinite_eval(self, step: int, logloss: float) -> NoReturn:
         raise NonFiniteLossError(
-            f"non-finite eval loss after step {step} (eval bce {bce}): the weights have diverged although the training "
+            f"non-finite eval loss after step {step} (eval logloss {logloss}): the weights have diverged although the training "
             f"losses were finite; nothing saved after step {step - 1}. {describe_newest(self.cfg.checkpoint.dir)}. "
             "Lower optimizer.dense.lr / optimizer.embedding.lr"
         )
@@ -532,11 +546,8 @@ class Trainer:
             "steps": step,
             "samples": step * self.global_batch,
             "loss": self.last_train.get("loss"),
-            "train_auc": self.last_train.get("auc"),
-            "eval_auc": self.last_eval.get("auc"),
-            "eval_ne": self.last_eval.get("ne"),
-            "eval_loss": self.last_eval.get("bce"),
-            "eval_accuracy": self.last_eval.get("accuracy"),
+            **{f"train_{name}": self.last_train.get(name) for name in METRICS},  # the last log interval's
+            **{f"eval_{name}": self.last_eval.get(name) for name in METRICS},  # the last evaluation's
             "eval_samples_per_s": self.last_eval_samples_per_s,  # of the last evaluation
             "pipeline": self.cfg.pipeline.name,
             "epoch": self.position.epoch,
@@ -578,6 +589,14 @@ def _total(counts: list[int], device: torch.device) -> list[int]:
 
 def _due(step: int, every: int) -> bool:
     return every > 0 and step % every == 0
+
+
+def _memory_line(memory: dict[str, float]) -> str:
+    """Rank 0's memory of :func:`_memory_scalars`, for the log line."""
+    if "memory/max_allocated_gib" in memory:
+        return (f"max allocated {memory['memory/max_allocated_gib']:.2f} GiB, "
+                f"max reserved {memory['memory/max_reserved_gib']:.2f} GiB")
+    return f"peak RSS {memory['memory/peak_rss_gib']:.2f} GiB"
 
 
 def _memory_scalars(device: torch.device) -> dict[str, float]:

@@ -1,0 +1,51 @@
+"""A config's planner inputs and memory plan, with its shards where the run puts them
+(re-exported by :mod:`recpipe.planner`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from recpipe.planner.estimate import estimate_memory
+from recpipe.planner.inputs import inputs_from_config
+from recpipe.planner.plan import MemoryPlan
+from recpipe.planner.spec import PlannerInputs
+
+if TYPE_CHECKING:
+    from recpipe.config import RecpipeConfig
+
+__all__ = ["plan_from_config", "planner_inputs"]
+
+
+def planner_inputs(
+    cfg: "RecpipeConfig",
+    *,
+    world_size: int | None = None,
+    hbm_capacity_bytes: int | None = None,
+    fbgemm_version: tuple[int, int] | None = None,
+) -> PlannerInputs:
+    """The :class:`PlannerInputs` of the run ``cfg`` describes (world size:
+    ``distributed.nproc`` unless given; capacity: ``sharding.hbm_gb``, else the GPU's
+    own, else 80 GiB), with its shards where that run puts them: with
+    ``sharding.placement: planner`` where torchrec's partitioner puts them on these
+    estimates (``recpipe.sharding.build.planner_placement``), else by the config's
+    rules. ``recpipe plan`` and ``recpipe train``'s pre-flight plan from these."""
+    inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
+    if cfg.sharding.placement == "planner":
+        from recpipe.planner.estimator import plan_with_torchrec
+        from recpipe.planner.spec import shards_from_plan
+
+        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))
+    return inputs
+
+
+def plan_from_config(
+    cfg: "RecpipeConfig",
+    *,
+    world_size: int | None = None,
+    hbm_capacity_bytes: int | None = None,
+    fbgemm_version: tuple[int, int] | None = None,
+) -> MemoryPlan:
+    """The memory plan of ``cfg``: :func:`estimate_memory` of :func:`planner_inputs`."""
+    return estimate_memory(planner_inputs(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes,
+                                          fbgemm_version=fbgemm_version))

@@ -1,0 +1,170 @@
+"""A servable program of the unsharded model: ``recpipe export --format program``.
+
+:func:`export_program` writes a ``torch.export`` program (``torch.export.save``, a
+``.pt2`` archive) of the unsharded built-in model (DLRM or DCNv2) with the exported
+weights, whose inputs are plain tensors::
+
+    dense_features  float32 [B, model.num_dense_features]
+    values          int64   [N]      the ids of every feature, feature after feature
+    lengths         int32   [F * B]  ids per (feature, sample), feature-major: lengths[f * B + b]
+
+and whose output is the click probability, float32 [B] (the sigmoid of the model's
+logit). ``values`` / ``lengths`` are a KeyedJaggedTensor's, in the model's feature
+order (``cat_0`` ... for the built-in model); the batch size and the id count are
+dynamic. The program loads with ``torch.export.load(path).module()``, without recpipe
+or torchrec; with quantized tables it runs FBGEMM's inference kernels, so the process
+imports ``fbgemm_gpu`` first (which registers them).
+
+Tables (``tables``):
+
+* ``fp32``: the trained weights; the program predicts bit for bit what the trained
+  (sharded) model predicts (tests/test_export.py).
+* ``fp16``: the weights in float16, looked up in float16 and cast to float32 where
+  they meet the dense part (half the bytes).
+* ``int8`` / ``int4``: TorchRec's quantized EmbeddingBagCollection
+  (``torchrec.inference.modules.quantize_inference_model``: FBGEMM's
+  ``IntNBitTableBatchedEmbeddingBagsCodegen``, row-wise with a float16 scale and bias
+  per row). Its FBGEMM module holds ``fbgemm::AtomicCounter`` objects, which
+  ``torch.export`` traces with torchrec's fake classes
+  (``torchrec.pt2.utils.register_fake_classes``). int4 weights are torchrec's
+  ``UInt4Tensor`` subclass: loading an int4 program imports torchrec (not recpipe).
+
+The program's metadata (inputs, feature order, tables, the checkpoint) is stored in the
+archive as ``extra/recpipe.json`` (``torch.export.load(path, extra_files={"recpipe.json": ""})``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.config import RecpipeConfig
+from recpipe.errors import ConfigError
+from recpipe.models.dlrm import RecModel, build_model, sparse_arch_forward
+from recpipe.models.precision import precision_context
+
+__all__ = ["ServingModule", "example_inputs", "export_program", "serving_module"]
+
+_QUANT_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2}
+MAX_BATCH = 1 << 20  # the largest batch the program's dynamic batch dimension admits
+
+
+class ServingModule(nn.Module):
+    """``(dense_features, values, lengths) -> click probability``: the built-in model's
+    forward without the loss, on plain tensors (see the module docstring)."""
+
+    def __init__(self, model: RecModel, feature_names: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.feature_names = list(feature_names)
+
+    def forward(self, dense_features: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        features = KeyedJaggedTensor(keys=self.feature_names, values=values, lengths=lengths)
+        dlrm = self.model.model
+        with precision_context(self.model):
+            dense = dlrm.dense_arch(dense_features)
+        sparse = sparse_arch_forward(dlrm.sparse_arch, features)
+        with precision_context(self.model):
+            logits = dlrm.over_arch(self.model.head.interact(dense, sparse)).squeeze(-1)
+        return torch.sigmoid(logits.float())
+
+
+def serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
+                   tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> ServingModule:
+    """The unsharded model on CPU with ``state`` (the exported state dict), its tables as
+    ``tables`` says, in eval mode, wrapped for serving."""
+    if cfg.model.factory is not None:
+        raise ConfigError(f"recpipe export --format program serves the built-in model (model.arch), not "
+                          f"model.factory={cfg.model.factory!r}: export the state dict and torch.export your "
+                          "model's own forward")
+    model = build_model(cfg.model, device=torch.device("cpu"), precision=cfg.train.precision)
+    model.load_state_dict(state)
+    model.eval()
+    if tables == "fp16":
+        model.model.sparse_arch.embedding_bag_collection.half()
+    elif tables in _QUANT_DTYPES:
+        from torchrec.inference.modules import quantize_inference_model
+
+        quantize_inference_model(model.model, quantization_dtype=_QUANT_DTYPES[tables])
+    return ServingModule(model, cfg.model.feature_names).eval()
+
+
+def example_inputs(cfg: RecpipeConfig, batch_size: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Inputs of the program's form: ``batch_size`` samples, 1 or 2 ids per feature."""
+    g = torch.Generator().manual_seed(seed)
+    m = cfg.model
+    lengths = torch.randint(1, 3, (m.num_sparse_features * batch_size,), generator=g, dtype=torch.int32)
+    per_feature = lengths.view(m.num_sparse_features, batch_size).sum(1).tolist()
+    values = torch.cat([torch.randint(0, rows, (n,), generator=g) for rows, n in zip(m.num_embeddings_per_feature,
+                                                                                        per_feature)])
+    return torch.randn(batch_size, m.num_dense_features, generator=g), values, lengths
+
+
+@contextlib.contextmanager
+def _quiet_export() -> Iterator[None]:
+    """Without what torch and torchrec log about their own tracing: torch.fx's
+    ``is_fx_tracing`` notice, torchrec's note that a KJT's ``to_dict`` is traced (on the root
+    logger), and torch.export's archive warning about the quantized tables' packed rows
+    ("No complete tensor found in the group"), none of which a user can act on."""
+    loggers = [logging.getLogger("torch.fx._symbolic_trace"), logging.getLogger()]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="No complete tensor found in the group")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str | Path,
+                   tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32",
+                   metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write the ``torch.export`` program of ``cfg``'s model with ``state`` to ``out``
+    (written under a temporary name and renamed); returns its metadata."""
+    module = serving_module(cfg, state, tables)
+    inputs = example_inputs(cfg)
+    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+    ids = torch.export.Dim("ids", min=1)
+    dynamic = {"dense_features": {0: batch}, "values": {0: ids}, "lengths": {0: cfg.model.num_sparse_features * batch}}
+    if tables in _QUANT_DTYPES:
+        from torchrec.pt2.utils import register_fake_classes
+
+        register_fake_classes()
+    with torch.no_grad(), _quiet_export():
+        # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
+        # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
+        # export cannot trace); the traced calls find it made.
+        module(*inputs)
+        program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    meta = {
+        "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],
+                   "lengths": ["int32", [f"{cfg.model.num_sparse_features} * B"]]},
+        "output": ["float32", ["B"], "click probability"],
+        "features": cfg.model.feature_names,
+        "tables": tables,
+        "needs": ["torch"] + (["fbgemm_gpu"] if tables in _QUANT_DTYPES else []) + (["torchrec"] if tables == "int4" else []),
+        "versions": {"torch": torch.__version__},
+        **(metadata or {}),
+    }
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # torch.export.save wants its suffix
+    try:
+        with _quiet_export():
+            torch.export.save(program, str(tmp), extra_files={"recpipe.json": json.dumps(meta, indent=2)})
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return meta

@@ -1,10 +1,12 @@
 """The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
-``recpipe.planner.cli``, ``recpipe.pipelines.schedule``, ``recpipe.data.cli``,
+``recpipe.planner.cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
 ``recpipe.train.integrity``, ``recpipe.export``); this file only parses. A user error (a bad config,
 bad data, a directory in use, ...) prints one line and exits with its code
-(``recpipe.exit_codes``); ``--debug`` adds the traceback.
+(``recpipe.exit_codes``); ``--debug`` adds the traceback. Parsing imports nothing heavy:
+``--version``, ``--help``, ``schedule`` and ``plan`` load neither torchrec nor FBGEMM
+(tests/test_cli.py checks it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ import sys
 from recpipe import exit_codes as codes
 from recpipe.errors import exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
+
+# recpipe export --tables: recpipe.serving.export_program's tables.
+PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")
 
 DESCRIPTION = (
     "recpipe: train sharded recommendation models (TorchRec modules, FBGEMM embeddings) with pipelines "
@@ -171,9 +176,28 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
     checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
 
-    from recpipe.export import add_export_parser
-
-    add_export_parser(sub, _add_config_args, parents=[common])
+    export = add_command(
+        sub, "export", parents=[common],
+        help="a sharded checkpoint -> one unsharded state_dict file (for serving, plain PyTorch)",
+        description="Write the model state of a checkpoint as one unsharded state_dict (torch.save), loadable with "
+        "model.load_state_dict(torch.load(FILE, weights_only=True)) into the config's model built on CPU "
+        "(docs/export.md). Reads table by table; needs no GPU and no process group.",
+    )
+    _add_config_args(export)
+    export.add_argument("--checkpoint", required=True,
+                        help="a checkpoint.dir (its newest complete checkpoint) or one step_* checkpoint in it")
+    export.add_argument("--out", required=True, help="the state_dict file to write (replaced atomically)")
+    export.add_argument("--fp16-tables", action="store_true",
+                        help="store the embedding tables in float16 (default: off, every tensor in the config's "
+                             "model's dtype, float32 for the built-in model)")
+    export.add_argument("--format", choices=("state_dict", "program"), default="state_dict",
+                        help="state_dict: the state dict only; program: also a servable torch.export program of the "
+                             "model beside it, FILE with the suffix .pt2, whose inputs are plain tensors (dense "
+                             "features, KJT values and lengths) and which loads without recpipe (default: "
+                             "%(default)s)")
+    export.add_argument("--tables", choices=PROGRAM_TABLES, default="fp32",
+                        help="--format program: the program's tables: fp32, fp16, or TorchRec's quantized int8 / int4 "
+                             "(FBGEMM's inference kernels; load after `import fbgemm_gpu`) (default: %(default)s)")
     return parser
 
 

@@ -8,12 +8,14 @@ process group starts. ``load_config`` applies ``--set key.path=value`` overrides
 the raw YAML before validation, so an override is checked like the file itself.
 
 ``ConfigError`` carries every problem with its key path, value and what is allowed;
-the CLI prints it and exits with code 2.
+the CLI prints it and exits with code 2. What depends on more than the config (the
+pipeline's and the speed features' rules, the machine, the data, the model's tables) is
+checked above it, by ``recpipe.preflight``. This module imports pydantic and PyYAML, not
+torch: the ``pipeline`` section's variants come from the registry's light declarations.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -22,12 +24,12 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, ValidationError, WrapValidator,
                       model_validator)
 
+from recpipe.capabilities import PREFETCH_STEP
 from recpipe.errors import ConfigError
 from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
-from recpipe.speedups.step_graph import refusal as step_graph_refusal
 
 __all__ = [
     "ConfigError",
@@ -366,7 +368,7 @@ class OptimizerConfig(Section):
 
 
 # ------------------------------------------------------------------ pipeline
-# Each pipeline owns its keys of this section (its Options, recpipe/pipelines/<name>.py; the
+# Each pipeline owns its keys of this section (its Options, recpipe/pipelines/defs/<name>.py; the
 # common keys and the speed features' sections: recpipe/pipelines/options.py); the registry
 # (recpipe.pipelines.registry.PIPELINES) says which Options class ``pipeline.name`` picks.
 def _pipeline_options(value: Any, handler: Any, info: Any) -> PipelineOptions:
@@ -489,10 +491,15 @@ class RecpipeConfig(Section):
         """The config as a raw dict to apply overrides to and validate again: every value
         resolved, except that each ``sharding.tables`` entry holds only the fields it was
         written with, so an override of ``sharding.default`` reaches the others exactly as
-        ``--set`` does on the YAML (a full dump would pin them to the old default)."""
+        ``--set`` does on the YAML (a full dump would pin them to the old default), and the
+        ``data`` and ``pipeline`` sections the keys written (``pipeline``: and its name), which
+        rules tell from defaults (``data.source`` beside ``data.factory``; a written speed
+        feature's section, ``recpipe.preflight``)."""
         raw = self.model_dump(mode="json")
         raw["sharding"]["tables"] = {name: spec.model_dump(mode="json", exclude_unset=True)
                                      for name, spec in self.sharding.tables.items()}
+        raw["data"] = self.data.model_dump(mode="json", exclude_unset=True)
+        raw["pipeline"] = {"name": self.pipeline.name, **self.pipeline.model_dump(mode="json", exclude_unset=True)}
         return raw
 
     def table_sharding(self) -> dict[str, TableSharding]:
@@ -507,9 +514,10 @@ class RecpipeConfig(Section):
     @property
     def cache_line_locking(self) -> bool:
         """FBGEMM's cache-line locking (its ``prefetch_pipeline`` mode) for the UVM-cached
-        tables: on exactly when the pipeline prefetches batch i+1 before backward(i)
-        (``prefetch``) and some table is ``fused_uvm_caching``."""
-        return self.pipeline.locks_cache_lines and any(
+        tables: on exactly when the pipeline has a prefetch step that prefetches batch i+1
+        before backward(i) (``recpipe.capabilities.PREFETCH_STEP``: ``prefetch``) and some
+        table is ``fused_uvm_caching``."""
+        return PREFETCH_STEP in PIPELINES[self.pipeline.name].offers and any(
             t.kernel == "fused_uvm_caching" for t in self.table_sharding().values())
 
     def to_yaml(self) -> str:
@@ -565,8 +573,6 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             f"(got {cfg.pipeline.name!r}) and a table with kernel 'fused_uvm_caching' "
             f"({'none is configured' if not cached else 'cached: ' + ', '.join(cached)})"
         )
-    problems += PIPELINES[cfg.pipeline.name].check(cfg)
-    problems += step_graph_refusal(cfg)
     if cfg.train.device == "cpu" and any(
         t.kernel in ("fused_uvm", "fused_uvm_caching") for t in cfg.table_sharding().values()
     ):
@@ -613,39 +619,10 @@ def _precision_problems(key: str, t: TableSharding) -> list[str]:
     return problems
 
 
+# recpipe.preflight's, and recpipe.sharding's if a run gets past it.
 PLANNER_ON_CPU = ("sharding.placement='planner' places shards by their GPU memory (torchrec's partitioner on "
                   "recpipe's HBM estimates); this run is on CPU: use sharding.placement=config, which places them "
                   "as sharding.default / sharding.tables say")
-
-
-def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
-    """Rules that depend on the machine (checked where the job is launched, before
-    any process starts): raises ConfigError naming every problem."""
-    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda_available)
-    problems = []
-    if cfg.train.device == "cuda" and not cuda_available:
-        problems.append("train.device='cuda' but this machine has no CUDA GPU")
-    if not on_cuda:
-        uvm = [n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching")]
-        if uvm:
-            problems.append(f"tables {uvm} use a UVM kernel (fused_uvm / fused_uvm_caching), which needs a CUDA GPU; "
-                            "this run is on CPU")
-        if cfg.optimizer.embedding.name == "adam":
-            problems.append("optimizer.embedding.name='adam': FBGEMM's CPU kernels have no Adam; use 'sgd' or "
-                            "'rowwise_adagrad' on CPU")
-        if cfg.pipeline.cuda_graphs.enabled:
-            problems.append("pipeline.cuda_graphs=true needs a CUDA GPU; this run is on CPU")
-        if cfg.pipeline.step_graph.enabled:
-            problems.append("pipeline.step_graph=true needs a CUDA GPU; this run is on CPU")
-        if cfg.distributed.backend == "nccl":
-            problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
-        if cfg.sharding.placement == "planner":
-            problems.append(PLANNER_ON_CPU)
-    if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
-        problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
-                        "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")
-    if problems:
-        raise ConfigError("invalid config for this machine:\n" + "\n".join(f"  {p}" for p in problems))
 
 
 # -------------------------------------------------------------- loading
@@ -725,7 +702,7 @@ def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
             continue
         ann = model.model_fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
-    return sorted(model.model_fields) if model is not None else []
+    return sorted(f.alias or n for n, f in model.model_fields.items()) if model is not None else []
 
 
 def _format_validation_error(err: ValidationError, source: str, raw: dict[str, Any]) -> str:

@@ -43,11 +43,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_OK
-from recpipe.help_format import add_command
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
-PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")  # --tables: recpipe.serving.export_program's
 _MODEL_PREFIX = "model."  # the model's state under DCP (recpipe.train.checkpoint._dcp_state)
 _GIB = 2**30
 
@@ -181,31 +179,6 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def add_export_parser(sub: argparse._SubParsersAction, add_config_args, parents: list) -> None:
-    export = add_command(
-        sub, "export", parents=parents,
-        help="a sharded checkpoint -> one unsharded state_dict file (for serving, plain PyTorch)",
-        description="Write the model state of a checkpoint as one unsharded state_dict (torch.save), loadable with "
-        "model.load_state_dict(torch.load(FILE, weights_only=True)) into the config's model built on CPU "
-        "(docs/export.md). Reads table by table; needs no GPU and no process group.",
-    )
-    add_config_args(export)
-    export.add_argument("--checkpoint", required=True,
-                        help="a checkpoint.dir (its newest complete checkpoint) or one step_* checkpoint in it")
-    export.add_argument("--out", required=True, help="the state_dict file to write (replaced atomically)")
-    export.add_argument("--fp16-tables", action="store_true",
-                        help="store the embedding tables in float16 (default: off, every tensor in the config's "
-                             "model's dtype, float32 for the built-in model)")
-    export.add_argument("--format", choices=("state_dict", "program"), default="state_dict",
-                        help="state_dict: the state dict only; program: also a servable torch.export program of the "
-                             "model beside it, FILE with the suffix .pt2, whose inputs are plain tensors (dense "
-                             "features, KJT values and lengths) and which loads without recpipe (default: "
-                             "%(default)s)")
-    export.add_argument("--tables", choices=PROGRAM_TABLES, default="fp32",
-                        help="--format program: the program's tables: fp32, fp16, or TorchRec's quantized int8 / int4 "
-                             "(FBGEMM's inference kernels; load after `import fbgemm_gpu`) (default: %(default)s)")
 
 
 def main_export(args: argparse.Namespace) -> int:

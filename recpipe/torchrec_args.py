@@ -34,11 +34,13 @@ __all__ = [
     "DEFAULT_CACHE_LOAD_FACTOR",
     "KERNELS",
     "PRECISION_BYTES",
+    "SHARDER_TYPES",
     "apply_weights_precision",
     "cache_params",
     "cache_precision",
     "check_precisions",
     "check_sharding_support",
+    "check_tables",
     "embedding_fused_params",
     "make_sharder",
     "make_sharders",
@@ -308,15 +310,21 @@ _NOT_ON_CPU = {
 }
 
 
-def supported_sharding_types(sharder: "ModuleSharder", module_type: str, device_type: str) -> list[str]:
-    """recpipe's sharding types that torchrec's ``sharder`` accepts, as torchrec lists
-    them for CUDA (recpipe also runs row_wise on CPU, which torchrec's CPU list
-    omits), less the ones known not to run on ``device_type``."""
-    from recpipe.config import SHARDING_TYPES
+# recpipe's sharding types that torchrec's sharder of each module type offers on CUDA
+# (``ModuleSharder.sharding_types("cuda")``, torchrec 1.6.1 to 1.8; recpipe also runs
+# row_wise on CPU, which torchrec's CPU list omits). Stated here so that checking a config
+# loads no torchrec; tests/test_planner.py holds it to torchrec's sharders.
+SHARDER_TYPES = {
+    EBC: ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel"),
+    EC: ("table_wise", "row_wise", "column_wise", "data_parallel"),
+    FPEBC: ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel"),
+}
 
-    offered = set(sharder.sharding_types("cuda"))
-    return [t for t in SHARDING_TYPES if t in offered
-            and not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
+
+def supported_sharding_types(module_type: str, device_type: str) -> list[str]:
+    """recpipe's sharding types that torchrec's sharder of ``module_type`` accepts
+    (:data:`SHARDER_TYPES`), less the ones known not to run on ``device_type``."""
+    return [t for t in SHARDER_TYPES[module_type] if not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
 
 
 def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str = "cuda") -> None:
@@ -325,11 +333,10 @@ def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", 
     allowed types otherwise."""
     from recpipe.config import ConfigError
 
-    sharders = make_sharders(cfg, device_type, comms=False)
     problems = []
     for t in tables:
         ts = cfg.sharding.for_table(t.name)
-        allowed = supported_sharding_types(sharders[t.module_type], t.module_type, device_type)
+        allowed = supported_sharding_types(t.module_type, device_type)
         if ts.type not in allowed:
             key = _key(cfg, t.name)
             why = _NOT_ON_CPU.get((t.module_type, ts.type))
@@ -455,13 +462,9 @@ def validated_tables(
     cfg: "RecpipeConfig", model: "nn.Module | None" = None, device_type: str = "cuda"
 ) -> tuple[TableInfo, ...]:
     """The tables of ``model`` (default: ``cfg``'s model, built on meta), with every
-    sharding rule that needs the real tables checked: names under
-    ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type
-    is one its module supports on ``device_type``, column_wise dims split over the
-    ranks, the prefetch pipeline has a cached table, every table's precision (its
-    own data_type included) is one FBGEMM trains. ``recpipe train`` (with the
-    run's device type) and ``recpipe plan`` (GPUs) call it before any process
-    starts; every problem is a ``ConfigError`` (exit code 2)."""
+    sharding rule that needs the real tables checked (:func:`check_tables`).
+    ``recpipe train`` (with the run's device type) and ``recpipe plan`` (GPUs) call it
+    before any process starts; every problem is a ``ConfigError`` (exit code 2)."""
     from recpipe.config import ConfigError
 
     if model is None:
@@ -477,6 +480,16 @@ def validated_tables(
         raise ConfigError(f"{source}: {err}") from None
     if not tables:
         raise ConfigError(f"{source}: the model holds no {', '.join(MODULE_TYPES)}; there is nothing to shard")
+    return check_tables(cfg, tables, device_type)
+
+
+def check_tables(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...], device_type: str = "cuda") -> tuple[TableInfo, ...]:
+    """``tables`` with every sharding rule that needs the real tables checked: names under
+    ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type is one
+    its module supports on ``device_type``, column_wise dims split over the ranks, every
+    table's precision (its own data_type included) is one FBGEMM trains. ConfigError otherwise."""
+    from recpipe.config import ConfigError
+
     check_table_names(cfg, tables)
     check_sharding_support(cfg, tables, device_type)
     W = cfg.distributed.nproc

@@ -36,10 +36,7 @@ from recpipe.config import RecpipeConfig  # noqa: E402
 from recpipe.pipelines import options as pipeline_options  # noqa: E402
 from recpipe.pipelines.options import PipelineOptions  # noqa: E402
 from recpipe.pipelines.registry import PIPELINES  # noqa: E402
-from recpipe.speedups import cache_fill as cache_fill_module  # noqa: E402
-from recpipe.speedups import compile as compile_module  # noqa: E402
-from recpipe.speedups import cuda_graphs as cuda_graphs_module  # noqa: E402
-from recpipe.speedups import step_graph as step_graph_module  # noqa: E402
+from recpipe.speedups.registry import SPEEDUPS  # noqa: E402
 
 HEADER = """\
 # Configuration reference
@@ -93,12 +90,13 @@ def _field_comments(module) -> dict[tuple[str, str], str]:
     return out
 
 
-# Sections are defined where they belong: config.py, each pipeline's module (its Options), the
-# common pipeline keys (recpipe.pipelines.options), each speed feature's module and the
+# Sections are defined where they belong: config.py, each pipeline's declaration (its Options),
+# the common pipeline keys (recpipe.pipelines.options), each speed feature's declaration and the
 # learning-rate schedule's (recpipe.lr_schedule).
-COMMENTS = {key: text for module in (config_module, pipeline_options, *(sys.modules[d.options.__module__]
-                                                                        for d in PIPELINES.values()),
-                                     compile_module, cuda_graphs_module, step_graph_module, cache_fill_module, lr_schedule_module)
+COMMENTS = {key: text for module in (config_module, pipeline_options,
+                                     *(sys.modules[d.options.__module__] for d in PIPELINES.values()),
+                                     *(sys.modules[f.options.__module__] for f in SPEEDUPS.values() if f.options),
+                                     lr_schedule_module)
             for key, text in _field_comments(module).items()}
 
 
@@ -182,16 +180,17 @@ def _rows(model: type[BaseModel], prefix: str, skip: tuple[str, ...] = ()) -> li
     for name, field in model.model_fields.items():
         if name in skip:
             continue
+        key = field.alias or name  # ``class`` in YAML, ``class_`` in code
         ann = field.annotation
         kind = _type(ann)
         bounds = _bounds(ann, field.metadata)
         if bounds:
             kind += f" ({bounds})"
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            kind, default = f"section: [`{prefix}{name}`](#{_anchor(prefix + name)})", ""
+            kind, default = f"section: [`{prefix}{key}`](#{_anchor(prefix + key)})", ""
         else:
             default = _default(model, name)
-        rows.append(f"| `{prefix}{name}` | {kind} | {default} | {_cell(_doc(model, name))} |")
+        rows.append(f"| `{prefix}{key}` | {kind} | {default} | {_cell(_doc(model, name))} |")
     return rows
 
 
@@ -219,15 +218,15 @@ def _section(title: str, model: type[BaseModel], prefix: str, intro: str = "", s
 
 
 def _pipeline_sections() -> list[str]:
-    """The ``pipeline`` section from the registry: the common keys, each pipeline's own, and
-    the speed features' sections."""
+    """The ``pipeline`` section from the registries: the common keys, each pipeline's own, and
+    the speed features' sections (recpipe.speedups.registry)."""
     common = PipelineOptions
     variants = [(name, d.options) for name, d in PIPELINES.items()]
     choices = " \\| ".join(f"`{n}`" for n, _ in variants)
     out = ["## pipeline", "",
            "`pipeline.name` picks the pipeline (`recpipe schedule NAME` prints its schedule); the keys of the "
-           "first table apply to every pipeline, each pipeline's own keys follow, then the speed features' "
-           "sections.", "",
+           "first table apply to every pipeline (the speed features' sections among them, one per feature of "
+           "`recpipe.speedups.registry`), each pipeline's own keys follow, then the speed features' sections.", "",
            *_table([f"| `pipeline.name` | {choices} | `\"base\"` | which pipeline |",
                     *_rows(common, "pipeline.", skip=("name",))])]
     features: list[tuple[str, type[BaseModel]]] = []

@@ -7,12 +7,14 @@ the data. recpipe shards it from YAML, pipelines it with the pipeline the YAML n
 checkpoints and logs it. Two ways to run it, from the repository root:
 
     recpipe train --config configs/two_tower.yaml          # model.factory / data.factory
-    .venv/bin/python scripts/two_tower.py --config configs/two_tower.yaml   # this script's own loop
+    .venv/bin/python scripts/two_tower.py --config configs/two_tower.yaml   # with TwoTowerPipeline
 
-The second subclasses the configured pipeline through its hooks (``with_hooks``): it
-counts the positives it trains on and clips the dense gradients. Copy this file to
-start your own model: ``build_model(cfg)`` and ``make_batches(cfg, *, rank, ...)`` are
-what ``model.factory`` and ``data.factory`` name, and ``model.options`` /
+The second trains with ``TwoTowerPipeline``, the configured ``sparse_dist`` extended
+through its hooks: it counts the positives it trains on and clips the dense gradients;
+recpipe's trainer runs it (evaluation, checkpoints, TensorBoard, ...), as
+``recpipe train --set pipeline.class=scripts.two_tower:TwoTowerPipeline`` does. Copy this
+file to start your own model: ``build_model(cfg)`` and ``make_batches(cfg, *, rank, ...)``
+are what ``model.factory`` and ``data.factory`` name, and ``model.options`` /
 ``data.options`` are where they read their settings.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import itertools
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -30,6 +33,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
+
+from recpipe.pipelines import SparseDistPipeline
+from recpipe.pipelines.steps import dense_params
 
 USER_FEATURES = ("user_id", "user_country")
 ITEM_FEATURES = ("item_id", "item_category")
@@ -151,73 +157,44 @@ def make_batches(cfg: Any, *, rank: int, world_size: int, split: str, epoch: int
         yield make_batch(cfg, rank=rank, split=split, epoch=epoch, index=index)
 
 
-# ------------------------------------------------------------------ the script's own loop
-def with_hooks(pipeline_cls: type) -> type:
-    """The configured recpipe pipeline, extended through its hooks."""
+# ------------------------------------------------------------------ the script's pipeline
+class TwoTowerPipeline(SparseDistPipeline):
+    """``sparse_dist`` with the two-tower model's hooks: counts the positive labels it trains
+    on and clips the dense gradients; rank 0 reports every ``report_every`` steps."""
 
-    class TwoTowerPipeline(pipeline_cls):
-        def __init__(self, *args, max_grad_norm: float = 1.0, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            self.max_grad_norm, self.positives, self.steps = max_grad_norm, [], 0
+    max_grad_norm = 1.0
+    report_every = 20
 
-        def before_forward(self, batch: TwoTowerBatch) -> None:
-            self.positives.append(batch.labels.sum())  # a device tensor: no host sync per step
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.positives: list[torch.Tensor] = []
+        self.steps = 0
 
-        def after_backward(self, batch: TwoTowerBatch, loss: torch.Tensor) -> None:
-            from recpipe.pipelines.steps import dense_params
+    def before_forward(self, batch: TwoTowerBatch) -> None:
+        self.positives.append(batch.labels.sum())  # a device tensor: no host sync per step
 
-            torch.nn.utils.clip_grad_norm_(dense_params(self.optimizer), self.max_grad_norm)
+    def after_backward(self, batch: TwoTowerBatch, loss: torch.Tensor) -> None:
+        torch.nn.utils.clip_grad_norm_(dense_params(self.context.optimizer), self.max_grad_norm)
 
-        def after_optimizer_step(self, batch: TwoTowerBatch) -> None:
-            self.steps += 1
-
-    TwoTowerPipeline.__name__ = f"TwoTower{pipeline_cls.__name__}"
-    return TwoTowerPipeline
-
-
-def worker(cfg: Any) -> None:
-    from recpipe.distributed import init_process_group
-    from recpipe.pipelines import PIPELINES, make_pipeline
-    from recpipe.sharding import shard_model
-
-    device = init_process_group(cfg)
-    torch.manual_seed(cfg.train.seed)
-    sharded = shard_model(build_model(cfg), cfg, device)
-    # the configured pipeline, its options and speed features, built as the script's subclass
-    pipe = make_pipeline(cfg, sharded.model, sharded.optimizer, device, cls=with_hooks(PIPELINES[cfg.pipeline.name].cls))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    batches = itertools.islice(make_batches(cfg, rank=rank, world_size=world, split="train", epoch=0, start_batch=0),
-                               cfg.train.steps)
-    losses = []
-    while True:
-        try:
-            pipe.progress(batches)
-        except StopIteration:
-            break
-        losses.append(pipe.last_loss)
-    if rank == 0:
-        print(pipe.describe())
-        print(f"{type(pipe).__name__}: trained {pipe.steps} steps, {int(torch.stack(pipe.positives).sum())} positive "
-              f"labels on rank 0; loss {losses[0].item():.4f} -> {losses[-1].item():.4f}", flush=True)
+    def after_optimizer_step(self, batch: TwoTowerBatch) -> None:
+        self.steps += 1
+        if self.steps % self.report_every == 0 and dist.get_rank() == 0:
+            if self.steps == self.report_every:
+                print(self.describe(), flush=True)
+            positives = int(torch.stack(self.positives).sum())  # host sync, once a report
+            print(f"TwoTowerPipeline: {self.steps} steps, {positives} positive labels on rank 0", flush=True)
 
 
-def main() -> None:
+def main() -> int:
     from recpipe.config import load_config
-    from recpipe.distributed import launch_local, shutdown_process_group, under_torchrun
+    from recpipe.train import train
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    if cfg.distributed.nproc > 1 and not under_torchrun():
-        launch_local(worker, cfg.distributed.nproc, cfg)
-    else:
-        try:
-            worker(cfg)
-        finally:
-            shutdown_process_group()
+    return train(load_config(args.config, args.overrides), pipeline_class=TwoTowerPipeline)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the ranks import this module by name: only the script runs main()
+    sys.exit(main())

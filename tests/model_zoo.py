@@ -261,7 +261,7 @@ def run_pipeline(case: Case, name: str, batches: list, segments: list[int] | Non
     from pipeline_harness import make
 
     pipe = make(name, types.SimpleNamespace(model=model, optimizer=opt), device,
-                **({"inputs": case.pipeline_inputs} if PIPELINES[name].cls.intercepts else {}), **options)
+                **({"inputs": case.pipeline_inputs} if PIPELINES[name].intercepts else {}), **options)
     losses, it = [], iter(batches)
     for size in segments or [len(batches)]:
         seg = itertools.islice(it, size)

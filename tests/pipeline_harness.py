@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.capabilities import PREFETCH_STEP
 from recpipe.config import RecpipeConfig, load_config
 from recpipe.data.batch import Batch
 from recpipe.models import make_model
@@ -89,7 +90,7 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
          cache_fill_sms: int = 4, **options: Any) -> Any:
     """Pipeline ``name`` on the sharded model ``sm`` with the speed features
     ``make_pipeline`` applies for the same config: ``cuda_graphs=True``
-    (recpipe.speedups.cuda_graphs on its model and optimizer) and, for ``prefetch``,
+    (recpipe.speedups.cuda_graphs on its model and optimizer) and, with a prefetch step,
     recpipe's cache insert unless ``cache_fill=False`` (recpipe.speedups.cache_fill) and
     the cache bookkeeping on the prefetch stream (recpipe.speedups.cache_bookkeeping)."""
     if cuda_graphs:
@@ -98,7 +99,7 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
         apply_cuda_graphs(sm.model, sm.optimizer, device, CudaGraphsOptions(
             enabled=True, modules=list(cuda_graph_modules), optimizer=cuda_graph_optimizer))
     pipe = PIPELINES[name](sm.model, sm.optimizer, device, **options)
-    if name == "prefetch":
+    if PREFETCH_STEP in PIPELINES[name].offers:
         from recpipe.speedups.cache_fill import CacheFillOptions, apply_cache_fill
 
         from recpipe.speedups.cache_bookkeeping import apply_cache_bookkeeping

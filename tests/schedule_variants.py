@@ -25,7 +25,7 @@ product's schedule, measured on one H100:
 
 from __future__ import annotations
 
-from recpipe.pipelines import fused_sparse_dist
+from recpipe.pipelines.defs import fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
 
 PREFETCH_WAIT_BEFORE_FORWARD = Schedule(

@@ -293,16 +293,25 @@ def test_routing_swaps_fbgemms_populate_inside_the_context_only():
 
 
 def test_config_names_what_cache_fill_triton_needs():
+    """The section's values (the config) and its rule (recpipe.preflight): rows copied as they
+    are need cache rows in the weights' precision; a pipeline without a prefetch step ignores
+    a written section, with a warning."""
     from recpipe.config import ConfigError, load_config
+    from recpipe.preflight import check_rules
 
     config = Path(__file__).parent.parent / "configs" / "bench" / "uvm_caching.yaml"
     cfg = load_config(config, ["pipeline.cache_fill=true"])
     assert cfg.pipeline.cache_fill.enabled and cfg.pipeline.cache_fill.sms == 4
     # by default a table with its cache in another precision just keeps FBGEMM's insert (a warning at run time)
     assert load_config(config, ["sharding.tables.t_cat_0.cache_precision=fp16"]).pipeline.cache_fill.enabled
+    check_rules(load_config(config, ["sharding.tables.t_cat_0.cache_precision=fp16"]))
     with pytest.raises(ConfigError, match="table t_cat_0 has cache_precision='fp16' and weights_precision='fp32'"):
-        load_config(config, ["pipeline.cache_fill=true", "sharding.tables.t_cat_0.cache_precision=fp16"])
-    assert not load_config(config, ["pipeline.cache_fill=false",
-                                    "sharding.tables.t_cat_0.cache_precision=fp16"]).pipeline.cache_fill.enabled
+        check_rules(load_config(config, ["pipeline.cache_fill=true", "sharding.tables.t_cat_0.cache_precision=fp16"]))
+    off = load_config(config, ["pipeline.cache_fill=false", "sharding.tables.t_cat_0.cache_precision=fp16"])
+    check_rules(off)
+    assert not off.pipeline.cache_fill.enabled
     with pytest.raises(ConfigError, match="cache_fill.sms"):
         load_config(config, ["pipeline.cache_fill={sms: 0}"])
+    with pytest.warns(UserWarning, match="pipeline.cache_fill is ignored: pipeline.name='sparse_dist' offers no "
+                                         "prefetch_step"):
+        check_rules(load_config(None, ["pipeline.name=sparse_dist", "pipeline.cache_fill={sms: 8}"]))

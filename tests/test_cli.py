@@ -98,3 +98,31 @@ def test_bench_help_shows_defaults(flag, default):
 def test_plan_format_has_help_and_default():
     text = _option_help(("plan",), "--format")
     assert "json" in text and "(default: table)" in text
+
+
+HEAVY = ("torchrec", "fbgemm_gpu")
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["schedule", "sparse_dist"], ["schedule", "all"],
+                                  ["plan", "--config", "configs/quickstart.yaml"],
+                                  ["plan", "--config", "configs/dcnv2.yaml", "--format", "json"]],
+                         ids=lambda argv: " ".join(argv[:2]))
+def test_cheap_commands_load_neither_torchrec_nor_fbgemm(argv):
+    """The config, the registries, the schedules and the planner are data: printing a version,
+    the help, a schedule or a memory plan (of the built-in model) imports neither."""
+    code = ("import sys\nimport recpipe.cli\ntry:\n    code = recpipe.cli.main(sys.argv[1:])\nexcept SystemExit as stop:\n"
+            "    code = stop.code\nheavy = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
+            "print('LOADED', heavy, file=sys.stderr)\nsys.exit(code)" % (HEAVY,))
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == "LOADED []", out.stderr[-3000:]
+
+
+def test_the_config_imports_without_torch():
+    """``python -X importtime -c "import recpipe.config"``: pydantic and PyYAML, no torch."""
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", "import recpipe.config"], capture_output=True,
+                         text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    assert "recpipe.config" in imported and "pydantic" in imported
+    assert not {m for m in imported if m.split(".")[0] in ("torch", *HEAVY)}, sorted(imported)

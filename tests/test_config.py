@@ -129,14 +129,15 @@ def test_machine_dependent_rules_exit_2_before_any_process(overrides, needle, ca
 
 
 def test_train_refuses_a_plan_that_does_not_fit_on_cuda(capsys):
-    from recpipe.train.cli import _check_memory_plan
+    from recpipe.preflight import Machine, check_memory
 
-    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gb=0.5"])
-    assert _check_memory_plan(cfg, 2, on_cuda=True, verbose=True) == 3
+    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gb=0.5", "train.device=auto"])
+    assert check_memory(cfg, Machine(cuda=True), world_size=2) == 3
     err = capsys.readouterr().err
     assert "does not fit" in err and "rank" in err
     # On CPU the GPU estimate is informational only.
-    assert _check_memory_plan(cfg, 2, on_cuda=False, verbose=False) is None
+    assert check_memory(cfg, Machine(cuda=False), world_size=2) is None
+    assert capsys.readouterr().out == ""
 
 
 def test_table_entries_override_only_what_they_set():

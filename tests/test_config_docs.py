@@ -29,11 +29,11 @@ def test_configuration_page_is_the_generated_one():
 
 def _keys(model, prefix=""):
     for name, field in model.model_fields.items():
-        ann = field.annotation
+        ann, key = field.annotation, field.alias or name  # pipeline.class: ``class_`` in code
         if isinstance(ann, type) and hasattr(ann, "model_fields"):
-            yield from _keys(ann, f"{prefix}{name}.")
+            yield from _keys(ann, f"{prefix}{key}.")
         else:
-            yield f"{prefix}{name}"
+            yield f"{prefix}{key}"
 
 
 def test_every_key_of_every_section_is_on_the_page():

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from pipeline_harness import assert_same, build, local_state, make, make_batches, small_config, RunResult
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.pipelines import PIPELINES, base, steps
+from recpipe.pipelines import PIPELINES, steps
+from recpipe.pipelines.defs import base
 from recpipe.pipelines.evaluation import PLAIN_SCHEDULE, Evaluation, eval_schedule_of
 from recpipe.train.metrics import ClickMetrics, click_outputs
 
@@ -158,7 +159,7 @@ def _step_graph_worker(cfg) -> None:
     for pipelined in (False, True):
         sm = build(cfg, device)
         pipe = PIPELINES["sparse_dist"](sm.model, sm.optimizer, device)
-        graph = apply_step_graph(pipe, StepGraphOptions(enabled=True, capacity_batches=2), capture=lambda step: step)
+        graph = apply_step_graph(pipe.context, StepGraphOptions(enabled=True, capacity_batches=2), capture=lambda step: step)
         losses: list = []
         train_steps(pipe, before, losses)
         assert graph.padded and graph.replays > 0, graph
@@ -205,6 +206,8 @@ def test_eval_schedules_are_training_steps_without_the_update(capsys):
 def test_eval_plans_fence_only_across_streams():
     """Compiled for distinct stand-in streams (as on CUDA): every wait across streams is a
     fence on an event recorded after the step it names; waits on the same stream are dropped."""
+    import types
+
     from recpipe.pipelines.evaluation import EvalPipeline
     from recpipe.pipelines.streams import Streams
 
@@ -212,7 +215,8 @@ def test_eval_plans_fence_only_across_streams():
     streams = Streams(s["compute"], s["memcpy"], s["dist"], s["dist"], s["prefetch"])
     for schedule in [d.eval_schedule for d in PIPELINES.values()] + [PLAIN_SCHEDULE]:
         pipe = object.__new__(EvalPipeline)  # only what compiling a plan reads
-        pipe.streams, pipe.max_batches_ahead, pipe._plans, pipe.schedule = streams, None, {}, schedule
+        pipe.context = types.SimpleNamespace(streams=streams)
+        pipe.max_batches_ahead, pipe._plans, pipe.schedule = None, {}, schedule
         pipe._wrappers, pipe._extra_steps = {}, {}
         _, ops, by_name = pipe._plan(schedule)
         stream_of = {step.name: streams.by_role(step.stream) for step in schedule.steps}
@@ -225,22 +229,22 @@ def test_eval_plans_fence_only_across_streams():
 
 def test_which_eval_schedule_a_pipeline_runs():
     """Its own; base's where its model runs its own sharded forward (base; a step graph's
-    schedule intercepts no module) or its class states none; the plain one when asked."""
-    from recpipe.pipelines.engine import Pipeline
+    schedule intercepts no module) or its definition states none; the plain one when asked."""
+    import dataclasses
+    import types
 
     for name, definition in PIPELINES.items():
-        pipe = object.__new__(definition.cls)  # only what choosing a schedule reads
-        pipe._modules = {"sparse.ebc": object()} if definition.cls.intercepts else {}
+        pipe = object.__new__(definition.engine_class())  # only what choosing a schedule reads
+        pipe.definition = definition
+        pipe.context = types.SimpleNamespace(modules={"sparse.ebc": object()} if definition.intercepts else {})
         assert eval_schedule_of(pipe) is definition.eval_schedule, name
         assert Evaluation(pipe, pipelined=False).schedule is PLAIN_SCHEDULE
-        pipe._modules = {}
+        pipe.context.modules = {}
         assert eval_schedule_of(pipe) is base.EVAL_SCHEDULE, name
 
-    class Custom(Pipeline):
-        schedule = base.SCHEDULE
-
-    custom = object.__new__(Custom)
-    custom._modules = {"sparse.ebc": object()}
+    custom = object.__new__(PIPELINES["sparse_dist"].engine_class())
+    custom.definition = dataclasses.replace(PIPELINES["sparse_dist"], name="custom", eval_schedule=None)
+    custom.context = types.SimpleNamespace(modules={"sparse.ebc": object()})
     assert eval_schedule_of(custom) is base.EVAL_SCHEDULE
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from recpipe.config import ConfigError, check_device, load_config
+from recpipe.config import ConfigError, load_config
+from recpipe.preflight import Machine, check_machine
 from recpipe.models.dlrm import build_model
 from recpipe.pipelines import PipelineError
 from recpipe.speedups.cuda_graphs import GraphedPart, graph_parts, install, remove
@@ -93,4 +94,4 @@ def test_recpipe_models_offer_their_dense_parts_and_paths_are_checked():
 def test_cuda_graphs_config_needs_cuda():
     cfg = load_config(None, ["pipeline.name=sparse_dist", "pipeline.cuda_graphs=true"])
     with pytest.raises(ConfigError, match="pipeline.cuda_graphs=true needs a CUDA GPU"):
-        check_device(cfg, cuda_available=False)
+        check_machine(cfg, Machine(cuda=False))

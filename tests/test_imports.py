@@ -1,12 +1,15 @@
-"""The package's import graph has no circles, and no module reaches into another's
-private names.
+"""The package's import graph has no circles, no module reaches into another's private
+names, and nothing outside the engine reads the engine's private fields.
 
 Every ``import`` / ``from ... import`` in ``recpipe/`` counts, at module level and inside
-functions (an import moved into a function to dodge a circle is still a circle);
-imports under ``if TYPE_CHECKING:`` do not (they never run). A package's ``__init__``
-is a node of its own: importing ``recpipe.pipelines.schedule`` runs
-``recpipe/pipelines/__init__.py`` first, so that file imports nothing of the package
-eagerly (recpipe.pipelines loads its public names on first use).
+functions (an import moved into a function to dodge a circle is still a circle), and so
+do imports under ``if TYPE_CHECKING:`` (a circle of types is a circle of the design) and
+the names a package loads on first use (``_EXPORTS``: ``recpipe.pipelines``). A
+package's ``__init__`` is a node of its own: importing ``recpipe.pipelines.schedule``
+runs ``recpipe/pipelines/__init__.py`` first, so that file imports nothing of the
+package eagerly. A dotted path in data (a pipeline's engine class, a speed feature's
+``apply``, ``model.factory``) is not an import: it is loaded by name when something is
+built, from above.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ def _resolve(name: str) -> str | None:
     return None
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+def _is_exports(node: ast.AST) -> bool:
+    """``_EXPORTS = {name: "recpipe.module", ...}``: a package's names loaded on first use."""
+    return (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in node.targets))
 
 
 def _imports(module: str) -> tuple[set[str], list[str]]:
@@ -49,10 +52,11 @@ def _imports(module: str) -> tuple[set[str], list[str]]:
     aliases: dict[str, str] = {}  # local name -> recpipe module
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
+        if _is_exports(node):  # names loaded on first use: imports all the same
+            for value in node.value.values:
+                target = _resolve(value.value) if isinstance(value, ast.Constant) else None
+                if target:
+                    edges.add(target)
         if isinstance(node, ast.Import):
             for a in node.names:
                 target = _resolve(a.name)
@@ -133,3 +137,45 @@ def test_no_import_circles_and_no_private_names_across_modules():
 def test_the_checker_sees_circles_and_private_names():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def _engine_private_fields() -> set[str]:
+    """The private attributes and methods of the engine's ``Pipeline`` (recpipe/pipelines/engine.py)."""
+    tree = ast.parse(MODULES["recpipe.pipelines.engine"].read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline")
+    names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
+    names |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+              if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _reads_of(fields: set[str], module: str) -> list[str]:
+    tree = ast.parse(MODULES[module].read_text())
+    return [f"{module}:{n.lineno}: .{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in fields]
+
+
+def test_nothing_outside_the_engine_reads_its_private_fields():
+    """Steps, pipeline classes, the evaluation and speed features use the engine through
+    its step context and public methods (recpipe.pipelines.context): 0 reads of the
+    engine's private fields anywhere else in the package."""
+    fields = _engine_private_fields()
+    assert {"_slots", "_recent", "_plan", "_fetch"} <= fields  # the checker sees the engine's state
+    reads = [r for m in MODULES if m != "recpipe.pipelines.engine" for r in _reads_of(fields, m)]
+    assert not reads, f"{len(reads)} reads of the engine's private fields:\n" + "\n".join(reads)
+
+
+def test_the_checkers_see_type_checking_imports_lazy_names_and_private_reads(tmp_path):
+    source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from recpipe.config import RecpipeConfig\n"
+              "_EXPORTS = {'Pipeline': 'recpipe.pipelines.engine'}\n")
+    node = ast.parse(source)
+    assert _is_exports(node.body[2])
+    MODULES["recpipe._probe"] = path = tmp_path / "probe.py"
+    path.write_text(source + "def f(pipe):\n    return pipe._slots\n")
+    try:
+        edges, _ = _imports("recpipe._probe")
+        assert {"recpipe.config", "recpipe.pipelines.engine"} <= edges
+        assert _reads_of({"_slots"}, "recpipe._probe") == ["recpipe._probe:6: ._slots"]
+    finally:
+        del MODULES["recpipe._probe"]
+

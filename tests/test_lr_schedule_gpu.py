@@ -44,7 +44,7 @@ def _train(cfg, name, batches, device, *, by_hand=False, graph_optimizer=None, s
         sm = build(cfg, device)
     if step_graph:
         pipe = PIPELINES[name](sm.model, sm.optimizer, device)
-        graph = apply_step_graph(pipe, StepGraphOptions(enabled=True, capacity_batches=2), capture_with_torch)
+        graph = apply_step_graph(pipe.context, StepGraphOptions(enabled=True, capacity_batches=2), capture_with_torch)
     else:
         pipe = make(name, sm, device, cuda_graphs=graph_optimizer is not None, cuda_graph_optimizer=bool(graph_optimizer),
                     **options)

@@ -5,6 +5,7 @@ Two Gloo processes on CPU; the schedules are the same ones that run on CUDA."""
 from __future__ import annotations
 
 import itertools
+import types
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from pipeline_harness import (
 )
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
-from recpipe.pipelines import all_schedules, fused_sparse_dist
+from recpipe.pipelines import all_schedules
+from recpipe.pipelines.defs import fused_sparse_dist
 from recpipe.pipelines.schedule import Schedule, Step
 import schedule_variants as variants
 
@@ -605,8 +607,9 @@ def test_compiled_plans_drop_only_same_stream_fences(lookup_on, max_batches_ahea
     streams = Streams(s["compute"], s["memcpy"], s["dist"], s[lookup_on] if lookup_on != "dist" else s["dist"], s["prefetch"])
     for name, schedules in all_schedules().items():
         for schedule in (*schedules, *variants.VARIANTS.get(name, ())):
-            pipe = object.__new__(PIPELINES[name].cls)  # only what compiling a plan reads
-            pipe.streams, pipe.max_batches_ahead, pipe._plans, pipe.schedule = streams, max_batches_ahead, {}, schedule
+            pipe = object.__new__(PIPELINES[name].engine_class())  # only what compiling a plan reads
+            pipe.context = types.SimpleNamespace(streams=streams)
+            pipe.max_batches_ahead, pipe._plans, pipe.schedule = max_batches_ahead, {}, schedule
             pipe._wrappers, pipe._extra_steps = {}, {}
             _, ops, by_name = pipe._plan(schedule)
             stream_of = {step.name: streams.by_role(step.stream) for step in schedule.steps}

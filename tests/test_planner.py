@@ -17,7 +17,8 @@ import yaml
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT
 from recpipe.config import load_config
-from recpipe.planner import check_fits, estimate_memory, inputs_from_config, plan_from_config, preflight
+from recpipe.planner import check_fits, estimate_memory, inputs_from_config, plan_from_config
+from recpipe.preflight import Machine, check_memory
 from recpipe.distributed import ALLOC_CONF_ENV
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, local_sparse_bytes, phase_items, rank_io
 from recpipe.planner.plan import TERM_DOC
@@ -364,10 +365,13 @@ def test_does_not_fit_names_rank_capacity_and_largest_terms():
 
 def test_preflight_for_the_trainer():
     lines: list[str] = []
-    assert preflight(cached_cfg(), log=lines.append) == 0 and "fits" in lines[0]
+    gpu = Machine(cuda=True)
+    assert check_memory(cached_cfg(), gpu, log=lines.append, refusal=lines.append) is None and "fits" in lines[0]
     lines.clear()
-    assert preflight(cached_cfg(**{"sharding.hbm_gb": 0.25}), log=lines.append) == EXIT_DOES_NOT_FIT
+    assert check_memory(cached_cfg(**{"sharding.hbm_gb": 0.25}), gpu, log=lines.append,
+                        refusal=lines.append) == EXIT_DOES_NOT_FIT
     assert "refusing to start" in lines[-1] and "rank 0" in lines[-1]
+    assert check_memory(cached_cfg(**{"sharding.hbm_gb": 0.25}), Machine(cuda=False)) is None  # host memory
 
 
 def test_estimate_is_fast_without_gpu():
@@ -426,8 +430,6 @@ def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
     plan's table opens with the per-rank summary the pre-flight prints, byte for byte.
     With placement 'planner' torchrec's partitioner puts t_cat_2 and t_cat_3 on other
     ranks than the config's rules would, which moves 0.2 GiB between the ranks."""
-    from recpipe.train.cli import _check_memory_plan
-
     path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [1_000_000, 900_000, 800_000, 10],
                                        "embedding_dim": 64, "dense_arch_layer_sizes": [64, 64]},
                              "data": {"batch_size": 512}, "distributed": {"nproc": 2},
@@ -435,7 +437,7 @@ def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
     assert main(["plan", "--config", path]) == 0
     table = capsys.readouterr().out
     cfg = load_config(path)
-    assert _check_memory_plan(cfg, cfg.distributed.nproc, on_cuda=True, verbose=True) is None
+    assert check_memory(cfg, Machine(cuda=True), world_size=cfg.distributed.nproc) is None
     preflight_summary = capsys.readouterr().out.strip()
     assert "rank" in preflight_summary and table.startswith(preflight_summary + "\n")
     by_rules = estimate_memory(inputs_from_config(cfg))
@@ -514,3 +516,33 @@ def test_placement_planner_places_every_table_by_our_estimates(capsys):
     assert {s["table"] for s in shards} == names
     with pytest.raises(ConfigError, match="placement='planner' places every table"):
         load_config(path, ["sharding.placement=planner", "sharding.tables.t_cat_5={rank: 1}"])
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.arch=dcnv2"], ["model.arch=dcnv2", "train.precision=bf16"],
+                                       ["model.num_embeddings_per_feature=[10,20,30]", "model.embedding_dim=8",
+                                        "model.dense_arch_layer_sizes=[32,8]", "model.over_arch_layer_sizes=[16,1]"],
+                                       ["model.arch=dcnv2", "model.num_embeddings_per_feature=[7,9]",
+                                        "model.dcn_num_layers=3", "model.dcn_low_rank_dim=4"]])
+def test_the_builtin_model_read_off_its_config_is_the_model_built_on_meta(overrides):
+    """``recpipe plan`` reads the built-in model's tables and dense part off its config
+    (no torchrec): exactly what building it on meta gives."""
+    from recpipe.embedding_tables import model_on_meta, model_tables
+    from recpipe.planner.model_spec import builtin_dense_spec, builtin_tables, dense_spec
+
+    cfg = load_config(None, overrides)
+    model = model_on_meta(cfg)
+    tables = model_tables(model)
+    assert builtin_tables(cfg.model) == tables
+    assert builtin_dense_spec(cfg) == dense_spec(cfg, model, tables)
+
+
+def test_the_sharding_types_stated_are_torchrecs():
+    """``recpipe.torchrec_args.SHARDER_TYPES`` (what a config check reads without torchrec)
+    is what torchrec's sharders offer, on CUDA and on CPU."""
+    from recpipe.torchrec_args import SHARDER_TYPES, make_sharders
+    from recpipe.config import SHARDING_TYPES
+
+    for device in ("cuda", "cpu"):
+        for kind, sharder in make_sharders(load_config(None, []), device, comms=False).items():
+            offered = set(sharder.sharding_types("cuda"))
+            assert SHARDER_TYPES[kind] == tuple(t for t in SHARDING_TYPES if t in offered), (device, kind)

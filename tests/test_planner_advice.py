@@ -15,7 +15,8 @@ import torch
 from recpipe.cli import main
 from recpipe.config import load_config
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT, EXIT_OK
-from recpipe.planner import plan_from_config, preflight
+from recpipe.planner import plan_from_config
+from recpipe.preflight import Machine, check_memory
 from recpipe.planner.advice import advise
 from recpipe.planner.plan import fmt_bytes
 
@@ -104,7 +105,8 @@ def test_a_plan_that_fits_gets_no_advice_and_one_nothing_helps_says_so(capsys):
 
 def test_the_trainers_refusal_names_the_changes_too():
     lines: list[str] = []
-    assert preflight(load_config(BASE, BIG), log=lines.append) == EXIT_DOES_NOT_FIT
+    assert check_memory(load_config(BASE, BIG), Machine(cuda=True), log=lines.append,
+                        refusal=lines.append) == EXIT_DOES_NOT_FIT
     assert "refusing to start" in lines[-1] and "--set sharding.tables.t_cat_0.type=row_wise" in lines[-1]
 
 

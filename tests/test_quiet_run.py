@@ -15,7 +15,7 @@ from recpipe.config import load_config
 from recpipe.torchrec_args import validated_tables
 from recpipe.models import build_model
 from recpipe.sharding import plan_summary, sharding_plan
-from recpipe.train.cli import _check_memory_plan
+from recpipe.preflight import Machine, check_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs" / "quickstart.yaml"
@@ -37,10 +37,10 @@ def test_quickstart_trains_with_a_pipeline_that_pipelines():
 
 def test_cpu_run_prints_no_gpu_memory_plan(capsys):
     cfg = load_config(str(QUICKSTART))
-    assert _check_memory_plan(cfg, 2, on_cuda=False, verbose=True) is None
+    assert check_memory(cfg, Machine(cuda=True), world_size=2) is None  # train.device=cpu
     assert capsys.readouterr().out == ""
     # on CUDA the per-rank HBM summary is printed (a pure function: no GPU needed to compute it)
-    assert _check_memory_plan(cfg, 2, on_cuda=True, verbose=True) is None
+    assert check_memory(load_config(str(QUICKSTART), ["train.device=auto"]), Machine(cuda=True), world_size=2) is None
     out = capsys.readouterr().out
     assert out.startswith("memory plan: pipeline sparse_dist, 2 rank(s)") and "capacity" in out
 

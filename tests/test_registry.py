@@ -1,9 +1,15 @@
-"""A pipeline is one module and one registry entry: a toy pipeline registered here gets
-config validation, a memory plan, ``recpipe schedule`` and training from that alone;
-and the facts the planner reads off each schedule are the ones it always used."""
+"""A pipeline is one module and one registry entry: a toy pipeline added the documented
+way (tests/toy_pipeline.py, light, run by the shared engine) and one with an engine class
+of its own, registered here, get config validation, a memory plan, ``recpipe schedule``
+and training from that alone; and the facts the planner reads off each schedule are the
+ones it always used."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -40,17 +46,13 @@ class ToyOptions(PipelineOptions):
 
 
 class ToyPipeline(Pipeline):
-    name = "toy"
-    schedule = TOY_SCHEDULE
-    intercepts = False
-
     def __init__(self, model, optimizer, device, *, flavour: str = "plain", **options) -> None:
         self.flavour = flavour
         super().__init__(model, optimizer, device, **options)
 
 
-TOY = PipelineDef("toy", ToyPipeline, ToyOptions, "a plain loop, copies two ahead", schedules=(TOY_SCHEDULE,),
-                  schedule_of=lambda options: TOY_SCHEDULE)
+TOY = PipelineDef("toy", ToyOptions, "a plain loop, copies two ahead", schedules=(TOY_SCHEDULE,),
+                  schedule_of=lambda options: TOY_SCHEDULE, offers=frozenset(), engine="test_registry:ToyPipeline")
 
 
 @pytest.fixture
@@ -90,6 +92,49 @@ def test_a_registered_pipeline_trains(toy):
     launch_local(_toy_worker, 2, small_config(2))
 
 
+@pytest.fixture
+def copies_ahead():
+    import toy_pipeline
+
+    register(toy_pipeline.PIPELINE)
+    try:
+        yield toy_pipeline.PIPELINE
+    finally:
+        unregister("copies_ahead")
+
+
+def test_a_pipeline_added_the_documented_way_is_one_light_module(copies_ahead, capsys):
+    """docs/architecture.md's recipe: one module that imports nothing heavy, one registry line;
+    the shared engine runs it."""
+    code = ("import sys, toy_pipeline; heavy = sorted(m for m in ('torch', 'torchrec', 'fbgemm_gpu') if m in sys.modules); "
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.strip() == "[]", (out.stdout, out.stderr[-2000:])
+    cfg = load_config(None, ["pipeline.name=copies_ahead"])
+    with pytest.raises(ConfigError, match="pipeline.flavour: unknown key"):
+        load_config(None, ["pipeline.name=copies_ahead", "pipeline.flavour=spicy"])
+    assert copies_ahead.engine_class() is Pipeline and not copies_ahead.intercepts
+    assert copies_ahead.memory(cfg.pipeline)["batches_in_flight"] == 3
+    assert plan_from_config(load_config(None, ["pipeline.name=copies_ahead", "distributed.nproc=2"])).ranks[0].hbm_bytes
+    assert main(["schedule", "copies_ahead"]) == 0
+    assert "copies two batches ahead" in capsys.readouterr().out
+
+
+def _copies_ahead_worker(cfg) -> None:
+    import toy_pipeline
+
+    register(toy_pipeline.PIPELINE)
+    init_process_group(cfg)
+    batches = make_batches(cfg, 5, dist.get_rank())
+    assert_same(train(cfg, "base", batches), train(cfg, "copies_ahead", batches), "copies_ahead pipeline")
+
+
+@pytest.mark.slow
+def test_a_pipeline_added_the_documented_way_trains(copies_ahead):
+    launch_local(_copies_ahead_worker, 2, small_config(2))
+
+
 # The planner's facts of every schedule, as they were stated by hand before they were read
 # off the tables (batches in flight, received KJTs alive, sent KJTs pending, side streams,
 # lookup stream, early lookups, dense backward first, kept embedding graph).
@@ -126,10 +171,11 @@ def test_memory_facts_read_off_the_schedules_are_the_stated_ones():
 
 def test_make_pipeline_builds_a_subclass_of_the_configured_pipeline_only():
     """A trainer script's hooks: ``cls`` must subclass the class of ``pipeline.name``."""
+    from recpipe.builder import make_pipeline
     from recpipe.config import load_config
     from recpipe.errors import PipelineError
-    from recpipe.pipelines import PIPELINES, make_pipeline
+    from recpipe.pipelines import PIPELINES
 
     cfg = load_config(None, ["pipeline.name=sparse_dist"])
     with pytest.raises(PipelineError, match="not a subclass of SparseDistPipeline"):
-        make_pipeline(cfg, None, None, torch.device("cpu"), cls=PIPELINES["base"].cls)
+        make_pipeline(cfg, None, None, torch.device("cpu"), cls=PIPELINES["base"].engine_class())

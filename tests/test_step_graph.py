@@ -16,10 +16,12 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline_harness import assert_same, build, make_batches, small_config, train
+from recpipe.builder import apply_speedups
 from recpipe.config import ConfigError, load_config
 from recpipe.data.batch import Batch
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
+from recpipe.preflight import check_rules
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers
 from recpipe.train.learning_rates import LearningRates
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
@@ -54,7 +56,7 @@ def _graphed(cfg, name, batches, options, segments=None):
     """Train ``batches`` with ``name`` and a step graph (stand-in capture); the result and the graph."""
     sm = build(cfg, torch.device("cpu"))
     pipe = PIPELINES[name](sm.model, sm.optimizer, torch.device("cpu"))
-    graph = apply_step_graph(pipe, options, capture=_no_graph)
+    graph = apply_step_graph(pipe.context, options, capture=_no_graph)
     from pipeline_harness import RunResult, local_state
 
     losses, weights = [], []
@@ -149,18 +151,22 @@ def test_signature_sees_ids_per_key_not_only_shapes():
 
 
 def test_config_refuses_what_a_step_graph_cannot_hold():
+    """recpipe.preflight's rules: the pipeline's capability, then the step graph's own."""
     def problems(*overrides):
         with pytest.raises(ConfigError) as err:
-            load_config(None, ["pipeline.step_graph=true", *overrides])
+            check_rules(load_config(None, ["pipeline.step_graph=true", *overrides]))
         return str(err.value)
 
-    assert "pipeline.name='semi_sync'" in problems("pipeline.name=semi_sync")
+    refused = problems("pipeline.name=semi_sync")
+    assert "pipeline.name='semi_sync'" in refused and "one_batch_per_step" in refused
+    assert "pipelines that do: base, sparse_dist" in refused
     assert "pipeline.cuda_graphs=false" in problems("pipeline.name=sparse_dist", "pipeline.cuda_graphs=true")
     assert "UVM-cached" in problems("pipeline.name=sparse_dist", "sharding.default={kernel: fused_uvm_caching}",
                                     "train.device=cuda")
     for kind in ("row_wise", "table_row_wise"):  # their ids per rank are padded to a capacity: no refusal
         cfg = load_config(None, ["pipeline.step_graph=true", "pipeline.name=sparse_dist", "distributed.nproc=2",
                                  f"sharding.tables={{t_cat_0: {{type: {kind}}}}}"])
+        check_rules(cfg)
         assert cfg.pipeline.step_graph.enabled
     assert "Adam" in problems("pipeline.name=sparse_dist", "optimizer.embedding.name=adam")
     assert "dense_gradients" in problems("pipeline.name=sparse_dist", "sharding.dense_gradients=ddp")
@@ -176,19 +182,21 @@ def _refusals_worker(cfg) -> None:
     sm = build(cfg, torch.device("cpu"))
     first = PIPELINES["sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
     with pytest.raises(PipelineError, match="CUDA device"):
-        apply_step_graph(first, StepGraphOptions())
+        apply_step_graph(first.context, StepGraphOptions())
     first.detach()
     pipe = PIPELINES["fused_sparse_dist"](sm.model, sm.optimizer, torch.device("cpu"))
-    with pytest.raises(PipelineError, match="overlaps two batches"):
-        apply_step_graph(pipe, StepGraphOptions(), capture=_no_graph)
+    with pytest.raises(PipelineError, match="does not offer one_batch_per_step"):
+        apply_step_graph(pipe.context, StepGraphOptions(), capture=_no_graph)
+    with pytest.raises(PipelineError, match="pipeline.step_graph needs one_batch_per_step"):
+        apply_speedups(pipe, load_config(None, ["pipeline.name=fused_sparse_dist", "pipeline.step_graph=true"]).pipeline)
     pipe.detach()
 
-    class Hooked(PIPELINES["sparse_dist"].cls):
+    class Hooked(PIPELINES["sparse_dist"].engine_class()):
         def after_backward(self, batch, loss):
             pass
 
     with pytest.raises(PipelineError, match="after_backward"):
-        apply_step_graph(Hooked(sm.model, sm.optimizer, torch.device("cpu")), StepGraphOptions(), capture=_no_graph)
+        apply_step_graph(Hooked(sm.model, sm.optimizer, torch.device("cpu")).context, StepGraphOptions(), capture=_no_graph)
 
 
 def test_apply_refuses_other_pipelines_and_per_step_hooks():
@@ -237,7 +245,7 @@ def _scheduled_worker(cfg) -> None:
         graph = captures = None
         if graphed:
             capture, captures = _baked_embedding_rate(sm.model, sm.optimizer)
-            graph = apply_step_graph(pipe, StepGraphOptions(enabled=True, capacity_batches=2), capture=capture)
+            graph = apply_step_graph(pipe.context, StepGraphOptions(enabled=True, capacity_batches=2), capture=capture)
         rates = LearningRates(cfg, sm.optimizer, sm.model)
         losses, it = [], iter(batches)
         while True:

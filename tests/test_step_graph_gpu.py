@@ -39,7 +39,7 @@ def _run(cfg, name, batches, device, *, capture=None, compile_=False, no_sync_af
     pipe = PIPELINES[name](sm.model, sm.optimizer, device)
     graph = None
     if capture is not None:
-        graph = apply_step_graph(pipe, options or StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.5),
+        graph = apply_step_graph(pipe.context, options or StepGraphOptions(enabled=True, capacity_batches=2, headroom=1.5),
                                  capture)
     losses = []
     it = iter([b.pin_memory() for b in batches])

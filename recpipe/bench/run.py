@@ -22,12 +22,14 @@ from recpipe.bench.measure import (MemorySnapshot, StepClock, cache_metrics, cac
                                    summarize_ms, synchronize)
 from recpipe.bench.report import Row
 from recpipe.bench.trace import combine_ranks, profile_progress
+from recpipe.builder import make_pipeline
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
 from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.registry import PIPELINES, make_pipeline
+from recpipe.pipelines.registry import PIPELINES
+from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
 
 __all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
@@ -130,7 +132,8 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
     if name == "prefetch" and prefetch_unavailable(probe):
         return None, overrides, prefetch_unavailable(probe)
     if name != cfg.pipeline.name:
-        common = {k: v for k, v in raw["pipeline"].items() if k in PipelineOptions.model_fields and k != "name"}
+        common = {k: v for k, v in raw["pipeline"].items()
+                  if k in PipelineOptions.model_fields and k not in ("name", "class")}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
     for key, value in sorted(pipe_opts.items(), key=lambda kv: kv[0].count(".")):  # sections before their keys
@@ -143,7 +146,9 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         raw["sharding"].update(prefetch_passes=1)  # multi-pass prefetch is the prefetch pipeline's
         overrides["sharding.prefetch_passes"] = 1
     try:
-        return config_from_dict(raw, f"bench config for {name}"), overrides, ""
+        run = config_from_dict(raw, f"bench config for {name}")
+        check_rules(run)
+        return run, overrides, ""
     except ConfigError as err:  # e.g. semi_sync on UVM-cached tables (no cache-line locking)
         return None, overrides, str(err).replace("\n", " ")
 

@@ -27,6 +27,7 @@ from recpipe.bench.report import Row, environment, format_table, gpu_time_table,
 from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
                                split_variant)
 from recpipe.config import ConfigError, RecpipeConfig, load_config
+from recpipe.preflight import check_rules
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import (init_process_group, launch_local, shutdown_process_group, torchrun_overrides,
                                  under_torchrun)
@@ -83,6 +84,7 @@ def main_bench(args: argparse.Namespace, sections: Sections | None = None,
     """``recpipe bench``: 0, 1 when a rank died or a recpipe pipeline failed (ConfigError: 2). A study passes its
     ``sections``, the pipelines it runs without ``--pipelines`` and its own command line for the record."""
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2 (recpipe.cli)
+    check_rules(cfg)  # the configured pipeline's and speed features' rules: ConfigError -> exit 2
     opts = options_from_args(args, cfg, default_pipelines, command)
     try:
         rows = launch(run_worker, cfg, opts, sections)

@@ -1,14 +1,25 @@
-"""What a batch producer (thread or process) hands the consumer besides batches, and how
-it puts into a bounded queue that may be closed meanwhile (``recpipe.data.stream``,
-``recpipe.data.processes``)."""
+"""What a batch producer (thread or process) hands the consumer besides batches, how it
+puts into a bounded queue that may be closed meanwhile, and what it is given to produce
+(``recpipe.data.stream``, ``recpipe.data.processes``)."""
 
 from __future__ import annotations
 
 import queue
 import threading
-from typing import Any
+from typing import Any, Callable, Protocol
 
-__all__ = ["Failed", "put_unless_closed"]
+__all__ = ["Failed", "Production", "put_unless_closed"]
+
+
+class Production(Protocol):
+    """What producers make: ``make(i)`` for ``i = start .. stop-1``, by ``workers``
+    producers, pinned for ``pin_device`` (``recpipe.data.stream.BatchStream``)."""
+
+    make: Callable[[int], Any]
+    start: int
+    stop: int
+    workers: int
+    pin_device: Any
 
 
 class Failed:

@@ -51,18 +51,15 @@ import traceback
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recv_handle, send_handle
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
 
 from recpipe.data.batch import Batch
 from recpipe.data.flat import flatten_batch, unflatten_batch
-from recpipe.data.handoff import Failed, put_unless_closed
+from recpipe.data.handoff import Failed, Production, put_unless_closed
 from recpipe.distributed import die_with_parent
-
-if TYPE_CHECKING:
-    from recpipe.data.stream import BatchStream
 
 __all__ = ["ProducerDied", "Processes"]
 
@@ -109,7 +106,7 @@ class _Producer:
         self.segments: list[_Segment | None] = [None] * _SLOTS
         self.sent = self.freed = 0
 
-    def run(self, stream: "BatchStream") -> None:
+    def run(self, stream: Production) -> None:
         for index in range(stream.start + self.w, stream.stop, self.k):
             try:
                 item = stream.make(index)
@@ -161,7 +158,7 @@ class _Producer:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # ignored by producers: the training process decides
 
 
-def _producer_main(stream: "BatchStream", w: int, k: int, conn: Connection, parent_pid: int,
+def _producer_main(stream: Production, w: int, k: int, conn: Connection, parent_pid: int,
                    parents_ends: tuple[Connection, int], signal_mask: set) -> NoReturn:
     """The forked child's whole life: it never returns into the parent's code. It
     starts with SIGINT and SIGTERM blocked (see ``_Child``)."""
@@ -186,7 +183,7 @@ def _producer_main(stream: "BatchStream", w: int, k: int, conn: Connection, pare
 class _Child:
     """The training process's handle on one producer process."""
 
-    def __init__(self, stream: "BatchStream", w: int, k: int) -> None:
+    def __init__(self, stream: Production, w: int, k: int) -> None:
         self.w, self.k = w, k
         conn, child_conn = Pipe(duplex=True)
         sentinel, child_sentinel = os.pipe()
@@ -299,7 +296,7 @@ def _exception(message: tuple) -> BaseException:
 class Processes:
     """The producer processes and the receiver thread of one iterator over ``stream``."""
 
-    def __init__(self, stream: "BatchStream") -> None:
+    def __init__(self, stream: Production) -> None:
         k = stream.workers
         self.closed = threading.Event()
         self.ready: queue.Queue = queue.Queue(_READY)

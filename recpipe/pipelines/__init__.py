@@ -1,12 +1,15 @@
 """recpipe's training pipelines: each a schedule table run by one engine.
 
-``make_pipeline(cfg, model, optimizer, device)`` builds the one named by
-``cfg.pipeline.name`` (``PIPELINES``, the registry) and applies the speed features its
+What each pipeline is (its schedules, options, rules, capabilities) is declared in
+``recpipe.pipelines.defs`` and listed by the registry (``PIPELINES``), which imports
+nothing heavy; its engine class (``Pipeline`` and its subclasses, ``recpipe.pipelines.engine``)
+loads when a pipeline is built. ``recpipe.builder.make_pipeline(cfg, model, optimizer,
+device)`` builds the one ``cfg.pipeline.name`` names and applies the speed features its
 config asks for (``recpipe.speedups``); the classes take ``(model, optimizer, device,
 **options)`` and expose ``progress(dataloader_iter)`` like TorchRec's pipelines.
 
 The names below are loaded on first use, so that importing one building block
-(``recpipe.pipelines.schedule``, ``.streams``, ...) does not import every pipeline.
+(``recpipe.pipelines.schedule``, ``.registry``, ...) does not import every pipeline.
 """
 
 from __future__ import annotations
@@ -21,12 +24,13 @@ _EXPORTS = {
     "SemiSyncPipeline": "recpipe.pipelines.semi_sync",
     "SparseDistPipeline": "recpipe.pipelines.sparse_dist",
     "Pipeline": "recpipe.pipelines.engine",
+    "StepContext": "recpipe.pipelines.context",
     "PipelineDef": "recpipe.pipelines.definition",
     "PipelineError": "recpipe.errors",
     "PIPELINES": "recpipe.pipelines.registry",
     "all_schedules": "recpipe.pipelines.registry",
     "main_schedule": "recpipe.pipelines.registry",
-    "make_pipeline": "recpipe.pipelines.registry",
+    "make_pipeline": "recpipe.builder",
     "register": "recpipe.pipelines.registry",
     "unregister": "recpipe.pipelines.registry",
 }
@@ -34,14 +38,15 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from recpipe.builder import make_pipeline
     from recpipe.errors import PipelineError
     from recpipe.pipelines.base import BasePipeline
+    from recpipe.pipelines.context import StepContext
     from recpipe.pipelines.definition import PipelineDef
     from recpipe.pipelines.engine import Pipeline
     from recpipe.pipelines.fused_sparse_dist import FusedSparseDistPipeline
     from recpipe.pipelines.prefetch import PrefetchPipeline
-    from recpipe.pipelines.registry import (PIPELINES, all_schedules, main_schedule, make_pipeline, register,
-                                            unregister)
+    from recpipe.pipelines.registry import PIPELINES, all_schedules, main_schedule, register, unregister
     from recpipe.pipelines.semi_sync import SemiSyncPipeline
     from recpipe.pipelines.sparse_dist import SparseDistPipeline
 

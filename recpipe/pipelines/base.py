@@ -1,54 +1,13 @@
-"""``base``: the plain loop, the numerical reference of every other pipeline.
-
-Only the host-to-device copy of the next batch is overlapped: it is issued before
-the forward, as TorchRec's TrainPipelineBase does, so a large batch's copy hides
-behind a whole forward and backward (issued after the backward, it hid only behind
-the optimizer step and the next forward could wait for it). Input dist, lookup and
-output dist run inline in the model's own forward.
-"""
+"""The engine class of ``base``, the plain loop (its schedule: ``recpipe.pipelines.defs.base``):
+the shared engine, which trainer scripts subclass as ``BasePipeline``."""
 
 from __future__ import annotations
 
-from typing import Literal
-
-from recpipe.pipelines.definition import PipelineDef
+from recpipe.pipelines.defs import base as base_def
 from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
 
-SCHEDULE = Schedule(
-    "base",
-    (
-        Step("zero_grad", "compute", 0),
-        Step("h2d", "memcpy", 1),
-        Step("forward", "compute", 0, waits=(("h2d", 0),)),
-        Step("backward", "compute", 0),
-        Step("optimizer", "compute", 0),
-    ),
-    doc="The plain loop: forward, backward, optimizer; the next batch's copy overlaps all three.",
-).validate()
-
-# Also the evaluation of every pipeline whose model runs its own sharded forward (a step graph's).
-EVAL_SCHEDULE = Schedule(
-    "base_eval",
-    (
-        Step("h2d", "memcpy", 1),
-        Step("forward_eval", "compute", 0, waits=(("h2d", 0),)),
-    ),
-    doc="Evaluation: the next batch's copy overlaps the forward; the model runs its own sharded forward.",
-).validate()
-
-
-class Options(PipelineOptions):
-    name: Literal["base"] = "base"
+__all__ = ["BasePipeline"]
 
 
 class BasePipeline(Pipeline):
-    name = "base"
-    schedule = SCHEDULE
-    eval_schedule = EVAL_SCHEDULE
-    intercepts = False
-
-
-PIPELINE = PipelineDef("base", BasePipeline, Options, "the plain loop; only the next batch's copy overlaps",
-                       schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE, torchrec="TrainPipelineBase")
+    definition = base_def.PIPELINE

@@ -1,29 +1,30 @@
 """What one pipeline is, for the rest of recpipe: :class:`PipelineDef`.
 
-Each pipeline module ends with ``PIPELINE = PipelineDef(...)``; the registry
-(``recpipe.pipelines.registry``) lists them by name.
+Each pipeline's declaration module (``recpipe/pipelines/defs/``) ends with
+``PIPELINE = PipelineDef(...)``; the registry (``recpipe.pipelines.registry``) lists them
+by name. A definition is data, and imports nothing heavy: config, preflight, planner,
+bench and CLI read it without loading torch. Its engine class is named by dotted path and
+imported when a pipeline is built (:meth:`PipelineDef.engine_class`).
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.capabilities import INTERCEPTS
+from recpipe.errors import PipelineError
+from recpipe.pipelines.options import PipelineKeys, PipelineOptions
 from recpipe.pipelines.schedule import Schedule, memory_facts
 
-if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+__all__ = ["ENGINE", "PipelineDef"]
 
-__all__ = ["PipelineDef", "SPEEDUP_SECTIONS"]
-
-
-# The ``pipeline`` section's speed features (recpipe.speedups): applied from outside, not engine arguments.
-SPEEDUP_SECTIONS = ("compile", "cuda_graphs", "step_graph", "cache_fill")
+# The engine that runs any schedule of the shared steps (recpipe.pipelines.steps).
+ENGINE = "recpipe.pipelines.engine:Pipeline"
 
 
-def _no_rules(cfg: "RecpipeConfig") -> list[str]:
+def _no_rules(cfg: Any) -> list[str]:
     return []
 
 
@@ -31,12 +32,17 @@ def _no_rules(cfg: "RecpipeConfig") -> list[str]:
 class PipelineDef:
     """Everything the rest of recpipe needs to know about one pipeline.
 
-    * ``cls``: its engine class, built as ``cls(model, optimizer, device, **options)``;
     * ``options``: its pydantic options (a :class:`PipelineOptions` subclass whose
       ``name`` is ``Literal[name]``);
-    * ``schedules``: every training schedule it may run, the default first (``recpipe schedule
-      NAME`` prints them, then ``eval_schedule``, its engine class's evaluation);
-    * ``check``: the config rules that concern it (problems, one per line);
+    * ``schedules``: every training schedule it may run, the default first (``recpipe
+      schedule NAME`` prints them, then ``eval_schedule``, its evaluation's; None: the
+      copy-only one of ``base``, ``recpipe.pipelines.evaluation``);
+    * ``offers``: its capabilities (``recpipe.capabilities``), which speed features ask for;
+    * ``engine``: ``"package.module:Class"``, its engine class, imported when a pipeline is
+      built: the shared engine (``ENGINE``) runs any schedule of the shared steps; a
+      pipeline with steps or build-time checks of its own names its own subclass;
+    * ``check``: its config rules (problems, one per line; ``recpipe.preflight`` runs them
+      with the ``RecpipeConfig``);
     * ``schedule_of``: the schedule a given set of options runs (its memory facts come
       from it, :func:`recpipe.pipelines.schedule.memory_facts`), and ``extra_facts``
       what a schedule cannot say (e.g. semi_sync's stashed gradients);
@@ -46,35 +52,49 @@ class PipelineDef:
     """
 
     name: str
-    cls: type[Pipeline]
     options: type[PipelineOptions]
     doc: str
     schedules: tuple[Schedule, ...]
     schedule_of: Callable[[Any], Schedule]
-    check: Callable[["RecpipeConfig"], list[str]] = _no_rules
+    eval_schedule: Schedule | None = None
+    offers: frozenset[str] = frozenset({INTERCEPTS})
+    engine: str = ENGINE
+    check: Callable[[Any], list[str]] = _no_rules
     extra_facts: Callable[[Any], dict[str, Any]] = field(default=lambda options: {})
     torchrec: str | None = None
     torchrec_options: Callable[[Any], tuple[dict[str, Any], list[str]]] = field(
         default=lambda options: ({}, []))
 
     @property
-    def eval_schedule(self) -> Schedule | None:
-        """The schedule its evaluation runs (its engine class's; ``recpipe.pipelines.evaluation``)."""
-        return self.cls.eval_schedule
+    def intercepts(self) -> bool:
+        """Whether its engine hands the sharded modules inputs prepared ahead of forward."""
+        return INTERCEPTS in self.offers
 
-    def __call__(self, model: Any, optimizer: Any, device: Any, **options: Any) -> Pipeline:
+    def engine_class(self) -> type:
+        """Its engine class (a ``recpipe.pipelines.engine.Pipeline``), imported now: torch,
+        torchrec and FBGEMM with it."""
+        module, _, name = self.engine.partition(":")
+        cls = getattr(importlib.import_module(module), name, None)
+        if not isinstance(cls, type):
+            raise PipelineError(f"pipeline {self.name!r}: its engine {self.engine!r} is not a class")
+        return cls
+
+    def __call__(self, model: Any, optimizer: Any, device: Any, **options: Any) -> Any:
         """``PIPELINES[name](model, optimizer, device, **options)``: the engine, as its class
-        builds it (a study passes ``schedule=``; speed features are applied from outside)."""
-        return self.cls(model, optimizer, device, **options)
+        builds it (a study passes ``schedule=``; speed features are applied from outside,
+        ``recpipe.builder``)."""
+        return self.engine_class()(model, optimizer, device, definition=self, **options)
 
     def memory(self, options: PipelineOptions) -> dict[str, Any]:
         """The planner's facts about this pipeline (``recpipe.planner.spec.PipelineSpec`` fields)."""
         return {"name": self.name, **memory_facts(self.schedule_of(options)), **self.extra_facts(options)}
 
-    def build(self, model: Any, optimizer: Any, device: Any, options: PipelineOptions, **extra: Any) -> Pipeline:
-        """The engine for ``options``: the pipeline's own keys and the common ones (the
-        speed features' sections are applied from outside, ``recpipe.speedups``)."""
-        own = {k: getattr(options, k) for k in type(options).model_fields
-               if k not in ("name", "inputs") and k not in SPEEDUP_SECTIONS}
-        return self.cls(model, optimizer, device, **own, **extra)
+    def engine_options(self, options: PipelineOptions) -> dict[str, Any]:
+        """The keyword arguments of its engine for ``options``: the pipeline's own keys and
+        the common ones, not the speed features' sections (applied from outside) nor
+        ``class`` and ``inputs`` (the builder resolves them)."""
+        return {k: getattr(options, k) for k in type(options).model_fields if k not in _NOT_ENGINE}
 
+
+# The speed features' sections (fields of every pipeline's options) and what the builder resolves.
+_NOT_ENGINE = frozenset({"name", "class_", "inputs", *(set(PipelineOptions.model_fields) - set(PipelineKeys.model_fields))})

@@ -1,12 +1,20 @@
 """The one engine that runs every pipeline's schedule table.
 
-A pipeline is a ``Pipeline`` subclass that names its schedule(s) and, where it
-differs, how a step behaves; this engine owns everything they share: batches in
-flight (slots), fill and drain, the end-of-data agreement across ranks, the GPU
-fences named by ``Step.waits``, the sharded-module interception, and user hooks.
-Speed features (``recpipe.speedups``) are applied to the model and to the pipeline
-from outside, through two public hooks: ``wrap_step`` (a step's function, wrapped)
-and ``replace_schedule`` (another schedule, with step functions of its own).
+A pipeline is its definition (``recpipe.pipelines.definition.PipelineDef``: its
+schedules and capabilities, data) run by this engine, or by a ``Pipeline`` subclass
+that says, where it differs, how a step behaves; the engine owns everything they
+share: batches in flight (slots), fill and drain, the end-of-data agreement across
+ranks, the GPU fences named by ``Step.waits``, the sharded-module interception, and
+user hooks. Speed features (``recpipe.speedups``) are applied to the model and to the
+pipeline from outside, through three public hooks: ``wrap_step`` (a step's function,
+wrapped), ``replace_schedule`` (another schedule, with step functions of its own) and
+``on_detached`` (called when a run outside the pipeline ends).
+
+What a step, a hook or a speed feature may use of the engine is one object, the
+pipeline's :class:`StepContext` (``pipeline.context``): steps are ``step(ctx, batch)``,
+speed features are applied as ``apply(ctx, options)``, and hooks read ``self.context``.
+Nothing outside this module reads the engine's private fields
+(``tests/test_imports.py`` counts them: none).
 
 Slots: ``_slots[k]`` holds the batch k places ahead of the one being trained.
 Each ``progress()`` runs the schedule's steps in order on the batches in their
@@ -48,33 +56,13 @@ from torch import nn
 from recpipe.distributed import control_group
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
+from recpipe.pipelines.context import InFlight, StepContext
+from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Event, Stream, Streams, fence, record_event, use_stream
+from recpipe.pipelines.streams import Stream, Streams, fence, record_event, use_stream
 
-@dataclass(eq=False)
-class InFlight:
-    """One batch in the pipeline and everything made for it so far."""
-
-    index: int  # position in the pipeline's stream of batches (0, 1, ...)
-    host: Any  # the user's batch (recpipe's Batch, or any torchrec Pipelineable)
-    is_padding: bool = False
-    zero_loss: bool = False  # a padding batch without as_padding(): its loss is multiplied by 0
-    device: Any = None
-    ctxs: dict[str, Any] = field(default_factory=dict)  # module contexts (create_context)
-    splits: list[tuple[list[str], Any]] = field(default_factory=list)  # fused splits all-to-alls
-    dist_in: dict[str, Any] = field(default_factory=dict)  # tensors all-to-all awaitables, then KJTLists
-    emb: dict[str, Any] = field(default_factory=dict)  # early lookups: output-dist awaitables
-    emb_ready: dict[str, Any] = field(default_factory=dict)  # early lookups, output dist already waited
-    detached: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # semi_sync
-    lookup_out: dict[str, list[Any]] = field(default_factory=dict)  # semi_sync before_update: the lookups' output edges
-    lookup_grads: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # ... and their gradients
-    consumed: set[str] = field(default_factory=set)
-    events: dict[str, Event] = field(default_factory=dict)
-    loss: torch.Tensor | None = None  # until backward (it holds the autograd graph)
-    loss_value: torch.Tensor | None = None  # detached, for the caller
-    output: Any = None  # what the model returned besides the loss (forward_eval: all it returned)
-    forwarded: bool = False  # forward_eval ran (an evaluation keeps no loss)
+__all__ = ["InFlight", "Pipeline", "StepContext"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -82,7 +70,7 @@ class _Op:
     """One step of a schedule, resolved for this pipeline (see ``Pipeline._plan``)."""
 
     step: Step
-    fn: Callable[["Pipeline", InFlight], None]
+    fn: Callable[["StepContext", InFlight], None]
     stream: Stream
     fences: tuple[tuple[str, int], ...]  # the step's waits on steps of another stream
     record: bool  # record an event after it (a fence on another stream waits for it)
@@ -90,7 +78,6 @@ class _Op:
     @property
     def label(self) -> str:
         return f"recpipe.{self.step.name}"
-
 
 class Pipeline:
     """Base of every recpipe pipeline: ``progress(iterator)`` trains one batch.
@@ -102,18 +89,23 @@ class Pipeline:
     module paths (``sparse.ebc``) to functions that compute the module's input from
     the device batch, for modules whose input is built inside forward.
 
+    What it runs is its ``definition`` (``recpipe.pipelines.definition.PipelineDef``:
+    name, schedules, capabilities), given when it is built (``PIPELINES[name](...)``,
+    ``recpipe.builder.make_pipeline``) or set on a pipeline's own class.
+
     Hooks for subclasses in trainer scripts (each a no-op here; see
-    scripts/custom_pipeline.py): ``on_batch_fetched(batch)``,
+    scripts/custom_pipeline.py and ``pipeline.class``): ``on_batch_fetched(batch)``,
     ``before_forward(batch)``, ``after_backward(batch, loss)``,
     ``after_optimizer_step(batch)``. ``batch`` is the batch on the device, except in
-    ``on_batch_fetched`` (the host batch, before the copy).
+    ``on_batch_fetched`` (the host batch, before the copy); ``self.context`` is what
+    they may use of the engine (:class:`StepContext`).
+
+    For pipeline classes (a pipeline with steps of its own): ``schedules()``,
+    ``schedule_for(batch)``, ``step_function(name)``, ``sharded_forward(...)``,
+    ``own_forward(...)`` and ``after_detached_run()``.
     """
 
-    name = "pipeline"
-    schedule: Schedule
-    # Its evaluation (recpipe.pipelines.evaluation); None: the copy-only one of ``base``.
-    eval_schedule: Schedule | None = None
-    intercepts = True  # does forward take prepared inputs from the pipeline?
+    definition: PipelineDef | None = None  # a pipeline class's own (else given when built)
 
     def __init__(
         self,
@@ -121,50 +113,62 @@ class Pipeline:
         optimizer: torch.optim.Optimizer,
         device: torch.device,
         *,
+        definition: PipelineDef | None = None,
         schedule: Schedule | None = None,
         max_batches_ahead: int | None = None,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
         splits_exchange: str = "device",
         streams: Streams | None = None,
+        intercepts: bool | None = None,
+        sources: Mapping[str, InputSource] | None = None,
     ) -> None:
-        """``schedule``: run this schedule instead of the pipeline's own (a variant order,
-        made of the steps this pipeline has functions for). ``streams``: run on these
-        (an evaluation runs on its training pipeline's, ``recpipe.pipelines.evaluation``).
+        """``definition``: what to run (default: the class's own). ``schedule``: run this
+        schedule instead of the definition's first (a variant order, made of the steps this
+        pipeline has functions for). ``streams``: run on these, ``intercepts``: whether to
+        intercept the sharded modules (default: the definition's capability) and
+        ``sources``: where their inputs are, as another pipeline learned them (an
+        evaluation runs on its training pipeline's, ``recpipe.pipelines.evaluation``).
         The other options are the ``pipeline`` config section's common keys
         (``recpipe.pipelines.options.PipelineOptions``, where they are validated)."""
-        if schedule is not None:
-            self.schedule = schedule.validate()
+        definition = definition or type(self).definition
+        if definition is None:
+            raise PipelineError(f"{type(self).__name__} has no pipeline definition: build it through "
+                                "recpipe.pipelines.PIPELINES[name](...) or give definition=")
+        self.definition = definition
+        self.name = definition.name
+        self.schedule = (schedule or definition.schedules[0]).validate()
+        self.intercepts = definition.intercepts if intercepts is None else intercepts
         self.splits_exchange = splits_exchange
         self.model = model
         self.optimizer = optimizer
         self.device = device
         self.max_batches_ahead = max_batches_ahead
         self.uneven_data = uneven_data
-        self.streams = streams if streams is not None else Streams.create(device, self.all_roles())
-        self._modules = sharded.find_sharded_modules(model) if self.intercepts else {}
+        modules = sharded.find_sharded_modules(model) if self.intercepts else {}
         self.inputs = dict(inputs or {})
-        unknown = sorted(set(self.inputs) - set(self._modules))
+        unknown = sorted(set(self.inputs) - set(modules))
         if unknown:
             raise PipelineError(
                 f"inputs names {unknown}, which are not sharded modules of the model; its sharded modules are "
-                f"{sorted(self._modules) or 'none (this pipeline does not intercept them)'}"
+                f"{sorted(modules) or 'none (this pipeline does not intercept them)'}"
             )
-        # Where each module's input comes from: learned on the first batch (None until then).
-        self._sources: dict[str, InputSource] | None = None if self._modules else {}
-        self._found_sources: dict[str, InputSource] = {}
-        self.discovering = False  # inside the first batch's forward
+        if streams is None:
+            streams = Streams.create(device, self.all_roles())
+        self.context = StepContext(self, streams, modules, self.inputs, max_batches_ahead, splits_exchange)
+        if sources and modules:  # learned by another pipeline: input dists run in the order it found
+            self.context.modules = {fqn: modules[fqn] for fqn in sources}
+            self.context.sources = dict(sources)
         self.last_loss: torch.Tensor | None = None
         self.last_is_padding = False
         # Speed features applied to this pipeline and its model (recpipe.speedups), for repr.
         self.applied: list[Any] = []
         # Step functions wrapped by speed features or studies (wrap_step), in the order applied.
         self._wrappers: dict[str, list[Callable[[Callable], Callable]]] = {}
-        self._extra_steps: dict[str, Callable[["Pipeline", "InFlight"], None]] = {}  # replace_schedule's
-        self._splits_fused = False  # SplitsOnlyForward installed (after the first input dist)
+        self._extra_steps: dict[str, Callable[[StepContext, InFlight], None]] = {}  # replace_schedule's
+        self._on_detached: list[Callable[[], None]] = []  # speed features' (on_detached)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
         self._recent: OrderedDict[int, InFlight] = OrderedDict()  # for delta=-1 waits and the rate limiter
-        self._current: InFlight | None = None  # the batch inside forward
         self._exhausted = False  # no rank has data left (agreed)
         self._local_done = False  # this rank's iterator has ended
         self._fetched = 0
@@ -177,9 +181,18 @@ class Pipeline:
         # Compiled schedules, by id (built on the first progress(), once subclasses are set up).
         self._plans: dict[int, tuple[Schedule, list[_Op], dict[str, _Op]]] = {}
         self._ambient: Stream = None  # the current stream during progress() if it is compute
-        self._on: Stream = None  # the current stream inside a step (see _run)
         self.attached = False
         self.attach()
+
+    @property
+    def streams(self) -> Streams:
+        return self.context.streams
+
+    @property
+    def last_fetched(self) -> Any:
+        """The last host batch this rank fetched of its own (None before the first): the
+        template of its padding batches."""
+        return self._last_host
 
     # ------------------------------------------------------------ user hooks
     def on_batch_fetched(self, batch: Any) -> None: ...
@@ -192,7 +205,7 @@ class Pipeline:
 
     # --------------------------------------------- for speed features and studies
     def wrap_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
-        """Run step ``name`` as ``wrapper(fn)(pipeline, batch)``, ``fn`` being the step's
+        """Run step ``name`` as ``wrapper(fn)(ctx, batch)``, ``fn`` being the step's
         function so far (a speed feature: ``recpipe.speedups.cache_fill``; a study: a clock
         around a step). Before the first ``progress()``, with no batch in flight."""
         if name not in {s.name for sched in self.schedules() for s in sched.steps}:
@@ -201,7 +214,7 @@ class Pipeline:
         self._wrappers.setdefault(name, []).append(wrapper)
         self._plans.clear()
 
-    def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[["Pipeline", "InFlight"], None]],
+    def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[[StepContext, InFlight], None]],
                          *, intercepts: bool) -> None:
         """Run ``schedule`` from now on, its steps without a function of this pipeline
         taken from ``functions`` (``recpipe.speedups.step_graph``: the whole training step
@@ -213,21 +226,27 @@ class Pipeline:
             raise PipelineError(f"{self.name}: schedule {schedule.name} has steps {missing} without a function")
         if self.attached:
             self.detach()
+        ctx = self.context
         self.schedule = schedule
         self._extra_steps = dict(functions)
-        self._modules = self._modules if intercepts else {}
-        self._sources = None if self._modules else {}
-        self.streams = Streams.create(self.device, self.all_roles() | schedule.roles)
+        ctx.modules = ctx.modules if intercepts else {}
+        ctx.sources = None if ctx.modules else {}
+        ctx.streams = Streams.create(self.device, self.all_roles() | schedule.roles)
         self._slots = [None] * schedule.depth
         self._depth = schedule.depth
         self._plans.clear()
         self.attach()
 
+    def on_detached(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` whenever a ``detached()`` block ends, after ``after_detached_run``
+        (a speed feature drops the state a forward outside the pipeline left)."""
+        self._on_detached.append(fn)
+
     def _check_idle(self, what: str) -> None:
         if self.in_flight():
             raise PipelineError(f"{self.name}: cannot {what} with batches in flight")
 
-    # ------------------------------------------------------ for subclasses
+    # ------------------------------------------------------ for pipeline classes
     def all_roles(self) -> frozenset[str]:
         return frozenset().union(*(s.roles for s in self.schedules()))
 
@@ -239,22 +258,23 @@ class Pipeline:
         """The schedule of the call that trains ``batch`` (pipelines with phases override)."""
         return self.schedule
 
-    def step_function(self, name: str) -> Callable[["Pipeline", InFlight], None]:
-        """The function of step ``name`` (subclasses override it for their own steps).
+    def step_function(self, name: str) -> Callable[[StepContext, InFlight], None]:
+        """The function of step ``name`` (pipeline classes override it for their own steps).
         Resolved once per schedule, on the first ``progress()`` (after every subclass
         ``__init__`` has run)."""
         return self._extra_steps.get(name) or steps.STEPS[name]
 
-    def _step_function(self, name: str) -> Callable[["Pipeline", InFlight], None]:
+    def _step_function(self, name: str) -> Callable[[StepContext, InFlight], None]:
         fn = self._extra_steps.get(name) or self.step_function(name)
         for wrapper in self._wrappers.get(name, ()):
             fn = wrapper(fn)
         return fn
 
-    def _sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
-        return steps.sharded_forward(self, batch, fqn, module)
+    def sharded_forward(self, batch: InFlight, fqn: str, module: Any) -> Any:
+        """What sharded module ``fqn`` returns inside this pipeline's forward of ``batch``."""
+        return steps.sharded_forward(self.context, batch, fqn, module)
 
-    def _own_forward(self, batch: InFlight, fqn: str, module: Any, features: Any) -> Any:
+    def own_forward(self, batch: InFlight, fqn: str, module: Any, features: Any) -> Any:
         """The first batch's call of a sharded module: its own forward (``discovering``)."""
         return type(module).forward(module, features)
 
@@ -264,10 +284,11 @@ class Pipeline:
         StopIteration once every batch has been trained."""
         if not self.attached:
             self.attach()
-        self._ambient = self._on = self.streams.ambient()
+        ctx = self.context
+        self._ambient = ctx.stream = ctx.streams.ambient()
         if not self.in_flight():
-            self.streams.start_pass()
-        if self._sources is None:
+            ctx.streams.start_pass()
+        if ctx.sources is None:
             return self._progress_discovering(dataloader_iter)
         self._fill(dataloader_iter)
         head = self._slots[0]
@@ -327,33 +348,43 @@ class Pipeline:
         self._run(by_name["h2d"], batch)
         upto = next(i for i, op in enumerate(ops) if op.step.name in ("forward", "forward_eval"))
         head_ops = [op for op in ops[: upto + 1] if op.step.offset == 0]
-        self.discovering = True
+        ctx = self.context
+        ctx.discovering = True
         try:
             self._run_ops(head_ops, it)
         finally:
-            self.discovering = False
-        found, self._found_sources = self._found_sources, {}
+            ctx.discovering = False
+        found, ctx.found_sources = ctx.found_sources, {}
         # Input dists run in the order the model calls the modules, as in the plain loop.
-        self._modules = {fqn: self._modules[fqn] for fqn in found}
-        self._sources = found
+        ctx.modules = {fqn: ctx.modules[fqn] for fqn in found}
+        ctx.sources = found
         self._fill(it)
         self._run_ops([op for op in ops if op not in head_ops], it)
         return self._finish_step(batch)
 
     def describe(self) -> str:
         """Each sharded module and where its input comes from (known after the first batch)."""
-        if not self._modules:
+        ctx = self.context
+        if not ctx.modules:
             return f"{self.name}: no sharded module is intercepted (the model runs its own forward)"
-        if self._sources is None:
-            return f"{self.name}: inputs not known yet (learned on the first batch): {', '.join(self._modules)}"
-        return "\n".join(f"{fqn} <- {self._sources[fqn]}" for fqn in self._modules)
+        if ctx.sources is None:
+            return f"{self.name}: inputs not known yet (learned on the first batch): {', '.join(ctx.modules)}"
+        return "\n".join(f"{fqn} <- {ctx.sources[fqn]}" for fqn in ctx.modules)
 
     def in_flight(self) -> int:
         return sum(b is not None for b in self._slots)
 
+    def batch_ahead(self, slot: int) -> InFlight | None:
+        """The batch ``slot`` places ahead of the one being trained (None: none, e.g. draining)."""
+        return self._slots[slot] if slot < len(self._slots) else None
+
+    def recent_batch(self, index: int) -> InFlight | None:
+        """Batch ``index`` while it is in flight or was trained lately (``StepContext.recent``)."""
+        return self._recent.get(index)
+
     def attach(self) -> None:
         if not self.attached:
-            sharded.install(self, self._modules)
+            sharded.install(self.context, self.context.modules)
             self.attached = True
 
     def detach(self) -> None:
@@ -363,10 +394,18 @@ class Pipeline:
                 f"{self.name}: cannot detach with {self.in_flight()} batches in flight; "
                 "call progress() until StopIteration first"
             )
-        sharded.remove(self._modules)
-        sharded.remove_splits_only(self._modules)
-        self._splits_fused = False
+        sharded.remove(self.context.modules)
+        sharded.remove_splits_only(self.context.modules)
+        self.context.splits_fused = False
         self.attached = False
+
+    def abandon(self) -> None:
+        """Drop the batches in flight (a pass left before its end: an error, or the caller
+        stopped reading); the engine is not used again. The current stream first waits for
+        their side-stream work (a prefetch that no forward will wait for)."""
+        self.streams.join()
+        self._slots = [None] * self._depth
+        self._recent.clear()
 
     @contextlib.contextmanager
     def detached(self):
@@ -376,15 +415,18 @@ class Pipeline:
             yield self.model
         finally:
             self.after_detached_run()
+            for fn in self._on_detached:
+                fn()
             self.attach()
 
     def after_detached_run(self) -> None:
         """Called when a ``detached()`` block ends (prefetch releases cache locks here)."""
 
     def __repr__(self) -> str:
+        modules = self.context.modules
         lines = [f"{type(self).__name__}(schedule={self.schedule.name}, depth={self.schedule.depth})"]
-        lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in self._modules.items()]
-        lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(self._modules)]
+        lines += [f"  {fqn}: {vars(m).get('forward', 'own forward')!r}" for fqn, m in modules.items()]
+        lines += [f"  input all-to-all: {vars(d).get('forward', 'own forward')!r}" for d in sharded.kjt_all_to_alls(modules)]
         lines += [f"  {line}" for applied in self.applied for line in repr(applied).splitlines()]
         return "\n".join(lines)
 
@@ -396,12 +438,13 @@ class Pipeline:
             return plan
         mixed = [s.name for s in self.schedules() if not s.same_stages(self.schedules()[0])]
         assert not mixed, f"{self.name}: schedules {mixed} move batches unlike {self.schedules()[0].name}"
+        streams_of = self.streams.by_role
         # A step's stream, over every schedule this pipeline may run (a delta=-1 wait
         # reads the event of the previous batch, which may have run another schedule).
         streams: dict[str, list[Stream]] = {}
         for sched in [*self.schedules(), schedule]:
             for step in sched.steps:
-                streams.setdefault(step.name, []).append(self.streams.by_role(step.stream))
+                streams.setdefault(step.name, []).append(streams_of(step.stream))
 
         def same_stream(dep: str, stream: Stream) -> bool:
             return all(s is stream for s in streams[dep])
@@ -411,11 +454,11 @@ class Pipeline:
         waited = {"optimizer"} if self.max_batches_ahead is not None else set()
         for sched in [*self.schedules(), schedule]:
             for step in sched.steps:
-                here = self.streams.by_role(step.stream)
+                here = streams_of(step.stream)
                 waited.update(dep for dep, _ in step.waits if not same_stream(dep, here))
         ops = []
         for step in schedule.steps:
-            stream = self.streams.by_role(step.stream)
+            stream = streams_of(step.stream)
             fences = tuple((dep, delta) for dep, delta in step.waits if not same_stream(dep, stream))
             ops.append(_Op(step, self._step_function(step.name), stream, fences, step.name in waited and stream is not None))
         plan = (schedule, ops, {op.step.name: op for op in ops})
@@ -442,12 +485,13 @@ class Pipeline:
                 self._run(by_name[step.name], batch)
 
     def _run(self, op: _Op, batch: InFlight) -> None:
+        ctx = self.context
         stream = op.stream
         for dep, delta in op.fences:
             source = batch if delta == 0 else self._recent.get(batch.index - 1)
             if source is not None:
                 fence(stream, source.events.get(dep))
-        self._on = stream  # the current stream while the step runs (steps skip switching to it)
+        ctx.stream = stream  # the current stream while the step runs (steps skip switching to it)
         # Under torch.profiler each step is a named range ("recpipe.input_dist", ...), so a
         # trace shows host time per phase; otherwise not even the range object is made.
         ranged = _profiler._is_profiler_enabled
@@ -456,12 +500,12 @@ class Pipeline:
             scope.__enter__()
         try:
             if stream is None or stream is self._ambient:  # already the current stream
-                op.fn(self, batch)
+                op.fn(ctx, batch)
             else:
                 with use_stream(stream):
-                    op.fn(self, batch)
+                    op.fn(ctx, batch)
         finally:
-            self._on = self._ambient
+            ctx.stream = self._ambient
             if ranged:
                 scope.__exit__(None, None, None)
         if op.record:

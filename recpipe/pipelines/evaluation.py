@@ -54,7 +54,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from recpipe.errors import PipelineError
-from recpipe.pipelines import base
+from recpipe.pipelines.defs import base
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.pipelines.streams import Streams
@@ -74,10 +74,10 @@ PLAIN_SCHEDULE = Schedule(
 
 
 def eval_schedule_of(pipeline: Pipeline) -> Schedule:
-    """The eval schedule of ``pipeline``: its class's, or ``base``'s copy-only one where its
-    model runs its own sharded forward (``base``, a step graph) or its class states none."""
-    own = type(pipeline).eval_schedule
-    if own is None or not pipeline._modules:
+    """The eval schedule of ``pipeline``: its definition's, or ``base``'s copy-only one where
+    its model runs its own sharded forward (``base``, a step graph) or it states none."""
+    own = pipeline.definition.eval_schedule
+    if own is None or not pipeline.context.modules:
         return base.EVAL_SCHEDULE
     return own
 
@@ -98,31 +98,21 @@ class EvalPipeline(Pipeline):
     ahead of the forward too) and returns all the model returned for it; ``last_is_padding``
     says whether it was a padding batch. Built per evaluation (see :class:`Evaluation`)."""
 
-    name = "eval"
-
     def __init__(self, train: Pipeline, schedule: Schedule) -> None:
-        self.intercepts = any(s.name == "input_dist" for s in schedule.steps)
-        super().__init__(train.model, train.optimizer, train.device, schedule=schedule,
-                         uneven_data=train.uneven_data, inputs=train.inputs if self.intercepts else None,
-                         splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule))
+        intercepts = any(s.name == "input_dist" for s in schedule.steps)
+        # Where each module's input is: the training pipeline learned it (else the first eval batch does).
+        super().__init__(train.model, train.optimizer, train.device, definition=train.definition, schedule=schedule,
+                         uneven_data=train.uneven_data, inputs=train.inputs if intercepts else None,
+                         splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule),
+                         intercepts=intercepts, sources=train.context.sources if intercepts else None)
         self.name = f"{train.name} eval"
-        learned = train._sources
-        if self.intercepts and learned:  # where each module's input is: the training pipeline learned it
-            self._modules = {fqn: self._modules[fqn] for fqn in learned}
-            self._sources = dict(learned)
-        self.padding_template = train._last_host if train._last_host is not None else train.padding_template
+        last = train.last_fetched
+        self.padding_template = last if last is not None else train.padding_template
 
     def progress(self, dataloader_iter: Iterator[Any]) -> Any:
         with torch.no_grad():
             return super().progress(dataloader_iter)
 
-    def abandon(self) -> None:
-        """Drop the batches in flight (a pass left before its end: an error, or the caller
-        stopped reading); the engine is not used again. The current stream first waits for
-        their side-stream work (a prefetch that no forward will wait for)."""
-        self.streams.join()
-        self._slots = [None] * self._depth
-        self._recent.clear()
 
 
 class Evaluation:

@@ -1,85 +1,25 @@
-"""``fused_sparse_dist``: the lookup of batch i+1 starts as soon as batch i's TBE
-backward has updated the tables, overlapping the dense optimizer step.
-
-The fused TBE backward applies the embedding optimizer in place, so once it is
-done the lookup (TBE forward + output all-to-all) of i+1 reads exactly the weights
-``sparse_dist`` would read: bit-identical numerics. The lookup runs on the compute
-stream, right after backward(i) in stream order — TorchRec 1.8 runs it on a side
-stream without a fence, where it can race the update (see the reference notes, PR
-#4497). On the compute stream its outputs also stay in the compute stream's allocator
-pool: on one H100 at 65536 samples it stepped 4 % faster than on the input-dist stream
-(TorchRec's ``data_dist``) with 2 % less reserved memory; the bench gives TorchRec's
-pipeline the same stream.
-
-The lookup comes before the dense optimizer step of batch i, unless the dense
-optimizer updates embedding tables (``data_parallel`` tables): then the lookup waits
-for that step (``SCHEDULE_AFTER_OPTIMIZER``). Modules with feature processors are
-refused: their output depends on dense parameters the optimizer has not stepped yet
-(TorchRec PR #2916).
-"""
+"""The engine class of ``fused_sparse_dist`` (its schedules and why:
+``recpipe.pipelines.defs.fused_sparse_dist``): picks the schedule the model allows and
+refuses the modules it cannot pipeline, when it is built."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded
-from recpipe.pipelines.definition import PipelineDef
+from recpipe.pipelines.defs import fused_sparse_dist as fused_sparse_dist_def
 from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.pipelines.schedule import Schedule
 
-_HEAD = (
-    Step("zero_grad", "compute", 0),
-    Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-    Step("h2d", "memcpy", 2),
-    Step("forward", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
-    Step("input_dist_wait", "dist", 1),
-    Step("backward", "compute", 0),
-)
-# Fenced on the previous batch's backward: the TBE update it applies must land first (on the
-# compute stream, stream order is that fence; a schedule with the lookup on another stream needs it).
-LOOKUP = Step("lookup", "compute", 1, waits=(("input_dist_wait", 0), ("backward", -1)))
-_OPTIMIZER = Step("optimizer", "compute", 0)
-
-SCHEDULE = Schedule(
-    "fused_sparse_dist",
-    (*_HEAD, LOOKUP, _OPTIMIZER),
-    doc="Lookup of batch i+1 right after backward(i), beside the dense optimizer step of batch i.",
-).validate()
-
-SCHEDULE_AFTER_OPTIMIZER = Schedule(
-    "fused_sparse_dist_lookup_after_optimizer",
-    (*_HEAD, _OPTIMIZER, LOOKUP),
-    doc="With data_parallel tables (the dense optimizer updates them): lookup of batch i+1 after optimizer(i).",
-).validate()
-
-# No update to wait for in an evaluation: the lookup of batch i+1 right after forward(i), on the
-# compute stream as in training.
-EVAL_SCHEDULE = Schedule(
-    "fused_sparse_dist_eval",
-    (
-        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-        Step("h2d", "memcpy", 2),
-        Step("forward_eval", "compute", 0, waits=(("h2d", 0), ("lookup", 0))),
-        Step("input_dist_wait", "dist", 1),
-        Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),)),
-    ),
-    doc="Evaluation: the lookup of batch i+1 right after forward(i).",
-).validate()
-
-
-class Options(PipelineOptions):
-    name: Literal["fused_sparse_dist"]
+__all__ = ["FusedSparseDistPipeline"]
 
 
 class FusedSparseDistPipeline(Pipeline):
-    name = "fused_sparse_dist"
-    schedule = SCHEDULE
-    eval_schedule = EVAL_SCHEDULE
+    definition = fused_sparse_dist_def.PIPELINE
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device, *,
                  schedule: Schedule | None = None, **options: Any) -> None:
@@ -92,20 +32,10 @@ class FusedSparseDistPipeline(Pipeline):
             )
         stepped = sharded.dense_optimized_tables(modules, optimizer)
         if schedule is None:
-            schedule = SCHEDULE_AFTER_OPTIMIZER if stepped else SCHEDULE
-        elif stepped and schedule.steps.index(_OPTIMIZER) > schedule.steps.index(LOOKUP):
+            schedule = fused_sparse_dist_def.SCHEDULE_AFTER_OPTIMIZER if stepped else fused_sparse_dist_def.SCHEDULE
+        elif stepped and schedule.steps.index(fused_sparse_dist_def.OPTIMIZER) > schedule.steps.index(fused_sparse_dist_def.LOOKUP):
             raise PipelineError(
                 f"schedule {schedule.name} looks up batch i+1 before the dense optimizer step of batch i, but "
                 f"{stepped} are updated by the dense optimizer (data_parallel tables)"
             )
         super().__init__(model, optimizer, device, schedule=schedule, **options)
-
-
-def _torchrec_options(options: Any) -> tuple[dict[str, Any], list[str]]:
-    return {"execute_all_batches": True, "emb_lookup_stream": "current"}, []
-
-
-PIPELINE = PipelineDef("fused_sparse_dist", FusedSparseDistPipeline, Options,
-                       "the lookup of batch i+1 right after backward(i), beside the dense optimizer",
-                       schedules=(SCHEDULE, SCHEDULE_AFTER_OPTIMIZER), schedule_of=lambda options: SCHEDULE,
-                       torchrec="TrainPipelineFusedSparseDist", torchrec_options=_torchrec_options)

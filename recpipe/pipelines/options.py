@@ -1,29 +1,36 @@
 """What every pipeline's options share: the ``pipeline`` section's common keys.
 
-Each pipeline module defines ``Options``, a subclass of :class:`PipelineOptions` that
-adds its own keys and fixes ``name``; that class is the only place its defaults and
-allowed values live. The speed features a pipeline can be given from outside
-(``recpipe.speedups``) have a section each here, owned by their module.
+Each pipeline's declaration (``recpipe/pipelines/defs/``) defines ``Options``, a subclass
+of :class:`PipelineOptions` that adds its own keys and fixes ``name``; that class is the
+only place its defaults and allowed values live. Every speed feature registered in
+``recpipe.speedups.registry`` adds its section (``pipeline.compile``, ...) to every
+pipeline's options: :class:`PipelineOptions` is built from them when this module is
+imported. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, ConfigDict, Field, create_model
 
-from recpipe.sections import Section, factory_spec
-from recpipe.speedups.compile import CompileOptions
-from recpipe.speedups.cuda_graphs import CudaGraphsOptions
-from recpipe.speedups.step_graph import StepGraphOptions
+from recpipe.sections import FactorySpec, Section, factory_spec
+from recpipe.speedups.registry import SPEEDUPS
 
-__all__ = ["PipelineOptions"]
+__all__ = ["PipelineKeys", "PipelineOptions", "speedup_sections"]
 
 
-class PipelineOptions(Section):
+class PipelineKeys(Section):
     """The ``pipeline`` section: ``name`` picks the pipeline (``recpipe.pipelines.PIPELINES``)."""
 
+    # ``class`` in YAML: a Python keyword, so ``class_`` in code.
+    model_config = ConfigDict(serialize_by_alias=True)
+
     name: str = "base"
+    # A subclass of that pipeline's class to build in its place: "package.module:ClassName",
+    # imported in every rank from the working directory or PYTHONPATH (a trainer script's
+    # hooks; docs/models.md). null = the pipeline's own class.
+    class_: FactorySpec = Field(None, alias="class")
     # How far side streams may run ahead in batches (memory rate limiter); None = as far as
     # the schedule allows.
     max_batches_ahead: int | None = Field(None, ge=1)
@@ -41,16 +48,14 @@ class PipelineOptions(Section):
     # reach it; "host": over a Gloo group of the same ranks, from host memory, so that wait
     # is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
-    # Speed features, applied to the model and pipeline from outside (recpipe/speedups/):
-    # the dense modules compiled by torch.compile (recpipe/speedups/compile.py);
-    compile: CompileOptions = CompileOptions()
-    # the dense modules' forward/backward and the dense optimizer's step as CUDA graphs
-    # (recpipe/speedups/cuda_graphs.py);
-    cuda_graphs: CudaGraphsOptions = CudaGraphsOptions()
-    # the whole training step as one CUDA graph, for fixed-shape (or padded) batches
-    # (recpipe/speedups/step_graph.py).
-    step_graph: StepGraphOptions = StepGraphOptions()
 
-    # FBGEMM's cache-line locking (its prefetch_pipeline mode) for UVM-cached tables: only
-    # a pipeline that prefetches batch i+1 before backward(i) needs it.
-    locks_cache_lines: ClassVar[bool] = False
+
+def speedup_sections() -> dict[str, tuple[type, object]]:
+    """Each registered speed feature's section, as a field of the ``pipeline`` section."""
+    return {f.name: (f.options, Field(default_factory=f.options, description=f.doc))
+            for f in SPEEDUPS.values() if f.options is not None}
+
+
+# The common keys and one section per speed feature (recpipe.speedups.registry), in its order.
+PipelineOptions = create_model("PipelineOptions", __base__=PipelineKeys, __module__=__name__,
+                               __doc__=PipelineKeys.__doc__, **speedup_sections())

@@ -33,7 +33,7 @@ from recpipe.errors import PipelineError
 from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
 
 if TYPE_CHECKING:
-    from recpipe.pipelines.engine import Pipeline
+    from recpipe.pipelines.context import StepContext
 
 
 def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
@@ -77,6 +77,14 @@ def all_modules(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
+    """FBGEMM TBEs with a UVM cache and cache-line locking (``locked=False``: every
+    TBE with a UVM cache; the bench reads their cache statistics)."""
+    marker = "lxu_cache_locking_counter" if locked else "lxu_cache_weights"
+    return [m for m in all_modules(model)
+            if isinstance(getattr(m, marker, None), torch.Tensor) and getattr(m, marker).numel() > 0]
+
+
 def has_feature_processor(module: ShardedModule) -> bool:
     return "FeatureProcessed" in type(module).__name__ or hasattr(module, "_feature_processor")
 
@@ -107,24 +115,25 @@ def _fixes(fqn: str) -> str:
 class PipelinedForward:
     """Stands in for ``ShardedModule.forward`` while a pipeline is attached.
 
-    On the pipeline's first batch (``pipeline.discovering``) it runs the module's own
+    On the pipeline's first batch (``ctx.discovering``) it runs the module's own
     forward and records where its input came from. After that, during ``progress()``
     it hands the module the input all-to-all (or the whole lookup) that the pipeline
     ran ahead for the batch being trained. Outside ``progress()`` it refuses: the
-    model must be run through ``pipeline.detached()``.
+    model must be run through ``pipeline.detached()``. ``ctx``: the pipeline's
+    :class:`~recpipe.pipelines.context.StepContext`.
     """
 
-    def __init__(self, fqn: str, module: ShardedModule, pipeline: "Pipeline") -> None:
+    def __init__(self, fqn: str, module: ShardedModule, ctx: "StepContext") -> None:
         self.fqn = fqn
         self.module = module
-        self.pipeline = pipeline
+        self.ctx = ctx
 
     def __repr__(self) -> str:
-        return f"PipelinedForward({self.fqn!r}, installed by {type(self.pipeline).__name__}; removed by .detach())"
+        return f"PipelinedForward({self.fqn!r}, installed by {type(self.ctx.pipeline).__name__}; removed by .detach())"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        pipe = self.pipeline
-        batch = pipe._current
+        ctx = self.ctx
+        batch = ctx.current
         if batch is None:
             raise PipelineError(
                 f"sharded module {self.fqn!r} was called outside pipeline.progress() while the pipeline is "
@@ -141,22 +150,22 @@ class PipelinedForward:
                 "all-to-all per module and batch. Call each sharded module once per forward."
             )
         batch.consumed.add(self.fqn)
-        if pipe.discovering:
-            pipe._found_sources[self.fqn] = self._discover(batch.device, features)
-            return pipe._own_forward(batch, self.fqn, self.module, features)
-        source = pipe._sources[self.fqn]
+        if ctx.discovering:
+            ctx.found_sources[self.fqn] = self._discover(batch.device, features)
+            return ctx.pipeline.own_forward(batch, self.fqn, self.module, features)
+        source = ctx.sources[self.fqn]
         if isinstance(source, BatchPath) and features is not source.get(batch.device):
             raise PipelineError(
                 f"sharded module {self.fqn!r} was called with a KeyedJaggedTensor that is not {source}, where its "
                 f"input was on the first batch: the model changes where it reads it, or builds it inside forward "
-                f"on some batches. {type(pipe).__name__} starts the input all-to-all of the next batch from the "
+                f"on some batches. {type(ctx.pipeline).__name__} starts the input all-to-all of the next batch from the "
                 f"batch itself, before forward runs. " + _fixes(self.fqn)
             )
-        return pipe._sharded_forward(batch, self.fqn, self.module)
+        return ctx.pipeline.sharded_forward(batch, self.fqn, self.module)
 
     def _discover(self, device_batch: Any, features: KeyedJaggedTensor) -> BatchPath | ComputedInput:
         """Where this call's input came from (first batch only; host sync if computed)."""
-        given = self.pipeline.inputs.get(self.fqn)
+        given = self.ctx.inputs.get(self.fqn)
         if given is not None:
             problem = kjt_difference(given(device_batch), features)
             if problem is not None:
@@ -178,14 +187,14 @@ class PipelinedForward:
         return path
 
 
-def install(pipeline: "Pipeline", modules: dict[str, ShardedModule]) -> None:
+def install(ctx: "StepContext", modules: dict[str, ShardedModule]) -> None:
     for fqn, module in modules.items():
         if "forward" in vars(module):
             raise PipelineError(
                 f"sharded module {fqn!r} already has an instance-level forward ({vars(module)['forward']!r}); "
                 "is another pipeline attached to this model? Detach it first."
             )
-        module.forward = PipelinedForward(fqn, module, pipeline)  # type: ignore[method-assign]
+        module.forward = PipelinedForward(fqn, module, ctx)  # type: ignore[method-assign]
 
 
 def remove(modules: dict[str, ShardedModule]) -> None:

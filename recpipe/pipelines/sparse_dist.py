@@ -1,62 +1,13 @@
-"""``sparse_dist``: input all-to-all of batch i+1 overlaps the step of batch i.
-
-Three batches in flight: i trains on the compute stream, i+1 is in its input
-all-to-all on the dist stream, i+2 is copied on the memcpy stream. The splits
-all-to-all of i+1 starts before forward(i) is queued; the host waits on the
-splits (``.tolist()``) only after forward(i) is queued, so the GPU is busy while
-the host blocks. Numerically identical to ``base``: only where work runs changes.
-"""
+"""The engine class of ``sparse_dist`` (its schedule: ``recpipe.pipelines.defs.sparse_dist``):
+the shared engine, which trainer scripts subclass as ``SparseDistPipeline``."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from recpipe.pipelines.definition import PipelineDef
+from recpipe.pipelines.defs import sparse_dist as sparse_dist_def
 from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
 
-SCHEDULE = Schedule(
-    "sparse_dist",
-    (
-        Step("zero_grad", "compute", 0),
-        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-        Step("h2d", "memcpy", 2),
-        Step("forward", "compute", 0, waits=(("h2d", 0),)),
-        Step("input_dist_wait", "dist", 1),
-        Step("backward", "compute", 0),
-        Step("optimizer", "compute", 0),
-    ),
-    doc="TorchRec's TrainPipelineSparseDist order, with per-batch events instead of whole-stream waits.",
-).validate()
-
-EVAL_SCHEDULE = Schedule(
-    "sparse_dist_eval",
-    (
-        Step("input_dist", "dist", 1, waits=(("h2d", 0),)),
-        Step("h2d", "memcpy", 2),
-        Step("forward_eval", "compute", 0, waits=(("h2d", 0),)),
-        Step("input_dist_wait", "dist", 1),
-    ),
-    doc="Evaluation: the training order without backward and optimizer (TorchRec's EvalPipelineSparseDist).",
-).validate()
-
-
-class Options(PipelineOptions):
-    name: Literal["sparse_dist"]
+__all__ = ["SparseDistPipeline"]
 
 
 class SparseDistPipeline(Pipeline):
-    name = "sparse_dist"
-    schedule = SCHEDULE
-    eval_schedule = EVAL_SCHEDULE
-
-
-def _torchrec_options(options: Any) -> tuple[dict[str, Any], list[str]]:
-    return {"execute_all_batches": True}, []
-
-
-PIPELINE = PipelineDef("sparse_dist", SparseDistPipeline, Options,
-                       "the input all-to-all of batch i+1 overlaps the step of batch i",
-                       schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE,
-                       torchrec="TrainPipelineSparseDist", torchrec_options=_torchrec_options)
+    definition = sparse_dist_def.PIPELINE

@@ -1,4 +1,8 @@
-"""The steps a schedule is made of, as free functions ``step(pipeline, batch)``.
+"""The steps a schedule is made of, as free functions ``step(ctx, batch)``.
+
+``ctx`` is the pipeline's :class:`~recpipe.pipelines.engine.StepContext`: what a step may
+use of the engine (model, optimizer, streams, sharded modules and their input sources,
+the batch in forward, recent batches, the pipeline's hooks).
 
 The engine runs each under its stream (``use_stream``) after the fences its
 ``Step.waits`` name, and records an event right after it when a fence on another
@@ -24,20 +28,20 @@ from recpipe.pipelines.sharded import fuse_splits, install_splits_only
 from recpipe.pipelines.streams import hand_off, use_stream
 
 if TYPE_CHECKING:
-    from recpipe.pipelines.engine import InFlight, Pipeline
+    from recpipe.pipelines.context import InFlight, StepContext
 
 
-def h2d(pipe: "Pipeline", b: "InFlight") -> None:
+def h2d(ctx: "StepContext", b: "InFlight") -> None:
     """Copy the host batch on the memcpy stream (pinned host memory makes it async).
 
     With ``max_batches_ahead=k`` the copy of batch j first waits for the end of
     batch j-k's step, so at most k batches' device buffers are allocated ahead.
     """
-    if pipe.max_batches_ahead is not None:
-        older = pipe._recent.get(b.index - pipe.max_batches_ahead)
+    if ctx.max_batches_ahead is not None:
+        older = ctx.recent(b.index - ctx.max_batches_ahead)
         if older is not None and older is not b:
-            hand_off(None, pipe.streams.memcpy, after=older.events.get("optimizer"))
-    for source in (pipe._sources or {}).values():
+            hand_off(None, ctx.streams.memcpy, after=older.events.get("optimizer"))
+    for source in (ctx.sources or {}).values():
         # ids per key summed on the host copy: the copy carries them to the device, where
         # torchrec's input dist would read them back (``length_per_key()`` in
         # ``KeyedJaggedTensor.permute``, a host sync) if the batch came without them
@@ -45,27 +49,27 @@ def h2d(pipe: "Pipeline", b: "InFlight") -> None:
             kjt = source.get(b.host)
             if isinstance(kjt, KeyedJaggedTensor) and kjt.device().type == "cpu":
                 kjt.length_per_key()
-    b.device = b.host.to(pipe.device, non_blocking=True)
+    b.device = b.host.to(ctx.device, non_blocking=True)
 
 
-def input_dist(pipe: "Pipeline", b: "InFlight") -> None:
+def input_dist(ctx: "StepContext", b: "InFlight") -> None:
     """Launch the splits all-to-all of every sharded module's input dists: one fused
     collective per process group once the input dists exist (the first batch
     creates them and goes unfused)."""
-    hand_off(b.device, pipe.streams.dist)
+    hand_off(b.device, ctx.streams.dist)
     requests = {}
-    for fqn, module in pipe._modules.items():
+    for fqn, module in ctx.modules.items():
         # The KJT at the module's path in the batch, or the user's inputs= function
         # run here, on the dist stream, ahead of forward.
-        features = pipe._sources[fqn].get(b.device)
+        features = ctx.sources[fqn].get(b.device)
         b.ctxs[fqn] = module.create_context()
         requests[fqn] = module.input_dist(b.ctxs[fqn], features)
     b.splits = fuse_splits(requests, b.ctxs)
-    if not pipe._splits_fused:
-        pipe._splits_fused = install_splits_only(pipe._modules, host=pipe.splits_exchange == "host")
+    if not ctx.splits_fused:
+        ctx.splits_fused = install_splits_only(ctx.modules, host=ctx.splits_exchange == "host")
 
 
-def input_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
+def input_dist_wait(ctx: "StepContext", b: "InFlight") -> None:
     """Host sync: the splits wait() does .tolist() on the received splits, then
     launches the values/lengths all-to-alls. Scheduled after a forward has been
     queued so the GPU has work while the host waits."""
@@ -75,29 +79,29 @@ def input_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
     b.splits = []
 
 
-def _dist_input(pipe: "Pipeline", b: "InFlight", fqn: str) -> Any:
+def _dist_input(ctx: "StepContext", b: "InFlight", fqn: str) -> Any:
     """The module's KJTList on the dist stream (waiting its all-to-all if pending)."""
     data = b.dist_in[fqn]
     if hasattr(data, "wait"):
-        with use_stream(pipe.streams.dist, pipe._on):
+        with use_stream(ctx.streams.dist, ctx.stream):
             data = data.wait()
         b.dist_in[fqn] = data
     return data
 
 
-def lookup(pipe: "Pipeline", b: "InFlight") -> None:
+def lookup(ctx: "StepContext", b: "InFlight") -> None:
     """TBE lookup + output all-to-all launch for every module, ahead of forward."""
-    stream = pipe.step_stream(b, "lookup")
-    for fqn, module in pipe._modules.items():
-        data = _dist_input(pipe, b, fqn)
+    stream = ctx.step_stream(b, "lookup")
+    for fqn, module in ctx.modules.items():
+        data = _dist_input(ctx, b, fqn)
         # The input all-to-all's output, made on dist; nothing to do when the lookup
         # runs on dist too (emb_lookup_stream=data_dist, the default).
-        pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, stream)
+        ctx.streams.hand_over([data, b.ctxs[fqn]], ctx.streams.dist, stream)
         b.emb[fqn] = grouped(module.compute_and_output_dist(b.ctxs[fqn], data))
         del b.dist_in[fqn]
 
 
-def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
+def output_dist_wait(ctx: "StepContext", b: "InFlight") -> None:
     """Wait for the early lookups' output all-to-alls on this step's stream (the lookup's:
     torchrec allocated the all-to-all's buffers there and frees them inside the wait).
     torchrec drops the all-to-all's input (the lookup's output) once it is waited, so
@@ -106,39 +110,39 @@ def output_dist_wait(pipe: "Pipeline", b: "InFlight") -> None:
         b.emb_ready[fqn] = b.emb.pop(fqn).wait()
 
 
-def prefetch(pipe: "Pipeline", b: "InFlight") -> None:
+def prefetch(ctx: "StepContext", b: "InFlight") -> None:
     """FBGEMM UVM-cache prefetch of batch b on the prefetch stream.
 
     ``forward_stream`` is the real compute stream: FBGEMM records its prefetched
     tensors there, and its backward hooks fence the prefetch stream against the
     TBE backward (FBGEMM PR #1893's dirty-cache and inconsistency cases)."""
-    for fqn, module in pipe._modules.items():
-        data = _dist_input(pipe, b, fqn)
-        pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, pipe.streams.prefetch)
-        module.prefetch(data, forward_stream=pipe.streams.compute, ctx=b.ctxs[fqn])
+    for fqn, module in ctx.modules.items():
+        data = _dist_input(ctx, b, fqn)
+        ctx.streams.hand_over([data, b.ctxs[fqn]], ctx.streams.dist, ctx.streams.prefetch)
+        module.prefetch(data, forward_stream=ctx.streams.compute, ctx=b.ctxs[fqn])
 
 
-def zero_grad(pipe: "Pipeline", b: "InFlight") -> None:
-    pipe.optimizer.zero_grad()
+def zero_grad(ctx: "StepContext", b: "InFlight") -> None:
+    ctx.optimizer.zero_grad()
 
 
-def forward(pipe: "Pipeline", b: "InFlight") -> None:
+def forward(ctx: "StepContext", b: "InFlight") -> None:
     """``model(batch)`` -> ``(loss, output)``, TorchRec's contract."""
-    hand_off(b.device, pipe.streams.compute)
-    pipe.before_forward(b.device)
-    pipe._current = b
+    hand_off(b.device, ctx.streams.compute)
+    ctx.pipeline.before_forward(b.device)
+    ctx.current = b
     try:
-        result = pipe.model(b.device)
+        result = ctx.model(b.device)
     finally:
-        pipe._current = None
+        ctx.current = None
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise PipelineError(
-            f"{pipe.name}: model(batch) returned {type(result).__name__}"
+            f"{ctx.pipeline.name}: model(batch) returned {type(result).__name__}"
             f"{f' of length {len(result)}' if isinstance(result, (tuple, list)) else ''}; in training a pipelined "
             "model returns (loss, output), as TorchRec's pipelines require (docs/models.md)"
         )
     loss, output = result
-    _check_consumed(pipe, b)
+    _check_consumed(ctx, b)
     if b.zero_loss:  # a padding batch of a batch type without as_padding(): train nothing
         loss = loss * 0.0
     b.loss = loss
@@ -146,64 +150,64 @@ def forward(pipe: "Pipeline", b: "InFlight") -> None:
     b.output = output
 
 
-def forward_eval(pipe: "Pipeline", b: "InFlight") -> None:
+def forward_eval(ctx: "StepContext", b: "InFlight") -> None:
     """``model(batch)`` under ``torch.no_grad()`` (the caller set the model's eval mode):
     all the model returns is the batch's output, whatever its form (an evaluation reads
     its logits and labels, recpipe.pipelines.evaluation); no loss is kept for a backward."""
-    hand_off(b.device, pipe.streams.compute)
-    pipe._current = b
+    hand_off(b.device, ctx.streams.compute)
+    ctx.current = b
     try:
         with torch.no_grad():
-            b.output = pipe.model(b.device)
+            b.output = ctx.model(b.device)
     finally:
-        pipe._current = None
-    _check_consumed(pipe, b)
+        ctx.current = None
+    _check_consumed(ctx, b)
     b.forwarded = True
 
 
-def _check_consumed(pipe: "Pipeline", b: "InFlight") -> None:
-    if len(b.consumed) != len(pipe._modules):  # consumed holds only names of pipe._modules
-        missing = set(pipe._modules) - b.consumed
+def _check_consumed(ctx: "StepContext", b: "InFlight") -> None:
+    if len(b.consumed) != len(ctx.modules):  # consumed holds only names of ctx.modules
+        missing = set(ctx.modules) - b.consumed
         raise PipelineError(
-            f"{pipe.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
+            f"{ctx.pipeline.name}: forward did not call the sharded modules {sorted(missing)}; the pipeline ran their "
             "input all-to-all for this batch, so every sharded module must be called once per forward"
         )
 
 
-def backward(pipe: "Pipeline", b: "InFlight") -> None:
+def backward(ctx: "StepContext", b: "InFlight") -> None:
     """Dense grads and, inside FBGEMM's TBE backward, the embedding update."""
     assert b.loss is not None
     torch.sum(b.loss).backward()
-    pipe.after_backward(b.device, b.loss)
+    ctx.pipeline.after_backward(b.device, b.loss)
     b.loss = None  # frees the autograd graph
 
 
-def optimizer(pipe: "Pipeline", b: "InFlight") -> None:
-    pipe.optimizer.step()
-    pipe.after_optimizer_step(b.device)
+def optimizer(ctx: "StepContext", b: "InFlight") -> None:
+    ctx.optimizer.step()
+    ctx.pipeline.after_optimizer_step(b.device)
 
 
-def sharded_forward(pipe: "Pipeline", b: "InFlight", fqn: str, module: Any) -> Any:
+def sharded_forward(ctx: "StepContext", b: "InFlight", fqn: str, module: Any) -> Any:
     """What a sharded module's forward returns inside the pipeline.
 
     If the lookup ran ahead (``b.emb``), wait for its output all-to-all on the
     stream it ran on and hand the pooled embeddings to compute; otherwise take the
     distributed input and run ``compute_and_output_dist`` on the compute stream.
     """
-    compute = pipe.streams.compute
+    compute = ctx.streams.compute
     if fqn in b.emb_ready:  # waited by output_dist_wait
         pooled = b.emb_ready.pop(fqn)
-        pipe.streams.hand_over(pooled, pipe.step_stream(b, "output_dist_wait"), compute)
+        ctx.streams.hand_over(pooled, ctx.step_stream(b, "output_dist_wait"), compute)
         return pooled
     if fqn in b.emb:
-        src = pipe.step_stream(b, "lookup")
-        with use_stream(src, pipe._on):
+        src = ctx.step_stream(b, "lookup")
+        with use_stream(src, ctx.stream):
             pooled = b.emb.pop(fqn).wait()
         # Nothing to do when the lookup ran on compute (semi_sync, emb_lookup_stream=current).
-        pipe.streams.hand_over(pooled, src, compute)
+        ctx.streams.hand_over(pooled, src, compute)
         return pooled
-    data = _dist_input(pipe, b, fqn)
-    pipe.streams.hand_over([data, b.ctxs[fqn]], pipe.streams.dist, compute)
+    data = _dist_input(ctx, b, fqn)
+    ctx.streams.hand_over([data, b.ctxs[fqn]], ctx.streams.dist, compute)
     del b.dist_in[fqn]
     return grouped(module.compute_and_output_dist(b.ctxs[fqn], data))
 
@@ -245,7 +249,7 @@ def detach_pooled(b: "InFlight", pooled: Any) -> Any:
     )
 
 
-STEPS: dict[str, Callable[["Pipeline", "InFlight"], None]] = {
+STEPS: dict[str, Callable[["StepContext", "InFlight"], None]] = {
     "h2d": h2d,
     "input_dist": input_dist,
     "input_dist_wait": input_dist_wait,

@@ -23,6 +23,7 @@ import json
 import sys
 
 from recpipe.config import ConfigError, load_config
+from recpipe.preflight import check_rules
 from recpipe.planner import estimate_memory, planner_inputs
 from recpipe.planner.plan import check_fits, render_table
 from recpipe.planner.scaling import predict_scaling, render_scaling
@@ -46,6 +47,7 @@ def main_plan(args: argparse.Namespace) -> int:
     from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 
     cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
+    check_rules(cfg)  # the pipeline's and the speed features' rules (the machine is not the one that trains)
     scaling = None
     if getattr(args, "scaling", None):
         sizes = parse_world_sizes(args.scaling)

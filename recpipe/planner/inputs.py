@@ -1,18 +1,21 @@
 """The planner's inputs of a config: :func:`inputs_from_config` builds the
 :class:`~recpipe.planner.spec.PlannerInputs` of a :class:`~recpipe.config.RecpipeConfig`
-(the model built on meta, its tables checked against the config), with the machine facts
-it needs (FBGEMM's version, the GPU's memory, the allocator's segments).
+(a ``model.factory`` model built on meta, the built-in one read off its config; its tables
+checked against the config), with the machine facts it needs (FBGEMM's version, the GPU's
+memory, the allocator's segments). For the built-in model nothing here loads torchrec or
+FBGEMM.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from recpipe.planner.model_spec import dense_spec, model_notes, pooling_factors, table_specs
-from recpipe.planner.spec import GiB, PlannerInputs, ShardSpec, pipeline_spec, shards_for_tables
 from recpipe.distributed import ALLOC_CONF_ENV
 from recpipe.embedding_tables import model_on_meta
-from recpipe.torchrec_args import table_wise_ranks, validated_tables
+from recpipe.planner.model_spec import (builtin_dense_spec, builtin_tables, dense_spec, model_notes, pooling_factors,
+                                        table_specs)
+from recpipe.planner.spec import GiB, PlannerInputs, ShardSpec, pipeline_spec, shards_for_tables
+from recpipe.torchrec_args import check_tables, table_wise_ranks, validated_tables
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -23,11 +26,22 @@ __all__ = ["DEFAULT_HBM_GB_WITHOUT_GPU", "default_hbm_bytes", "expandable_segmen
            "inputs_from_config"]
 
 
-def fbgemm_version() -> tuple[int, int]:
-    """(major, minor) of the installed fbgemm_gpu."""
-    import fbgemm_gpu
+# fbgemm-gpu's distributions (its version is read from their metadata: nothing imported).
+FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "fbgemm-gpu-genai")
 
-    parts = str(getattr(fbgemm_gpu, "__version__", "1.8.0")).split(".")
+
+def fbgemm_version() -> tuple[int, int]:
+    """(major, minor) of the installed fbgemm_gpu (1.8 when none is found)."""
+    from importlib import metadata
+
+    version = "1.8.0"
+    for name in FBGEMM_DISTRIBUTIONS:
+        try:
+            version = metadata.version(name)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    parts = version.split(".")
     return int(parts[0]), int("".join(ch for ch in parts[1] if ch.isdigit()) or 0)
 
 
@@ -60,14 +74,18 @@ def inputs_from_config(
     fbgemm: tuple[int, int] | None = None,
     shards: tuple[ShardSpec, ...] | None = None,
 ) -> PlannerInputs:
-    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``):
-    the model is built on meta (``recpipe.models.make_model``, so a ``model.factory``
-    model too) and its tables checked against the config (``ConfigError``)."""
+    """The :class:`PlannerInputs` of a config (world size = ``distributed.nproc``): a
+    ``model.factory`` model is built on meta (``recpipe.models.make_model``), the built-in
+    one read off its config, and its tables checked against the config (``ConfigError``)."""
 
     W = world_size or cfg.distributed.nproc
     m = cfg.model
-    model = model_on_meta(cfg)
-    infos = validated_tables(cfg, model)
+    if m.factory is None:
+        infos, dense = check_tables(cfg, builtin_tables(m)), builtin_dense_spec(cfg)
+    else:
+        model = model_on_meta(cfg)
+        infos = validated_tables(cfg, model)
+        dense = dense_spec(cfg, model, infos)
     pfs, assumed = pooling_factors(cfg, infos)
     tables_t = table_specs(cfg, infos, pfs, W)
     tw = table_wise_ranks(cfg, W, infos)
@@ -82,7 +100,7 @@ def inputs_from_config(
         world_size=W,
         batch_size=cfg.data.batch_size,
         num_dense_features=m.num_dense_features,
-        dense=dense_spec(cfg, model, infos),
+        dense=dense,
         embedding_optimizer=cfg.optimizer.embedding.name,
         dense_optimizer=cfg.optimizer.dense.name,
         pipeline=pipe,

@@ -1,7 +1,10 @@
 """The model side of the planner's inputs, read from the unsharded model built on
 the meta device (nothing allocated): one :class:`~recpipe.planner.spec.TableSpec`
 per embedding table of any embedding module, and the dense part
-(:class:`~recpipe.planner.spec.DenseSpec`).
+(:class:`~recpipe.planner.spec.DenseSpec`). The built-in DLRM / DCNv2's are read off
+its config instead (:func:`builtin_tables`, :func:`builtin_dense_spec`: what building it
+on meta would give, tests/test_planner.py holds them to it), so that ``recpipe plan``
+loads neither torchrec nor FBGEMM.
 
 Mean pooling factors (ids per sample of each feature) are not in the model; they
 come from, in this order:
@@ -16,16 +19,17 @@ come from, in this order:
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
+from recpipe.embedding_tables import EBC, TableInfo
 from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes, dense_output_grad_bytes
 from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, placed_type, stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from recpipe.config import RecpipeConfig
-    from recpipe.embedding_tables import TableInfo
+    from recpipe.config import ModelConfig, RecpipeConfig
 
 
 def data_ids_per_sample(cfg: "RecpipeConfig") -> dict[str, float]:
@@ -86,6 +90,44 @@ def table_specs(
 
 def _inside(name: str, prefixes: set[str]) -> bool:
     return any(p == "" or name.startswith(f"{p}.") for p in prefixes)
+
+
+# Where the built-in model (recpipe.models.dlrm.RecModel around torchrec's DLRM) keeps its tables.
+BUILTIN_EMBEDDING_MODULE = "model.sparse_arch.embedding_bag_collection"
+
+
+def builtin_tables(m: "ModelConfig") -> tuple[TableInfo, ...]:
+    """The built-in model's tables: one fp32 table ``t_cat_i`` of feature ``cat_i`` each, in
+    one EmbeddingBagCollection (``recpipe.models.dlrm.embedding_configs``)."""
+    return tuple(TableInfo(name=table, module=BUILTIN_EMBEDDING_MODULE, module_type=EBC, rows=rows,
+                           dim=m.embedding_dim, features=(feature,), pooled=True, weighted=False,
+                           feature_processed=False, data_type="fp32")
+                 for table, feature, rows in zip(m.table_names, m.feature_names, m.num_embeddings_per_feature))
+
+
+def _mlp_params(sizes: list[int]) -> int:
+    """Weights and biases of torchrec's MLP / a chain of nn.Linear through ``sizes``."""
+    return sum(a * b + b for a, b in itertools.pairwise(sizes))
+
+
+def builtin_dense_spec(cfg: "RecpipeConfig") -> DenseSpec:
+    """:func:`dense_spec` of the built-in model, from its config: torchrec's DenseArch
+    (an MLP), the interaction (DLRM: no parameters, the upper-triangle indices as an int64
+    buffer; DCNv2: a low-rank cross network of ``dcn_num_layers`` layers over the
+    ``(F + 1) * D`` concatenation) and the OverArch (an MLP and a final Linear)."""
+    m = cfg.model
+    F, D = m.num_sparse_features, m.embedding_dim
+    params = _mlp_params([m.num_dense_features, *m.dense_arch_layer_sizes])
+    if m.arch == "dlrm":
+        pairs = (F + 1) * F // 2
+        interaction, buffers = D + pairs, 2 * pairs * 8  # triu_indices: int64 [2, pairs]
+    else:
+        interaction, buffers = (F + 1) * D, 0
+        params += m.dcn_num_layers * (2 * interaction * m.dcn_low_rank_dim + interaction)  # W, V, bias per layer
+    params += _mlp_params([interaction, *m.over_arch_layer_sizes])
+    dense, top = activation_bytes(m, cfg.train.precision)
+    return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top,
+                     dense_out_grad_bytes=dense_output_grad_bytes(m, cfg.train.precision))
 
 
 def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInfo", ...]) -> DenseSpec:

@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from recpipe.pipelines.registry import PIPELINES
 from recpipe.torchrec_args import PRECISION_BYTES
 
 if TYPE_CHECKING:
@@ -189,8 +190,6 @@ def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:
     """The :class:`PipelineSpec` of a recpipe pipeline's options (``cfg.pipeline``; a name:
     that pipeline's defaults): read off its schedule by the pipeline's registry entry
     (``PipelineDef.memory``)."""
-    from recpipe.pipelines.registry import PIPELINES
-
     if isinstance(options, str):
         options = PIPELINES[options].options(name=options)
     return PipelineSpec(**PIPELINES[options.name].memory(options))

@@ -86,7 +86,7 @@ def planner_placement(
     from recpipe.planner.estimator import plan_with_torchrec
     from recpipe.planner.inputs import inputs_from_config
 
-    if device.type != "cuda":  # recpipe train refuses it before any process starts (config.check_device)
+    if device.type != "cuda":  # recpipe train refuses it before any process starts (recpipe.preflight.check_machine)
         from recpipe.config import PLANNER_ON_CPU, ConfigError
 
         raise ConfigError(PLANNER_ON_CPU)

@@ -1,6 +1,7 @@
 """FBGEMM's backward pre-hook work for batch i on the prefetch stream right after
 prefetch(i+1), not on the compute stream inside backward(i): applied by
-:func:`apply_cache_bookkeeping` to every ``prefetch`` pipeline with locked UVM caches.
+:func:`apply_cache_bookkeeping` to every pipeline with a prefetch step
+(``recpipe.capabilities.PREFETCH_STEP``) and locked UVM caches.
 
 With ``prefetch_pipeline`` FBGEMM (1.6 to 1.8) registers
 ``_update_cache_counter_and_locations`` as a full backward pre-hook of every cached TBE.
@@ -39,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from recpipe.pipelines.sharded import cached_tbes
 from recpipe.pipelines.streams import hand_off, record_event
 
 FBGEMM_HOOK = "_update_cache_counter_and_locations"
@@ -154,19 +156,28 @@ class CacheBookkeeping:
 
 def apply_cache_bookkeeping(pipeline: Any, tbes: list) -> CacheBookkeeping | None:
     """Move the backward pre-hook work of ``tbes`` (the pipeline's locked UVM caches) to right
-    after each prefetch step (``pipeline.wrap_step``); TBEs whose FBGEMM hook is not found keep
-    it. None when there is nothing to move."""
+    after each prefetch step (``pipeline.wrap_step``; ``pipeline``: a pipeline or its step
+    context) and forget a pending batch when a ``detached()`` block ends (the pipeline then
+    released every cache-line lock); TBEs whose FBGEMM hook is not found keep it. None when
+    there is nothing to move."""
     moved = tuple(t for t in tbes if install(t))
     if not moved:
         return None
 
     def then_bookkeeping(step: Callable) -> Callable:
-        def prefetch(pipe: Any, batch: Any) -> None:
-            step(pipe, batch)
+        def prefetch(ctx: Any, batch: Any) -> None:
+            step(ctx, batch)
             for tbe in moved:
                 after_prefetch(tbe)
 
         return prefetch
 
     pipeline.wrap_step("prefetch", then_bookkeeping)
+    pipeline.on_detached(lambda: [clear(tbe) for tbe in moved])
     return CacheBookkeeping(len(moved))
+
+
+def apply(ctx: Any, options: None) -> CacheBookkeeping | None:
+    """The speed feature's entry point (``recpipe.speedups.defs.cache_bookkeeping``): the
+    model's locked UVM caches."""
+    return apply_cache_bookkeeping(ctx, cached_tbes(ctx.model))

@@ -35,8 +35,8 @@ both sides; other TBEs keep FBGEMM's op), so the TBE reads the same values eithe
 tests hold it to a line-by-line port of FBGEMM's kernels, and run the Triton kernels
 against it in Triton's interpreter; the GPU tests run them on FBGEMM's real TBEs.
 
-Applied from outside (:func:`apply_cache_fill`) to a ``prefetch`` pipeline's prefetch
-step only (:func:`routing` swaps ``torch.ops.fbgemm.lru_cache_populate`` for the length
+Applied from outside (:func:`apply_cache_fill`) to the prefetch step of a pipeline that
+has one (``recpipe.capabilities.PREFETCH_STEP``) only (:func:`routing` swaps ``torch.ops.fbgemm.lru_cache_populate`` for the length
 of the step): TorchRec's pipelines and FBGEMM's inline prefetch (an eval forward) keep
 FBGEMM's op. ``pipeline.cache_fill: false`` keeps FBGEMM's insert everywhere.
 """
@@ -50,9 +50,9 @@ from typing import Any, Iterator
 
 import torch
 import torch.autograd.profiler as _profiler
-from pydantic import Field, model_validator
 
-from recpipe.sections import Section
+from recpipe.pipelines.sharded import cached_tbes
+from recpipe.speedups.defs.cache_fill import CacheFillOptions
 
 try:  # Triton ships with torch's CUDA builds (recpipe's CPU stack installs it for the interpreter tests)
     import triton
@@ -414,23 +414,6 @@ def routing(sms: int, kernels: str = "triton") -> Iterator[None]:
         namespace.lru_cache_populate = original
 
 
-class CacheFillOptions(Section):
-    """``pipeline.cache_fill`` (``prefetch`` pipeline): recpipe's UVM-cache insert.
-    ``true`` / ``false`` stand for ``{enabled: true}`` / ``{enabled: false}``."""
-
-    # recpipe's insert (Triton kernels) in the prefetch step; false: FBGEMM's lru_cache_populate.
-    # It falls back to FBGEMM's, with a warning, where Triton is missing (it ships with torch's
-    # CUDA builds), and for a TBE whose cache rows are not in the weights' precision.
-    enabled: bool = True
-    # SMs (persistent programs) of the kernel that moves rows between host memory and the cache.
-    sms: int = Field(4, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
-
-
 @dataclass(frozen=True)
 class CacheFill:
     """What :func:`apply_cache_fill` installed: the prefetch step's insert on ``sms`` SMs."""
@@ -443,7 +426,8 @@ class CacheFill:
 
 def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> CacheFill | None:
     """Route the UVM-cache insert of ``pipeline``'s prefetch step through recpipe's
-    kernels on ``options.sms`` SMs (``pipeline.wrap_step``); None when FBGEMM's insert
+    kernels on ``options.sms`` SMs (``pipeline.wrap_step``; ``pipeline``: a pipeline or its
+    step context); None when FBGEMM's insert
     stays (disabled, no cached table, or no Triton: then with a warning)."""
     if not (options.enabled and tbes):
         return None
@@ -454,11 +438,17 @@ def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> Ca
     sms = options.sms
 
     def with_recpipe_insert(step: Any) -> Any:
-        def prefetch(pipe: Any, batch: Any) -> None:
+        def prefetch(ctx: Any, batch: Any) -> None:
             with routing(sms):
-                step(pipe, batch)
+                step(ctx, batch)
 
         return prefetch
 
     pipeline.wrap_step("prefetch", with_recpipe_insert)
     return CacheFill(sms)
+
+
+def apply(ctx: Any, options: CacheFillOptions) -> CacheFill | None:
+    """The speed feature's entry point (``recpipe.speedups.defs.cache_fill``): the model's
+    locked UVM caches, through the pipeline's prefetch step."""
+    return apply_cache_fill(ctx, cached_tbes(ctx.model), options)

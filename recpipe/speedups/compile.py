@@ -47,59 +47,16 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable
 
 import torch
-from pydantic import Field, model_validator
 from torch import nn
 
 from recpipe.errors import PipelineError
-from recpipe.sections import Section
+from recpipe.speedups.defs.compile import CompileOptions
 from recpipe.speedups.modules import dense_modules
 
 __all__ = ["CompileOptions", "Compiled", "CompiledForward", "apply_compile", "graph_count"]
-
-
-class CompileOptions(Section):
-    """``pipeline.compile``: the dense modules compiled by torch.compile (inductor).
-    ``true`` / ``false`` stand for ``{enabled: true}`` / ``{enabled: false}``."""
-
-    # Compile the dense modules (CUDA or CPU: inductor generates Triton or C++ kernels).
-    enabled: bool = False
-    # Module paths in the user's model to compile; empty = what the model's
-    # cuda_graph_modules() names (recpipe's DLRM/DCNv2: the dense arch and the head).
-    modules: list[str] = Field(default_factory=list)
-    # torch.compile's mode: "default", or "max-autotune-no-cudagraphs" (Triton GEMM templates
-    # with fused epilogues, benchmarked at compile time: minutes to compile). CUDA graphs are
-    # recpipe's (pipeline.cuda_graphs), so no mode that makes its own.
-    mode: Literal["default", "max-autotune-no-cudagraphs"] = "default"
-    # Inductor's on-disk cache (compiled kernels and graphs); null = TORCHINDUCTOR_CACHE_DIR,
-    # else inductor's default (/tmp/torchinductor_<user>).
-    cache_dir: str | None = None
-    # Kernel choices that change rounding made by inductor's heuristics, not by timing on the
-    # GPU (inductor's deterministic mode): every compile of the model makes the same kernels, so
-    # a restarted run resumes bit for bit. false: timed choices (may differ between processes).
-    deterministic: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
-
-    @model_validator(mode="after")
-    def _autotune_needs_timing(self) -> "CompileOptions":
-        if self.enabled and self.deterministic and self.mode != "default":
-            raise ValueError(f"pipeline.compile.mode={self.mode!r} picks kernels by timing them, which "
-                             "pipeline.compile.deterministic=true rules out: set pipeline.compile.deterministic=false "
-                             "to use it, or mode: default")
-        return self
-
-    def inductor_options(self) -> dict[str, Any]:
-        """``torch.compile``'s ``options`` for this section: the mode's inductor settings and
-        the deterministic mode."""
-        from torch import _inductor
-
-        return {**_inductor.list_mode_options(self.mode), "deterministic": self.deterministic}
 
 
 def graph_count() -> int:
@@ -199,3 +156,8 @@ def apply_compile(model: nn.Module, options: CompileOptions,
         module.forward = forward
         applied.forwards.append(forward)
     return applied
+
+
+def apply(ctx: Any, options: CompileOptions) -> Compiled:
+    """The speed feature's entry point (``recpipe.speedups.defs.compile``)."""
+    return apply_compile(ctx.model, options)

@@ -38,13 +38,12 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from pydantic import Field, model_validator
-
 import torch
 from torch import nn
+
 from recpipe.errors import PipelineError
-from recpipe.sections import Section
 from recpipe.speedups import optimizer_graph
+from recpipe.speedups.defs.cuda_graphs import CudaGraphsOptions
 from recpipe.speedups.modules import dense_modules
 
 Capture = Callable[[nn.Module, tuple], Callable[..., Any]]
@@ -193,29 +192,6 @@ def remove(parts: list[GraphedPart]) -> None:
                 part.module.forward = part.inner
 
 
-class CudaGraphsOptions(Section):
-    """``pipeline.cuda_graphs``: replay the dense modules' forward and backward, and the
-    dense optimizer's step, as CUDA graphs (CUDA only). ``true`` / ``false`` stand for
-    ``{enabled: true}`` / ``{enabled: false}``."""
-
-    # Capture and replay (CUDA only).
-    enabled: bool = False
-    # Module paths in the user's model to capture (e.g. [dense_arch, over_arch]); empty =
-    # what the model's cuda_graph_modules() names (recpipe's DLRM/DCNv2: dense arch and head).
-    modules: list[str] = Field(default_factory=list)
-    # Also replay the dense torch.optim step, bit-identical to the eager step
-    # (recpipe/speedups/optimizer_graph.py): SGD, and Adagrad with lr_decay 0. Other optimizers
-    # step eagerly with a warning. On one H100 (bf16, sparse_dist, dense part graphed) the eager
-    # Adagrad step costs about 0.8 ms of host time a step; false is for an optimizer whose
-    # capture fails.
-    optimizer: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
-
-
 @dataclass
 class CudaGraphs:
     """What :func:`apply_cuda_graphs` installed (printable, removable)."""
@@ -246,3 +222,8 @@ def apply_cuda_graphs(model: nn.Module, optimizer: Any, device: torch.device, op
     install(applied.parts)
     optimizer_graph.install(applied.optimizer_steps)
     return applied
+
+
+def apply(ctx: Any, options: CudaGraphsOptions) -> CudaGraphs:
+    """The speed feature's entry point (``recpipe.speedups.defs.cuda_graphs``)."""
+    return apply_cuda_graphs(ctx.model, ctx.optimizer, ctx.device, options)

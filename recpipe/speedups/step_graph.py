@@ -7,7 +7,8 @@ same shapes (Criteo: one id per feature; MLPerf DLRM-DCNv2: a fixed number of id
 feature), the step can be captured once and replayed: NVIDIA's MLPerf DLRM submissions
 capture their whole iteration for that reason.
 
-:func:`apply_step_graph` turns a ``base`` or ``sparse_dist`` pipeline into a two-step
+:func:`apply_step_graph` turns a pipeline that runs one batch's whole step in one call
+(``recpipe.capabilities.ONE_BATCH_PER_STEP``: ``base``, ``sparse_dist``) into a two-step
 schedule (``step_graph.SCHEDULE``): the next batch's host-to-device copy
 on the memcpy stream, as before, and ``train_step``: the batch copied into the graph's
 static input buffers, then one replay of the captured step: input dist (one rank:
@@ -63,8 +64,9 @@ batches (GPU tests). The host state the captured step changes is kept as the eag
 step keeps it: the dense optimizer's step counts (Adagrad's, +1 a step) and FBGEMM's
 device ``iter`` counter (captured), so checkpoints are the eager ones.
 
-Refused, with the setting to change (:func:`refusal`): pipelines other than ``base`` and
-``sparse_dist`` (their overlap of two batches is not one step), UVM-cached tables (the
+Refused, with the setting to change (the config rules of ``recpipe.speedups.defs.step_graph``,
+run by ``recpipe.preflight``): pipelines that do not offer ``ONE_BATCH_PER_STEP`` (their
+overlap of two batches is not one step), UVM-cached tables (the
 rows a prefetch moves vary per batch), data_parallel tables (torchrec trains them through
 DDP), grid_shard tables, an embedding optimizer whose FBGEMM kernel reads the
 host step count (Adam), a dense Adam (torch computes its bias corrections on the host
@@ -84,24 +86,23 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, model_validator
 from torchrec.distributed.types import Awaitable, LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from recpipe.capabilities import ONE_BATCH_PER_STEP
 from recpipe.distributed import control_group
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.sections import Section
+from recpipe.speedups.defs.step_graph import StepGraphOptions
 from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, RecatCache, fixed_splits_installed, row_buckets
 from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch_optimizers
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+    from recpipe.pipelines.context import StepContext
 
-__all__ = ["DropPaddingBag", "SCHEDULE", "StepGraph", "StepGraphOptions",
-           "apply_step_graph", "pad_features", "refusal"]
+__all__ = ["DropPaddingBag", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
 
 # Eager steps before the capture: the first creates what first calls create lazily (torchrec's
 # input dists, cuBLAS workspaces), the second runs with all of it in place, as the capture will.
@@ -115,64 +116,6 @@ SCHEDULE = Schedule(
     ),
     doc="pipeline.step_graph: the next batch's copy overlaps a replay of the whole captured step.",
 ).validate()
-
-
-class StepGraphOptions(Section):
-    """``pipeline.step_graph``: capture the whole training step as one CUDA graph (CUDA
-    only; ``base`` and ``sparse_dist``). ``true`` / ``false`` stand for ``{enabled: ...}``."""
-
-    # Capture the whole step and replay it once a step (CUDA only).
-    enabled: bool = False
-    # Ids per batch each feature holds in the graph (feature name -> count). Features not
-    # listed: measured on the first capacity_batches batches (see capacity_batches).
-    capacity: dict[str, int] = Field(default_factory=dict)
-    # Batches whose ids set the capacity of unlisted features: the count they all had (fixed
-    # shapes: nothing is padded), else their largest count times headroom. They train eagerly,
-    # unpadded. With every feature listed in capacity, batches are padded from the first.
-    capacity_batches: int = Field(4, ge=1)
-    # Room above the largest measured count, for features whose counts vary; a batch over
-    # capacity trains eagerly (counted, and named in a warning).
-    headroom: float = Field(1.25, ge=1.0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
-
-
-def refusal(cfg: "RecpipeConfig") -> list[str]:
-    """Why ``cfg`` cannot run with ``pipeline.step_graph`` (config rules; the model's are
-    checked by :func:`apply_step_graph`)."""
-    p = cfg.pipeline
-    if not p.step_graph.enabled:
-        return []
-    problems = []
-    key = "pipeline.step_graph"
-    if p.name not in ("base", "sparse_dist"):
-        problems.append(f"{key} captures one batch's whole step, but pipeline.name={p.name!r} overlaps the work of "
-                        "two batches; use pipeline.name=sparse_dist (or base)")
-    if p.cuda_graphs.enabled:
-        problems.append(f"{key} replays the whole step, dense part included: set pipeline.cuda_graphs=false")
-    cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
-    if cached:
-        problems.append(f"{key}: UVM-cached tables {cached} move a different number of rows each step (cache "
-                        "misses); use kernel 'fused' or 'fused_uvm' for them, or pipeline.step_graph=false")
-    if cfg.optimizer.embedding.name == "adam":
-        problems.append(f"{key}: FBGEMM's Adam reads its step count on the host each step, which a replay cannot "
-                        "advance; use optimizer.embedding.name=rowwise_adagrad or sgd, or pipeline.step_graph=false")
-    data_parallel = [n for n, t in cfg.table_sharding().items() if t.type == "data_parallel"]
-    if data_parallel:
-        problems.append(f"{key}: data_parallel tables {data_parallel} train through torchrec's DistributedDataParallel, "
-                        "whose gradient hooks were made on the default stream and cannot be captured; shard them "
-                        "table_wise, or pipeline.step_graph=false")
-    if cfg.optimizer.dense.name == "adam":
-        problems.append(f"{key}: torch's Adam computes its bias corrections on the host from its step count each "
-                        "step, which a replay cannot advance; use optimizer.dense.name=adagrad or sgd, or "
-                        "pipeline.step_graph=false")
-    if cfg.sharding.dense_gradients == "ddp":
-        problems.append(f"{key}: DDP's gradient hooks were made on the default stream and cannot be captured; use "
-                        "sharding.dense_gradients=all_reduce")
-    return problems
 
 
 # ----------------------------------------------------------------- batches
@@ -388,22 +331,22 @@ class StepGraph:
     def h2d(self, fn: Callable) -> Callable:
         """Wraps the ``h2d`` step: measure, then pad the host batch before its copy."""
 
-        def h2d(pipe: Any, b: Any) -> None:
+        def h2d(ctx: Any, b: Any) -> None:
             kjts = _kjts(b.host)
             if kjts:
                 kjts[0].length_per_key()  # on the host: the device copy carries it (else a host sync to read it)
-                self._see(pipe, kjts[0])
+                self._see(ctx, kjts[0])
                 if self.padded and self.capacity is not None:
                     # every rank pads this batch, or none does: torchrec's pooled all-to-all needs the
                     # same batch size on every rank
                     padded = pad_features(kjts[0], self.capacity, self._bucketing())
                     if _agree(padded is not None):
                         b.host = _replace_kjt(b.host, kjts[0], padded)
-            fn(pipe, b)
+            fn(ctx, b)
 
         return h2d
 
-    def _see(self, pipe: Any, kjt: KeyedJaggedTensor) -> None:
+    def _see(self, ctx: Any, kjt: KeyedJaggedTensor) -> None:
         if self.capacity is not None:
             return
         self.keys = list(kjt.keys())
@@ -440,7 +383,7 @@ class StepGraph:
         self.padded = varying or bool(self.buckets.keys() & set(self.keys))
         if self.padded:
             self.padded_stride = stride = kjt.stride() + 1
-            for fqn, module in sharded.find_sharded_modules(pipe.model).items():
+            for fqn, module in sharded.find_sharded_modules(ctx.model).items():
                 if "forward" in vars(module):
                     raise PipelineError(f"pipeline.step_graph: sharded module {fqn!r} already has an instance "
                                         f"forward ({vars(module)['forward']!r})")
@@ -448,9 +391,9 @@ class StepGraph:
                 self._dropping.append(drop)
 
     # ------------------------------------------------ on the compute stream
-    def train_step(self, pipe: Any, b: Any) -> None:
+    def train_step(self, ctx: Any, b: Any) -> None:
         # The embedding rates are the same on every rank (a function of the step): no agreement needed.
-        lrs, previous = _embedding_lrs(pipe.optimizer), self._previous_lrs
+        lrs, previous = _embedding_lrs(ctx.optimizer), self._previous_lrs
         self._previous_lrs = lrs
         if self._replay is not None and lrs != self._captured_lrs:
             self._replay = None  # FBGEMM read the captured rate on the host: this graph cannot train at this one
@@ -464,10 +407,10 @@ class StepGraph:
                 self.over_capacity += 1
                 self._warn(b)
             self.lr_steps += new_rate
-            self._eager(pipe, b)
+            self._eager(ctx, b)
             return
         if self._replay is None:
-            self._capture(pipe, b)
+            self._capture(ctx, b)
             self._captured_lrs = lrs
         else:
             for dst, src in zip(_tensors(self._static), _tensors(b.device)):
@@ -487,13 +430,13 @@ class StepGraph:
         kjts = _kjts(b.device)
         return bool(kjts) and kjts[0].stride() == self.padded_stride
 
-    def _eager(self, pipe: Any, b: Any) -> None:
+    def _eager(self, ctx: Any, b: Any) -> None:
         self.eager_steps += 1
         with self._recat.installed():
-            steps.zero_grad(pipe, b)
-            steps.forward(pipe, b)
-            steps.backward(pipe, b)
-            steps.optimizer(pipe, b)
+            steps.zero_grad(ctx, b)
+            steps.forward(ctx, b)
+            steps.backward(ctx, b)
+            steps.optimizer(ctx, b)
 
     def _warn(self, b: Any) -> None:
         if self._warned:
@@ -513,16 +456,16 @@ class StepGraph:
                       "pipeline.step_graph.capacity or headroom", stacklevel=3)
 
     @contextlib.contextmanager
-    def _fixed_layout(self, pipe: Any) -> Iterator[None]:
+    def _fixed_layout(self, ctx: Any) -> Iterator[None]:
         """The model's input dists with their splits known on the host (several ranks:
         :mod:`recpipe.speedups.fixed_splits`) and torchrec's recat indices made once."""
         rows = {k: c for k, c in zip(self.keys, self.capacity or []) if k in self.buckets}
         buckets = FixedBuckets(rows) if rows else None
-        with fixed_splits_installed(sharded.find_sharded_modules(pipe.model), buckets), self._recat.installed():
+        with fixed_splits_installed(sharded.find_sharded_modules(ctx.model), buckets), self._recat.installed():
             yield
 
-    def _capture(self, pipe: Any, b: Any) -> None:
-        model, optimizer = pipe.model, pipe.optimizer
+    def _capture(self, ctx: Any, b: Any) -> None:
+        model, optimizer = ctx.model, ctx.optimizer
         self._static = _clone(b.device)
         self._signature = signature(b.device)
         outputs = self._outputs
@@ -537,7 +480,7 @@ class StepGraph:
         counts = _host_step_counts(optimizer)
         before = [t.clone() for t in counts]
         try:
-            with self._fixed_layout(pipe):
+            with self._fixed_layout(ctx):
                 replay = self.capture(step)
         except Exception as err:
             for t, value in zip(counts, before):
@@ -551,14 +494,14 @@ class StepGraph:
         # After k replays the step counts are where k eager steps leave them: a capture runs the
         # step's host part once (+1, the first replay's), a replay none.
         self._host_counts, self._host_next = counts, [t + 1 for t in before]
-        self._replay = replay if self.capture is capture_with_torch else self._stand_in(replay, pipe)
+        self._replay = replay if self.capture is capture_with_torch else self._stand_in(replay, ctx)
 
-    def _stand_in(self, replay: Callable[[], None], pipe: Any) -> Callable[[], None]:
+    def _stand_in(self, replay: Callable[[], None], ctx: Any) -> Callable[[], None]:
         """A stand-in capture that re-runs the step in Python (CPU tests) must see the
         fixed layout too; a real replay calls no Python and needs none."""
 
         def run() -> None:
-            with self._fixed_layout(pipe):
+            with self._fixed_layout(ctx):
                 replay()
 
         return run
@@ -616,19 +559,21 @@ def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> 
 _HOOKS = ("before_forward", "after_backward", "after_optimizer_step")
 
 
-def apply_step_graph(pipeline: Any, options: StepGraphOptions, capture: Capture = capture_with_torch) -> StepGraph:
-    """Run ``pipeline``'s training steps as replays of one captured step (see the module
-    docstring). CUDA only, except with a stand-in ``capture`` (tests)."""
-    if capture is capture_with_torch and pipeline.device.type != "cuda":
-        raise PipelineError(f"pipeline.step_graph needs a CUDA device (this pipeline runs on {pipeline.device})")
-    if pipeline.name not in ("base", "sparse_dist"):
-        raise PipelineError(f"pipeline.step_graph captures one batch's whole step; pipeline {pipeline.name!r} "
-                            "overlaps two batches' work: use base or sparse_dist")
+def apply_step_graph(ctx: "StepContext", options: StepGraphOptions, capture: Capture = capture_with_torch) -> StepGraph:
+    """Run the training steps of the pipeline of ``ctx`` (its step context) as replays of one
+    captured step (see the module docstring). CUDA only, except with a stand-in ``capture``
+    (tests)."""
+    pipeline = ctx.pipeline
+    if capture is capture_with_torch and ctx.device.type != "cuda":
+        raise PipelineError(f"pipeline.step_graph needs a CUDA device (this pipeline runs on {ctx.device})")
+    if ONE_BATCH_PER_STEP not in ctx.offers:
+        raise PipelineError(f"pipeline.step_graph captures one batch's whole step; pipeline {pipeline.name!r} does not "
+                            f"offer {ONE_BATCH_PER_STEP} (it overlaps two batches' work)")
     hooked = [h for h in _HOOKS if getattr(type(pipeline), h) is not getattr(Pipeline, h)]
     if hooked:
         raise PipelineError(f"pipeline.step_graph: {type(pipeline).__name__} overrides {hooked}, which run on the "
                             "host every step; a replayed step runs none: set pipeline.step_graph=false")
-    modules = sharded.find_sharded_modules(pipeline.model)
+    modules = sharded.find_sharded_modules(ctx.model)
     types = {fqn: {t for t, _ in sharded.shardings(m)} for fqn, m in modules.items()}
     replicated = [fqn for fqn, t in types.items() if "data_parallel" in t]
     if replicated:
@@ -640,6 +585,11 @@ def apply_step_graph(pipeline: Any, options: StepGraphOptions, capture: Capture 
         raise PipelineError(f"pipeline.step_graph: {grid} hold grid_shard tables, whose input dist the step graph "
                             "cannot fix; shard them row_wise, table_row_wise or column_wise")
     graph = StepGraph(options, capture, buckets=row_buckets(modules))
-    pipeline.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
-    pipeline.wrap_step("h2d", graph.h2d)
+    ctx.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
+    ctx.wrap_step("h2d", graph.h2d)
     return graph
+
+
+def apply(ctx: "StepContext", options: StepGraphOptions) -> StepGraph:
+    """The speed feature's entry point (``recpipe.speedups.defs.step_graph``)."""
+    return apply_step_graph(ctx, options)

@@ -1,7 +1,8 @@
-"""``recpipe train --config PATH [--set KEY=VALUE ...] [--debug]``.
+"""``recpipe train --config PATH [--set KEY=VALUE ...] [--debug]``, and :func:`train`, the
+same from a trainer script (with its own pipeline class: ``pipeline_class=``).
 
-The config is loaded and validated here, in the launching process, so a bad config
-exits with code 2 before any process starts. Then:
+The config is loaded, validated and checked (``recpipe.preflight``) here, in the
+launching process, so a bad config exits with code 2 before any process starts. Then:
 
 * under torchrun (RANK, WORLD_SIZE, MASTER_ADDR set; any number of machines): this
   process is one rank and trains directly; rank 0 locks the run directories;
@@ -21,40 +22,21 @@ import contextlib
 import os
 import sys
 
-import torch
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
-from recpipe.config import RecpipeConfig, check_device, load_config
-from recpipe.data import check_data
+from recpipe.callables import class_spec
+from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
 from recpipe.errors import exit_code_of, report
-from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
+from recpipe.exit_codes import EXIT_WORKER_FAILED
+from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
-from recpipe.sharding import check_model_config
-from recpipe.train.checkpoint import check_checkpoint_config
 from recpipe.train.preemption import install_signal_handlers, watch_launcher
 from recpipe.train.trainer import run_worker
 
 
-def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:
-    """On CUDA: print the planner's per-rank HBM summary and return 3 (and say why)
-    when the plan does not fit the GPU, before anything is allocated. Every rank
-    evaluates it (a pure function), so under torchrun all refuse together. On CPU the
-    tables live in host memory and the plan's GPU terms do not apply: nothing is
-    printed (``recpipe plan`` shows what the config would need on GPUs)."""
-    if not on_cuda:
-        return None
-    from recpipe.planner import check_fits, plan_from_config, summary
-
-    plan = plan_from_config(cfg, world_size=world_size)
-    if verbose:
-        print(summary(plan), flush=True)
-    problem = check_fits(plan)
-    if problem is None:
-        return None
-    if verbose:
-        print(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}", file=sys.stderr)
-    return EXIT_DOES_NOT_FIT
+def _silent(line: str) -> None:
+    """What ranks other than 0 print of the memory plan: nothing."""
 
 
 def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
@@ -100,24 +82,50 @@ def _launch_failed(err: ProcessException) -> int:
 
 def main_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2
-    check_checkpoint_config(cfg.checkpoint)
-    cuda = torch.cuda.is_available()
-    check_device(cfg, cuda)  # ConfigError -> exit 2
-    check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 5
-    on_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and cuda)
-    # The model's tables (a model.factory model's are known only now, built on meta)
-    # against sharding.*: ConfigError -> exit 2, before any process starts.
-    check_model_config(cfg, device_type="cuda" if on_cuda else "cpu")
+    return run_train(cfg, args.debug)
+
+
+def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = False) -> int:
+    """``recpipe train`` from a trainer script: returns its exit code, a user error reported
+    in one line as the command reports it (``debug``: with its traceback).
+    ``pipeline_class``: a subclass of the configured pipeline's class, trained in its place
+    with the configured options and speed features (it becomes ``pipeline.class``, imported
+    by name in every rank: its module must import without starting a run, so a script keeps
+    its entry point under ``if __name__ == "__main__":``, as every multiprocessing program).
+    Under torchrun each rank runs the script, and ``distributed.nproc`` is torchrun's."""
+    try:
+        overrides = parse_overrides(torchrun_overrides())
+        if pipeline_class is not None:
+            overrides["pipeline.class"] = class_spec(pipeline_class)
+        if overrides:
+            raw = cfg.editable_dump()
+            for key, value in overrides.items():
+                apply_override(raw, key, value)
+            cfg = config_from_dict(raw, f"the trainer script's config with {', '.join(overrides)}")
+        return run_train(cfg, debug)
+    except Exception as err:
+        if exit_code_of(err) is None:
+            raise  # a bug: keep the traceback
+        return report("train", err, debug=debug)
+
+
+def run_train(cfg: RecpipeConfig, debug: bool = False) -> int:
+    """``recpipe train`` on a loaded config: every pre-launch check, the memory plan, then the
+    ranks; returns the exit code (user errors before launch raise, for ``recpipe.cli``)."""
+    machine = Machine.here()
+    preflight(cfg, machine)  # ConfigError -> exit 2, DataError -> 5: before any process starts
     world_size = cfg.distributed.nproc  # WORLD_SIZE under torchrun (torchrun_overrides)
-    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
-    refused = _check_memory_plan(cfg, world_size, on_cuda, verbose=first)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this; rank 0 prints
+        refused = check_memory(cfg, machine, world_size=world_size)
+    else:
+        refused = check_memory(cfg, machine, world_size=world_size, log=_silent, refusal=_silent)
     if refused is not None:
         return refused
     if under_torchrun():
-        return run_rank(cfg, args.debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
+        return run_rank(cfg, debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
     with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
         try:
-            launch_local(_local_rank, cfg.distributed.nproc, cfg, args.debug)
+            launch_local(_local_rank, cfg.distributed.nproc, cfg, debug)
         except ProcessException as err:
             return _launch_failed(err)
     return 0

@@ -54,7 +54,7 @@ from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
 from recpipe.distributed import control_group, init_process_group, shutdown_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
-from recpipe.pipelines import make_pipeline
+from recpipe.builder import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
@@ -132,7 +132,11 @@ def _quiet_library_deprecations() -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: RecpipeConfig, device: torch.device) -> None:
+    """One rank's training: ``Trainer(cfg, device).fit()``. ``pipeline_class``: a subclass of
+    the configured pipeline's class to train with (default: ``pipeline.class``, else the
+    pipeline's own), built with the configured options and speed features."""
+
+    def __init__(self, cfg: RecpipeConfig, device: torch.device, pipeline_class: type | None = None) -> None:
         self.cfg, self.device = cfg, device
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.global_batch = cfg.data.batch_size * self.world_size
@@ -143,7 +147,7 @@ class Trainer:
         self._say(plan_summary(self.sharded.plan, self.sharded.tables))
         self.position = self._resume()
         self.start_step = self.position.step
-        self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device)
+        self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device, cls=pipeline_class)
         self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
         if not self.rates.constant:
             self._say(repr(self.rates))

@@ -13,7 +13,7 @@ The resolved config is the W&B run's config. A resumed run (from a checkpoint in
 ``logging.run_dir/wandb``.
 
 ``wandb`` is optional: with ``logging.wandb`` set and the package missing,
-``recpipe train`` stops before any process starts (``recpipe.config.check_device``,
+``recpipe train`` stops before any process starts (``recpipe.preflight.check_machine``,
 exit code 2).
 """
 

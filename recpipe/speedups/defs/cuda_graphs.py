@@ -1,0 +1,45 @@
+"""``pipeline.cuda_graphs``: the dense modules' forward and backward and the dense
+optimizer's step replayed as CUDA graphs; the implementation and its measurements are in
+``recpipe.speedups.cuda_graphs``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from recpipe.sections import Section
+from recpipe.speedups.definition import SpeedupDef
+
+__all__ = ["CudaGraphsOptions", "FEATURE"]
+
+
+class CudaGraphsOptions(Section):
+    """``pipeline.cuda_graphs``: replay the dense modules' forward and backward, and the
+    dense optimizer's step, as CUDA graphs (CUDA only). ``true`` / ``false`` stand for
+    ``{enabled: true}`` / ``{enabled: false}``."""
+
+    # Capture and replay (CUDA only).
+    enabled: bool = False
+    # Module paths in the user's model to capture (e.g. [dense_arch, over_arch]); empty =
+    # what the model's cuda_graph_modules() names (recpipe's DLRM/DCNv2: dense arch and head).
+    modules: list[str] = Field(default_factory=list)
+    # Also replay the dense torch.optim step, bit-identical to the eager step
+    # (recpipe/speedups/optimizer_graph.py): SGD, and Adagrad with lr_decay 0. Other optimizers
+    # step eagerly with a warning. On one H100 (bf16, sparse_dist, dense part graphed) the eager
+    # Adagrad step costs about 0.8 ms of host time a step; false is for an optimizer whose
+    # capture fails.
+    optimizer: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
+
+
+FEATURE = SpeedupDef(
+    "cuda_graphs", CudaGraphsOptions,
+    "the dense modules' forward/backward and the dense optimizer's step as CUDA graphs "
+    "(recpipe/speedups/cuda_graphs.py)",
+    apply="recpipe.speedups.cuda_graphs:apply", needs_cuda=True,
+)

@@ -9,8 +9,11 @@
 # multi-pass prefetch sweep on 2M-row cached tables at pooling 40), and the speed features
 # beside TorchRec: criteo_step_graph (Criteo-sized, bf16: CUDA graphs, compile, one graph per
 # step), mlperf (MLPerf DLRM-DCNv2's shapes, compiled, profiled by kernel class) and
-# gpu_bound_compile (65536/GPU, bf16, compiled on both sides: TorchRec's TrainPipelinePT2).
-# Default: all.
+# gpu_bound_compile (65536/GPU, bf16, compiled on both sides: TorchRec's TrainPipelinePT2), and
+# scaling: both of those models on 1, 2, 4 (and 8) GPUs of this host, recpipe's sparse_dist and
+# its step graph beside TorchRec's, then python -m recpipe.bench.scaling's report and plot
+# (samples/s per GPU against the GPU count) in OUT_DIR/scaling/<config>/.
+# Default: all but scaling.
 # Every suite runs each pipeline in ROUNDS interleaved rounds (default 3) with the stages
 # timed alone (benchmarks/studies/bound.py: recpipe bench's rows plus the estimate); the
 # multipass suite is benchmarks/studies/multipass.py. One process per GPU (torchrun) when
@@ -51,6 +54,24 @@ speed() {  # speed SUITE ARGS...: recpipe bench rows of the speed features, on a
     fi | grep -v "compat_table\|WARNING:root" | tee "$out/$suite.log"
 }
 
+scaling() {  # the Criteo-sized and MLPerf-shaped models on 1, 2, 4, ... GPUs of this host, and the report
+    local n cfg name
+    for cfg in dlrm_criteo mlperf_dcnv2; do
+        for n in 1 2 4 8; do
+            [ "$n" -le "$nproc" ] || continue
+            name=${cfg}_$n
+            echo "== scaling: $cfg on $n GPU(s)"
+            mkdir -p "$out/scaling"
+            torchrun --standalone --nproc-per-node "$n" -m recpipe bench --config configs/bench/$cfg.yaml \
+                --set train.precision=bf16 --set pipeline.cuda_graphs=true --set data.synthetic.num_batches=60 \
+                "${common[@]}" --rounds "${ROUNDS:-2}" --steps 30 --warmup 10 --trace-steps 3 \
+                --pipelines "sparse_dist,sparse_dist:compile=true+step_graph=true+cuda_graphs=false" \
+                --out "$out/scaling/$name" 2>&1 | grep -v "compat_table\|WARNING:root" | tee "$out/scaling/$name.log"
+        done
+        python3 -m recpipe.bench.scaling "$out"/scaling/${cfg}_[0-9]* --out "$out/scaling/$cfg"
+    done
+}
+
 status=0
 for suite in "${suites[@]}"; do
     case $suite in
@@ -75,7 +96,8 @@ for suite in "${suites[@]}"; do
     gpu_bound_compile) speed gpu_bound_compile --config configs/bench/dlrm_criteo_gpu_bound.yaml --set train.precision=bf16 \
         --set pipeline.compile=true --set pipeline.cuda_graphs=true "${common[@]}" --steps 30 --warmup 8 --trace-steps 3 \
         --profile --pipelines "base,sparse_dist,sparse_dist:step_graph=true+cuda_graphs=false" ;;
-    *) echo "unknown suite $suite (criteo gpu_bound opt_heavy uvm multipass criteo_step_graph mlperf gpu_bound_compile)" >&2; exit 2 ;;
+    scaling) scaling ;;
+    *) echo "unknown suite $suite (criteo gpu_bound opt_heavy uvm multipass criteo_step_graph mlperf gpu_bound_compile scaling)" >&2; exit 2 ;;
     esac
     rc=$?
     [ $rc -eq 0 ] || { echo "== $suite exited $rc"; status=1; }

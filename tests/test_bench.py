@@ -304,3 +304,25 @@ def test_kineto_marker_lines_are_dropped_and_nothing_else(capfd):
         os.write(2, b"USDT:2000-01-01 00:00:00 1:1 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
         os.write(2, b"a warning of someone else\n")
     assert capfd.readouterr().err == "a warning of someone else\n"
+
+
+def test_floor_is_compute_plus_the_steps_collectives():
+    """x floor: the row's device time outside NCCL plus its collectives timed alone; their sizes are the
+    planner's bytes per rank (the busiest rank's) and calls per step."""
+    from recpipe.bench.floor import _sizes, fill_floor, floor_md
+    from recpipe.bench.report import Row
+
+    cfg = load_config(None, ["distributed.nproc=4", "sharding.tables={t_cat_0: {type: row_wise}}"])
+    sizes = _sizes(cfg, 4)
+    assert set(sizes) == {"input_a2a", "output_a2a", "backward_a2a", "allreduce"}
+    assert all(nbytes > 0 and calls > 0 for nbytes, calls in sizes.values()), sizes
+    assert _sizes(cfg, 8)["output_a2a"][0] > sizes["output_a2a"][0]  # more peers, more of the pooled rows leave
+    row = Row("sparse_dist", "recpipe", step_ms={"p50": 6.0}, trace={"compute_busy_ms": 2.0})
+    comm = {"world": 4, "comm_ms": 1.0, "collectives_ms": {"input_a2a": 0.25, "allreduce": 0.75},
+            "bytes_per_rank": {"input_a2a": 2**20, "allreduce": 2**21}, "calls": {"input_a2a": 3, "allreduce": 1}}
+    fill_floor(row, comm)
+    assert row.floor == {"compute_ms": 2.0, "comm_ms": 1.0, "floor_ms": 3.0, "x_floor": 2.0}
+    assert "| input all-to-all | 1.00 | 3 | 0.250 |" in floor_md(comm)
+    cpu = Row("base", "recpipe", step_ms={"p50": 6.0}, trace={})
+    fill_floor(cpu, {"comm_ms": None, "reason": "n/a: NCCL collectives need CUDA"})
+    assert cpu.floor == {"reason": "n/a: NCCL collectives need CUDA"}

@@ -523,3 +523,18 @@ def test_cuda_batches_are_pinned_by_the_producers_and_copy_exactly(tmp_path, tsv
         on_gpu.append(pinned.to(torch.device("cuda"), non_blocking=True))
     torch.cuda.synchronize()
     assert_same_batches([b.to(torch.device("cpu")) for b in on_gpu], batches(plain))
+
+
+def test_data_bench_times_after_what_the_producers_made_ahead(tmp_path, capsys):
+    """The default warm-up is what the loader holds made ahead (each producer's slots and the one
+    it is making, the ready queue) plus 5: the rate is a sustained one, not a drained queue's."""
+    from recpipe.data.cli import made_ahead
+    from recpipe.data.processes import READY, SLOTS
+
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"# test\nmodel: {{num_embeddings_per_feature: {ROWS}}}\ndata: {{batch_size: 16, num_workers: 2}}\n")
+    assert made_ahead(load_config(str(cfg_file))) == 2 * (SLOTS + 1) + READY
+    assert main(["data", "bench", "--config", str(cfg_file), "--batches", "6"]) == EXIT_OK
+    out = capsys.readouterr().out.strip().splitlines()
+    assert f"{2 * (SLOTS + 1) + READY + 5} untimed, then 6 batches" in out[-2] and "second half (sustained)" in out[-2]
+    assert out[-1].endswith(" samples/s")

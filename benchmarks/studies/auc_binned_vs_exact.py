@@ -22,11 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+if __package__ in (None, ""):  # run as a script: the repository's packages first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
+from torchrec.metrics.auc import AUCMetric  # noqa: E402
+from torchrec.metrics.metrics_config import RecTaskInfo  # noqa: E402
+
+from recpipe.train.metrics import BinnedAUROC  # noqa: E402
 
 
 def _synchronize(device: torch.device) -> None:
@@ -48,11 +51,6 @@ def _timed(fn, device: torch.device, repeats: int = 5) -> float:
 
 
 def measure(samples: int, device: torch.device, thresholds: int) -> dict:
-    from torchrec.metrics.auc import AUCMetric
-    from torchrec.metrics.metrics_config import RecTaskInfo
-
-    from recpipe.train.metrics import BinnedAUROC
-
     g = torch.Generator().manual_seed(0)
     signal = torch.randn(samples, generator=g)
     labels = (torch.rand(samples, generator=g) < torch.sigmoid(2 * signal - 1)).float()

@@ -59,6 +59,7 @@ class Row:
     torchrec_pipelined_modules: int | None = None
     gpu_busy_ms: float | None = None  # per profiled step, the slowest rank's (trace.py)
     x_busy: float | None = None  # P50 / GPU busy: the headline (1.0 = the GPU never idles)
+    floor: dict[str, Any] = field(default_factory=dict)  # compute + collectives timed alone, x floor (floor.py)
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
     cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (measure.cache_metrics), or {"reason": ...}
 
@@ -111,7 +112,8 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
     }
 
 
-_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "host ms/call", "samples/s",
+_COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "floor ms", "x floor", "host ms/call",
+            "samples/s",
             "samples/s/GPU", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
 
 
@@ -126,7 +128,8 @@ def _cells(row: Row) -> list[str]:
     mem = row.memory
     busy = cell(row.gpu_busy_ms, ".2f") if row.gpu_busy_ms is not None else ("n/a" if row.trace else "-")
     return [row.pipeline, row.impl, cell(row.step_ms.get("p50"), ".2f"), cell(row.step_ms.get("p90"), ".2f"), busy,
-            cell(row.x_busy, ".2f"), cell(row.host_ms.get("p50"), ".2f"), cell(row.samples_per_s, ",.0f"),
+            cell(row.x_busy, ".2f"), cell(row.floor.get("floor_ms"), ".2f"), cell(row.floor.get("x_floor"), ".2f"),
+            cell(row.host_ms.get("p50"), ".2f"), cell(row.samples_per_s, ",.0f"),
             cell(row.samples_per_s_per_gpu, ",.0f"), cell(mem.get("peak_alloc_gib"), ".2f"),
             cell(mem.get("peak_reserved_gib"), ".2f"), cell(mem.get("reserved_over_alloc"), ".3f"),
             cell(mem.get("step_peak_alloc_above_build_gib"), ".2f"), "; ".join(row.notes)]
@@ -183,8 +186,11 @@ def _markdown(cfg: RecpipeConfig, header: dict[str, Any], rows: list[Row], secti
         f"({bench['batch_generation_ms_per_batch']:.1f} ms/batch), pinned: {bench['pinned']}",
         "",
         "P50/P90 over timed steps of the slowest rank's step time; GPU busy: the union of device intervals per",
-        "profiled step (n/a on CPU); **x GPU busy = P50 / GPU busy** (1.00: the GPU never idles); host ms/call: host",
-        "time inside progress(); step +GiB: step-only peak above the model. Every number: docs/benchmarking.md.",
+        "profiled step (n/a on CPU), NCCL's kernels counted while they wait for their peers (on several GPUs a",
+        "step can be all NCCL waiting); **x GPU busy = P50 / GPU busy** (1.00: the GPU never idles); floor: the",
+        "step's device time outside NCCL's kernels plus its collectives timed alone at their sizes on the same",
+        "ranks; **x floor = P50 / floor**; host ms/call: host time inside progress(); step +GiB: step-only peak",
+        "above the model. Every number: docs/benchmarking.md.",
         "", format_table(rows, markdown=True), "", *sections_md,
     ]
     details = [r for r in rows if r.config_overrides or r.notes or r.options]

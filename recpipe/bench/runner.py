@@ -22,6 +22,7 @@ from torch.multiprocessing.spawn import ProcessException
 from tqdm import tqdm
 
 from recpipe.bench.compare import comparisons, comparisons_md, merge_rounds, round_order
+from recpipe.bench.floor import fill_floor, floor_md, time_collectives
 from recpipe.bench.measure import StepClock
 from recpipe.bench.report import Row, environment, format_table, gpu_time_table, rows_md, write_outputs, write_plots
 from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
@@ -185,7 +186,12 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
                 tqdm.write(f"recpipe bench: {row.pipeline} ({row.impl}) {result}"
                            + (f" (round {r + 1})" if opts.rounds > 1 else ""))
     rows = [merge_rounds(measured[run], cfg.data.batch_size * world) for run in runs]
+    comm = time_collectives(cfg, device)  # on the same ranks, after the rows
+    for row in rows:
+        if row.status == "ok":
+            fill_floor(row, comm)
     extra, extra_md = sections(cfg, opts, rows, batches, device, bar) if sections else ({}, [])
+    extra, extra_md = {"floor": comm, **extra}, floor_md(comm) + extra_md
     bar.close()
     if rank == 0:
         _write(cfg, opts, header, rows, extra, extra_md)

@@ -259,6 +259,9 @@ def summarize_trace(trace: Trace, steps: int, device_type: str) -> dict[str, Any
         out,
         gpu_busy_ms=_per_step(union_length((op.start, op.end) for op in ops), steps),
         nccl_busy_ms=_per_step(union_length((op.start, op.end) for op in ops if op.name.startswith("nccl")), steps),
+        # the device's work outside NCCL's kernels (which count while they wait for peers): the floor's compute
+        compute_busy_ms=_per_step(union_length((op.start, op.end) for op in ops if not op.name.startswith("nccl")),
+                                  steps),
         device_ops_per_step=len(ops) / steps,
         streams_busy_ms={str(s): _per_step(union_length(iv), steps) for s, iv in sorted(streams.items())},
         kernel_classes_ms={c: _per_step(t, steps) for c, t in classes.items()},  # summed, overlap counted twice
@@ -325,7 +328,7 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
     return summarize_trace(trace, steps, device.type)
 
 
-_SLOWEST = ("gpu_busy_ms", "host_ms_p50", "window_ms")  # per row: the slowest rank's
+_SLOWEST = ("gpu_busy_ms", "compute_busy_ms", "host_ms_p50", "window_ms")  # per row: the slowest rank's
 
 
 def combine_ranks(per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ Between the training process and producer ``w`` (of ``k``):
   shape and byte offset, and the spec that rebuilds the :class:`Batch` around them
   (``recpipe.data.flat``); or the producer's exception, at that batch's turn.
   Training process -> producer: one empty message per batch copied out of its slot.
-* ``_SLOTS`` shared-memory segments (``memfd``: no name, no ``/dev/shm`` space, gone
+* ``SLOTS`` shared-memory segments (``memfd``: no name, no ``/dev/shm`` space, gone
   with the last process that maps it), the producer's ring of slots, used in turn
   and freed in the same order. A slot's segment is created by the producer the
   first time it is used, sized from that batch with headroom, and created anew,
@@ -63,8 +63,8 @@ from recpipe.distributed import die_with_parent
 
 __all__ = ["ProducerDied", "Processes"]
 
-_SLOTS = 2  # per producer: batches made ahead of the one it is making
-_READY = 2  # batches copied out and waiting for the consumer
+SLOTS = 2  # per producer: batches made ahead of the one it is making
+READY = 2  # batches copied out and waiting for the consumer
 _ALIGN = 64  # byte offset of each tensor in a slot
 _HEADROOM = 1.25  # a slot's size over the batch it is made for (later batches may be larger)
 _POLL_S = 0.1  # how often a waiting receiver checks whether the iterator was closed
@@ -103,14 +103,14 @@ class _Producer:
 
     def __init__(self, conn: Connection, w: int, k: int) -> None:
         self.conn, self.w, self.k = conn, w, k
-        self.segments: list[_Segment | None] = [None] * _SLOTS
+        self.segments: list[_Segment | None] = [None] * SLOTS
         self.sent = self.freed = 0
 
     def run(self, stream: Production) -> None:
         for index in range(stream.start + self.w, stream.stop, self.k):
             try:
                 item = stream.make(index)
-                if self.sent - self.freed == _SLOTS:  # every slot taken: wait for the oldest
+                if self.sent - self.freed == SLOTS:  # every slot taken: wait for the oldest
                     self.conn.recv_bytes()
                     self.freed += 1
                 self._send(index, item)
@@ -122,7 +122,7 @@ class _Producer:
             self.freed += 1
 
     def _send(self, index: int, item: Any) -> None:
-        slot = self.sent % _SLOTS
+        slot = self.sent % SLOTS
         self.sent += 1
         if type(item) is not Batch:  # another object (tests, other makers): pickled whole
             self.conn.send_bytes(pickle.dumps((_OBJECT, index, item), pickle.HIGHEST_PROTOCOL))
@@ -201,7 +201,7 @@ class _Child:
         os.close(child_sentinel)
         child_conn.close()
         self.pid, self.conn, self.sentinel = pid, conn, sentinel
-        self.segments: list[_Segment | None] = [None] * _SLOTS
+        self.segments: list[_Segment | None] = [None] * SLOTS
         self._lock = threading.Lock()
         self._exit_code: int | None = None
 
@@ -281,7 +281,7 @@ class _Child:
     def close_pipes(self) -> None:
         self.conn.close()
         os.close(self.sentinel)
-        self.segments = [None] * _SLOTS
+        self.segments = [None] * SLOTS
 
 
 def _exception(message: tuple) -> BaseException:
@@ -299,7 +299,7 @@ class Processes:
     def __init__(self, stream: Production) -> None:
         k = stream.workers
         self.closed = threading.Event()
-        self.ready: queue.Queue = queue.Queue(_READY)
+        self.ready: queue.Queue = queue.Queue(READY)
         self.children: list[_Child] = []
         try:
             for w in range(min(k, len(stream))):  # a producer without batches is not started

@@ -146,7 +146,8 @@ def _replicated_params(inputs: PlannerInputs) -> int:
     return inputs.dense.num_params + dp
 
 
-def _collectives(inputs: PlannerInputs) -> dict[str, int]:
+def collective_calls(inputs: PlannerInputs) -> dict[str, int]:
+    """Collectives per step of each kind (the step's calls, as torchrec and recpipe make them)."""
     if inputs.world_size == 1:  # torchrec's all-to-alls return their input; DDP has no peer
         return {"input_a2a": 0, "output_a2a": 0, "backward_a2a": 0, "allreduce": 0}
     groups = len({t.sharding_type for t in inputs.tables} & set(A2A_TYPES))
@@ -204,7 +205,7 @@ def predict_point(inputs: PlannerInputs, gpu: str = "H200", *, interaction_flops
     W, B = inputs.world_size, inputs.batch_size
     link = g.nvlink_bytes_per_s * g.nvlink_efficiency
     per_rank = a2a_bytes(inputs)
-    n_coll = _collectives(inputs)
+    n_coll = collective_calls(inputs)
     row: dict[str, Any] = {"world_size": W, "batch_size_per_rank": B, "global_batch": W * B}
     comm_s: dict[str, float] = {}
     for kind, pairs in per_rank.items():

@@ -41,6 +41,7 @@ __all__ = [
     "check_precisions",
     "check_sharding_support",
     "check_tables",
+    "sharders_offer",
     "embedding_fused_params",
     "make_sharder",
     "make_sharders",
@@ -312,8 +313,9 @@ _NOT_ON_CPU = {
 
 # recpipe's sharding types that torchrec's sharder of each module type offers on CUDA
 # (``ModuleSharder.sharding_types("cuda")``, torchrec 1.6.1 to 1.8; recpipe also runs
-# row_wise on CPU, which torchrec's CPU list omits). Stated here so that checking a config
-# loads no torchrec; tests/test_planner.py holds it to torchrec's sharders.
+# row_wise on CPU, which torchrec's CPU list omits): what the planner checks the built-in
+# model's tables against without loading torchrec. tests/test_planner.py holds it to
+# torchrec's sharders, which a model built on meta is checked against (``validated_tables``).
 SHARDER_TYPES = {
     EBC: ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel"),
     EC: ("table_wise", "row_wise", "column_wise", "data_parallel"),
@@ -321,22 +323,32 @@ SHARDER_TYPES = {
 }
 
 
-def supported_sharding_types(module_type: str, device_type: str) -> list[str]:
-    """recpipe's sharding types that torchrec's sharder of ``module_type`` accepts
-    (:data:`SHARDER_TYPES`), less the ones known not to run on ``device_type``."""
-    return [t for t in SHARDER_TYPES[module_type] if not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
+def sharders_offer(cfg: "RecpipeConfig", device_type: str = "cuda") -> dict[str, tuple[str, ...]]:
+    """recpipe's sharding types that torchrec's sharders offer, by module type (asks them)."""
+    from recpipe.config import SHARDING_TYPES
+
+    offered = {kind: set(sharder.sharding_types("cuda"))
+               for kind, sharder in make_sharders(cfg, device_type, comms=False).items()}
+    return {kind: tuple(t for t in SHARDING_TYPES if t in types) for kind, types in offered.items()}
 
 
-def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str = "cuda") -> None:
-    """Every table's configured sharding type is one its module's sharder supports
-    on ``device_type``; ``ConfigError`` naming the key, the table, its module and the
-    allowed types otherwise."""
+def supported_sharding_types(offered: tuple[str, ...], module_type: str, device_type: str) -> list[str]:
+    """Of the sharding types ``offered`` for ``module_type``, those that run on ``device_type``."""
+    return [t for t in offered if not (device_type != "cuda" and (module_type, t) in _NOT_ON_CPU)]
+
+
+def check_sharding_support(cfg: "RecpipeConfig", tables: "Sequence[TableInfo]", device_type: str = "cuda",
+                           offered: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Every table's configured sharding type is one its module's sharder supports on
+    ``device_type`` (``offered``: by module type, default :data:`SHARDER_TYPES`);
+    ``ConfigError`` naming the key, the table, its module and the allowed types otherwise."""
     from recpipe.config import ConfigError
 
+    offered = SHARDER_TYPES if offered is None else offered
     problems = []
     for t in tables:
         ts = cfg.sharding.for_table(t.name)
-        allowed = supported_sharding_types(t.module_type, device_type)
+        allowed = supported_sharding_types(offered[t.module_type], t.module_type, device_type)
         if ts.type not in allowed:
             key = _key(cfg, t.name)
             why = _NOT_ON_CPU.get((t.module_type, ts.type))
@@ -480,18 +492,20 @@ def validated_tables(
         raise ConfigError(f"{source}: {err}") from None
     if not tables:
         raise ConfigError(f"{source}: the model holds no {', '.join(MODULE_TYPES)}; there is nothing to shard")
-    return check_tables(cfg, tables, device_type)
+    return check_tables(cfg, tables, device_type, offered=sharders_offer(cfg, device_type))
 
 
-def check_tables(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...], device_type: str = "cuda") -> tuple[TableInfo, ...]:
+def check_tables(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...], device_type: str = "cuda",
+                 offered: dict[str, tuple[str, ...]] | None = None) -> tuple[TableInfo, ...]:
     """``tables`` with every sharding rule that needs the real tables checked: names under
     ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type is one
-    its module supports on ``device_type``, column_wise dims split over the ranks, every
-    table's precision (its own data_type included) is one FBGEMM trains. ConfigError otherwise."""
+    its module's sharder offers (``offered``, default :data:`SHARDER_TYPES`) on
+    ``device_type``, column_wise dims split over the ranks, every table's precision (its own
+    data_type included) is one FBGEMM trains. ConfigError otherwise."""
     from recpipe.config import ConfigError
 
     check_table_names(cfg, tables)
-    check_sharding_support(cfg, tables, device_type)
+    check_sharding_support(cfg, tables, device_type, offered)
     W = cfg.distributed.nproc
     problems = [
         f"  {_key(cfg, t.name)}.type='column_wise' splits table {t.name!r} (dim {t.dim}) over distributed.nproc={W} "

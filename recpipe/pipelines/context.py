@@ -46,7 +46,6 @@ class InFlight:
     forwarded: bool = False  # forward_eval ran (an evaluation keeps no loss)
 
 
-
 class StepContext:
     """What a step, a hook or a speed feature may use of the engine: one per pipeline
     (``pipeline.context``), handed to every step as ``step(ctx, batch)`` and to every speed
@@ -82,6 +81,8 @@ class StepContext:
 
     def __init__(self, pipeline: Any, streams: Streams, modules: dict[str, Any],
                  inputs: dict[str, Callable[[Any], Any]], max_batches_ahead: int | None, splits_exchange: str) -> None:
+        """Made by the engine (``pipeline``: a ``recpipe.pipelines.engine.Pipeline``, not imported
+        here: the engine imports this module)."""
         self.pipeline = pipeline
         self.model, self.optimizer, self.device = pipeline.model, pipeline.optimizer, pipeline.device
         self.offers = pipeline.definition.offers
@@ -110,14 +111,14 @@ class StepContext:
         return self.pipeline.step_stream(batch, name)
 
     def wrap_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
-        """:meth:`Pipeline.wrap_step`."""
+        """``Pipeline.wrap_step``."""
         self.pipeline.wrap_step(name, wrapper)
 
     def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[[StepContext, InFlight], None]],
                          *, intercepts: bool) -> None:
-        """:meth:`Pipeline.replace_schedule`."""
+        """``Pipeline.replace_schedule``."""
         self.pipeline.replace_schedule(schedule, functions, intercepts=intercepts)
 
     def on_detached(self, fn: Callable[[], None]) -> None:
-        """:meth:`Pipeline.on_detached`."""
+        """``Pipeline.on_detached``."""
         self.pipeline.on_detached(fn)

@@ -5,7 +5,7 @@ and the rules between its own fields. What depends on more than the config is ch
 here, above it, before any process starts:
 
 1. the rules of the pipeline and of the speed features it enables
-   (:func:`check_rules`: ``PipelineDef.check``, ``SpeedupDef.rules``, and each enabled
+   (:func:`check_rules`: ``PipelineDef.check``, ``SpeedupDef.check``, and each enabled
    feature against the capabilities the pipeline offers);
 2. the machine (:func:`check_machine`: a CUDA GPU for what needs one, FBGEMM's CPU
    kernels, the distributed backend, optional packages);
@@ -76,7 +76,7 @@ def rule_problems(cfg: RecpipeConfig) -> list[str]:
             problems.append(f"pipeline.{feature.name} needs {what}, which pipeline.name={p.name!r} does not offer; "
                             f"pipelines that do: {', '.join(others) or 'none'}")
             continue
-        problems += feature.rules(cfg)
+        problems += feature.check(cfg)
     return problems
 
 

@@ -12,7 +12,7 @@ Each declares, in a module of ``recpipe/speedups/defs/`` that imports nothing he
   pipelines that offer them, or ``"skip"``: nothing to speed up there, and a warning if
   its section was written in the config);
 * ``needs_cuda``: refused on a run without a CUDA device;
-* ``rules``: its config rules beyond those (one line per problem, naming the keys);
+* ``check``: its config rules beyond those (one line per problem, naming the keys);
 * ``apply``: ``"package.module:function"``, ``function(ctx, options) -> handle | None``
   with ``ctx`` the pipeline's :class:`~recpipe.pipelines.engine.StepContext`; it installs
   itself through ``ctx.wrap_step``, ``ctx.replace_schedule`` or an instance attribute of
@@ -49,7 +49,7 @@ class SpeedupDef:
     needs: frozenset[str] = frozenset()
     missing: Literal["refuse", "skip"] = "refuse"
     needs_cuda: bool = False
-    rules: Callable[[Any], list[str]] = field(default=_no_rules)
+    check: Callable[[Any], list[str]] = field(default=_no_rules)
 
     def section(self, pipeline_options: Any) -> Section | None:
         """Its options in a ``pipeline`` section (None for a feature without a section)."""

@@ -11,7 +11,7 @@ from recpipe.capabilities import PREFETCH_STEP
 from recpipe.sections import Section
 from recpipe.speedups.definition import SpeedupDef
 
-__all__ = ["CacheFillOptions", "FEATURE", "rules"]
+__all__ = ["CacheFillOptions", "FEATURE", "check"]
 
 
 class CacheFillOptions(Section):
@@ -31,7 +31,7 @@ class CacheFillOptions(Section):
         return {"enabled": value} if isinstance(value, bool) else value
 
 
-def rules(cfg: Any) -> list[str]:
+def check(cfg: Any) -> list[str]:
     """A written ``pipeline.cache_fill`` needs cache rows in the weights' precision (it copies
     rows as they are). ``cfg``: a ``RecpipeConfig``."""
     fill = cfg.pipeline.cache_fill
@@ -51,5 +51,5 @@ def rules(cfg: Any) -> list[str]:
 FEATURE = SpeedupDef(
     "cache_fill", CacheFillOptions,
     "recpipe's UVM-cache insert in the prefetch step, where the pipeline has one (recpipe/speedups/cache_fill.py)",
-    apply="recpipe.speedups.cache_fill:apply", needs=frozenset({PREFETCH_STEP}), missing="skip", rules=rules,
+    apply="recpipe.speedups.cache_fill:apply", needs=frozenset({PREFETCH_STEP}), missing="skip", check=check,
 )

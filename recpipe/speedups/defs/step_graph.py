@@ -11,7 +11,7 @@ from recpipe.capabilities import ONE_BATCH_PER_STEP
 from recpipe.sections import Section
 from recpipe.speedups.definition import SpeedupDef
 
-__all__ = ["FEATURE", "StepGraphOptions", "rules"]
+__all__ = ["FEATURE", "StepGraphOptions", "check"]
 
 
 class StepGraphOptions(Section):
@@ -38,7 +38,7 @@ class StepGraphOptions(Section):
         return {"enabled": value} if isinstance(value, bool) else value
 
 
-def rules(cfg: Any) -> list[str]:
+def check(cfg: Any) -> list[str]:
     """Why ``cfg`` (a ``RecpipeConfig``) cannot run with ``pipeline.step_graph``, besides the
     pipeline's capability (the model's reasons are checked when it is applied)."""
     p = cfg.pipeline
@@ -73,5 +73,5 @@ def rules(cfg: Any) -> list[str]:
 FEATURE = SpeedupDef(
     "step_graph", StepGraphOptions,
     "the whole training step as one CUDA graph, for fixed-shape (or padded) batches (recpipe/speedups/step_graph.py)",
-    apply="recpipe.speedups.step_graph:apply", needs=frozenset({ONE_BATCH_PER_STEP}), needs_cuda=True, rules=rules,
+    apply="recpipe.speedups.step_graph:apply", needs=frozenset({ONE_BATCH_PER_STEP}), needs_cuda=True, check=check,
 )

@@ -10,11 +10,13 @@ bad data, a directory in use, ...) prints one line and exits with its code
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from recpipe import exit_codes as codes
-from recpipe.errors import exit_code_of, report
+from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
+from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
 
 DESCRIPTION = (
     "recpipe: train sharded recommendation models (TorchRec modules, FBGEMM embeddings) with pipelines "
@@ -178,6 +180,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before anything heavy is imported: from here on a SIGTERM or SIGINT ends the
+    # command with one line and 128 + signal, or stops training at a step boundary.
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    command = words[0] if words else ""
+    install_signal_handlers(command)
+    try:
+        return _run(argv)
+    except StopRequested as stop:
+        return report(command, stop)
+    finally:
+        defer_requests()  # the command is over: a later signal is recorded, and forgotten by the next run
+        if argv is None:
+            # This process is the command, and it is ending: its outcome is decided. At
+            # interpreter shutdown Python restores the default handlers (a signal would then
+            # kill it with 128 + signal after it succeeded); ignored ones it leaves alone.
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":

@@ -36,6 +36,7 @@ __all__ = [
     "NonFiniteLossError",
     "PipelineError",
     "Preempted",
+    "StopRequested",
     "StorageError",
     "UserError",
     "data_errors",
@@ -87,6 +88,28 @@ class DirInUseError(UserError):
 
 class NonFiniteLossError(UserError):
     exit_code = EXIT_NONFINITE_LOSS
+
+
+class StopRequested(BaseException):
+    """A signal asked a command to stop while it was starting, before anything worth
+    saving existed (``recpipe.stop_requests``). A ``BaseException``, like
+    ``KeyboardInterrupt``: code that catches ``Exception`` does not swallow it. Every
+    rank gets the signal (the launcher forwards it): rank 0 says it."""
+
+    BEFORE_TRAINING = "before training started: nothing was trained or saved"
+    every_rank = True
+
+    def __init__(self, signum: int, what: str, detail: str = "") -> None:
+        super().__init__(signum, what, detail)
+        self.signum, self.what, self.detail = signum, what, detail
+        self.exit_code = exit_code_for_signal(signum)
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.detail}" if self.detail else self.what
+
+    def before_training(self) -> "StopRequested":
+        """The same request, as ``recpipe train`` says it."""
+        return StopRequested(self.signum, self.what, self.BEFORE_TRAINING)
 
 
 class Preempted(UserError):
@@ -141,6 +164,8 @@ def exit_code_of(err: BaseException) -> int | None:
         return err.exit_code
     if isinstance(err, ConfigError):
         return EXIT_BAD_CONFIG
+    if isinstance(err, StopRequested):
+        return err.exit_code
     return None
 
 
@@ -156,11 +181,12 @@ def report(command: str, err: BaseException, *, rank: int | None = None, debug: 
     if debug:
         traceback.print_exception(err, file=sys.stderr)
     who = f"rank {rank}: " if rank is not None and not every_rank else ""
+    command = f"recpipe {command}" if command else "recpipe"
     message = str(err).rstrip()
     if "\n" in message:  # multi-line messages (config problems) keep their lines
-        print(f"recpipe {command}: {who}{message}\n[exit {code}]", file=sys.stderr, flush=True)
+        print(f"{command}: {who}{message}\n[exit {code}]", file=sys.stderr, flush=True)
     else:
-        print(f"recpipe {command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
+        print(f"{command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
     return code
 
 

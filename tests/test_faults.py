@@ -59,8 +59,15 @@ def _pgrp(pid: int) -> int | None:
     return int(text[text.rindex(")") + 2 :].split()[2])
 
 
-def _group_members(pgid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(int(p)) == pgid and alive(int(p))]
+def _group_members(pgid: int, settle_s: float = 5.0) -> list[int]:
+    """The live processes of group ``pgid`` once it has settled: the launcher's forkserver
+    and multiprocessing's resource tracker end when the launcher does, a moment after it."""
+    end = time.monotonic() + settle_s
+    while True:
+        members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(int(p)) == pgid and alive(int(p))]
+        if not members or time.monotonic() > end:
+            return members
+        time.sleep(0.05)
 
 
 def _kill_group(pgid: int) -> None:

@@ -26,13 +26,15 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.data import check_data
-from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
-from recpipe.errors import exit_code_of, report
+from recpipe.distributed import (init_process_group, launch_local, leave_after_failure, shutdown_process_group,
+                                 torchrun_overrides, under_torchrun)
+from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.sharding import check_model_config
+from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
 from recpipe.train.checkpoint import check_checkpoint_config
-from recpipe.train.preemption import install_signal_handlers, watch_launcher
+from recpipe.train.preemption import watch_launcher
 from recpipe.train.trainer import run_worker
 
 
@@ -60,25 +62,34 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
 def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
     """One rank of ``recpipe train``, the whole life of its process: train; return
     0, or the exit code of a user error after reporting it (once for the job when
-    every rank has it). A bug propagates with its traceback. ``lock_dirs``: rank 0
-    locks the run directories (under torchrun; ``launch_local``'s launcher holds
-    them otherwise)."""
+    every rank has it), or of a signal before training started. A bug propagates with
+    its traceback. ``lock_dirs``: under torchrun, where ``recpipe.cli`` has installed
+    the signal handlers, rank 0 locks the run directories; otherwise this is a rank of
+    ``launch_local``, whose launcher holds them and whose signals wait, blocked, for
+    the handlers installed here."""
     rank = int(os.environ.get("RANK", "0"))
-    install_signal_handlers()
-    try:
-        if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
-            with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
-                init_process_group(cfg)
-                with hold_run_dirs_on_rank0(cfg):
-                    run_worker(cfg)
-        else:
-            run_worker(cfg)
-    except Exception as err:
-        if exit_code_of(err) is None:
-            raise
-        return report("train", err, rank=rank, debug=debug)
-    finally:
-        shutdown_process_group()
+    failed = False
+    try:  # a signal may raise StopRequested anywhere before training, the error path below included
+        try:
+            if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
+                with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
+                    init_process_group(cfg)
+                    with hold_run_dirs_on_rank0(cfg):
+                        run_worker(cfg)
+            else:
+                install_signal_handlers("train")
+                run_worker(cfg)
+        except Exception as err:
+            if exit_code_of(err) is None:
+                failed = True
+                leave_after_failure()
+                raise
+            return report("train", err, rank=rank, debug=debug)
+        finally:
+            if not failed:
+                shutdown_process_group()
+    except StopRequested as stop:
+        return report("train", stop, rank=rank, debug=debug)
     return 0
 
 
@@ -114,10 +125,18 @@ def main_train(args: argparse.Namespace) -> int:
     if refused is not None:
         return refused
     if under_torchrun():
-        return run_rank(cfg, args.debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
-    with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
-        try:
-            launch_local(_local_rank, cfg.distributed.nproc, cfg, args.debug)
-        except ProcessException as err:
-            return _launch_failed(err)
-    return 0
+        code = run_rank(cfg, args.debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
+    else:
+        with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
+            try:
+                launch_local(_local_rank, cfg.distributed.nproc, cfg, args.debug, handles_signals=True)
+                code = 0
+            except ProcessException as err:
+                code = _launch_failed(err)
+            finally:
+                defer_requests()  # the ranks have ended: a signal from now on has nothing left to stop
+    signum = requested_signal()
+    if code == 0 and signum is not None and first:
+        print(f"recpipe train: {describe_request(signum)} came after the last step: the run completed", file=sys.stderr,
+              flush=True)
+    return code

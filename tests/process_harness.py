@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+TESTS = Path(__file__).resolve().parent
+CONFIG = TESTS.parent / "configs" / "quickstart.yaml"
 # A step in milliseconds; a row-wise and a column-wise table.
 TINY_MODEL = [
     "model.num_embeddings_per_feature=[100, 300, 500, 1000]",
@@ -55,7 +56,9 @@ def _as_background_job() -> None:
 def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [sys.executable]
     cmd = [*launcher, "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run, *extra)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # The tests' own modules (fault_data's factories) importable by the run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TESTS)]))}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=_as_background_job if background else None)
 
 

@@ -322,3 +322,51 @@ def test_a_directory_that_cannot_be_written_at_the_start_exits_6(tmp_path):
     assert lines == [f"recpipe train: cannot write logging.run_dir={str(locked / 'run')!r} ({locked / 'run'}): "
                      f"Permission denied [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
 
+
+
+# ------------------------------------------------------------ nothing left after any kill
+# Runs an endless `recpipe train` ("$@") with /dev/shm a tmpfs of its own (a mount
+# namespace) and $TMPDIR=$T; once step 4's checkpoint exists, kills it as $KILL says,
+# waits for the launcher, then up to 10 s for /dev/shm and $TMPDIR to empty (torch's
+# compile cache aside) and prints what is left in each.
+_KILL = r"""
+mount -t tmpfs tmpfs /dev/shm || exit 90
+"$@" 2>"$T.err" & launcher=$!
+while [ ! -e "$CKPT/step_00000004/metadata.json" ] && kill -0 $launcher 2>/dev/null; do sleep 0.05; done
+rank1() { for s in $(cat /proc/$launcher/task/*/children); do cat /proc/$s/task/*/children; done | tr ' ' '\n' | grep . | sort -n | tail -1; }
+case $KILL in
+  launcher) kill -KILL $launcher ;;
+  rank) kill -KILL $(rank1) ;;
+  sigterm) kill -TERM $launcher ;;
+  twice) kill -TERM $launcher; sleep 1.5; kill -TERM $launcher ;;
+esac
+wait $launcher
+left() { ls -A /dev/shm; ls -A "$T" | grep -v '^torchinductor_'; }
+for i in $(seq 200); do [ -z "$(left)" ] && break; sleep 0.05; done
+echo "left: $(left | tr '\n' ' ')"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` (user and mount namespaces) to mount a tmpfs")
+@pytest.mark.parametrize("kill", ["launcher", "rank", "sigterm", "twice"])
+def test_nothing_is_left_in_tmpdir_or_dev_shm_after_any_kill(tmp_path, kill):
+    """SIGKILL to the launcher or to a rank, SIGTERM, a second SIGTERM: no process, no file
+    in $TMPDIR (the forkserver's socket directory, torch's traceback files) and nothing in
+    /dev/shm (a semaphore the resource tracker would remove with a "leaked semaphore"
+    warning) outlives the run."""
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", _KILL, "sh", *RECPIPE, *overrides(run)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=_env(T=str(tmp), TMPDIR=str(tmp), CKPT=str(run / "ckpt"), KILL=kill))
+    try:
+        out, _ = finish(proc, timeout=300)
+    finally:
+        members = _group_members(proc.pid)
+        _kill_group(proc.pid)
+    err = Path(f"{tmp}.err").read_text()
+    left = [line for line in out.splitlines() if line.startswith("left:")]
+    assert left == ["left: "], (out[-2000:], err[-3000:])
+    assert "leaked" not in err and "resource_tracker" not in err, err[-3000:]
+    assert not members, "a process of the run outlived it"

@@ -15,7 +15,9 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
 
 Resuming verifies the newest complete checkpoint before loading it; a damaged one
 (a truncated shard, a changed byte) is skipped with a warning naming it and the
-file, and the next older one is tried. A save that fails on any rank (read-only
+file, and the next older one is tried. After each save rank 0 keeps the newest
+``checkpoint.keep`` intact checkpoints and deletes every other ``step_*`` directory
+(older, damaged, or incomplete): a damaged checkpoint never displaces an intact one. A save that fails on any rank (read-only
 directory, full disk) fails on every rank with one error naming the path; it never
 writes ``metadata.json``, so the previous checkpoint stays the newest complete one.
 
@@ -205,19 +207,29 @@ def _save_error(cfg: CheckpointConfig, path: Path, reason: str) -> CheckpointErr
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones
-    older than them. Housekeeping: a failure only warns (the new checkpoint is complete)."""
+    """Keep the newest ``keep`` intact checkpoints; delete every other ``step_*`` directory:
+    older checkpoints, damaged ones, and incomplete ones (interrupted saves: no save is
+    under way now, and the new checkpoint is complete). A complete checkpoint counts as
+    intact unless resuming found it damaged (``_FOUND_DAMAGED``) or one of its files is not
+    the size it was saved with (a ``stat`` each, no read): a damaged checkpoint never
+    takes the place of an intact one. Housekeeping: a failure only warns."""
     steps = sorted(root.glob("step_*"))
-    complete = [p for p in steps if (p / METADATA_FILE).is_file()]
-    if len(complete) <= keep:
-        return
-    oldest_kept = complete[-keep]
+    intact = [p for p in steps if (p / METADATA_FILE).is_file() and p not in _FOUND_DAMAGED
+              and not verify_checkpoint(p, checksums=False)]
+    kept = set(intact[-keep:])
     for path in steps:
-        if path < oldest_kept:
-            try:
-                shutil.rmtree(path)
-            except OSError as err:
-                warnings.warn(f"checkpoint.keep={keep}: cannot delete the old checkpoint {path}: {err}")
+        if path in kept:
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as err:
+            warnings.warn(f"checkpoint.keep={keep}: cannot delete the checkpoint {path}: {err}")
+        _FOUND_DAMAGED.discard(path)
+
+
+# Checkpoints that resuming found damaged, in this process (rank 0's): retention does not
+# count them as kept. Their damage may be a changed byte, which only a checksum finds.
+_FOUND_DAMAGED: set[Path] = set()
 
 
 def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer) -> TrainPosition | None:
@@ -263,6 +275,7 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
         if not problems:
             return path
         damaged.append(f"{path.name}: {'; '.join(problems)}")
+        _FOUND_DAMAGED.add(path)
         if rank == 0:
             warnings.warn(f"skipping damaged checkpoint {path}: {'; '.join(problems)}; trying the previous one")
     if damaged:

@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     # First, before anything heavy is imported: from here on a SIGTERM or SIGINT ends the
     # command with one line and 128 + signal, or stops training at a step boundary.
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
-    command = words[0] if words else ""
+    command = " ".join(words[:2]) if words[:1] == ["data"] else words[0] if words else ""
     install_signal_handlers(command)
     try:
         return _run(argv)
@@ -233,7 +233,8 @@ def _run(argv: list[str] | None) -> int:
     except Exception as err:
         if exit_code_of(err) is None:
             raise  # a bug: keep the traceback
-        return report(args.command, err, debug=args.debug)
+        name = f"data {args.data_command}" if args.command == "data" else args.command
+        return report(name, err, debug=args.debug)
     raise AssertionError(f"unhandled command {args.command}")
 
 

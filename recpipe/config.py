@@ -14,7 +14,9 @@ the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -634,6 +636,16 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("pipeline.step_graph=true needs a CUDA GPU; this run is on CPU")
         if cfg.distributed.backend == "nccl":
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
+    if cfg.pipeline.name == "prefetch" and not any(t.kernel == "fused_uvm_caching" for t in cfg.table_sharding().values()):
+        problems.append("pipeline.name='prefetch' prefetches the rows of UVM-cached tables, and no table has kernel "
+                        "'fused_uvm_caching' (which needs a CUDA GPU): set one, or use pipeline.name='sparse_dist'")
+    if not on_cuda and int(os.environ.get("RANK", "0")) == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.distributed.nproc))
+        if cores and local > cores:
+            warnings.warn(f"distributed.nproc={cfg.distributed.nproc}: {local} CPU ranks on this machine's {cores} usable "
+                          "core(s): ranks compute on one core each and wait for one another at every collective, so "
+                          "they take turns")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
         problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
                         "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")

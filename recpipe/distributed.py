@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, TYPE_CHECKING
 
@@ -28,6 +27,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
+from recpipe.errors import job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
 from recpipe.stop_requests import REPEAT_WINDOW_S, request
 
@@ -76,8 +76,8 @@ def apply_cuda_alloc_conf(cfg: RecpipeConfig) -> str | None:
     if ALLOC_CONF_ENV in os.environ or cfg.train.cuda_alloc_conf is None:
         return os.environ.get(ALLOC_CONF_ENV)
     if torch.cuda.is_initialized():
-        warnings.warn(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
-                      f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
+        job_warning(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
+                    f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
         return None
     os.environ[ALLOC_CONF_ENV] = cfg.train.cuda_alloc_conf
     return cfg.train.cuda_alloc_conf

@@ -15,6 +15,7 @@ import errno
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, TypeVar
 
@@ -23,6 +24,7 @@ from recpipe.exit_codes import (
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
     EXIT_DIR_IN_USE,
+    EXIT_DOES_NOT_FIT,
     EXIT_NONFINITE_LOSS,
     EXIT_WORKER_FAILED,
     exit_code_for_signal,
@@ -33,6 +35,7 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DirInUseError",
+    "DoesNotFitError",
     "NonFiniteLossError",
     "PipelineError",
     "Preempted",
@@ -41,6 +44,7 @@ __all__ = [
     "UserError",
     "data_errors",
     "exit_code_of",
+    "job_warning",
     "report",
     "storage_problem",
 ]
@@ -88,6 +92,12 @@ class DirInUseError(UserError):
 
 class NonFiniteLossError(UserError):
     exit_code = EXIT_NONFINITE_LOSS
+
+
+class DoesNotFitError(UserError):
+    """The memory plan does not fit the machine (exit 3)."""
+
+    exit_code = EXIT_DOES_NOT_FIT
 
 
 class StopRequested(BaseException):
@@ -188,6 +198,14 @@ def report(command: str, err: BaseException, *, rank: int | None = None, debug: 
     else:
         print(f"{command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
     return code
+
+
+def job_warning(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn`` on rank 0 only: for what every rank of a job would warn alike (a
+    setting's effect on this machine), so that the job prints it once. A process that is
+    no rank of a job (no RANK in its environment) warns."""
+    if os.environ.get("RANK", "0") == "0":
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def _reader_message(err: Exception) -> str:

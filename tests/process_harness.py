@@ -101,7 +101,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -127,7 +127,7 @@ def ranks_of(pid: int, torchrun: bool = False, nproc: int = 2, timeout: float = 
         if torchrun:
             ranks = {r: p for p in descendants(pid) if (r := _environ_rank(p)) is not None}
         else:
-            servers = [p for p in descendants(pid) if "multiprocessing.forkserver" in _cmdline(p)
+            servers = [p for p in descendants(pid) if "multiprocessing.forkserver" in cmdline(p)
                        and (stat := _stat(p)) is not None and stat[1] == pid]
             ranks = dict(enumerate(sorted(p for s in servers for p in descendants(s)
                                           if (stat := _stat(p)) is not None and stat[1] == s)))

@@ -38,7 +38,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -48,16 +48,18 @@ from torch.distributed.checkpoint import CheckpointException
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recpipe.config import CheckpointConfig, ConfigError
+from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.integrity import METADATA_FILE, file_records, verify_checkpoint
+from recpipe.train.integrity import METADATA_FILE, file_records, record_problems, verify_checkpoint
 
 __all__ = [
     "TrainPosition",
     "check_checkpoint_config",
+    "check_resume",
     "complete_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "resume_settings",
     "save_checkpoint",
 ]
 
@@ -142,8 +144,47 @@ def _dcp_state(model: nn.Module, optimizer_state: dict) -> dict:
     return state
 
 
-def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer, position: TrainPosition) -> Path:
+def resume_settings(cfg: RecpipeConfig) -> dict[str, Any]:
+    """What a run that resumes from a checkpoint must share with the run that saved it,
+    recorded in ``metadata.json``: the number of ranks (a rank's data position, RNG state
+    and shards are its own: with another number the run does not continue, and not bit
+    for bit) and the optimizers (their state is what the checkpoint holds: another one
+    would start from none, or not load)."""
+    return {"distributed.nproc": cfg.distributed.nproc, "optimizer.embedding.name": cfg.optimizer.embedding.name,
+            "optimizer.dense.name": cfg.optimizer.dense.name}
+
+
+def check_resume(cfg: RecpipeConfig) -> None:
+    """Before any process starts: the newest complete checkpoint in ``checkpoint.dir``
+    (the one a resume starts from, unless it turns out damaged) was saved with this run's
+    :func:`resume_settings`; else a ConfigError (exit 2) naming each that differs. A
+    record from before the settings were recorded has its number of ranks."""
+    ckpt = cfg.checkpoint
+    if ckpt.dir is None or not ckpt.resume:
+        return
+    complete = complete_checkpoints(ckpt.dir, warn=False)
+    if not complete:
+        return
+    try:
+        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return  # damaged: the ranks find it so and skip it
+    if record_problems(meta):
+        return
+    saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
+    now = resume_settings(cfg)
+    differ = [f"{key}={saved[key]!r} (this run: {now[key]!r})" for key in now if key in saved and saved[key] != now[key]]
+    if differ:
+        raise ConfigError(
+            f"checkpoint.resume: {complete[-1]} was saved with {', '.join(differ)}; a resumed run continues the saved "
+            "one with the same settings: set them back, or start anew in another checkpoint.dir"
+        )
+
+
+def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer, position: TrainPosition,
+                    settings: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it at the same step, with no batch in flight.
+    ``settings``: :func:`resume_settings`, recorded for the check of a resume.
     Raises :class:`CheckpointError` on every rank when any rank cannot write."""
     path = checkpoint_path(cfg, position.step)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -161,7 +202,8 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     records: list[dict | None] = [None] * world_size
     dist.all_gather_object(records, file_records(path, rank, world_size))
     files = {name: record for part in records for name, record in (part or {}).items()}
-    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files}
+    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
+            **({"settings": settings} if settings else {})}
     _agreed(cfg, path, lambda: _write_metadata(path, meta) if rank == 0 else None)
     if rank == 0:
         _prune(Path(cfg.dir), keep=cfg.keep)

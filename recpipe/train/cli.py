@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
@@ -28,27 +29,34 @@ from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.data import check_data
 from recpipe.distributed import (init_process_group, launch_local, leave_after_failure, shutdown_process_group,
                                  torchrun_overrides, under_torchrun)
-from recpipe.errors import StopRequested, exit_code_of, report
+from recpipe.errors import DoesNotFitError, StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.sharding import check_model_config
 from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
-from recpipe.train.checkpoint import check_checkpoint_config
+from recpipe.train.checkpoint import check_checkpoint_config, check_resume
 from recpipe.train.preemption import watch_launcher
 from recpipe.train.trainer import run_worker
 
+if TYPE_CHECKING:
+    from recpipe.planner import MemoryPlan
+
 
 def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbose: bool) -> int | None:
-    """On CUDA: print the planner's per-rank HBM summary and return 3 (and say why)
-    when the plan does not fit the GPU, before anything is allocated. Every rank
-    evaluates it (a pure function), so under torchrun all refuse together. On CPU the
-    tables live in host memory and the plan's GPU terms do not apply: nothing is
-    printed (``recpipe plan`` shows what the config would need on GPUs)."""
-    if not on_cuda:
-        return None
+    """Return 3 (and say why) when the memory plan does not fit, before anything is
+    allocated. Every rank evaluates it (a pure function), so under torchrun all refuse
+    together. On CUDA: print the planner's per-rank HBM summary and check each rank
+    against its GPU. On CPU the tables, optimizer states and batches the plan counts live
+    in host memory: the ranks on this machine together against its available memory."""
     from recpipe.planner import check_fits, plan_from_config, summary
 
     plan = plan_from_config(cfg, world_size=world_size)
+    if not on_cuda:
+        problem = _host_memory_problem(plan, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if problem is None:
+            return None
+        err = DoesNotFitError(f"refusing to start, the configuration does not fit in this machine's memory: {problem}")
+        return report("train", err) if verbose else EXIT_DOES_NOT_FIT
     if verbose:
         print(summary(plan), flush=True)
     problem = check_fits(plan)
@@ -57,6 +65,34 @@ def _check_memory_plan(cfg: RecpipeConfig, world_size: int, on_cuda: bool, verbo
     if verbose:
         print(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT
+
+
+def _host_memory_problem(plan: "MemoryPlan", local_ranks: int) -> str | None:
+    """Why ``local_ranks`` CPU ranks of ``plan`` cannot be held by this machine's available
+    memory (the largest ranks of the plan, as a node of torchrun may hold any), or None."""
+    from recpipe.planner.plan import fmt_bytes
+
+    ranks = sorted(plan.ranks, key=lambda r: r.hbm_allocated_bytes, reverse=True)[:local_ranks]
+    needed = sum(r.hbm_allocated_bytes + r.ddr_bytes for r in ranks)
+    available = host_memory_available()
+    if available is None or needed <= available:
+        return None
+    counted = [t for t in ranks[0].terms if t.side == "hbm" and t.category in ("static", "per_step")]
+    big = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in sorted(counted, key=lambda t: -t.bytes)[:3])
+    return (f"{len(ranks)} rank(s) on CPU need about {fmt_bytes(needed)} (rank {ranks[0].rank}'s largest: {big}), "
+            f"{fmt_bytes(available)} is available; shrink the tables or data.batch_size, or train on GPUs")
+
+
+def host_memory_available() -> int | None:
+    """This machine's available memory (MemAvailable of /proc/meminfo), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
@@ -112,6 +148,7 @@ def _launch_failed(err: ProcessException) -> int:
 def main_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2
     check_checkpoint_config(cfg.checkpoint)
+    check_resume(cfg)  # another distributed.nproc or optimizer than the checkpoint's: ConfigError -> exit 2
     cuda = torch.cuda.is_available()
     check_device(cfg, cuda)  # ConfigError -> exit 2
     check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 5

@@ -64,7 +64,10 @@ def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1,
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as err:
         return [f"{METADATA_FILE} cannot be read: {err}"]
-    files = meta.get("files") if isinstance(meta, dict) else None
+    problems = record_problems(meta)
+    if problems:
+        return problems
+    files = meta.get("files")
     if files is None:
         return None
     problems = []
@@ -76,6 +79,27 @@ def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1,
             problems.append(f"{name} has {file.stat().st_size} bytes, {saved['size']} were saved (truncated?)")
         elif checksums and owner(name, world_size) == rank and (crc := _record(file)["crc32"]) != saved["crc32"]:
             problems.append(f"{name} differs from what was saved (crc32 {crc}, saved {saved['crc32']})")
+    return problems
+
+
+POSITION = ("step", "epoch", "batch", "world_size")  # what a resume reads from every record
+
+
+def record_problems(meta: object) -> list[str]:
+    """What makes ``metadata.json``'s content (``meta``) not a checkpoint record recpipe
+    wrote (hand-edited, or another program's): not an object, a position field missing or
+    not a count, or a format 2 record without its files' sizes and checksums."""
+    if not isinstance(meta, dict):
+        return [f"{METADATA_FILE} is not a JSON object"]
+    problems = [f"{METADATA_FILE}: {key!r} is missing or not a count" for key in POSITION
+                if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0]
+    files = meta.get("files")
+    if files is None and meta.get("format", 1) != 1:
+        problems.append(f"{METADATA_FILE}: format {meta.get('format')!r} but no 'files' record")
+    elif files is not None and not (isinstance(files, dict) and all(
+            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), str)
+            for r in files.values())):
+        problems.append(f"{METADATA_FILE}: 'files' is not a record of every file's size and crc32")
     return problems
 
 

@@ -12,6 +12,7 @@ or at close) is rank 0's alone: it reports it, and the launcher ends the other r
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,19 @@ from recpipe.config import RecpipeConfig
 from recpipe.errors import StorageError, storage_problem
 
 __all__ = ["RunDir"]
+
+
+def _writer_thread_errors_are_reported(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook`` while a TensorBoard writer is open: its writer thread keeps
+    a failed write (a full disk) and raises it again, which Python prints as a traceback
+    of that thread; RunDir reports it in one line at the next scalar or at close, so the
+    thread's own traceback is not printed. Every other thread's goes to the previous hook."""
+    if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+        return
+    _PREVIOUS_EXCEPTHOOK(args)
+
+
+_PREVIOUS_EXCEPTHOOK = threading.excepthook
 
 
 class RunDir:
@@ -37,6 +51,7 @@ class RunDir:
                 self.path.mkdir(parents=True, exist_ok=True)
                 (self.path / "config.yaml").write_text(cfg.to_yaml())
                 self.writer = SummaryWriter(str(self.path)) if cfg.logging.tensorboard else None
+                threading.excepthook = _writer_thread_errors_are_reported
             except OSError as err:
                 problem = self._message(err, self.path / "config.yaml")
         shared = [problem]

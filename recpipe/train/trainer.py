@@ -60,7 +60,8 @@ from recpipe.models import make_model
 from recpipe.pipelines import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
-from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
+from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, describe_newest, load_checkpoint, resume_settings,
+                                     save_checkpoint)
 from recpipe.train.metrics import ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
     NonFiniteCheck,
@@ -265,7 +266,8 @@ class Trainer:
         diverged model)."""
         self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
                                                             describe_newest(self.cfg.checkpoint.dir)))
-        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
+                        resume_settings(self.cfg))
 
     def _no_training_data(self, epoch: int) -> NoReturn:
         """Collective (every rank agreed the epoch had no batch): DataError, exit 5."""

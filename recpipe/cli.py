@@ -93,8 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'recpipe COMMAND --help' for a command's options. Exit codes: "
         f"{codes.EXIT_OK} done, {codes.EXIT_WORKER_FAILED} a rank failed, {codes.EXIT_BAD_CONFIG} bad config or "
         f"arguments, {codes.EXIT_DOES_NOT_FIT} the memory plan does not fit, {codes.EXIT_NONFINITE_LOSS} non-finite "
-        f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged or not writable, "
-        f"{codes.EXIT_DIR_IN_USE} directory in use by another run, 128 + N stopped by signal N "
+        f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged, or a directory or --out not "
+        f"writable, "
+        f"{codes.EXIT_DIR_IN_USE} directory in use by another run, {codes.EXIT_STALLED} a rank made no step within "
+        "train.step_timeout_s, 128 + N stopped by signal N "
         f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT).",
         formatter_class=HelpFormatter,
     )

@@ -132,17 +132,8 @@ def leave_after_failure() -> None:
     flight). And its process ends within ``FAILED_EXIT_DEADLINE_S`` whatever holds it
     (a thread that never ends, a library's teardown): faulthandler's timer runs in C, with
     no need of the interpreter, and ends the process with exit 1."""
-    faulthandler.dump_traceback_later(FAILED_EXIT_DEADLINE_S, exit=True, file=_devnull())
-
-
-def _devnull():
-    global _DEVNULL
-    if _DEVNULL is None:
-        _DEVNULL = open(os.devnull, "w")  # faulthandler writes to it, after this call returns
-    return _DEVNULL
-
-
-_DEVNULL = None
+    # faulthandler keeps the file open until the timer fires or is cancelled
+    faulthandler.dump_traceback_later(FAILED_EXIT_DEADLINE_S, exit=True, file=open(os.devnull, "w"))  # noqa: SIM115
 
 
 def control_group() -> dist.ProcessGroup | None:

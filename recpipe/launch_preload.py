@@ -39,7 +39,7 @@ import signal
 MODULES = ("torch", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recpipe.train.trainer")
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 SERVER_ENV = "RECPIPE_FORKSERVER_OF"
-DEATH_SIGNAL = signal.SIGRTMIN
+DEATH_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)  # real-time signals: Linux
 _PR_SET_PDEATHSIG = 1
 
 

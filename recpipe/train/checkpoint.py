@@ -50,7 +50,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.integrity import METADATA_FILE, file_records, record_problems, verify_checkpoint
+from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
 
 __all__ = [
     "TrainPosition",
@@ -169,7 +169,7 @@ def check_resume(cfg: RecpipeConfig) -> None:
         meta = json.loads((complete[-1] / METADATA_FILE).read_text())
     except (OSError, ValueError):
         return  # damaged: the ranks find it so and skip it
-    if record_problems(meta):
+    if record_problems(meta) or position_problems(meta):
         return
     saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
     now = resume_settings(cfg)
@@ -308,7 +308,7 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     damaged = []
     for path in listed[0]:
         found: list[list[str] | None] = [None] * world_size
-        dist.all_gather_object(found, verify_checkpoint(path, rank, world_size))
+        dist.all_gather_object(found, _resumable_problems(path, rank, world_size))
         if found[0] is None:  # no record: format 1
             if rank == 0:
                 warnings.warn(f"checkpoint {path} has no checksums (saved by an older recpipe); loading it unverified")
@@ -326,6 +326,20 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
             "checkpoints away to start from step 0, or restore them from a copy"
         )
     return None
+
+
+def _resumable_problems(path: Path, rank: int, world_size: int) -> list[str] | None:
+    """``verify_checkpoint``'s problems of ``path``, and, on rank 0, its record's training
+    position (what a resume reads); None for an unverifiable (format 1) record that has it."""
+    problems = verify_checkpoint(path, rank, world_size)
+    if rank == 0:
+        try:
+            meta = json.loads((path / METADATA_FILE).read_text())
+        except (OSError, ValueError):
+            return problems  # which say so
+        if isinstance(meta, dict) and (position := position_problems(meta)):
+            return [*(problems or []), *position]
+    return problems
 
 
 def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:

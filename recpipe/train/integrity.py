@@ -87,20 +87,25 @@ POSITION = ("step", "epoch", "batch", "world_size")  # what a resume reads from 
 
 def record_problems(meta: object) -> list[str]:
     """What makes ``metadata.json``'s content (``meta``) not a checkpoint record recpipe
-    wrote (hand-edited, or another program's): not an object, a position field missing or
-    not a count, or a format 2 record without its files' sizes and checksums."""
+    wrote (hand-edited, or another program's): not an object, or a format 2 record
+    without a record of its files' sizes and checksums."""
     if not isinstance(meta, dict):
         return [f"{METADATA_FILE} is not a JSON object"]
-    problems = [f"{METADATA_FILE}: {key!r} is missing or not a count" for key in POSITION
-                if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0]
     files = meta.get("files")
     if files is None and meta.get("format", 1) != 1:
-        problems.append(f"{METADATA_FILE}: format {meta.get('format')!r} but no 'files' record")
-    elif files is not None and not (isinstance(files, dict) and all(
+        return [f"{METADATA_FILE}: format {meta.get('format')!r} but no 'files' record"]
+    if files is not None and not (isinstance(files, dict) and all(
             isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), str)
             for r in files.values())):
-        problems.append(f"{METADATA_FILE}: 'files' is not a record of every file's size and crc32")
-    return problems
+        return [f"{METADATA_FILE}: 'files' is not a record of every file's size and crc32"]
+    return []
+
+
+def position_problems(meta: dict) -> list[str]:
+    """The fields of the training position a resume reads (``POSITION``) that are missing
+    or not counts."""
+    return [f"{METADATA_FILE}: {key!r} is missing or not a count" for key in POSITION
+            if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0]
 
 
 def main_checkpoint(args: argparse.Namespace) -> int:

@@ -147,6 +147,8 @@ class StepWatchdog:
                 last = self._last_at
                 if last is not None and time.monotonic() - last > self.current_timeout_s():
                     message = self._diagnosis()  # before the others learn of it: they keep beating meanwhile
+                    if self._last_at != last:
+                        continue  # a step came meanwhile: slow, not stalled
                     first = self._store is None or self._store.add(self._key("stalled"), 1) == 1
                     self._end(message if first else "")
         except Exception:  # noqa: BLE001: the store is gone (the job is ending); nothing left to watch

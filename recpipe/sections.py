@@ -33,12 +33,20 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _numbers(cls, value: Any, info: ValidationInfo) -> Any:
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         if _takes_a_number(cls.model_fields[info.field_name].annotation):
             for number in _leaves(value):
                 if isinstance(number, bool):
                     raise ValueError(f"{str(number).lower()} is not a number")
-                if isinstance(number, int) and abs(number) > INT64_MAX:
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, value: Any, info: ValidationInfo) -> Any:
+        """After the field's own bounds, which name theirs (``train.seed``: below 2^63)."""
+        if _takes_a_number(cls.model_fields[info.field_name].annotation):
+            for number in _leaves(value):
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) > INT64_MAX:
                     raise ValueError("larger than 2^63 - 1, the largest number recpipe counts with")
         return value
 

@@ -31,7 +31,10 @@ BEFORE = "before training started: nothing was trained or saved"
 
 
 def _env(tmp: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    """This environment with $TMPDIR=``tmp``: the checkout and the tests importable, no
+    OMP_NUM_THREADS of the caller's, and no compile cache directory of its own (inductor
+    sets TORCHINDUCTOR_CACHE_DIR in a process that compiled: the run's goes under $TMPDIR)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "TORCHINDUCTOR_CACHE_DIR")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS)])
     env["TMPDIR"] = str(tmp)
     return env

@@ -78,7 +78,7 @@ def request(signum: int) -> None:
         _Requests.signum, _Requests.first_at = signum, time.monotonic()
 
 
-def stop_requested(signum: int) -> StopRequested:
+def _stop_for(signum: int) -> StopRequested:
     """The exception of a request in the starting phase, as ``command`` says it."""
     stop = StopRequested(signum, f"stopped by {describe_request(signum)}")
     return stop.before_training() if _Requests.command == "train" else stop
@@ -89,7 +89,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         request(signum)
         if not _Requests.deferred:
             _Requests.taken = True
-            raise stop_requested(signum)
+            raise _stop_for(signum)
     elif time.monotonic() - _Requests.first_at >= REPEAT_WINDOW_S:
         name = signal.Signals(signum).name
         print(f"recpipe: second {name} on rank {os.environ.get('RANK', '0')}: stopping at once, without a checkpoint",
@@ -173,5 +173,5 @@ class _StuckMainWatch:
                 if _Requests.taken or _Requests.deferred:
                     continue
                 rank = os.environ.get("RANK")
-                report(_Requests.command, stop_requested(signum), rank=None if rank is None else int(rank))
+                report(_Requests.command, _stop_for(signum), rank=None if rank is None else int(rank))
                 os._exit(exit_code_for_signal(signum))

@@ -120,6 +120,25 @@ def shutdown_process_group() -> None:
     gc.collect()
 
 
+def job_store() -> TCPStore | None:
+    """A client of the job's rendezvous store (env://: ``launch_local``'s, or torchrun's agent
+    store), for what ranks tell one another outside the process group (it cannot wait for
+    a rank that is stuck or gone); None when this process has none to reach."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=30))
+    except (RuntimeError, ValueError):  # gone already, or not a TCP store
+        return None
+
+
+def job_key(name: str) -> str:
+    """A key of this run in :func:`job_store` (a torchrun job's restarts share its store)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    return f"recpipe/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
 FAILED_EXIT_DEADLINE_S = 30.0
 
 

@@ -4,7 +4,8 @@ A :class:`UserError` carries its exit code (``recpipe.exit_codes``) and says whe
 every rank raises it identically (``every_rank``: a config problem, a checkpoint
 that all ranks agreed cannot be written, a non-finite loss all ranks agreed on).
 Such an error is reported by rank 0 only, once for the whole job; a rank-local one
-(a malformed line that only one rank reads) by the rank that hit it. :func:`report`
+(a malformed line that only one rank reads) by the rank that hit it (``recpipe train``:
+the first rank that hit one, when several do). :func:`report`
 prints one line, ``recpipe CMD: [rank R: ]message [exit N]``, and the traceback only
 with ``--debug``. Anything else is a bug or a crash and keeps its traceback.
 """

@@ -80,8 +80,10 @@ def test_gzip_damage_far_into_a_file_stops_training_as_bad_data(tmp_path, capfd)
     day = _damaged_gz(tmp_path / "day_0.tsv.gz", 40000, "truncated")  # the first lines read fine
     code = main(_train(tmp_path, "data.source=criteo_tsv", "data.num_workers=0", f"data.criteo.train_files=[{day}]",
                        "train.steps=10000", "distributed.nproc=2"))
-    line = _one_line(capfd.readouterr().err, EXIT_BAD_DATA)
+    err = capfd.readouterr().err
+    line = _one_line(err, EXIT_BAD_DATA)
     assert code == EXIT_BAD_DATA and "bad training data: " in line and f"{day}:" in line, line
+    assert err.count("bad training data") == 1, err  # both ranks read past the damage: one says it
     assert "the gzip data is damaged (Compressed file ended before the end-of-stream marker was reached)" in line
 
 

@@ -27,8 +27,8 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from recpipe.config import RecpipeConfig, check_device, load_config
 from recpipe.data import check_data
-from recpipe.distributed import (init_process_group, launch_local, leave_after_failure, shutdown_process_group,
-                                 torchrun_overrides, under_torchrun)
+from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
+                                 shutdown_process_group, torchrun_overrides, under_torchrun)
 from recpipe.errors import DoesNotFitError, StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT, EXIT_WORKER_FAILED
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
@@ -120,6 +120,8 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
                 failed = True
                 leave_after_failure()
                 raise
+            if not getattr(err, "every_rank", True) and not _first_to_say_it():
+                return exit_code_of(err)
             return report("train", err, rank=rank, debug=debug)
         finally:
             if not failed:
@@ -127,6 +129,14 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
     except StopRequested as stop:
         return report("train", stop, rank=rank, debug=debug)
     return 0
+
+
+def _first_to_say_it() -> bool:
+    """For an error of this rank's own (bad data it read): whether it is the job's first,
+    counted in the job's store. A damaged file that several ranks read is then said once;
+    the others exit with the same code, silently."""
+    store = job_store()
+    return store is None or store.add(job_key("rank_errors"), 1) == 1
 
 
 def _local_rank(cfg: RecpipeConfig, debug: bool) -> None:

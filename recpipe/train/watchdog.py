@@ -37,11 +37,9 @@ import sys
 import threading
 import time
 from collections import deque
-from datetime import timedelta
 from typing import Callable
 
-from torch.distributed import TCPStore
-
+from recpipe.distributed import job_key, job_store
 from recpipe.errors import UserError, report
 from recpipe.exit_codes import EXIT_STALLED
 
@@ -59,18 +57,6 @@ def auto_timeout_s(step_seconds: list[float]) -> float:
     """The default timeout: ``AUTO_FACTOR`` times the median step, at least ``AUTO_MIN_S``."""
     median = statistics.median(step_seconds) if step_seconds else 0.0
     return max(AUTO_MIN_S, AUTO_FACTOR * median)
-
-
-def _store() -> TCPStore | None:
-    """A client of the job's rendezvous store (env://: the launcher's, or torchrun's agent
-    store), or None when this process has none to reach."""
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        return None
-    try:
-        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                        timeout=timedelta(seconds=30))
-    except (RuntimeError, ValueError):  # gone already, or not a TCP store
-        return None
 
 
 class StepWatchdog:
@@ -93,9 +79,7 @@ class StepWatchdog:
         self._durations: deque[float] = deque(maxlen=200)
         self._count = 0  # heartbeats published
         self._done = threading.Event()
-        self._store = _store() if timeout_s != 0 else None
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"recpipe/watchdog/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{restart}"
+        self._store = job_store() if timeout_s != 0 else None
         self._thread = threading.Thread(target=self._watch, name="recpipe-step-watchdog", daemon=True)
         if timeout_s != 0:
             self._thread.start()
@@ -130,7 +114,7 @@ class StepWatchdog:
         return self.timeout_s if self.timeout_s else auto_timeout_s(list(self._durations))
 
     def _key(self, what: str) -> str:
-        return f"{self._prefix}/{what}"
+        return job_key(f"watchdog/{what}")
 
     def _beat(self) -> None:
         self._count += 1

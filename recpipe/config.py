@@ -14,7 +14,9 @@ the CLI prints it and exits with code 2.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
@@ -424,6 +426,15 @@ class TrainConfig(Section):
     # non-finite weight found before a checkpoint is written, stops the run the same way.
     max_skipped_steps: int = Field(1, ge=0, description="skip_step: most skipped steps in any window")
     skipped_steps_window: int = Field(100, gt=0, description="skip_step: the window, in steps")
+    # A rank that makes no training step for this long ends the job on every rank, naming
+    # the rank that stopped and its last step (exit code 8; recpipe/train/watchdog.py). null:
+    # 100 times the median step of the run so far, and at least 60 s; 0: off. The first
+    # step (compiles, graph captures), evaluation and checkpoint saves are not timed.
+    step_timeout_s: float | None = Field(
+        None, ge=0,
+        description="seconds without a training step before the job ends (exit 8); null = 100 x the median step, "
+        "at least 60; 0 = off",
+    )
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -641,6 +652,16 @@ def check_device(cfg: RecpipeConfig, cuda_available: bool) -> None:
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
         if cfg.sharding.placement == "planner":
             problems.append(PLANNER_ON_CPU)
+    if cfg.pipeline.name == "prefetch" and not any(t.kernel == "fused_uvm_caching" for t in cfg.table_sharding().values()):
+        problems.append("pipeline.name='prefetch' prefetches the rows of UVM-cached tables, and no table has kernel "
+                        "'fused_uvm_caching' (which needs a CUDA GPU): set one, or use pipeline.name='sparse_dist'")
+    if not on_cuda and int(os.environ.get("RANK", "0")) == 0:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.distributed.nproc))
+        if cores and local > cores:
+            warnings.warn(f"distributed.nproc={cfg.distributed.nproc}: {local} CPU ranks on this machine's {cores} usable "
+                          "core(s): ranks compute on one core each and wait for one another at every collective, so "
+                          "they take turns")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
         problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
                         "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")

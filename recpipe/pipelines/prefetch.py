@@ -38,12 +38,12 @@ on the prefetch stream after prefetch(i+1) (``recpipe.speedups.cache_bookkeeping
 from __future__ import annotations
 
 import importlib.util
-import warnings
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
 from recpipe.pipelines import sharded
+from recpipe.errors import job_warning
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.options import PipelineOptions
@@ -126,7 +126,7 @@ class PrefetchPipeline(Pipeline):
         super().__init__(model, optimizer, device, **options)
         self.tbes = cached_tbes(model)
         if not self.tbes:
-            warnings.warn(
+            job_warning(
                 "prefetch pipeline: the model has no UVM-cached table with prefetch_pipeline, so the prefetch "
                 "step does nothing (the schedule still runs, as in CPU tests)",
                 stacklevel=2,

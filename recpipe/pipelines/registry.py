@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import warnings
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from recpipe.callables import load_callable
-from recpipe.errors import PipelineError
+from recpipe.errors import PipelineError, job_warning
 from recpipe.pipelines import base, fused_sparse_dist, prefetch, semi_sync, sparse_dist
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.engine import Pipeline
@@ -88,7 +87,7 @@ def make_pipeline(
         definition = dataclasses.replace(definition, cls=cls)
     inputs = {fqn: load_callable(spec, f"pipeline.inputs.{fqn}") for fqn, spec in options.inputs.items()}
     if inputs and not definition.cls.intercepts:
-        warnings.warn(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")
+        job_warning(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")
         inputs = {}
     pipeline = definition.build(model, optimizer, device, options, inputs=inputs)
     pipeline.applied = apply_speedups(pipeline, options, model, optimizer, device)

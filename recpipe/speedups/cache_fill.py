@@ -52,6 +52,7 @@ import torch
 import torch.autograd.profiler as _profiler
 from pydantic import Field, model_validator
 
+from recpipe.errors import job_warning
 from recpipe.sections import Section
 
 try:  # Triton ships with torch's CUDA builds (recpipe's CPU stack installs it for the interpreter tests)
@@ -448,8 +449,8 @@ def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> Ca
     if not (options.enabled and tbes):
         return None
     if available():
-        warnings.warn(f"pipeline.cache_fill falls back to FBGEMM's cache insert: {available()}; set "
-                      "pipeline.cache_fill=false to silence this", stacklevel=2)
+        job_warning(f"pipeline.cache_fill falls back to FBGEMM's cache insert: {available()}; set "
+                    "pipeline.cache_fill=false to silence this", stacklevel=2)
         return None
     sms = options.sms
 

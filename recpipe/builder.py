@@ -11,11 +11,10 @@ here a refusal is a ``PipelineError`` (a pipeline built without the preflight).
 
 from __future__ import annotations
 
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from recpipe.callables import load_callable
-from recpipe.errors import ConfigError, PipelineError
+from recpipe.errors import ConfigError, PipelineError, job_warning
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.speedups.registry import SPEEDUPS
@@ -62,7 +61,7 @@ def make_pipeline(cfg: "RecpipeConfig", model: "nn.Module", optimizer: "torch.op
                             f"class of pipeline.name={options.name!r}")
     inputs = {fqn: load_callable(spec, f"pipeline.inputs.{fqn}") for fqn, spec in options.inputs.items()}
     if inputs and not definition.intercepts:
-        warnings.warn(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")
+        job_warning(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")
         inputs = {}
     pipeline = cls(model, optimizer, device, definition=definition, inputs=inputs,
                    **definition.engine_options(options))

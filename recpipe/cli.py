@@ -12,11 +12,13 @@ bad data, a directory in use, ...) prints one line and exits with its code
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from recpipe import exit_codes as codes
-from recpipe.errors import exit_code_of, report
+from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
+from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
 
 # recpipe export --tables: recpipe.serving.export_program's tables.
 PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")
@@ -96,8 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Run 'recpipe COMMAND --help' for a command's options. Exit codes: "
         f"{codes.EXIT_OK} done, {codes.EXIT_WORKER_FAILED} a rank failed, {codes.EXIT_BAD_CONFIG} bad config or "
         f"arguments, {codes.EXIT_DOES_NOT_FIT} the memory plan does not fit, {codes.EXIT_NONFINITE_LOSS} non-finite "
-        f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged or not writable, "
-        f"{codes.EXIT_DIR_IN_USE} directory in use by another run, 128 + N stopped by signal N "
+        f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged, or a directory or --out not "
+        f"writable, "
+        f"{codes.EXIT_DIR_IN_USE} directory in use by another run, {codes.EXIT_STALLED} a rank made no step within "
+        "train.step_timeout_s, 128 + N stopped by signal N "
         f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT).",
         formatter_class=HelpFormatter,
     )
@@ -202,6 +206,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # First, before anything heavy is imported: from here on a SIGTERM or SIGINT ends the
+    # command with one line and 128 + signal, or stops training at a step boundary.
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    command = " ".join(words[:2]) if words[:1] == ["data"] else words[0] if words else ""
+    install_signal_handlers(command)
+    try:
+        return _run(argv)
+    except StopRequested as stop:
+        return report(command, stop)
+    finally:
+        defer_requests()  # the command is over: a later signal is recorded, and forgotten by the next run
+        if argv is None:
+            # This process is the command, and it is ending: its outcome is decided. At
+            # interpreter shutdown Python restores the default handlers (a signal would then
+            # kill it with 128 + signal after it succeeded); ignored ones it leaves alone.
+            for sig in SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+
+
+def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
@@ -235,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:
         if exit_code_of(err) is None:
             raise  # a bug: keep the traceback
-        return report(args.command, err, debug=args.debug)
+        name = f"data {args.data_command}" if args.command == "data" else args.command
+        return report(name, err, debug=args.debug)
     raise AssertionError(f"unhandled command {args.command}")
 
 

@@ -426,6 +426,15 @@ class TrainConfig(Section):
     # non-finite weight found before a checkpoint is written, stops the run the same way.
     max_skipped_steps: int = Field(1, ge=0, description="skip_step: most skipped steps in any window")
     skipped_steps_window: int = Field(100, gt=0, description="skip_step: the window, in steps")
+    # A rank that makes no training step for this long ends the job on every rank, naming
+    # the rank that stopped and its last step (exit code 8; recpipe/train/watchdog.py). null:
+    # 100 times the median step of the run so far, and at least 60 s; 0: off. The first
+    # step (compiles, graph captures), evaluation and checkpoint saves are not timed.
+    step_timeout_s: float | None = Field(
+        None, ge=0,
+        description="seconds without a training step before the job ends (exit 8); null = 100 x the median step, "
+        "at least 60; 0 = off",
+    )
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",

@@ -7,8 +7,8 @@ with torch.multiprocessing (forkserver), which tests use as well.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
+import faulthandler
 import gc
 import math
 import multiprocessing.connection
@@ -18,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-import warnings
 from datetime import timedelta
 from typing import Any, Callable, TYPE_CHECKING
 
@@ -28,7 +27,9 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
-from recpipe.exit_codes import EXIT_WORKER_FAILED, exit_code_for_signal
+from recpipe.errors import job_warning
+from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
+from recpipe.stop_requests import REPEAT_WINDOW_S, request
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -75,11 +76,19 @@ def apply_cuda_alloc_conf(cfg: RecpipeConfig) -> str | None:
     if ALLOC_CONF_ENV in os.environ or cfg.train.cuda_alloc_conf is None:
         return os.environ.get(ALLOC_CONF_ENV)
     if torch.cuda.is_initialized():
-        warnings.warn(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
-                      f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
+        job_warning(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
+                    f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
         return None
     os.environ[ALLOC_CONF_ENV] = cfg.train.cuda_alloc_conf
     return cfg.train.cuda_alloc_conf
+
+
+# A collective that waits this long fails on the rank: Gloo raises, NCCL's watchdog aborts
+# the communicator and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING, on unless set to
+# 0). The backstop for waits outside training steps (start-up, evaluation, checkpoints); in
+# training, a rank that stops making steps ends the job sooner (train.step_timeout_s,
+# recpipe.train.watchdog), whatever the backend, since it does not wait for the collective.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def init_process_group(cfg: RecpipeConfig) -> torch.device:
@@ -88,7 +97,7 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg, local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend_for(cfg, device), "timeout": timedelta(minutes=10)}
+        kwargs: dict[str, Any] = {"backend": backend_for(cfg, device), "timeout": COLLECTIVE_TIMEOUT}
         if device.type == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
@@ -109,6 +118,41 @@ def shutdown_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()
+
+
+def job_store() -> TCPStore | None:
+    """A client of the job's rendezvous store (env://: ``launch_local``'s, or torchrun's agent
+    store), for what ranks tell one another outside the process group (it cannot wait for
+    a rank that is stuck or gone); None when this process has none to reach."""
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        return None
+    try:
+        return TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                        timeout=timedelta(seconds=30))
+    except (RuntimeError, ValueError):  # gone already, or not a TCP store
+        return None
+
+
+def job_key(name: str) -> str:
+    """A key of this run in :func:`job_store` (a torchrun job's restarts share its store)."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    return f"recpipe/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{name}"
+
+
+FAILED_EXIT_DEADLINE_S = 30.0
+
+
+def leave_after_failure() -> None:
+    """What a rank does instead of ``shutdown_process_group`` when it fails with an
+    exception (a bug, a CUDA error, a failed graph capture): nothing collective. Its peers
+    may be waiting for it in a collective; they see it gone when its process ends, after
+    its traceback is written, so the first error is the one reported (a goodbye through
+    the group would fail their collective first, and could hang under NCCL with work in
+    flight). And its process ends within ``FAILED_EXIT_DEADLINE_S`` whatever holds it
+    (a thread that never ends, a library's teardown): faulthandler's timer runs in C, with
+    no need of the interpreter, and ends the process with exit 1."""
+    # faulthandler keeps the file open until the timer fires or is cancelled
+    faulthandler.dump_traceback_later(FAILED_EXIT_DEADLINE_S, exit=True, file=open(os.devnull, "w"))  # noqa: SIM115
 
 
 def control_group() -> dist.ProcessGroup | None:
@@ -142,17 +186,13 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _child(
-    local_rank: int, world_size: int, port: int, launcher: "_Launcher", fn: Callable[..., Any], args: tuple
+    local_rank: int, world_size: int, port: int, launcher: "_Launcher", fn: Callable[..., Any], args: tuple,
+    handles_signals: bool,
 ) -> None:
-    # The parent is launch_local's forkserver. multiprocessing hands every process it forks
-    # the launcher's end of the server's "alive" pipe, so that the server lives while any
-    # of them does; a rank lets go of it, so that the server ends when the launcher does,
-    # and with the server the rank (die_with_parent).
-    from multiprocessing import forkserver
-
-    if forkserver._forkserver._forkserver_alive_fd is not None:
-        os.close(forkserver._forkserver._forkserver_alive_fd)
-        forkserver._forkserver._forkserver_alive_fd = None
+    # The parent is launch_local's forkserver, which ends with the launcher
+    # (recpipe.launch_preload); the kernel then ends this rank (die_with_parent).
+    # SIGTERM and SIGINT are blocked here, as in the server: one sent before the rank
+    # handles it stays pending instead of being lost.
     die_with_parent(os.getppid())
     try:
         os.kill(launcher.pid, 0)
@@ -177,47 +217,42 @@ def _child(
     elif os.environ["OMP_NUM_THREADS"].isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
         # OpenMP read the variable when the forkserver loaded it: this launch's value applies
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    failed = False
     try:
+        if not handles_signals:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _Launcher.SIGNALS)
         fn(*args)
+    except KeyboardInterrupt:
+        # SIGINT with Python's default handler: torch's wrapper would exit 0, as if done.
+        sys.exit(exit_code_for_signal(signal.SIGINT))
+    except Exception:
+        failed = True  # torch's wrapper writes the traceback for the launcher, then the process ends
+        leave_after_failure()
+        raise
     finally:
-        shutdown_process_group()
+        if not failed:
+            shutdown_process_group()
 
 
 def _start_forkserver() -> None:
-    """The forkserver with recpipe's preload. When this process exits, the server is
-    stopped and waited for, then multiprocessing's resource tracker (which ends when the
-    last process holding its pipe has), so that no process a run started outlives it; a
-    launcher that is killed ends the server too (it reads the end of its "alive" pipe)."""
-    from multiprocessing import forkserver
+    """multiprocessing's forkserver (public API), with recpipe's preload. The server is
+    started here, not at the first fork, so that it finds in its environment the
+    launcher's pid and multiprocessing's temporary directory of this process, where
+    its socket lives (``recpipe.launch_preload.SERVER_ENV``): it ends when this process
+    (the thread that starts it) does, however it ends, and removes that directory
+    first, so that a launcher killed with SIGKILL leaves nothing running and nothing
+    in $TMPDIR. It must start from a thread that lives as long as the launches (the
+    main thread); one started by a thread that has ended is started anew."""
+    from multiprocessing import forkserver, util
 
-    server = forkserver._forkserver
-    if server._forkserver_pid is None:
-        server.set_forkserver_preload(["recpipe.launch_preload"])
-        server.ensure_running()
-        atexit.register(_stop_resource_tracker)  # atexit runs the last registered first
-        atexit.register(server._stop)
+    from recpipe.launch_preload import SERVER_ENV
 
-
-def _stop_resource_tracker(timeout_s: float = 2.0) -> None:
-    """Let go of multiprocessing's resource tracker and wait up to ``timeout_s`` for it
-    to end (it does once no process holds its pipe; a process of someone else's that
-    still does must not hold this one's exit)."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker
-    if tracker._fd is None or tracker._pid is None:
-        return
-    os.close(tracker._fd)
-    tracker._fd = None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if os.waitpid(tracker._pid, os.WNOHANG)[0]:
-                break
-        except ChildProcessError:
-            break
-        time.sleep(0.01)
-    tracker._pid = None
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["recpipe.launch_preload"])
+    os.environ[SERVER_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
+    try:
+        forkserver.ensure_running()  # a no-op while the server runs
+    finally:
+        del os.environ[SERVER_ENV]
 
 
 class _Launcher:
@@ -225,9 +260,9 @@ class _Launcher:
     its pid, its environment, its standard output and error (the files behind fds 1 and
     2, which a caller may have redirected since the server started) and which of SIGTERM /
     SIGINT it ignores (a job started in the background ignores SIGINT). A forked rank has
-    the forkserver's, as they were when the server started (and SIGTERM ignored there:
-    ``recpipe.launch_preload``), so it sets these first thing, as a spawned interpreter
-    would have them."""
+    the forkserver's, as they were when the server started (and SIGTERM and SIGINT
+    blocked there: ``recpipe.launch_preload``), so it sets these first thing, as a
+    spawned interpreter would have them."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     STDIO = (1, 2)
@@ -257,7 +292,7 @@ class _Launcher:
             signal.signal(sig, signal.SIG_IGN if sig in self.ignored else default)
 
 
-def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
+def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals: bool = False) -> None:
     """Run ``fn(*args)`` in ``nproc`` fresh processes that form one process group
     (the caller's ``fn`` calls ``init_process_group``). Raises a
     ``torch.multiprocessing.ProcessException`` if any rank fails: a
@@ -275,14 +310,20 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> None:
     of every rank's imports (7.4 s a launch of 2 ranks on 2 cores with spawn), and a
     machine's ranks import torchrec once, not once each. A rank gets this process's
     environment and ignored signals as they are at the launch (:class:`_Launcher`).
-    The server never initializes CUDA, so forked ranks may (as spawned ones)."""
+    The server never initializes CUDA, so forked ranks may (as spawned ones).
+
+    A rank starts with SIGTERM and SIGINT blocked, so that a signal forwarded to it
+    before it can handle one waits instead of being lost; they are unblocked before
+    ``fn`` runs, or, with ``handles_signals``, by ``fn`` once it has installed its
+    handlers (``recpipe.stop_requests.install_signal_handlers`` does). A SIGINT that
+    raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
     store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
     launcher = _Launcher()  # before the supervisor replaces this process's handlers
     _start_forkserver()
     try:
         with _Supervisor() as supervisor:
             context = mp.start_processes(
-                _child, args=(nproc, store.port, launcher, fn, args), nprocs=nproc, join=False,
+                _child, args=(nproc, store.port, launcher, fn, args, handles_signals), nprocs=nproc, join=False,
                 start_method="forkserver"
             )
             supervisor.watch(context)
@@ -305,15 +346,16 @@ class _Supervisor:
     Failures: when a rank exits non-zero, the others get a grace period to end by
     themselves: ``USER_EXIT_GRACE_S`` when it exited with a code of its own (the
     other ranks are then usually raising the same error, and rank 0 prints it),
-    ``CRASH_GRACE_S`` otherwise (the rest are usually waiting in a collective with
-    the dead rank). Then they are killed. The rank reported is the first that exited
+    ``CRASH_GRACE_S`` otherwise, or when it ended the job for a rank that stopped
+    making steps (``EXIT_STALLED``): the rest are then waiting in a collective, or
+    stopped. Then they are killed (SIGKILL ends a stopped process too). The rank reported is the first that exited
     with a code of its own, else the first that failed.
     """
 
     USER_EXIT_GRACE_S = 15.0
     CRASH_GRACE_S = 2.0
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
-    REPEAT_WINDOW_S = 1.0  # the ranks' own (recpipe.train.preemption.REPEAT_WINDOW_S)
+    REPEAT_WINDOW_S = REPEAT_WINDOW_S  # the ranks' own
 
     def __init__(self) -> None:
         self.context: ProcessContext | None = None
@@ -349,6 +391,7 @@ class _Supervisor:
         if not self.received:
             self.received.append(signum)
             self._first_at = now
+            request(signum)  # this process's record too: ``recpipe train`` says it when the run completed anyway
             # Said at once, by the process that got it: a run that ends with 128 + signal
             # always says which process was signalled.
             print(f"recpipe: {signal.Signals(signum).name} received by the launcher (pid {os.getpid()}): forwarded "
@@ -387,8 +430,9 @@ class _Supervisor:
                 if processes[rank].exitcode != 0:
                     failed.append(rank)
                     if len(failed) == 1:
-                        own = self._own_exit_code(processes[rank].exitcode) is not None
-                        deadline = time.monotonic() + (self.USER_EXIT_GRACE_S if own else self.CRASH_GRACE_S)
+                        own = self._own_exit_code(processes[rank].exitcode)
+                        waiting = own is None or own == EXIT_STALLED  # the others wait in a collective
+                        deadline = time.monotonic() + (self.CRASH_GRACE_S if waiting else self.USER_EXIT_GRACE_S)
             if time.monotonic() >= deadline:
                 self._send(signal.SIGKILL)
                 deadline = math.inf

@@ -4,7 +4,8 @@ A :class:`UserError` carries its exit code (``recpipe.exit_codes``) and says whe
 every rank raises it identically (``every_rank``: a config problem, a checkpoint
 that all ranks agreed cannot be written, a non-finite loss all ranks agreed on).
 Such an error is reported by rank 0 only, once for the whole job; a rank-local one
-(a malformed line that only one rank reads) by the rank that hit it. :func:`report`
+(a malformed line that only one rank reads) by the rank that hit it (``recpipe train``:
+the first rank that hit one, when several do). :func:`report`
 prints one line, ``recpipe CMD: [rank R: ]message [exit N]``, and the traceback only
 with ``--debug``. Anything else is a bug or a crash and keeps its traceback.
 """
@@ -15,6 +16,7 @@ import errno
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Iterable, Iterator, TypeVar
 
@@ -23,6 +25,7 @@ from recpipe.exit_codes import (
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
     EXIT_DIR_IN_USE,
+    EXIT_DOES_NOT_FIT,
     EXIT_NONFINITE_LOSS,
     EXIT_WORKER_FAILED,
     exit_code_for_signal,
@@ -33,13 +36,16 @@ __all__ = [
     "ConfigError",
     "DataError",
     "DirInUseError",
+    "DoesNotFitError",
     "NonFiniteLossError",
     "PipelineError",
     "Preempted",
+    "StopRequested",
     "StorageError",
     "UserError",
     "data_errors",
     "exit_code_of",
+    "job_warning",
     "report",
     "storage_problem",
 ]
@@ -87,6 +93,34 @@ class DirInUseError(UserError):
 
 class NonFiniteLossError(UserError):
     exit_code = EXIT_NONFINITE_LOSS
+
+
+class DoesNotFitError(UserError):
+    """The memory plan does not fit the machine (exit 3)."""
+
+    exit_code = EXIT_DOES_NOT_FIT
+
+
+class StopRequested(BaseException):
+    """A signal asked a command to stop while it was starting, before anything worth
+    saving existed (``recpipe.stop_requests``). A ``BaseException``, like
+    ``KeyboardInterrupt``: code that catches ``Exception`` does not swallow it. Every
+    rank gets the signal (the launcher forwards it): rank 0 says it."""
+
+    BEFORE_TRAINING = "before training started: nothing was trained or saved"
+    every_rank = True
+
+    def __init__(self, signum: int, what: str, detail: str = "") -> None:
+        super().__init__(signum, what, detail)
+        self.signum, self.what, self.detail = signum, what, detail
+        self.exit_code = exit_code_for_signal(signum)
+
+    def __str__(self) -> str:
+        return f"{self.what} {self.detail}" if self.detail else self.what
+
+    def before_training(self) -> "StopRequested":
+        """The same request, as ``recpipe train`` says it."""
+        return StopRequested(self.signum, self.what, self.BEFORE_TRAINING)
 
 
 class Preempted(UserError):
@@ -141,6 +175,8 @@ def exit_code_of(err: BaseException) -> int | None:
         return err.exit_code
     if isinstance(err, ConfigError):
         return EXIT_BAD_CONFIG
+    if isinstance(err, StopRequested):
+        return err.exit_code
     return None
 
 
@@ -156,12 +192,21 @@ def report(command: str, err: BaseException, *, rank: int | None = None, debug: 
     if debug:
         traceback.print_exception(err, file=sys.stderr)
     who = f"rank {rank}: " if rank is not None and not every_rank else ""
+    command = f"recpipe {command}" if command else "recpipe"
     message = str(err).rstrip()
     if "\n" in message:  # multi-line messages (config problems) keep their lines
-        print(f"recpipe {command}: {who}{message}\n[exit {code}]", file=sys.stderr, flush=True)
+        print(f"{command}: {who}{message}\n[exit {code}]", file=sys.stderr, flush=True)
     else:
-        print(f"recpipe {command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
+        print(f"{command}: {who}{message} [exit {code}]", file=sys.stderr, flush=True)
     return code
+
+
+def job_warning(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn`` on rank 0 only: for what every rank of a job would warn alike (a
+    setting's effect on this machine), so that the job prints it once. A process that is
+    no rank of a job (no RANK in its environment) warns."""
+    if os.environ.get("RANK", "0") == "0":
+        warnings.warn(message, stacklevel=stacklevel + 1)
 
 
 def _reader_message(err: Exception) -> str:

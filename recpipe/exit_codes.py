@@ -25,6 +25,10 @@ EXIT_BAD_DATA = 5
 # the start or while training, or no checkpoint in checkpoint.dir is intact.
 EXIT_CHECKPOINT = 6
 EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another recpipe run
+# A rank made no training step within train.step_timeout_s (stopped, frozen, stuck in a
+# collective another rank never joined): every rank was ended; the newest checkpoint is
+# the last one saved before it.
+EXIT_STALLED = 8
 # Stopped by a signal (preemption): 128 + the signal number, as shells report it. The
 # ranks finished their step, drained and saved a checkpoint (checkpoint.on_preempt).
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM (SLURM, Kubernetes, `kill`)
@@ -50,6 +54,7 @@ __all__ = [
     "EXIT_NONFINITE_LOSS",
     "EXIT_OK",
     "EXIT_PREEMPTED",
+    "EXIT_STALLED",
     "EXIT_WORKER_FAILED",
     "exit_code_for_signal",
 ]

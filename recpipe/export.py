@@ -41,7 +41,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
-from recpipe.errors import CheckpointError
+from recpipe.errors import CheckpointError, StorageError, storage_problem
 from recpipe.exit_codes import EXIT_OK
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
@@ -123,6 +123,7 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring);
     with ``program``, also the servable ``torch.export`` program of the model with that
     state, its tables as ``program_tables`` says (:func:`recpipe.serving.export_program`)."""
+    check_out(Path(out))
     path = resolve_checkpoint(checkpoint)
     model = _target(cfg)
     target, tables = model.state_dict(), table_keys(model)
@@ -171,12 +172,26 @@ def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict
                           "; export with the config the checkpoint was trained with")
 
 
+def check_out(out: Path) -> None:
+    """Before any work: ``--out`` names a file in a directory that exists (ConfigError,
+    exit 2, otherwise: a directory given for the file, or a missing one, is a mistake in
+    the arguments, not something to create)."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory; name the file to write, e.g. --out {out / 'model.pt'}")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: the directory {out.parent} does not exist; create it first")
+
+
 def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """``torch.save`` through a Python file (whose failed write carries its errno: a full
+    disk, a read-only or pseudo filesystem) to a temporary name, then renamed to ``out``."""
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        torch.save(state, tmp)
+        with open(tmp, "wb") as fh:
+            torch.save(state, fh)
         os.replace(tmp, out)
+    except OSError as err:
+        raise StorageError(f"cannot write --out {out}: {storage_problem(err, out.parent)}") from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -1,20 +1,29 @@
 """Imported once by the forkserver of :func:`recpipe.distributed.launch_local`, before it
-forks any rank: the modules every rank imports, so that a rank starts as a fork of a
-process that has them (about 0.03 s) instead of importing them anew (about 6 s of CPU
-each: torch, fbgemm-gpu, torchrec, recpipe's trainer; 2 ranks on 2 cores, 7.4 s a launch).
+forks any rank (``set_forkserver_preload``): the modules every rank imports, so that a
+rank starts as a fork of a process that has them (about 0.03 s) instead of importing
+them anew (about 6 s of CPU each: torch, fbgemm-gpu, torchrec, recpipe's trainer; 2
+ranks on 2 cores, 7.4 s a launch).
 
-In that server process alone, SIGTERM is ignored. The server lives as long as the process
-that launches (it exits when that one does), and the ranks are its children: a SIGTERM to
-the whole process group, as schedulers deliver it, must reach the ranks and the launcher
-(which drain and save), not end the server, whose end the launcher would read as every
-rank gone and the ranks as their parent gone (SIGKILL, ``die_with_parent``). SIGINT the
-server ignores already (multiprocessing's forkserver). A rank sets its own dispositions
-first thing (``recpipe.distributed``).
+It acts only in the server, which finds ``SERVER_ENV`` in its environment (the
+launcher sets it while it starts the server, and a rank's environment is the
+launcher's): ``"<launcher pid>:<multiprocessing's temporary directory of the launcher>"``.
+There:
 
-The server must not initialize CUDA: a process forked from one that did cannot use it.
-fbgemm-gpu asks ``torch.cuda.is_available()`` when it is imported, which initializes the
-CUDA driver unless torch counts the devices through NVML
-(``PYTORCH_NVML_BASED_CUDA_CHECK=1``); so it does during these imports, in the server only.
+* SIGTERM and SIGINT are blocked. A SIGTERM to the whole process group, as schedulers
+  deliver it, must reach the ranks and the launcher (which drain and save), not end the
+  server, whose end the launcher would read as every rank gone and the ranks as their
+  parent gone. A rank inherits the mask: a signal sent to it before it handles signals
+  waits until it does (``recpipe.stop_requests``), where an ignored one was lost.
+* The server dies with its launcher (``PR_SET_PDEATHSIG``, with ``DEATH_SIGNAL``, a
+  real-time signal nothing else sends): its handler removes the launcher's temporary
+  directory, where multiprocessing put the server's socket and which a launcher killed
+  with SIGKILL cannot remove, and exits; the kernel then ends the ranks
+  (``recpipe.distributed.die_with_parent``).
+* It must not initialize CUDA: a process forked from one that did cannot use it.
+  fbgemm-gpu asks ``torch.cuda.is_available()`` when it is imported, which initializes
+  the CUDA driver unless torch counts the devices through NVML
+  (``PYTORCH_NVML_BASED_CUDA_CHECK=1``); so it does during these imports, in the server
+  only.
 
 Nothing here may raise: the server would die with it. A module that fails to import is
 left to the rank, which then imports it itself and reports the error.
@@ -22,35 +31,52 @@ left to the rank, which then imports it itself and reports the error.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import shutil
 import signal
-import sys
-from multiprocessing import forkserver
 
 MODULES = ("torch", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recpipe.train.trainer")
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+SERVER_ENV = "RECPIPE_FORKSERVER_OF"
+DEATH_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)  # real-time signals: Linux
+_PR_SET_PDEATHSIG = 1
 
 
-def in_forkserver() -> bool:
-    """Whether this import runs inside multiprocessing's forkserver (its ``main``)."""
-    frame = sys._getframe()
-    while frame is not None:
-        if frame.f_code is forkserver.main.__code__:
-            return True
-        frame = frame.f_back
-    return False
+def _serve_only_while_the_launcher_lives(launcher_pid: int, temp_dir: str) -> None:
+    server = os.getpid()
+
+    def launcher_gone(signum: int, frame: object) -> None:
+        if os.getpid() != server:  # a rank forked with this handler: not the server's to act on
+            return
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        os._exit(0)
+
+    signal.signal(DEATH_SIGNAL, launcher_gone)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, DEATH_SIGNAL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the server ends when its "alive" pipe closes
+        return
+    if os.getppid() != launcher_pid:  # it died before the prctl took effect
+        launcher_gone(DEATH_SIGNAL, None)
 
 
-if in_forkserver():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _check = os.environ.get(NVML_CHECK)
+def _import_for_the_ranks() -> None:
+    check = os.environ.get(NVML_CHECK)
     os.environ[NVML_CHECK] = "1"
-    for _name in MODULES:
+    for name in MODULES:
         try:
-            __import__(_name)
+            __import__(name)
         except Exception:  # noqa: BLE001: the rank imports it again and reports the error
             pass
-    if _check is None:
+    if check is None:
         del os.environ[NVML_CHECK]
     else:
-        os.environ[NVML_CHECK] = _check
+        os.environ[NVML_CHECK] = check
+
+
+if SERVER_ENV in os.environ:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    _pid, _dir = os.environ[SERVER_ENV].split(":", 1)
+    _serve_only_while_the_launcher_lives(int(_pid), _dir)
+    _import_for_the_ranks()

@@ -9,10 +9,12 @@ here, above it, before any process starts:
    feature against the capabilities the pipeline offers);
 2. the machine (:func:`check_machine`: a CUDA GPU for what needs one, FBGEMM's CPU
    kernels, the distributed backend, optional packages);
-3. ``checkpoint.dir`` (another run's checkpoints), the data's files, the model's tables
-   against ``sharding.*``, and ``pipeline.class``;
-4. on CUDA, the memory plan against the GPU's memory (:func:`check_memory`: exit 3,
-   with the cheapest changes that make it fit).
+3. ``checkpoint.dir`` (another run's checkpoints; the settings of the checkpoint a resume
+   starts from), the data's files, the model's tables against ``sharding.*``, and
+   ``pipeline.class``;
+4. the memory plan (:func:`check_memory`, exit 3): on CUDA each rank against its GPU,
+   with the cheapest changes that make it fit; on CPU the ranks of this machine together
+   against its available memory.
 
 Every problem of 1-3 is a ``ConfigError`` naming its key (exit 2), or a ``DataError`` (exit 5).
 ``recpipe plan`` and the bench run :func:`check_rules` (the machine there is not the
@@ -24,18 +26,22 @@ data readers, torchrec, the user's class, the planner) when they run.
 from __future__ import annotations
 
 import importlib.util
-import sys
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from recpipe.capabilities import CAPABILITIES
+from recpipe.capabilities import CAPABILITIES, PREFETCH_STEP
 from recpipe.config import PLANNER_ON_CPU, RecpipeConfig
-from recpipe.errors import ConfigError
+from recpipe.errors import ConfigError, DoesNotFitError, job_warning, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 from recpipe.pipelines.registry import PIPELINES, offering
 from recpipe.speedups.registry import SPEEDUPS
 
-__all__ = ["Machine", "check_machine", "check_memory", "check_rules", "preflight", "rule_problems"]
+if TYPE_CHECKING:
+    from recpipe.planner import MemoryPlan
+
+__all__ = ["Machine", "check_machine", "check_memory", "check_rules", "host_memory_available", "host_memory_problem",
+           "preflight", "rule_problems"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,18 @@ def check_machine(cfg: RecpipeConfig, machine: Machine) -> None:
             problems.append("distributed.backend='nccl' needs CUDA GPUs; this run is on CPU (use 'gloo' or 'auto')")
         if cfg.sharding.placement == "planner":
             problems.append(PLANNER_ON_CPU)
+    p = cfg.pipeline
+    if PREFETCH_STEP in PIPELINES[p.name].offers and not any(t.kernel == "fused_uvm_caching"
+                                                             for t in cfg.table_sharding().values()):
+        problems.append(f"pipeline.name={p.name!r} prefetches the rows of UVM-cached tables, and no table has kernel "
+                        "'fused_uvm_caching' (which needs a CUDA GPU): set one, or use pipeline.name='sparse_dist'")
+    if not machine.on_cuda(cfg):
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.distributed.nproc))
+        if cores and local > cores:  # under torchrun every rank checks: rank 0 says it
+            job_warning(f"distributed.nproc={cfg.distributed.nproc}: {local} CPU ranks on this machine's {cores} "
+                        "usable core(s): ranks compute on one core each and wait for one another at every collective, "
+                        "so they take turns")
     if cfg.logging.wandb is not None and importlib.util.find_spec("wandb") is None:  # optional: looked for, not imported
         problems.append("logging.wandb is set but the wandb package is not installed: `pip install wandb` (and "
                         "`wandb login`, or logging.wandb.mode: offline), or remove logging.wandb")
@@ -121,10 +139,11 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     from recpipe.builder import pipeline_class
     from recpipe.data import check_data
     from recpipe.sharding import check_model_config
-    from recpipe.train.checkpoint import check_checkpoint_config
+    from recpipe.train.checkpoint import check_checkpoint_config, check_resume
 
     check_rules(cfg)
     check_checkpoint_config(cfg.checkpoint)
+    check_resume(cfg)  # another distributed.nproc or optimizer than the checkpoint's
     check_machine(cfg, machine)
     check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 5
     # The model's tables (a model.factory model's are known only now, built on meta)
@@ -133,33 +152,64 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     pipeline_class(cfg)  # pipeline.class imports and subclasses the pipeline's class
 
 
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def _to_stdout(line: str) -> None:
     print(line, flush=True)
 
 
+def _refuse(message: str) -> None:
+    report("train", DoesNotFitError(message))
+
+
 def check_memory(cfg: RecpipeConfig, machine: Machine, *, world_size: int | None = None,
-                 log: Callable[[str], None] = _to_stdout, refusal: Callable[[str], None] = _to_stderr) -> int | None:
-    """On CUDA: ``log`` the memory plan's per-rank summary and return ``EXIT_DOES_NOT_FIT``
-    (3), after ``refusal`` says why and which changes make it fit, when the plan does not
-    fit the GPU: before anything is allocated. A pure function of the config, so under
-    torchrun every rank refuses alike. On CPU the tables live in host memory and the plan's
-    GPU terms do not apply: nothing is printed (``recpipe plan`` shows what the config would
-    need on GPUs), None."""
-    if not machine.on_cuda(cfg):
-        return None
+                 log: Callable[[str], None] = _to_stdout, refusal: Callable[[str], None] = _refuse) -> int | None:
+    """``EXIT_DOES_NOT_FIT`` (3), after ``refusal`` says why, when the memory plan does not fit,
+    before anything is allocated; else None. A pure function of the config and the machine,
+    so under torchrun every rank refuses alike. On CUDA: ``log`` the plan's per-rank summary
+    and check each rank against its GPU, with the changes that make it fit. On CPU the
+    tables, optimizer states and batches the plan counts live in host memory: the ranks on
+    this machine together against its available memory (nothing is logged: ``recpipe
+    plan`` shows what the config would need on GPUs)."""
     from recpipe.planner import advice_lines, advise, check_fits, plan_from_config, summary
 
     plan = plan_from_config(cfg, world_size=world_size)
+    if not machine.on_cuda(cfg):
+        problem = host_memory_problem(plan, int(os.environ.get("LOCAL_WORLD_SIZE", world_size or cfg.distributed.nproc)))
+        if problem is None:
+            return None
+        refusal(f"refusing to start, the configuration does not fit in this machine's memory: {problem}")
+        return EXIT_DOES_NOT_FIT
     log(summary(plan))
     problem = check_fits(plan)
     if problem is None:
         return None
     advice = advise(cfg, plan) if world_size in (None, cfg.distributed.nproc) else []
-    refusal(f"recpipe train: refusing to start, the configuration does not fit in GPU memory:\n{problem}\n"
-            f"{advice_lines(advice)}")
+    refusal(f"refusing to start, the configuration does not fit in GPU memory:\n{problem}\n{advice_lines(advice)}")
     return EXIT_DOES_NOT_FIT
 
+
+def host_memory_problem(plan: "MemoryPlan", local_ranks: int) -> str | None:
+    """Why ``local_ranks`` CPU ranks of ``plan`` cannot be held by this machine's available
+    memory (the largest ranks of the plan, as a node of torchrun may hold any), or None."""
+    from recpipe.planner.plan import fmt_bytes
+
+    ranks = sorted(plan.ranks, key=lambda r: r.hbm_allocated_bytes, reverse=True)[:local_ranks]
+    needed = sum(r.hbm_allocated_bytes + r.ddr_bytes for r in ranks)
+    available = host_memory_available()
+    if available is None or needed <= available:
+        return None
+    counted = [t for t in ranks[0].terms if t.side == "hbm" and t.category in ("static", "per_step")]
+    big = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in sorted(counted, key=lambda t: -t.bytes)[:3])
+    return (f"{len(ranks)} rank(s) on CPU need about {fmt_bytes(needed)} (rank {ranks[0].rank}'s largest: {big}), "
+            f"{fmt_bytes(available)} is available; shrink the tables or data.batch_size, or train on GPUs")
+
+
+def host_memory_available() -> int | None:
+    """This machine's available memory (MemAvailable of /proc/meminfo), or None off Linux."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None

@@ -11,17 +11,61 @@ pydantic only, so the modules that own a section can define it without importing
 from __future__ import annotations
 
 import re
-from typing import Annotated, Union
+from typing import Annotated, Any, Iterator, Union, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
 
-__all__ = ["FactorySpec", "Section", "factory_spec"]
+__all__ = ["INT64_MAX", "FactorySpec", "Section", "factory_spec"]
+
+
+INT64_MAX = 2**63 - 1
 
 
 class Section(BaseModel):
-    # allow_inf_nan=False: every float of every section must be finite (an lr of .inf or
-    # .nan is a config error, exit 2, not a run that diverges at its first step).
+    """Every number of every section is checked: a float must be finite (an lr of .inf or
+    .nan is a config error, exit 2, not a run that diverges at its first step), an integer
+    must fit in 64 bits (what torch's tensors and Python's iterators count with: a
+    ``train.steps`` of 10**23 is refused here, not by a rank's traceback), and ``true`` /
+    ``false`` are not numbers (pydantic would read ``data.batch_size=true`` as 1). Sizes
+    that fit in 64 bits but not in the machine are the memory plan's to refuse (exit 3)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if _takes_a_number(cls.model_fields[info.field_name].annotation):
+            for number in _leaves(value):
+                if isinstance(number, bool):
+                    raise ValueError(f"{str(number).lower()} is not a number")
+        return value
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _int64(cls, value: Any, info: ValidationInfo) -> Any:
+        """After the field's own bounds, which name theirs (``train.seed``: below 2^63)."""
+        if _takes_a_number(cls.model_fields[info.field_name].annotation):
+            for number in _leaves(value):
+                if isinstance(number, int) and not isinstance(number, bool) and abs(number) > INT64_MAX:
+                    raise ValueError("larger than 2^63 - 1, the largest number recpipe counts with")
+        return value
+
+
+def _takes_a_number(annotation: Any) -> bool:
+    """Whether a field's type is, or holds, an int or a float (and not a bool)."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    return any(_takes_a_number(arg) for arg in get_args(annotation))
+
+
+def _leaves(value: Any) -> Iterator[Any]:
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
 
 
 _FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")

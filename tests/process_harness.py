@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
+TESTS = Path(__file__).resolve().parent
+CONFIG = TESTS.parent / "configs" / "quickstart.yaml"
 # A step in milliseconds; a row-wise and a column-wise table.
 TINY_MODEL = [
     "model.num_embeddings_per_feature=[100, 300, 500, 1000]",
@@ -55,7 +56,9 @@ def _as_background_job() -> None:
 def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [sys.executable]
     cmd = [*launcher, "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run, *extra)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # The tests' own modules (fault_data's factories) importable by the run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TESTS)]))}
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             preexec_fn=_as_background_job if background else None)
 
 
@@ -98,7 +101,7 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def _cmdline(pid: int) -> str:
+def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
@@ -124,7 +127,7 @@ def ranks_of(pid: int, torchrun: bool = False, nproc: int = 2, timeout: float = 
         if torchrun:
             ranks = {r: p for p in descendants(pid) if (r := _environ_rank(p)) is not None}
         else:
-            servers = [p for p in descendants(pid) if "multiprocessing.forkserver" in _cmdline(p)
+            servers = [p for p in descendants(pid) if "multiprocessing.forkserver" in cmdline(p)
                        and (stat := _stat(p)) is not None and stat[1] == pid]
             ranks = dict(enumerate(sorted(p for s in servers for p in descendants(s)
                                           if (stat := _stat(p)) is not None and stat[1] == s)))

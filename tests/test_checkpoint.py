@@ -156,6 +156,35 @@ def test_damaged_checkpoint_is_named_and_skipped(tmp_path, capfd):
     assert "DAMAGED" not in capfd.readouterr().out
 
 
+def _damage(ckpt: Path, how: str) -> Path:
+    """Damage the largest shard of ``ckpt``: truncated, or one byte changed (same size)."""
+    shard = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    if how == "truncated":
+        shard.write_bytes(data[: len(data) // 2])
+    else:
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(data)
+    return shard
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["truncated", "changed"])
+def test_pruning_never_deletes_the_newest_intact_checkpoint_to_keep_a_damaged_one(tmp_path, capfd, how):
+    """step 2 intact, step 4 damaged: the resumed run saves step 5 and keeps (keep=2) the
+    two intact ones, 2 and 5; the damaged one and an interrupted save go."""
+    run = tmp_path / "run"
+    assert _train(CONFIG, run, steps=4, every=2, keep=2) == 0
+    _damage(run / "ckpt" / "step_00000004", how)
+    interrupted = run / "ckpt" / "step_00000003"
+    interrupted.mkdir()  # a save that never finished (no metadata.json)
+    (interrupted / "__0_0.distcp").write_bytes(b"partial")
+    assert _train(CONFIG, run, steps=5, every=0, keep=2) == 0
+    assert f"resumed from {run / 'ckpt' / 'step_00000002'}" in capfd.readouterr().out
+    assert sorted(p.name for p in (run / "ckpt").glob("step_*")) == ["step_00000002", "step_00000005"]
+    assert main(["checkpoint", "verify", str(run / "ckpt")]) == 0
+
+
 def test_verify_finds_every_kind_of_damage(tmp_path):
     ckpt = tmp_path / "step_00000001"
     ckpt.mkdir()

@@ -4,7 +4,9 @@ abort a run that has succeeded: "terminate called without an active exception").
 launch_local's supervision: a rank killed with SIGKILL ends the others and is named;
 a signal delivered twice within a second is one; a second signal ends every rank at
 once; no rank outlives the launcher, even one killed with SIGKILL (whose directory
-lock the next run then takes over); no rank's traceback file is left behind."""
+lock the next run then takes over); no rank's traceback file is left behind. The
+launcher uses no private name of multiprocessing or sys (a Python release may rename
+one)."""
 
 from __future__ import annotations
 
@@ -171,3 +173,65 @@ def test_a_killed_launcher_takes_its_ranks_along_and_its_lock_is_taken_over(tmp_
     assert not left, "ranks outlived a SIGKILLed launcher"
     with pytest.warns(UserWarning, match=f"taking over the lock left by pid {proc.pid} on host"):
         DirLock(run, "logging.run_dir").acquire().release()
+
+
+# ------------------------------------------------- the launcher on public interfaces
+LAUNCHER_MODULES = ("recpipe/distributed.py", "recpipe/launch_preload.py")
+
+
+def _private_uses(source: str) -> set[str]:
+    """Names a module takes from multiprocessing or sys that are private (a leading
+    underscore, or a name imported from a module that does not list it in ``__all__``):
+    what a Python release may rename without notice."""
+    import ast
+    import importlib
+
+    tree = ast.parse(source)
+    modules: dict[str, str] = {}  # local name -> the module it is
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ("multiprocessing", "sys"):
+                    local = alias.asname or alias.name.split(".")[0]
+                    modules[local] = alias.name if alias.asname else local
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "multiprocessing":
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                try:
+                    importlib.import_module(full)
+                    modules[alias.asname or alias.name] = full  # a submodule
+                except ImportError:
+                    if alias.name.startswith("_") or alias.name not in importlib.import_module(node.module).__all__:
+                        found.add(full)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain, base = [node.attr], node.value
+            while isinstance(base, ast.Attribute):
+                chain.insert(0, base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in modules and any(part.startswith("_") for part in chain):
+                found.add(f"{modules[base.id]}.{'.'.join(chain)}")
+    return found
+
+
+@pytest.mark.parametrize("path", LAUNCHER_MODULES)
+def test_the_launcher_uses_no_private_name_of_multiprocessing_or_sys(path):
+    from pathlib import Path
+
+    assert _private_uses((Path(__file__).resolve().parents[1] / path).read_text()) == set()
+
+
+def test_the_private_name_check_finds_them():
+    """The check above can fail: on the launcher's former code, as it read."""
+    former = """
+import sys
+from multiprocessing import forkserver, resource_tracker
+fd = forkserver._forkserver._forkserver_alive_fd
+tracker = resource_tracker._resource_tracker
+frame = sys._getframe()
+"""
+    assert _private_uses(former) == {
+        "multiprocessing.forkserver._forkserver", "multiprocessing.forkserver._forkserver._forkserver_alive_fd",
+        "multiprocessing.resource_tracker._resource_tracker", "sys._getframe"}
+    assert _private_uses("from multiprocessing.forkserver import _forkserver") == {"multiprocessing.forkserver._forkserver"}

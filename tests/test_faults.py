@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from process_harness import CONFIG, TINY_MODEL, alive, descendants, finish, overrides, wait_for
+from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import (
     EXIT_BAD_DATA,
@@ -59,8 +59,15 @@ def _pgrp(pid: int) -> int | None:
     return int(text[text.rindex(")") + 2 :].split()[2])
 
 
-def _group_members(pgid: int) -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(int(p)) == pgid and alive(int(p))]
+def _group_members(pgid: int, settle_s: float = 5.0) -> list[int]:
+    """The live processes of group ``pgid`` once it has settled: the launcher's forkserver
+    and multiprocessing's resource tracker end when the launcher does, a moment after it."""
+    end = time.monotonic() + settle_s
+    while True:
+        members = [int(p) for p in os.listdir("/proc") if p.isdigit() and _pgrp(int(p)) == pgid and alive(int(p))]
+        if not members or time.monotonic() > end:
+            return members
+        time.sleep(0.05)
 
 
 def _kill_group(pgid: int) -> None:
@@ -315,3 +322,133 @@ def test_a_directory_that_cannot_be_written_at_the_start_exits_6(tmp_path):
     assert lines == [f"recpipe train: cannot write logging.run_dir={str(locked / 'run')!r} ({locked / 'run'}): "
                      f"Permission denied [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
 
+
+
+# ------------------------------------------------------------ nothing left after any kill
+# Runs an endless `recpipe train` ("$@") with /dev/shm a tmpfs of its own (a mount
+# namespace) and $TMPDIR=$T; once step 4's checkpoint exists, kills it as $KILL says,
+# waits for the launcher, then up to 10 s for /dev/shm and $TMPDIR to empty (torch's
+# compile cache aside) and prints what is left in each.
+_KILL = r"""
+mount -t tmpfs tmpfs /dev/shm || exit 90
+"$@" 2>"$T.err" & launcher=$!
+while [ ! -e "$CKPT/step_00000004/metadata.json" ] && kill -0 $launcher 2>/dev/null; do sleep 0.05; done
+rank1() { for s in $(cat /proc/$launcher/task/*/children); do cat /proc/$s/task/*/children; done | tr ' ' '\n' | grep . | sort -n | tail -1; }
+case $KILL in
+  launcher) kill -KILL $launcher ;;
+  rank) kill -KILL $(rank1) ;;
+  sigterm) kill -TERM $launcher ;;
+  twice) kill -TERM $launcher; sleep 1.5; kill -TERM $launcher ;;
+esac
+wait $launcher
+left() { ls -A /dev/shm; ls -A "$T" | grep -v '^torchinductor_'; }
+for i in $(seq 200); do [ -z "$(left)" ] && break; sleep 0.05; done
+echo "left: $(left | tr '\n' ' ')"
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` (user and mount namespaces) to mount a tmpfs")
+@pytest.mark.parametrize("kill", ["launcher", "rank", "sigterm", "twice"])
+def test_nothing_is_left_in_tmpdir_or_dev_shm_after_any_kill(tmp_path, kill):
+    """SIGKILL to the launcher or to a rank, SIGTERM, a second SIGTERM: no process, no file
+    in $TMPDIR (the forkserver's socket directory, torch's traceback files) and nothing in
+    /dev/shm (a semaphore the resource tracker would remove with a "leaked semaphore"
+    warning) outlives the run."""
+    run, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(["unshare", "-rm", "sh", "-c", _KILL, "sh", *RECPIPE, *overrides(run)], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=_env(T=str(tmp), TMPDIR=str(tmp), CKPT=str(run / "ckpt"), KILL=kill))
+    try:
+        out, _ = finish(proc, timeout=300)
+    finally:
+        members = _group_members(proc.pid)
+        _kill_group(proc.pid)
+    err = Path(f"{tmp}.err").read_text()
+    left = [line for line in out.splitlines() if line.startswith("left:")]
+    assert left == ["left: "], (out[-2000:], err[-3000:])
+    assert "leaked" not in err and "resource_tracker" not in err, err[-3000:]
+    assert not members, "a process of the run outlived it"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` (user and mount namespaces) to mount a tmpfs")
+def test_a_run_dir_that_fills_up_while_training_is_one_line(tmp_path):
+    """TensorBoard's writer thread meets the full disk first: its traceback is not printed
+    (the run reports it in one line at the next scalar)."""
+    run = tmp_path / "run"
+    out = _on_full_tmpfs(run, f"after:{run / 'summary.json'}",  # "running" from the first step on
+                         [*RECPIPE, *overrides(run, "train.log_every=1", f"checkpoint.dir={tmp_path / 'ckpt'}")])
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"recpipe train: rank 0: cannot write logging.run_dir={str(run)!r} ("), lines[-3:]
+    assert lines[-1].endswith(f"No space left on device [exit {EXIT_CHECKPOINT}]"), lines[-3:]
+    assert "Exception in thread" not in out.stderr and "Traceback" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_run_killed_by_a_second_signal_leaves_no_earlier_summary(tmp_path):
+    from process_harness import interrupt
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"status": "completed", "steps": 999}')  # an earlier run's
+
+    def twice(proc, ranks):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(1.3)  # past the repeat window: a second signal
+        proc.send_signal(signal.SIGTERM)
+
+    proc, _, err = interrupt(run, twice)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] in ("running", "preempted") and summary["steps"] != 999, summary
+
+
+# ----------------------------------------------------------------- data convert and signals
+def _big_tsv(path: Path, lines: int) -> Path:
+    row = "\t".join(["1", *["3"] * 13, *["0000abcd"] * 26]) + "\n"
+    with open(path, "w") as fh:
+        fh.write(row * lines)
+    return path
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for t in os.listdir(f"/proc/{pid}/task")
+                for c in Path(f"/proc/{pid}/task/{t}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_data_convert_stopped_by_a_signal_says_so_and_leaves_no_worker(tmp_path, sig):
+    files = [str(_big_tsv(tmp_path / f"day_{i}.tsv", 400_000)) for i in range(2)]
+    cmd = [sys.executable, "-m", "recpipe", "data", "convert", "--config", str(CONFIG), "--no-progress", "--workers",
+           "2", "--out", str(tmp_path / "bin"), *files]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while len(workers := [c for c in _children(proc.pid) if "resource_tracker" not in cmdline(c)]) < 2:
+            assert proc.poll() is None and time.monotonic() < end, proc.communicate()
+            time.sleep(0.05)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        _, err = finish(proc, timeout=60)
+        end = time.monotonic() + 5
+        while [w for w in workers if alive(w)] and time.monotonic() < end:
+            time.sleep(0.05)
+        left = [w for w in workers if alive(w)]
+    finally:
+        _kill_group(proc.pid)
+    assert not left, "a worker outlived the conversion"
+    if sig == signal.SIGTERM:
+        assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("recpipe data convert: stopped by SIGTERM after converting "), err
+        assert "Traceback" not in err, err[-3000:]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)  # the same command resumes
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "800,000 rows in 2 parts" in out.stdout, out.stdout

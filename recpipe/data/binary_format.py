@@ -252,8 +252,17 @@ def read_manifest(directory: str | Path) -> Manifest:
         hashing = raw["hashing"] if version >= 2 else "recpipe"
         if hashing not in HASHINGS:
             raise BinaryDataError(f"{path}: unknown id hashing {hashing!r} (known: {', '.join(HASHINGS)})")
-        return Manifest(d, Layout.from_json(raw["layout"]), list(raw["sources"]), dict(raw["parts"]), hashing, version)
-    except (ValueError, KeyError, TypeError) as err:
+        sources, parts = raw["sources"], raw["parts"]
+        if not (isinstance(sources, list) and all(isinstance(s, dict) and isinstance(s.get("path"), str)
+                                                  and isinstance(s.get("part"), str) for s in sources)):
+            raise BinaryDataError(f"{path}: not a valid manifest: 'sources' must be a list of "
+                                  '{"path": ..., "part": ...} objects, one per input file')
+        if not (isinstance(parts, dict) and all(isinstance(e, dict) and isinstance(e.get("rows"), int)
+                                                and isinstance(e.get("files", {}), dict) for e in parts.values())):
+            raise BinaryDataError(f"{path}: not a valid manifest: 'parts' must map each converted part to its "
+                                  "entry ('rows', 'files')")
+        return Manifest(d, Layout.from_json(raw["layout"]), list(sources), dict(parts), hashing, version)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         if isinstance(err, BinaryDataError):
             raise
         raise BinaryDataError(f"{path}: not a valid manifest ({type(err).__name__}: {err})") from None

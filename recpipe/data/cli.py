@@ -25,6 +25,7 @@ import sys
 import time
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
+from recpipe.errors import DataError, report
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
 
 __all__ = ["add_data_parser", "main_data"]
@@ -86,8 +87,7 @@ def main_data(args: argparse.Namespace) -> int:
     except (BinaryDataError, ValueError, FileNotFoundError) as err:
         if isinstance(err, ConfigError):
             raise
-        print(f"recpipe data {args.data_command}: {err}", file=sys.stderr)
-        return EXIT_BAD_DATA
+        return report(f"data {args.data_command}", DataError(str(err)), debug=args.debug)
     raise AssertionError(f"unhandled data command {args.data_command}")
 
 

@@ -29,6 +29,7 @@ import io
 import multiprocessing
 import os
 import queue
+import signal
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,6 +51,8 @@ from recpipe.data.binary_format import (
     write_npy_header,
 )
 from recpipe.data.criteo import open_lines, parse_line
+from recpipe.distributed import die_with_parent
+from recpipe.errors import ConfigError, StopRequested, StorageError, storage_problem
 
 __all__ = ["ConvertReport", "convert"]
 
@@ -205,9 +208,20 @@ def convert_file(task: _Task, on_bytes: Callable[[int], None]) -> dict[str, Any]
 _progress: Any = None  # the pool workers' progress queue (set by _init_worker)
 
 
-def _init_worker(progress: Any) -> None:
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _init_worker(progress: Any, parent_pid: int) -> None:
+    """A pool worker (forked with SIGTERM and SIGINT blocked, see ``_run``): it dies with
+    the converting process however that ends (a SIGKILL included), leaves SIGINT to it (a
+    Ctrl-C reaches the whole group: the parent decides) and ends at once on SIGTERM (the
+    pool's terminate, or the group's)."""
     global _progress
     _progress = progress
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
 
 
 def _convert_in_worker(task: _Task) -> tuple[str, dict[str, Any]]:
@@ -289,15 +303,21 @@ def convert(
     if len({os.path.abspath(f) for f in files}) != len(files):
         raise ValueError(f"an input file is named twice: {files}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = _lock(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} exists and is not a directory; a dataset is a directory: name a new one")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock = _lock(out)
+    except OSError as err:
+        raise StorageError(f"cannot create --out {out}: {storage_problem(err, out)}") from None
+    converted: list[str] = []
     try:
         for stale in out.glob(".*.tmp-*"):  # left by an interrupted run; the lock says none is running
             stale.unlink()
         sources = [{"path": os.path.abspath(f), "part": part_name(i, f)} for i, f in enumerate(files)]
         manifest = _open_manifest(out, layout, sources, hashing)
         todo = set(_pending(manifest))
-        report = ConvertReport(out, already=[s["part"] for s in sources if s["part"] not in todo])
+        report = ConvertReport(out, already=[s["part"] for s in sources if s["part"] not in todo], converted=converted)
         target = Manifest(out, layout, [], {}, hashing)  # what a worker needs: paths, layout, hashing
         tasks = [_Task(s["path"], s["part"], target, skip_malformed) for s in sources if s["part"] in todo]
         total = sum(os.stat(t.source).st_size for t in tasks)
@@ -306,6 +326,15 @@ def convert(
                 manifest.parts[part] = entry
                 manifest.save()  # the entry last: the part now counts as finished
                 report.converted.append(part)
+    except StopRequested as stop:
+        raise StopRequested(stop.signum, stop.what, f"after converting {len(converted)} more file(s): the parts "
+                            "converted are kept, and the same command resumes") from None
+    except OSError as err:
+        written = err.filename is not None and Path(err.filename).resolve().is_relative_to(out.resolve())
+        if not written:
+            raise
+        raise StorageError(f"cannot write --out {out} ({err.filename}): {storage_problem(err, out)}; the parts "
+                           "converted so far are kept, and the same command resumes") from None
     finally:
         os.close(lock)
     report.rows = manifest.num_rows
@@ -325,7 +354,14 @@ def _run(tasks: list[_Task], workers: int, on_bytes: Callable[[int], None]):
     # fork: the workers need no fresh interpreter (nothing to import again).
     ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     progress = ctx.Queue()
-    with ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(progress,)) as pool:
+    # Blocked across the forks: a signal must not run this process's handlers in a worker
+    # before _init_worker has set the worker's own.
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        pool = ctx.Pool(min(workers, len(tasks)), initializer=_init_worker, initargs=(progress, os.getpid()))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    with pool:
         results = pool.imap_unordered(_convert_in_worker, tasks)
         remaining = len(tasks)
         while remaining:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from itertools import islice
 from typing import Iterable, Iterator
 
@@ -45,14 +46,51 @@ from recpipe.config import RecpipeConfig
 from recpipe.data.batch import Batch
 from recpipe.data.columns import ColumnLayout
 
-__all__ = ["CriteoTsvReader", "hotness_of", "open_lines", "parse_line"]
+__all__ = ["CriteoTsvReader", "Lines", "hotness_of", "open_lines", "parse_line"]
 
 _Line = tuple[str, int, bytes]  # (file, 1-based line number, raw line)
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
 _INT64_MAX = 2**63 - 1
 
 
-def open_lines(path: str, raw: io.RawIOBase | None = None) -> io.BufferedReader:
+class Lines:
+    """The lines of one plain or gzip file, iterated (or ``readline``), as a context
+    manager. A damaged gzip stream (truncated, a failed CRC, corrupt data: ``EOFError``,
+    ``gzip.BadGzipFile``, ``zlib.error``) is a ``ValueError`` naming the file and the line
+    it stopped at, as a malformed line is, so that every reader reports it as bad data."""
+
+    _DAMAGED = (EOFError, gzip.BadGzipFile, zlib.error)
+
+    def __init__(self, path: str, stream: io.BufferedReader) -> None:
+        self.path, self._stream, self._lineno = path, stream, 0
+
+    def _damaged(self, err: Exception) -> ValueError:
+        return ValueError(f"{self.path}:{self._lineno + 1}: the gzip data is damaged ({err})")
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            for line in self._stream:
+                self._lineno += 1
+                yield line
+        except self._DAMAGED as err:
+            raise self._damaged(err) from None
+
+    def readline(self) -> bytes:
+        try:
+            line = self._stream.readline()
+        except self._DAMAGED as err:
+            raise self._damaged(err) from None
+        self._lineno += bool(line)
+        return line
+
+    def __enter__(self) -> "Lines":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stream.close()
+
+
+def open_lines(path: str, raw: io.RawIOBase | None = None) -> Lines:
     """The lines of a plain or gzip file (told apart by gzip's magic bytes, not the
     name). ``raw``: read the file's bytes through this stream instead of opening it."""
     with open(path, "rb") as fh:
@@ -60,7 +98,7 @@ def open_lines(path: str, raw: io.RawIOBase | None = None) -> io.BufferedReader:
     stream = raw if raw is not None else io.FileIO(path, "rb")
     if gzipped:
         stream = gzip.GzipFile(fileobj=io.BufferedReader(stream, 1 << 20), mode="rb")
-    return io.BufferedReader(stream, 1 << 20)
+    return Lines(path, io.BufferedReader(stream, 1 << 20))
 
 
 def hotness_of(cfg: RecpipeConfig) -> list[int]:
@@ -69,12 +107,19 @@ def hotness_of(cfg: RecpipeConfig) -> list[int]:
     return list(hot) if hot is not None else [1] * cfg.model.num_sparse_features
 
 
+_SHOWN = 40  # characters of a bad field an error message shows
+
+
+def shown(field: bytes) -> str:
+    """A field of a bad line as an error message shows it: its repr, at most ``_SHOWN``
+    characters of it, and its length when cut (a field of 5 KB of null bytes is one line)."""
+    text = repr(field.decode(errors="replace"))
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(field)} bytes)"
+
+
 def _hex_id(field: bytes, rows: int, f: int, num_dense: int, where: str, hashing: str = "recpipe") -> int:
     if field.lstrip(_HEX_DIGITS):  # stricter than int(x, 16): no sign, space or "_"
-        raise ValueError(
-            f"{where}: categorical column {f} (column {f + 2 + num_dense}) is not hex: "
-            f"{field.decode(errors='replace')!r}"
-        )
+        raise ValueError(f"{where}: categorical column {f} (column {f + 2 + num_dense}) is not hex: {shown(field)}")
     if hashing == "torchrec":
         return int(field, 16) % rows
     return 1 + int(field, 16) % (rows - 1) if rows > 1 else 0
@@ -97,16 +142,13 @@ def parse_line(
             f"{len(rows)} categorical), got {len(fields)}"
         )
     if fields[0] not in (b"0", b"1"):
-        raise ValueError(f"{where}: label must be 0 or 1, got {fields[0].decode(errors='replace')!r}")
+        raise ValueError(f"{where}: label must be 0 or 1, got {shown(fields[0])}")
     dense = []
     for j, field in enumerate(fields[1 : 1 + num_dense]):
         try:
             dense.append(max(int(field), 0) if field else 0)
         except ValueError:
-            raise ValueError(
-                f"{where}: dense column {j} (column {j + 2}) is not an integer: "
-                f"{field.decode(errors='replace')!r}"
-            ) from None
+            raise ValueError(f"{where}: dense column {j} (column {j + 2}) is not an integer: {shown(field)}") from None
     ids: list[int] = []
     for f, field in enumerate(fields[1 + num_dense :]):
         h = 1 if hotness is None else hotness[f]

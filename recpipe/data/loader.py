@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recpipe.callables import load_callable
 from recpipe.config import ConfigError, RecpipeConfig
-from recpipe.errors import DataError
+from recpipe.errors import DataError, job_warning
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
@@ -173,7 +172,10 @@ def _npy_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) 
 
 def _has_a_line(path: str) -> bool:
     with open_lines(path) as lines:
-        return bool(lines.readline())
+        try:
+            return bool(lines.readline())
+        except ValueError as err:  # damaged gzip data at the start
+            raise DataError(f"data.criteo: {err}") from None
 
 
 def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:
@@ -273,14 +275,14 @@ def workers_kind_of(cfg: RecpipeConfig) -> str:
     if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers == 0):
         why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"
                else "data.num_workers=0 makes the batches in the training loop")
-        warnings.warn(f"data.workers_kind={d.workers_kind!r} is ignored: {why}", stacklevel=3)
+        job_warning(f"data.workers_kind={d.workers_kind!r} is ignored: {why}", stacklevel=3)
     if d.num_workers == 0:
         return d.workers_kind
     host = host_memory_tables(cfg) if d.workers_kind == "process" else []
     if host:
         if "workers_kind" in d.model_fields_set:
-            warnings.warn(f"data.workers_kind='process' is replaced by 'thread': tables {', '.join(host)} are in UVM "
-                          "(pinned host memory), which every forked producer would copy", stacklevel=3)
+            job_warning(f"data.workers_kind='process' is replaced by 'thread': tables {', '.join(host)} are in UVM "
+                        "(pinned host memory), which every forked producer would copy", stacklevel=3)
         return "thread"
     return workers_kind(d.workers_kind)
 

@@ -39,13 +39,13 @@ import atexit
 import os
 import queue
 import threading
-import warnings
 from typing import Any, Callable, Iterator, Literal
 
 import torch
 
 from recpipe.data.handoff import Failed, put_unless_closed
 from recpipe.data.processes import Processes
+from recpipe.errors import job_warning
 
 __all__ = ["BatchStream", "workers_kind"]
 
@@ -58,8 +58,8 @@ PROCESSES_AVAILABLE = hasattr(os, "fork") and hasattr(os, "memfd_create")
 def workers_kind(kind: WorkersKind) -> WorkersKind:
     """``kind``, or "thread" (with a warning) where processes are not available."""
     if kind == "process" and not PROCESSES_AVAILABLE:
-        warnings.warn("data.workers_kind=process needs os.fork and os.memfd_create (Linux); "
-                      "batches are made by threads instead", stacklevel=2)
+        job_warning("data.workers_kind=process needs os.fork and os.memfd_create (Linux); "
+                    "batches are made by threads instead", stacklevel=2)
         return "thread"
     return kind
 

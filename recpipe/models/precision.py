@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import warnings
 from typing import Any, ContextManager
 
 import torch
 from torch import nn
+
+from recpipe.errors import job_warning
 
 __all__ = ["PRECISIONS", "PrecisionForward", "check_precision", "precision_context", "remove_precision",
            "with_precision"]
@@ -98,12 +99,12 @@ class Numerics:
 
     def _warn_once(self) -> None:
         if self.precision == "tf32" and self.device_type != "cuda":
-            warnings.warn(f"train.precision='tf32' has no effect on {self.device_type} (no TF32 there): "
-                          "the model runs in fp32", stacklevel=4)
+            job_warning(f"train.precision='tf32' has no effect on {self.device_type} (no TF32 there): "
+                        "the model runs in fp32", stacklevel=4)
         override = os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "0") not in ("", "0")
         if override and self.precision != "tf32" and self.device_type == "cuda":
-            warnings.warn(f"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set: cuBLAS uses TF32 for fp32 matmuls although "
-                          f"train.precision={self.precision!r}; unset it, or set train.precision=tf32", stacklevel=4)
+            job_warning(f"TORCH_ALLOW_TF32_CUBLAS_OVERRIDE is set: cuBLAS uses TF32 for fp32 matmuls although "
+                        f"train.precision={self.precision!r}; unset it, or set train.precision=tf32", stacklevel=4)
 
 
 def precision_context(module: nn.Module) -> ContextManager[Any]:

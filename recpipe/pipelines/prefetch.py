@@ -4,8 +4,7 @@ forwards outside the pipeline locked when a ``detached()`` block ends."""
 
 from __future__ import annotations
 
-import warnings
-
+from recpipe.errors import job_warning
 from recpipe.pipelines.defs import prefetch as prefetch_def
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.sharded import cached_tbes
@@ -20,7 +19,7 @@ class PrefetchPipeline(Pipeline):
         super().__init__(model, optimizer, device, **options)
         self.tbes = cached_tbes(model)
         if not self.tbes:
-            warnings.warn(
+            job_warning(
                 "prefetch pipeline: the model has no UVM-cached table with prefetch_pipeline, so the prefetch "
                 "step does nothing (the schedule still runs, as in CPU tests)",
                 stacklevel=2,

@@ -51,6 +51,7 @@ from typing import Any, Iterator
 import torch
 import torch.autograd.profiler as _profiler
 
+from recpipe.errors import job_warning
 from recpipe.pipelines.sharded import cached_tbes
 from recpipe.speedups.defs.cache_fill import CacheFillOptions
 
@@ -432,8 +433,8 @@ def apply_cache_fill(pipeline: Any, tbes: list, options: CacheFillOptions) -> Ca
     if not (options.enabled and tbes):
         return None
     if available():
-        warnings.warn(f"pipeline.cache_fill falls back to FBGEMM's cache insert: {available()}; set "
-                      "pipeline.cache_fill=false to silence this", stacklevel=2)
+        job_warning(f"pipeline.cache_fill falls back to FBGEMM's cache insert: {available()}; set "
+                    "pipeline.cache_fill=false to silence this", stacklevel=2)
         return None
     sms = options.sms
 

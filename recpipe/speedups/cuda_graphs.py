@@ -41,7 +41,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from recpipe.errors import PipelineError
+from recpipe.errors import PipelineError, job_warning
 from recpipe.speedups import optimizer_graph
 from recpipe.speedups.defs.cuda_graphs import CudaGraphsOptions
 from recpipe.speedups.modules import dense_modules
@@ -93,7 +93,7 @@ class GraphedPart:
             raise PipelineError(f"pipeline.cuda_graphs: module {name!r} has module hooks; CUDA graph capture needs none")
         stats = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
         if stats:
-            warnings.warn(
+            job_warning(
                 f"pipeline.cuda_graphs: {name!r} has BatchNorm modules {stats}: capture's warm-up passes update "
                 "their running statistics 4 extra times",
                 stacklevel=3,

@@ -25,10 +25,10 @@ The registry (``recpipe.speedups.registry.SPEEDUPS``) lists them in the order th
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
+from recpipe.errors import job_warning
 from recpipe.sections import Section
 
 __all__ = ["SpeedupDef"]
@@ -71,5 +71,5 @@ class SpeedupDef:
     def skipped(self, pipeline_options: Any, pipeline: str) -> None:
         """Warn that its written section is ignored: ``pipeline`` offers nothing for it to speed up."""
         if self.written(pipeline_options) and self.enabled(pipeline_options):
-            warnings.warn(f"pipeline.{self.name} is ignored: pipeline.name={pipeline!r} offers no "
+            job_warning(f"pipeline.{self.name} is ignored: pipeline.name={pipeline!r} offers no "
                           f"{', '.join(sorted(self.needs))}", stacklevel=3)

@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from recpipe.errors import PipelineError
+from recpipe.errors import PipelineError, job_warning
 
 WARMUP_CALLS = 2  # eager calls with the same bindings before a capture
 MAX_CHANGES = 8  # binding changes after which the step stays eager
@@ -301,8 +301,8 @@ def graph_steps(optimizer: Any, device: torch.device) -> list[GraphedOptimizerSt
         if reason is None and "step" in vars(opt):
             reason = f"its step is already replaced ({vars(opt)['step']!r}: an lr scheduler, or another pipeline?)"
         if reason:
-            warnings.warn(f"pipeline.cuda_graphs: the dense optimizer's step ({kind.__module__}.{kind.__name__}) runs "
-                          f"eagerly: {reason}; set pipeline.cuda_graphs.optimizer=false to silence this", stacklevel=3)
+            job_warning(f"pipeline.cuda_graphs: the dense optimizer's step ({kind.__module__}.{kind.__name__}) runs "
+                        f"eagerly: {reason}; set pipeline.cuda_graphs.optimizer=false to silence this", stacklevel=3)
             continue
         out.append(GraphedOptimizerStep(opt))
     return out

@@ -15,7 +15,9 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
 
 Resuming verifies the newest complete checkpoint before loading it; a damaged one
 (a truncated shard, a changed byte) is skipped with a warning naming it and the
-file, and the next older one is tried. A save that fails on any rank (read-only
+file, and the next older one is tried. After each save rank 0 keeps the newest
+``checkpoint.keep`` intact checkpoints and deletes every other ``step_*`` directory
+(older, damaged, or incomplete): a damaged checkpoint never displaces an intact one. A save that fails on any rank (read-only
 directory, full disk) fails on every rank with one error naming the path; it never
 writes ``metadata.json``, so the previous checkpoint stays the newest complete one.
 
@@ -36,7 +38,7 @@ import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -46,16 +48,18 @@ from torch.distributed.checkpoint import CheckpointException
 from torchrec.optim.fused import FusedOptimizer
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recpipe.config import CheckpointConfig, ConfigError
+from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.integrity import METADATA_FILE, file_records, verify_checkpoint
+from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
 
 __all__ = [
     "TrainPosition",
     "check_checkpoint_config",
+    "check_resume",
     "complete_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "resume_settings",
     "save_checkpoint",
 ]
 
@@ -140,8 +144,47 @@ def _dcp_state(model: nn.Module, optimizer_state: dict) -> dict:
     return state
 
 
-def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer, position: TrainPosition) -> Path:
+def resume_settings(cfg: RecpipeConfig) -> dict[str, Any]:
+    """What a run that resumes from a checkpoint must share with the run that saved it,
+    recorded in ``metadata.json``: the number of ranks (a rank's data position, RNG state
+    and shards are its own: with another number the run does not continue, and not bit
+    for bit) and the optimizers (their state is what the checkpoint holds: another one
+    would start from none, or not load)."""
+    return {"distributed.nproc": cfg.distributed.nproc, "optimizer.embedding.name": cfg.optimizer.embedding.name,
+            "optimizer.dense.name": cfg.optimizer.dense.name}
+
+
+def check_resume(cfg: RecpipeConfig) -> None:
+    """Before any process starts: the newest complete checkpoint in ``checkpoint.dir``
+    (the one a resume starts from, unless it turns out damaged) was saved with this run's
+    :func:`resume_settings`; else a ConfigError (exit 2) naming each that differs. A
+    record from before the settings were recorded has its number of ranks."""
+    ckpt = cfg.checkpoint
+    if ckpt.dir is None or not ckpt.resume:
+        return
+    complete = complete_checkpoints(ckpt.dir, warn=False)
+    if not complete:
+        return
+    try:
+        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return  # damaged: the ranks find it so and skip it
+    if record_problems(meta) or position_problems(meta):
+        return
+    saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
+    now = resume_settings(cfg)
+    differ = [f"{key}={saved[key]!r} (this run: {now[key]!r})" for key in now if key in saved and saved[key] != now[key]]
+    if differ:
+        raise ConfigError(
+            f"checkpoint.resume: {complete[-1]} was saved with {', '.join(differ)}; a resumed run continues the saved "
+            "one with the same settings: set them back, or start anew in another checkpoint.dir"
+        )
+
+
+def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer, position: TrainPosition,
+                    settings: dict[str, Any] | None = None) -> Path:
     """Collective: every rank calls it at the same step, with no batch in flight.
+    ``settings``: :func:`resume_settings`, recorded for the check of a resume.
     Raises :class:`CheckpointError` on every rank when any rank cannot write."""
     path = checkpoint_path(cfg, position.step)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -159,7 +202,8 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     records: list[dict | None] = [None] * world_size
     dist.all_gather_object(records, file_records(path, rank, world_size))
     files = {name: record for part in records for name, record in (part or {}).items()}
-    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files}
+    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
+            **({"settings": settings} if settings else {})}
     _agreed(cfg, path, lambda: _write_metadata(path, meta) if rank == 0 else None)
     if rank == 0:
         _prune(Path(cfg.dir), keep=cfg.keep)
@@ -205,19 +249,29 @@ def _save_error(cfg: CheckpointConfig, path: Path, reason: str) -> CheckpointErr
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints, and incomplete ones
-    older than them. Housekeeping: a failure only warns (the new checkpoint is complete)."""
+    """Keep the newest ``keep`` intact checkpoints; delete every other ``step_*`` directory:
+    older checkpoints, damaged ones, and incomplete ones (interrupted saves: no save is
+    under way now, and the new checkpoint is complete). A complete checkpoint counts as
+    intact unless resuming found it damaged (``_FOUND_DAMAGED``) or one of its files is not
+    the size it was saved with (a ``stat`` each, no read): a damaged checkpoint never
+    takes the place of an intact one. Housekeeping: a failure only warns."""
     steps = sorted(root.glob("step_*"))
-    complete = [p for p in steps if (p / METADATA_FILE).is_file()]
-    if len(complete) <= keep:
-        return
-    oldest_kept = complete[-keep]
+    intact = [p for p in steps if (p / METADATA_FILE).is_file() and p not in _FOUND_DAMAGED
+              and not verify_checkpoint(p, checksums=False)]
+    kept = set(intact[-keep:])
     for path in steps:
-        if path < oldest_kept:
-            try:
-                shutil.rmtree(path)
-            except OSError as err:
-                warnings.warn(f"checkpoint.keep={keep}: cannot delete the old checkpoint {path}: {err}")
+        if path in kept:
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError as err:
+            warnings.warn(f"checkpoint.keep={keep}: cannot delete the checkpoint {path}: {err}")
+        _FOUND_DAMAGED.discard(path)
+
+
+# Checkpoints that resuming found damaged, in this process (rank 0's): retention does not
+# count them as kept. Their damage may be a changed byte, which only a checksum finds.
+_FOUND_DAMAGED: set[Path] = set()
 
 
 def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: CombinedOptimizer) -> TrainPosition | None:
@@ -254,7 +308,7 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     damaged = []
     for path in listed[0]:
         found: list[list[str] | None] = [None] * world_size
-        dist.all_gather_object(found, verify_checkpoint(path, rank, world_size))
+        dist.all_gather_object(found, _resumable_problems(path, rank, world_size))
         if found[0] is None:  # no record: format 1
             if rank == 0:
                 warnings.warn(f"checkpoint {path} has no checksums (saved by an older recpipe); loading it unverified")
@@ -263,6 +317,7 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
         if not problems:
             return path
         damaged.append(f"{path.name}: {'; '.join(problems)}")
+        _FOUND_DAMAGED.add(path)
         if rank == 0:
             warnings.warn(f"skipping damaged checkpoint {path}: {'; '.join(problems)}; trying the previous one")
     if damaged:
@@ -271,6 +326,20 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
             "checkpoints away to start from step 0, or restore them from a copy"
         )
     return None
+
+
+def _resumable_problems(path: Path, rank: int, world_size: int) -> list[str] | None:
+    """``verify_checkpoint``'s problems of ``path``, and, on rank 0, its record's training
+    position (what a resume reads); None for an unverifiable (format 1) record that has it."""
+    problems = verify_checkpoint(path, rank, world_size)
+    if rank == 0:
+        try:
+            meta = json.loads((path / METADATA_FILE).read_text())
+        except (OSError, ValueError):
+            return problems  # which say so
+        if isinstance(meta, dict) and (position := position_problems(meta)):
+            return [*(problems or []), *position]
+    return problems
 
 
 def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:

@@ -26,12 +26,14 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from recpipe.callables import class_spec
 from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
-from recpipe.distributed import init_process_group, launch_local, shutdown_process_group, torchrun_overrides, under_torchrun
-from recpipe.errors import exit_code_of, report
+from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
+                                 shutdown_process_group, torchrun_overrides, under_torchrun)
+from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
-from recpipe.train.preemption import install_signal_handlers, watch_launcher
+from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
+from recpipe.train.preemption import watch_launcher
 from recpipe.train.trainer import run_worker
 
 
@@ -42,26 +44,45 @@ def _silent(line: str) -> None:
 def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
     """One rank of ``recpipe train``, the whole life of its process: train; return
     0, or the exit code of a user error after reporting it (once for the job when
-    every rank has it). A bug propagates with its traceback. ``lock_dirs``: rank 0
-    locks the run directories (under torchrun; ``launch_local``'s launcher holds
-    them otherwise)."""
+    every rank has it), or of a signal before training started. A bug propagates with
+    its traceback. ``lock_dirs``: under torchrun, where ``recpipe.cli`` has installed
+    the signal handlers, rank 0 locks the run directories; otherwise this is a rank of
+    ``launch_local``, whose launcher holds them and whose signals wait, blocked, for
+    the handlers installed here."""
     rank = int(os.environ.get("RANK", "0"))
-    install_signal_handlers()
-    try:
-        if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
-            with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
-                init_process_group(cfg)
-                with hold_run_dirs_on_rank0(cfg):
-                    run_worker(cfg)
-        else:
-            run_worker(cfg)
-    except Exception as err:
-        if exit_code_of(err) is None:
-            raise
-        return report("train", err, rank=rank, debug=debug)
-    finally:
-        shutdown_process_group()
+    failed = False
+    try:  # a signal may raise StopRequested anywhere before training, the error path below included
+        try:
+            if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
+                with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
+                    init_process_group(cfg)
+                    with hold_run_dirs_on_rank0(cfg):
+                        run_worker(cfg)
+            else:
+                install_signal_handlers("train")
+                run_worker(cfg)
+        except Exception as err:
+            if exit_code_of(err) is None:
+                failed = True
+                leave_after_failure()
+                raise
+            if not getattr(err, "every_rank", True) and not _first_to_say_it():
+                return exit_code_of(err)
+            return report("train", err, rank=rank, debug=debug)
+        finally:
+            if not failed:
+                shutdown_process_group()
+    except StopRequested as stop:
+        return report("train", stop, rank=rank, debug=debug)
     return 0
+
+
+def _first_to_say_it() -> bool:
+    """For an error of this rank's own (bad data it read): whether it is the job's first,
+    counted in the job's store. A damaged file that several ranks read is then said once;
+    the others exit with the same code, silently."""
+    store = job_store()
+    return store is None or store.add(job_key("rank_errors"), 1) == 1
 
 
 def _local_rank(cfg: RecpipeConfig, debug: bool) -> None:
@@ -87,26 +108,33 @@ def main_train(args: argparse.Namespace) -> int:
 
 def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = False) -> int:
     """``recpipe train`` from a trainer script: returns its exit code, a user error reported
-    in one line as the command reports it (``debug``: with its traceback).
-    ``pipeline_class``: a subclass of the configured pipeline's class, trained in its place
-    with the configured options and speed features (it becomes ``pipeline.class``, imported
-    by name in every rank: its module must import without starting a run, so a script keeps
-    its entry point under ``if __name__ == "__main__":``, as every multiprocessing program).
-    Under torchrun each rank runs the script, and ``distributed.nproc`` is torchrun's."""
+    in one line as the command reports it (``debug``: with its traceback), and a SIGTERM /
+    SIGINT handled as the command handles it. ``pipeline_class``: a subclass of the
+    configured pipeline's class, trained in its place with the configured options and speed
+    features (it becomes ``pipeline.class``, imported by name in every rank: its module must
+    import without starting a run, so a script keeps its entry point under
+    ``if __name__ == "__main__":``, as every multiprocessing program). Under torchrun each
+    rank runs the script, and ``distributed.nproc`` is torchrun's."""
+    install_signal_handlers("train")
     try:
-        overrides = parse_overrides(torchrun_overrides())
-        if pipeline_class is not None:
-            overrides["pipeline.class"] = class_spec(pipeline_class)
-        if overrides:
-            raw = cfg.editable_dump()
-            for key, value in overrides.items():
-                apply_override(raw, key, value)
-            cfg = config_from_dict(raw, f"the trainer script's config with {', '.join(overrides)}")
-        return run_train(cfg, debug)
-    except Exception as err:
-        if exit_code_of(err) is None:
-            raise  # a bug: keep the traceback
-        return report("train", err, debug=debug)
+        try:
+            overrides = parse_overrides(torchrun_overrides())
+            if pipeline_class is not None:
+                overrides["pipeline.class"] = class_spec(pipeline_class)
+            if overrides:
+                raw = cfg.editable_dump()
+                for key, value in overrides.items():
+                    apply_override(raw, key, value)
+                cfg = config_from_dict(raw, f"the trainer script's config with {', '.join(overrides)}")
+            return run_train(cfg, debug)
+        except Exception as err:
+            if exit_code_of(err) is None:
+                raise  # a bug: keep the traceback
+            return report("train", err, debug=debug)
+    except StopRequested as stop:
+        return report("train", stop)
+    finally:
+        defer_requests()  # the run is over: a later signal is recorded, and forgotten by the next run
 
 
 def run_train(cfg: RecpipeConfig, debug: bool = False) -> int:
@@ -115,17 +143,26 @@ def run_train(cfg: RecpipeConfig, debug: bool = False) -> int:
     machine = Machine.here()
     preflight(cfg, machine)  # ConfigError -> exit 2, DataError -> 5: before any process starts
     world_size = cfg.distributed.nproc  # WORLD_SIZE under torchrun (torchrun_overrides)
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank runs this; rank 0 prints
+    first = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this; rank 0 says it
+    if first:
         refused = check_memory(cfg, machine, world_size=world_size)
     else:
         refused = check_memory(cfg, machine, world_size=world_size, log=_silent, refusal=_silent)
     if refused is not None:
         return refused
     if under_torchrun():
-        return run_rank(cfg, debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
-    with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
-        try:
-            launch_local(_local_rank, cfg.distributed.nproc, cfg, debug)
-        except ProcessException as err:
-            return _launch_failed(err)
-    return 0
+        code = run_rank(cfg, debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
+    else:
+        with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
+            try:
+                launch_local(_local_rank, cfg.distributed.nproc, cfg, debug, handles_signals=True)
+                code = 0
+            except ProcessException as err:
+                code = _launch_failed(err)
+            finally:
+                defer_requests()  # the ranks have ended: a signal from now on has nothing left to stop
+    signum = requested_signal()
+    if code == 0 and signum is not None and first:
+        print(f"recpipe train: {describe_request(signum)} came after the last step: the run completed", file=sys.stderr,
+              flush=True)
+    return code

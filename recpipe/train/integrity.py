@@ -53,16 +53,21 @@ def file_records(path: Path, rank: int, world_size: int) -> dict[str, dict]:
     return {name: _record(path / name) for name in names if owner(name, world_size) == rank}
 
 
-def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> list[str] | None:
+def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1,
+                      checksums: bool = True) -> list[str] | None:
     """Problems of checkpoint ``path`` against its record: [] when intact, None when
     it has no record (saved by recpipe before format 2). Every file's size is
-    checked; the contents only of the files ``rank`` of ``world_size`` owns."""
+    checked; the contents only of the files ``rank`` of ``world_size`` owns, and only
+    with ``checksums`` (without, a ``stat`` per file: no read)."""
     path = Path(path)
     try:
         meta = json.loads((path / METADATA_FILE).read_text())
     except (OSError, ValueError) as err:
         return [f"{METADATA_FILE} cannot be read: {err}"]
-    files = meta.get("files") if isinstance(meta, dict) else None
+    problems = record_problems(meta)
+    if problems:
+        return problems
+    files = meta.get("files")
     if files is None:
         return None
     problems = []
@@ -72,9 +77,35 @@ def verify_checkpoint(path: str | Path, rank: int = 0, world_size: int = 1) -> l
             problems.append(f"{name} is missing")
         elif file.stat().st_size != saved["size"]:
             problems.append(f"{name} has {file.stat().st_size} bytes, {saved['size']} were saved (truncated?)")
-        elif owner(name, world_size) == rank and (crc := _record(file)["crc32"]) != saved["crc32"]:
+        elif checksums and owner(name, world_size) == rank and (crc := _record(file)["crc32"]) != saved["crc32"]:
             problems.append(f"{name} differs from what was saved (crc32 {crc}, saved {saved['crc32']})")
     return problems
+
+
+POSITION = ("step", "epoch", "batch", "world_size")  # what a resume reads from every record
+
+
+def record_problems(meta: object) -> list[str]:
+    """What makes ``metadata.json``'s content (``meta``) not a checkpoint record recpipe
+    wrote (hand-edited, or another program's): not an object, or a format 2 record
+    without a record of its files' sizes and checksums."""
+    if not isinstance(meta, dict):
+        return [f"{METADATA_FILE} is not a JSON object"]
+    files = meta.get("files")
+    if files is None and meta.get("format", 1) != 1:
+        return [f"{METADATA_FILE}: format {meta.get('format')!r} but no 'files' record"]
+    if files is not None and not (isinstance(files, dict) and all(
+            isinstance(r, dict) and isinstance(r.get("size"), int) and isinstance(r.get("crc32"), str)
+            for r in files.values())):
+        return [f"{METADATA_FILE}: 'files' is not a record of every file's size and crc32"]
+    return []
+
+
+def position_problems(meta: dict) -> list[str]:
+    """The fields of the training position a resume reads (``POSITION``) that are missing
+    or not counts."""
+    return [f"{METADATA_FILE}: {key!r} is missing or not a count" for key in POSITION
+            if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0]
 
 
 def main_checkpoint(args: argparse.Namespace) -> int:

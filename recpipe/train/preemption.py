@@ -3,12 +3,11 @@
 What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to every
 rank, or to some of them. Each rank:
 
-1. ``install_signal_handlers()`` (a rank's main thread) makes the first SIGTERM or
-   SIGINT only a request: training goes on for now. Another within
-   ``REPEAT_WINDOW_S`` is the same request delivered twice (Ctrl-C reaches every
-   process of the terminal's process group and the launcher forwards it too; SLURM
-   signals every process of a step). A later one ends the process at once: exit
-   128 + signal, nothing saved.
+1. ``recpipe.stop_requests`` handles the signals. Until training starts a signal
+   ends the run at once (nothing is trained yet). From the moment ``Preemption`` is
+   built, the first SIGTERM or SIGINT is only a request: training goes on for now.
+   Another within ``REPEAT_WINDOW_S`` is the same request delivered twice; a later
+   one ends the process at once: exit 128 + signal, nothing saved.
 2. ``Preemption.after_step()`` runs on every rank at every step boundary. At an
    exchange boundary it collects the all-reduce (MAX of the ranks' requests)
    launched at the previous exchange, which has finished by then, so the host does
@@ -28,7 +27,7 @@ rank, or to some of them. Each rank:
 
 A signal that arrives after the last step boundary (during the final evaluation or
 save) does not stop the run: it completes and exits 0. A run never stops on a request
-from before it started: ``install_signal_handlers()`` clears what an earlier run in
+from before it started: ``recpipe.stop_requests.install_signal_handlers()`` clears what an earlier run in
 the same process saw (one process may run ``recpipe.cli.main`` several times).
 
 A rank started by torchrun (TORCHELASTIC_RUN_ID set) also watches its launcher
@@ -46,7 +45,6 @@ with a dead peer (NCCL would wait for its timeout) and saves a checkpoint.
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 import time
@@ -55,68 +53,11 @@ from typing import Any, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from recpipe.exit_codes import exit_code_for_signal
+from recpipe.stop_requests import LAUNCHER_GONE, defer_requests, request, requested_signal
 
-__all__ = ["LAUNCHER_GONE", "Preemption", "REPEAT_WINDOW_S", "describe_request", "install_signal_handlers",
-           "requested_signal", "watch_launcher"]
+__all__ = ["Preemption", "watch_launcher"]
 
 T = TypeVar("T")
-REPEAT_WINDOW_S = 1.0
-_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-LAUNCHER_GONE = signal.SIGHUP  # the request of a rank whose launcher is gone (exit 129)
-
-
-class _Requests:
-    """What this process's handlers have seen in the current run (module state:
-    handlers are process-wide); cleared when a run starts."""
-
-    signum: int | None = None
-    first_at = 0.0
-
-
-def requested_signal() -> int | None:
-    """The signal that asked this process to stop, or None."""
-    return _Requests.signum
-
-
-def describe_request(signum: int) -> str:
-    """What asked the ranks to stop, for messages: "SIGTERM", or that a launcher is gone."""
-    if signum == LAUNCHER_GONE:
-        return "the loss of a rank's launcher (torchrun)"
-    return signal.Signals(signum).name
-
-
-def _request(signum: int) -> None:
-    if _Requests.signum is None:
-        _Requests.signum, _Requests.first_at = signum, time.monotonic()
-
-
-def _on_signal(signum: int, frame: Any) -> None:
-    if _Requests.signum is None:
-        _request(signum)
-    elif time.monotonic() - _Requests.first_at >= REPEAT_WINDOW_S:
-        name = signal.Signals(signum).name
-        print(f"recpipe: second {name} on rank {os.environ.get('RANK', '0')}: stopping at once, without a checkpoint",
-              file=sys.stderr, flush=True)
-        os._exit(exit_code_for_signal(signum))
-
-
-def install_signal_handlers() -> None:
-    """Start a run's signal handling: forget any request seen before (an earlier run
-    in this process), and record SIGTERM / SIGINT for ``Preemption`` from now on, for
-    the rest of this process: a rank's (main thread only; elsewhere Python cannot
-    install handlers and this does nothing). A signal ignored now (SIG_IGN, as in
-    background jobs) stays ignored. Never restored: until the rank's process is gone
-    a signal must not kill it by default, since torchrun sends SIGTERM to the ranks
-    still running as soon as one has exited non-zero, and a rank that stops a moment
-    later (every rank does, after a preemption) would be reported as killed instead
-    of exiting with its own code."""
-    _Requests.signum, _Requests.first_at = None, 0.0
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in _SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            signal.signal(sig, _on_signal)
 
 
 class watch_launcher:
@@ -145,7 +86,7 @@ class watch_launcher:
             if os.getppid() != self._parent:
                 print(f"recpipe: rank {os.environ.get('RANK', '0')}: its launcher (pid {self._parent}) is gone: every "
                       "rank stops after the batches in flight", file=sys.stderr, flush=True)
-                _request(LAUNCHER_GONE)
+                request(LAUNCHER_GONE)
                 return
 
 
@@ -169,6 +110,7 @@ class Preemption:
         self._next_exchange = 1  # the boundary of the next exchange
         self._last = (0, time.perf_counter())  # (boundary, time) of the last exchange
         self.signum: int | None = None  # agreed: every rank stops
+        defer_requests()  # training starts: a signal is a request for a step boundary from now on
 
     def after_step(self) -> bool:
         """Collective: call on every rank at every step boundary. True at the one

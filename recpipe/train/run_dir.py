@@ -15,6 +15,7 @@ or at close) is rank 0's alone: it reports it, and the launcher ends the other r
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,19 @@ def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None,
                          f"run's go to {fresh} (a TensorBoard run of its own)")
 
 
+def _writer_thread_errors_are_reported(args: threading.ExceptHookArgs) -> None:
+    """``threading.excepthook`` while a TensorBoard writer is open: its writer thread keeps
+    a failed write (a full disk) and raises it again, which Python prints as a traceback
+    of that thread; RunDir reports it in one line at the next scalar or at close, so the
+    thread's own traceback is not printed. Every other thread's goes to the previous hook."""
+    if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+        return
+    _PREVIOUS_EXCEPTHOOK(args)
+
+
+_PREVIOUS_EXCEPTHOOK = threading.excepthook
+
+
 class RunDir:
     """``logging.run_dir`` as rank 0 writes it; on other ranks every method does nothing.
     ``resumed_from``: the step a resumed run starts after (0: a fresh run); see
@@ -72,6 +86,7 @@ class RunDir:
                 if cfg.logging.tensorboard:
                     events, purge_step, self.note = tensorboard_dir(self.path, resumed_from)
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
+                threading.excepthook = _writer_thread_errors_are_reported
             except OSError as err:
                 problem = self._message(err, self.path / "config.yaml")
         shared = [problem]

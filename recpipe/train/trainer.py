@@ -26,8 +26,10 @@ for the non-finite check of its interval, whose skipped steps the metrics leave 
 Faults: at every step boundary the ranks agree on whether a signal asked them to
 stop (``preemption``: then the pipeline drains, a checkpoint is saved and
 ``Preempted`` is raised); the step's loss is kept for the non-finite check at log
-points and before every evaluation and checkpoint (``nonfinite``). Neither adds a
-host sync per step.
+points and before every evaluation and checkpoint (``nonfinite``); the step watchdog
+notes the boundary, and ends the job when a rank stops making steps (``watchdog``).
+None adds a host sync per step. ``summary.json`` says ``"running"`` from the first
+step on, so a run killed without a word never leaves an earlier run's summary.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import logging
 import math
 import os
 import resource
+import threading
 import time
 import warnings
 from collections.abc import Mapping
@@ -51,13 +54,14 @@ from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
-from recpipe.distributed import control_group, init_process_group, shutdown_process_group
+from recpipe.distributed import control_group, init_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.builder import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
-from recpipe.train.checkpoint import TrainPosition, checkpoint_path, describe_newest, load_checkpoint, save_checkpoint
+from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, describe_newest, load_checkpoint, resume_settings,
+                                     save_checkpoint)
 from recpipe.train.learning_rates import LearningRates
 from recpipe.train.metrics import METRICS, ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
@@ -67,8 +71,10 @@ from recpipe.train.nonfinite import (
     finite_json,
     skip_step_caveats,
 )
-from recpipe.train.preemption import Preemption, describe_request
+from recpipe.stop_requests import describe_request
+from recpipe.train.preemption import Preemption
 from recpipe.train.run_dir import RunDir
+from recpipe.train.watchdog import StepWatchdog
 
 __all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
 
@@ -77,12 +83,11 @@ T = TypeVar("T")
 
 
 def run_worker(cfg: RecpipeConfig) -> None:
-    """One rank of ``recpipe train`` (module-level: ``launch_local`` pickles it)."""
+    """One rank of ``recpipe train`` (module-level: ``launch_local`` pickles it); the
+    caller leaves the process group (``recpipe.train.cli.run_rank``: at once, or, after a
+    failure, as the process ends)."""
     device = start_rank(cfg)
-    try:
-        Trainer(cfg, device).fit()
-    finally:
-        shutdown_process_group()
+    Trainer(cfg, device).fit()
 
 
 def start_rank(cfg: RecpipeConfig) -> torch.device:
@@ -138,6 +143,10 @@ class Trainer:
 
     def __init__(self, cfg: RecpipeConfig, device: torch.device, pipeline_class: type | None = None) -> None:
         self.cfg, self.device = cfg, device
+        # Rank 0's bar and lines (tqdm.write) are this process's own: tqdm's default lock adds
+        # a multiprocessing lock, a named semaphore that a rank killed with SIGKILL would leave
+        # behind (the resource tracker removes it with a "leaked semaphore" warning).
+        tqdm.set_lock(threading.RLock())
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.global_batch = cfg.data.batch_size * self.world_size
         self.started = time.perf_counter()
@@ -220,8 +229,16 @@ class Trainer:
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> None:
-        train, checkpointing = self.cfg.train, self.cfg.checkpoint.dir is not None
         self._start_fault_handling()
+        try:
+            self._fit()
+        finally:
+            self._watchdog.close()
+
+    def _fit(self) -> None:
+        train, checkpointing = self.cfg.train, self.cfg.checkpoint.dir is not None
+        # A run that ends without a word (killed) leaves this, not an earlier run's summary.
+        self.run_dir.write_summary(finite_json({**self.summary(), "status": "running"}))
         batches = self._train_batches(self.position)
         evaluated_at = saved_at = None
         while self.position.step < train.steps and self.position.epoch < train.epochs:
@@ -264,7 +281,8 @@ class Trainer:
         diverged model)."""
         self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
                                                             describe_newest(self.cfg.checkpoint.dir)))
-        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position)
+        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
+                        resume_settings(self.cfg))
 
     def _no_training_data(self, epoch: int) -> NoReturn:
         """Collective (every rank agreed the epoch had no batch): DataError, exit 5."""
@@ -291,6 +309,13 @@ class Trainer:
 
     def _train_segment(self, batches: Iterator[Batch]) -> int:
         """Train every batch of ``batches``; returns the number of steps (agreed by all ranks)."""
+        self._watchdog.arm()
+        try:
+            return self._train_steps(batches)
+        finally:
+            self._watchdog.disarm()
+
+    def _train_steps(self, batches: Iterator[Batch]) -> int:
         trained = 0
         last = time.perf_counter()
         while True:
@@ -302,6 +327,7 @@ class Trainer:
                 return trained
             trained += 1
             step = self.position.step + trained
+            self._watchdog.stepped(step)
             self._record_step(output)
             self._after_step(self.pipeline.last_loss)
             self.bar.update(1)
@@ -340,9 +366,11 @@ class Trainer:
     # ---------------------------------------------------------------- faults
     def _start_fault_handling(self) -> None:
         """Collective (on NCCL jobs it creates a Gloo group). The preemption
-        agreement, the non-finite loss check and, for skip_step, its hooks."""
+        agreement, the step watchdog, the non-finite loss check and, for skip_step, its hooks."""
         cfg = self.cfg
         self._preemption = Preemption(control_group())
+        self._watchdog = StepWatchdog(cfg.train.step_timeout_s, self.rank, self.world_size,
+                                      lambda: describe_newest(cfg.checkpoint.dir), self._stalled)
         self._nonfinite = NonFiniteCheck(
             cfg.train.on_nonfinite, self.device, lambda: describe_newest(cfg.checkpoint.dir),
             max_skipped=cfg.train.max_skipped_steps, window=cfg.train.skipped_steps_window,
@@ -383,6 +411,12 @@ class Trainer:
             self.bar.close()
             self._finish(status="nonfinite_loss")
             raise
+
+    def _stalled(self, message: str) -> None:
+        """The watchdog's last word on this rank, from its thread while the main thread waits:
+        rank 0 records the stall in summary.json."""
+        if self.rank == 0:
+            self.run_dir.write_summary(finite_json({**self.summary(), "status": "stalled", "stalled": message or None}))
 
     def _finite_window(self, step: int) -> list:
         """The logged steps' outputs without the skipped steps (the window ends at ``step``)."""

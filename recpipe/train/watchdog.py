@@ -1,0 +1,188 @@
+"""A rank that stops making progress ends the job: no training step within ``train.step_timeout_s``.
+
+In synchronous training every rank waits for the others in each collective. A rank that
+stops (SIGSTOP, a frozen host, a deadlock, a data reader that never returns, a collective
+the other ranks never join) leaves the rest waiting inside a collective: Gloo and NCCL give
+up only after the process group's timeout (``recpipe.distributed.COLLECTIVE_TIMEOUT``, 10
+minutes), and a stopped process never ends at all, nor does a SIGTERM reach a step
+boundary. TorchRec's users meet the same hang on uneven batches
+(https://github.com/pytorch/torchrec/issues/4158).
+
+Each rank runs a :class:`StepWatchdog`, a daemon thread that does not depend on the main
+thread (which is the one waiting):
+
+* The trainer arms it for each training segment and tells it every step boundary
+  (``stepped``: two attribute writes, no host sync). The first step of the run (compiles,
+  graph captures) is not timed, nor are evaluation and checkpoint saves.
+* Every ``POLL_S`` it publishes a heartbeat (a counter and its last step) to the job's
+  rendezvous store (the launcher's, or torchrun's agent store), and checks whether this
+  rank's last step is older than the timeout: ``train.step_timeout_s``, or by default
+  ``AUTO_FACTOR`` times the median step so far and at least ``AUTO_MIN_S``.
+* On a timeout it reads every rank's heartbeat, and again ``SILENT_POLLS`` polls later: a
+  rank whose counter did not move is not responding (stopped, or frozen holding the
+  interpreter). The first rank to time out says it in one line (which rank, its last step, the newest
+  checkpoint), rank 0 (when it can) writes ``summary.json`` with ``"status": "stalled"``,
+  and every rank that still runs ends its own process with ``EXIT_STALLED``; a rank that
+  sees another's timeout in the store ends at once. The launcher (``launch_local`` or
+  torchrun) then ends a rank that cannot end itself.
+
+The newest checkpoint stays the last good one: nothing is saved after a stall.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from recpipe.distributed import job_key, job_store
+from recpipe.errors import UserError, report
+from recpipe.exit_codes import EXIT_STALLED
+
+__all__ = ["AUTO_FACTOR", "AUTO_MIN_S", "StalledError", "StepWatchdog", "auto_timeout_s"]
+
+AUTO_FACTOR = 100
+AUTO_MIN_S = 60.0
+
+
+class StalledError(UserError):
+    exit_code = EXIT_STALLED
+
+
+def auto_timeout_s(step_seconds: list[float]) -> float:
+    """The default timeout: ``AUTO_FACTOR`` times the median step, at least ``AUTO_MIN_S``."""
+    median = statistics.median(step_seconds) if step_seconds else 0.0
+    return max(AUTO_MIN_S, AUTO_FACTOR * median)
+
+
+class StepWatchdog:
+    """See the module docstring. ``timeout_s``: ``train.step_timeout_s`` (None: auto, 0:
+    off). ``describe_newest``: the newest checkpoint, for the message; ``on_stall``: what
+    this rank writes before it ends (rank 0's summary.json), called from the thread."""
+
+    POLL_S = 1.0
+    SILENT_POLLS = 3  # a rank whose heartbeat did not move over this many polls is not responding
+
+    def __init__(self, timeout_s: float | None, rank: int, world_size: int, describe_newest: Callable[[], str],
+                 on_stall: Callable[[str], None]) -> None:
+        self.timeout_s, self.rank, self.world_size = timeout_s, rank, world_size
+        self.describe_newest, self.on_stall = describe_newest, on_stall
+        self.poll_s = min(self.POLL_S, timeout_s / 5) if timeout_s else self.POLL_S
+        self.step = 0  # the last step boundary
+        self._last_at: float | None = None  # when, while armed and past the run's first step; else None
+        self._armed = False
+        self._steps_seen = 0
+        self._durations: deque[float] = deque(maxlen=200)
+        self._count = 0  # heartbeats published
+        self._done = threading.Event()
+        self._store = job_store() if timeout_s != 0 else None
+        self._thread = threading.Thread(target=self._watch, name="recpipe-step-watchdog", daemon=True)
+        if timeout_s != 0:
+            self._thread.start()
+
+    # ------------------------------------------------------------------ main thread
+    def arm(self) -> None:
+        """A training segment starts: time its steps (from now, once the run's first step is done)."""
+        self._armed = True
+        self._last_at = time.monotonic() if self._steps_seen else None
+
+    def disarm(self) -> None:
+        """Evaluation, a checkpoint save, the end: not timed."""
+        self._armed = False
+        self._last_at = None
+
+    def stepped(self, step: int) -> None:
+        """A step boundary (every rank, every step)."""
+        now = time.monotonic()
+        if self._last_at is not None:
+            self._durations.append(now - self._last_at)
+        self.step = step
+        self._steps_seen += 1
+        self._last_at = now if self._armed else None
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    # ------------------------------------------------------------------ the thread
+    def current_timeout_s(self) -> float:
+        return self.timeout_s if self.timeout_s else auto_timeout_s(list(self._durations))
+
+    def _key(self, what: str) -> str:
+        return job_key(f"watchdog/{what}")
+
+    def _beat(self) -> None:
+        self._count += 1
+        if self._store is not None:
+            self._store.set(self._key(f"beat/{self.rank}"), f"{self._count},{self.step}")
+
+    def _watch(self) -> None:
+        try:
+            self._beat()
+            while not self._done.wait(self.poll_s):
+                self._beat()
+                if self._store is not None and self._store.check([self._key("stalled")]):
+                    self._end("")  # another rank timed out and said why: this one waits in vain too
+                last = self._last_at
+                if last is not None and time.monotonic() - last > self.current_timeout_s():
+                    message = self._diagnosis()  # before the others learn of it: they keep beating meanwhile
+                    if self._last_at != last:
+                        continue  # a step came meanwhile: slow, not stalled
+                    first = self._store is None or self._store.add(self._key("stalled"), 1) == 1
+                    self._end(message if first else "")
+        except Exception:  # noqa: BLE001: the store is gone (the job is ending); nothing left to watch
+            return
+
+    def _beats(self) -> dict[int, tuple[int, int]]:
+        beats = {}
+        for rank in range(self.world_size):
+            key = self._key(f"beat/{rank}")
+            if self._store.check([key]):
+                count, step = self._store.get(key).decode().split(",")
+                beats[rank] = (int(count), int(step))
+        return beats
+
+    def _diagnosis(self) -> str:
+        """Which rank stopped, from the heartbeats over ``SILENT_POLLS`` polls (this rank
+        beating on meanwhile), and the newest checkpoint."""
+        timeout = self.current_timeout_s()
+        what = f"no training step for {timeout:.0f} s (train.step_timeout_s"
+        what += f"={self.timeout_s:g})" if self.timeout_s else f": {AUTO_FACTOR} x the median step, at least {AUTO_MIN_S:.0f} s)"
+        if self._store is None:
+            found = f"rank {self.rank}: {what}; its last step: {self.step}"
+        else:
+            before = self._beats()
+            for _ in range(self.SILENT_POLLS):
+                time.sleep(self.poll_s)
+                self._beat()
+            after = self._beats()
+            silent = [r for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)]
+            # The job advances in lockstep: the ranks that respond finished the step the silent
+            # one took last (its own heartbeat is up to a poll older than its last step).
+            reached = max([self.step] + [after[r][1] for r in after if r not in silent])
+            if silent:
+                named = ", ".join(f"rank {r}" for r in silent)
+                found = (f"{what}: {named} stopped responding after step {reached} (stopped or frozen); the other "
+                         "ranks waited for it")
+            else:
+                steps = ", ".join(f"rank {r}: {after[r][1]}" for r in sorted(after))
+                found = (f"{what} on any rank after step {reached} (last steps: {steps}): a rank is stuck in a "
+                         "collective, its data or a deadlock")
+        return f"{found}. Every rank is ended; nothing was saved after it ({self.describe_newest()})"
+
+    def _end(self, message: str) -> None:
+        """Say ``message`` (the first rank to time out has one), let rank 0 write its
+        summary, end this process."""
+        try:
+            self.on_stall(message)
+        finally:
+            if message:
+                report("train", StalledError(message), rank=None)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(EXIT_STALLED)

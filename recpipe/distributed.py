@@ -114,7 +114,16 @@ def shutdown_process_group() -> None:
     worker threads, would live until interpreter shutdown, where a Gloo thread that
     releases a tensor with a Python object aborts the process ("terminate called
     without an active exception") after training has succeeded. Collecting the
-    cycles runs the groups' destructors, which join those threads, here."""
+    cycles runs the groups' destructors, which join those threads, here.
+
+    The collection also runs first, after the device has finished: a CUDA graph that
+    captured NCCL collectives (``pipeline.step_graph`` on several GPUs) holds the
+    communicators' work, and NCCL's communicator destruction waited forever while such a
+    graph was still alive (seen on 2 and 4 GPUs: every rank in ``destroy_process_group``
+    after its run had passed)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

@@ -1,7 +1,7 @@
 """What every test shares: how many GPUs a `gpu`-marked test needs, and its time limit.
 
-A `gpu` test needs the GPUs its `gpus` marker names (``@pytest.mark.gpus(4)``), else its
-``nproc`` or ``world_size`` parameter's value, else one. With fewer visible it is
+A `gpu` test needs a CUDA GPU, and the GPUs its `gpus` marker names (``@pytest.mark.gpus(4)``),
+else its ``nproc`` or ``world_size`` parameter's value, else one. With fewer visible it is
 skipped as "needs N GPUs" (the GPU suite's record counts those as not run);
 ``--gpus-needed N`` keeps only the `gpu` tests that need exactly N (the GPU suite runs
 each count on its own GPUs). ``--gpu-test-timeout S`` ends a `gpu` test that runs
@@ -75,7 +75,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         return
     item.user_properties.append(("gpus_visible", torch.cuda.device_count()))
     n = gpus_needed(item)
-    if torch.cuda.is_available() and torch.cuda.device_count() < n:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if torch.cuda.device_count() < n:
         pytest.skip(f"needs {n} GPUs")
 
 

@@ -135,3 +135,22 @@ def test_click_metrics_reduce_over_ranks_like_one_process():
         # sums in another order: NE and log loss (float64 states) 1e-10 apart, calibration (float32) 1e-7
         for name in ("ne", "logloss", "calibration", "ctr", "accuracy"):
             assert per_rank[rank][name] == pytest.approx(expected[name], rel=1e-8 if name in ("ne", "logloss") else 1e-6), name
+
+
+def test_click_metrics_compute_under_torchmetrics_that_squeezes_every_result(monkeypatch):
+    """torchmetrics >= 1.x squeezes what a metric's ``compute`` returns through lightning's
+    ``apply_to_collection``, which refuses the frozen ``MetricComputationReport`` that
+    TorchRec's metric computations return (torchrec 1.6.1 - 1.8 with torchmetrics 1.9: every
+    compute raised). Reproduced here on the installed torchmetrics; recpipe's ClickMetrics
+    computes TorchRec's metrics without that squeeze."""
+    import torchmetrics.metric
+    from lightning_utilities.core.apply_func import apply_to_collection
+
+    monkeypatch.setattr(torchmetrics.metric, "_squeeze_if_scalar",
+                        lambda data: apply_to_collection(data, torch.Tensor, lambda t: t.squeeze() if t.numel() == 1 else t))
+    g = torch.Generator().manual_seed(3)
+    metrics = ClickMetrics(torch.device("cpu"), window_samples=64)
+    logits, labels = torch.randn(64, generator=g), torch.randint(0, 2, (64,), generator=g).float()
+    metrics.update(logits, labels, torch.ones(64))
+    values = metrics.compute()
+    assert {"ne", "logloss", "calibration", "ctr", "auc"} <= set(values) and all(math.isfinite(v) for v in values.values())

@@ -96,7 +96,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpus(2)
 def test_a_stopped_rank_ends_the_job_under_nccl(tmp_path):
     run = tmp_path / "run"
     proc, ranks, err, took = _stop_rank_1(run, *CUDA_2, timeout_s=10.0)
@@ -133,7 +133,7 @@ def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.gpus(2)
 def test_a_rank_that_raises_mid_step_ends_the_job_under_nccl(tmp_path):
     proc, err, took = _rank_1_raises(tmp_path / "run", *CUDA_2)
     _assert_its_error(proc, err, took)

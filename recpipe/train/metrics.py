@@ -30,6 +30,8 @@ Samples with loss weight 0 (padding batches of ranks whose data ran out) do not 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torchmetrics import Metric
@@ -173,6 +175,8 @@ class ClickMetrics:
                          AccuracyMetric(**common)]
         for metric in self.torchrec:
             metric.to(device)
+            for computation in metric._metrics_computations:
+                _compute_unsqueezed(computation)
         self.auc = BinnedAUROC(_AUC_BINS, **options).to(device)
         self.window_auc = BinnedAUROC(_AUC_BINS, **options).to(device) if self.windowed else None
 
@@ -217,6 +221,23 @@ class ClickMetrics:
         self.auc.reset()
         if self.window_auc is not None:
             self.window_auc.reset()
+
+
+def _compute_unsqueezed(computation: Any) -> None:
+    """``computation.compute`` (a TorchRec metric computation, a torchmetrics ``Metric``) as
+    torchmetrics' own wrapper runs it, synchronized over the ranks, but without the wrapper's
+    squeeze of the result: torchmetrics 1.9 squeezes every result through lightning's
+    ``apply_to_collection``, which refuses the frozen ``MetricComputationReport`` that
+    TorchRec's computations return (torchrec 1.6.1 to 1.8: every compute raised
+    ``ValueError: A frozen dataclass was passed to apply_to_collection``); torchmetrics 1.0.3,
+    torchrec's pin, does not. The reports hold tensors that need no squeeze."""
+    unwrapped = type(computation).compute.__get__(computation)
+
+    def compute() -> Any:
+        with computation.sync_context(dist_sync_fn=computation.dist_sync_fn):
+            return unwrapped()
+
+    computation.compute = compute
 
 
 _AUC_BINS = 1000

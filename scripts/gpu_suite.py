@@ -113,6 +113,7 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
                    "PYTHONFAULTHANDLER": "1",  # a test past its time limit prints its ranks' stacks
                    "RECPIPE_GPU_SUITE": "1"}  # failures printed as they happen (tests/conftest.py)
             log = open(out / f"part{k}_gpus{part.gpus}.log", "w")
+            (out / f"part{k}_gpus{part.gpus}.tests").write_text("".join(f"{t}\n" for t in part.tests))
             cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
                    "--durations=0", f"--junitxml={out}/part{k}_gpus{part.gpus}.xml",
                    f"--gpu-test-timeout={test_timeout:g}", *part.tests]
@@ -142,8 +143,16 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
 
 
 def render(commit: str, reports: list[Path], select: str = "") -> str:
+    """The record; a part whose pytest ended without its report (killed at the deadline) has its
+    tests listed as not run (its ``.tests`` file beside the missing ``.xml``)."""
     rows, totals = [], collections.Counter()
     seconds, want = 0.0, 0
+    for listed in sorted({p.with_suffix(".tests") for p in reports} | set(
+            (reports[0].parent if reports else Path(".")).glob("part*_gpus*.tests"))):
+        if not listed.with_suffix(".xml").is_file() and listed.is_file():
+            for name in listed.read_text().split():
+                totals["not run"] += 1
+                rows.append((name, "not run", "its part ended without a report (killed at --deadline)", "-", "-", "-"))
     for path in reports:
         suite = ElementTree.parse(path).getroot()
         for case in suite.iter("testcase"):
@@ -178,7 +187,8 @@ def render(commit: str, reports: list[Path], select: str = "") -> str:
         f"- torch {stack.get('torch')}, CUDA {stack.get('cuda')}, fbgemm-gpu {stack.get('fbgemm_gpu')}, "
         f"torchrec {stack.get('torchrec')}",
         f"- tests: {sum(totals.values())}; passed {totals['passed']}, failed {totals['failed']}, skipped "
-        f"{totals['skipped']} ({want} for want of GPUs); {seconds:.0f} s of test time in {len(reports)} parts",
+        f"{totals['skipped']} ({want} for want of GPUs), not run {totals['not run']}; {seconds:.0f} s of test time in "
+        f"{len(reports)} parts",
         "",
         "| test | outcome | reason | GPUs needed | GPUs seen | s |",
         "|---|---|---|---|---|---|",
@@ -248,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     status = run(parts, gpus, args.out, args.test_timeout, args.deadline, args.slots)
     record = args.out / "gpu_suite.md"
-    record.write_text(render(args.commit, sorted(args.out.glob("part*_gpus*.xml")), args.select))
+    record.write_text(render(args.commit, sorted(args.out.glob("part*_gpus*.xml")) or sorted(args.out.glob("part*.tests")),
+                             args.select))
     print(record.read_text().split("\n\n")[2], flush=True)  # the summary lines
     return status
 

@@ -48,7 +48,7 @@ def test_record_counts_tests_skipped_for_want_of_gpus(tmp_path):
         '<testcase classname="tests.test_b" name="test_y" time="1.0"><failure message="boom&#10;more"/></testcase>'
         '</testsuite></testsuites>')
     record = suite.render("abc1234", [xml])
-    assert "passed 1, failed 1, skipped 1 (1 for want of GPUs)" in record
+    assert "passed 1, failed 1, skipped 1 (1 for want of GPUs), not run 0" in record
     assert "| `tests/test_a.py::test_x[4]` | skipped | needs 4 GPUs | 4 | 2 | 0.1 |" in record
     assert "| `tests/test_b.py::test_y` | failed | boom |" in record
     (tmp_path / "gpu_suite.md").write_text(record)
@@ -72,3 +72,15 @@ def test_each_gpu_test_needs_what_its_parameters_say():
     assert need["tests/test_step_graph_gpu.py::test_step_graph_replays_train_like_eager_steps[4-every_type]"] == 4
     assert need["tests/test_pipelines_gpu.py::test_two_ranks_average_dense_gradients_exactly_as_ddp_on_cuda"] == 2
     assert need["tests/test_cache_fill_gpu.py::test_compiled_kernels_match_the_reference"] == 1
+
+
+def test_a_part_that_ended_without_its_report_lists_its_tests_as_not_run(tmp_path):
+    suite = _suite()
+    (tmp_path / "part1_gpus2.tests").write_text("tests/test_a.py::test_x[2]\ntests/test_a.py::test_y[2]\n")
+    xml = tmp_path / "part2_gpus1.xml"
+    xml.write_text('<testsuites><testsuite name="pytest"><testcase classname="tests.test_b" name="test_z" time="1.0"/>'
+                   '</testsuite></testsuites>')
+    (tmp_path / "part2_gpus1.tests").write_text("tests/test_b.py::test_z\n")
+    record = suite.render("abc1234", [xml])
+    assert "passed 1, failed 0, skipped 0 (0 for want of GPUs), not run 2" in record
+    assert "| `tests/test_a.py::test_y[2]` | not run | its part ended without a report" in record

@@ -341,6 +341,8 @@ class StepGraph:
                     # same batch size on every rank
                     padded = pad_features(kjts[0], self.capacity, self._bucketing())
                     if _agree(padded is not None):
+                        if kjts[0].values().is_pinned():  # as the loader pinned it: else the copy blocks the host
+                            padded = padded.pin_memory()
                         b.host = _replace_kjt(b.host, kjts[0], padded)
             fn(ctx, b)
 

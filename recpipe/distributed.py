@@ -328,9 +328,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
     raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
     store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
     launcher = _Launcher()  # before the supervisor replaces this process's handlers
-    _start_forkserver()
     try:
         with _Supervisor() as supervisor:
+            # The server starts under the supervisor's handlers: a signal from the moment
+            # it exists is the launcher's to forward, as for the ranks it forks.
+            _start_forkserver()
             context = mp.start_processes(
                 _child, args=(nproc, store.port, launcher, fn, args, handles_signals), nprocs=nproc, join=False,
                 start_method="forkserver"

@@ -63,6 +63,14 @@ def _forkserver(launcher: int) -> int | None:
     return next((c for c in _children(launcher) if "multiprocessing.forkserver" in _cmdline(c)), None)
 
 
+def _compiled_code(tmp: Path) -> bool:
+    """Whether inductor has written a module into ``tmp``'s compile cache. os.walk, not
+    Path.glob: inductor removes its temporary directories while the walk runs, and
+    Python 3.11's glob raises FileNotFoundError for one that vanished under it."""
+    return any(name.endswith(".py") for cache in tmp.glob("torchinductor_*")
+               for _, _, names in os.walk(cache) for name in names)
+
+
 def _group(pgid: int) -> list[int]:
     members = []
     for entry in os.listdir("/proc"):
@@ -196,7 +204,7 @@ def test_a_signal_during_the_model_build_ends_the_run_at_once(tmp_path):
 def test_a_signal_during_the_first_compile_stops_after_a_step_with_a_checkpoint(tmp_path):
     run = Run(tmp_path, "train.steps=100000", "pipeline.compile=true")
     # The first step compiles the dense part: inductor writes its code into $TMPDIR's cache.
-    run.wait_until(lambda: any(p.is_file() for p in run.tmp.glob("torchinductor_*/**/*.py")), "compiled code")
+    run.wait_until(lambda: _compiled_code(run.tmp), "compiled code")
     run.signal()
     err = run.end(timeout=600)
     assert run.stopped_as_documented(err) == "after"

@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, TYPE_CHECKING
 
@@ -104,6 +105,18 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     return device
 
 
+_GRAPHS_WITH_COLLECTIVES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def graph_holds_collectives(graph: Any) -> None:
+    """Record a ``torch.cuda.CUDAGraph`` that captured collectives of this process's
+    groups: :func:`shutdown_process_group` resets it before it destroys them. NCCL's
+    communicator destruction waits forever while a graph that captured its work is
+    alive (pytorch/pytorch#115388; seen here on 2 and 4 GPUs: every rank of a
+    ``pipeline.step_graph`` run in ``destroy_process_group`` after the run had passed)."""
+    _GRAPHS_WITH_COLLECTIVES.add(graph)
+
+
 def shutdown_process_group() -> None:
     """Leave every process group now, while the interpreter is fully alive.
 
@@ -116,13 +129,14 @@ def shutdown_process_group() -> None:
     without an active exception") after training has succeeded. Collecting the
     cycles runs the groups' destructors, which join those threads, here.
 
-    The collection also runs first, after the device has finished: a CUDA graph that
-    captured NCCL collectives (``pipeline.step_graph`` on several GPUs) holds the
-    communicators' work, and NCCL's communicator destruction waited forever while such a
-    graph was still alive (seen on 2 and 4 GPUs: every rank in ``destroy_process_group``
-    after its run had passed)."""
+    First, once the device has finished, every CUDA graph that captured collectives
+    (:func:`graph_holds_collectives`) is reset, whoever still holds it: a replay after
+    the groups are gone could not run anyway."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+    for graph in list(_GRAPHS_WITH_COLLECTIVES):
+        graph.reset()
+    _GRAPHS_WITH_COLLECTIVES.clear()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

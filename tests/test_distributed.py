@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from process_harness import alive, interrupt
-from recpipe.distributed import launch_local, shutdown_process_group
+from recpipe.distributed import graph_holds_collectives, launch_local, shutdown_process_group
 from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
 from recpipe.run_lock import DirLock
 
@@ -63,6 +63,30 @@ def _worker() -> None:
 
 def test_shutdown_frees_cyclically_held_groups_and_their_threads():
     launch_local(_worker, 2)
+
+
+class _Graph:
+    """Stands for a torch.cuda.CUDAGraph that captured collectives (its reset is all shutdown uses)."""
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def reset(self) -> None:
+        self.events.append("reset" if dist.is_initialized() else "reset after the groups were gone")
+
+
+def test_shutdown_resets_graphs_that_captured_collectives_before_leaving_the_groups(monkeypatch):
+    """NCCL's communicator destruction waits forever for a live graph that captured its
+    work; shutdown resets every such graph first, even one its owner still holds."""
+    events: list[str] = []
+    held = _Graph(events)  # still referenced: a pipeline that outlives the run
+    graph_holds_collectives(held)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group", lambda: events.append("destroy"))
+    shutdown_process_group()
+    assert events == ["reset", "destroy"]
+    shutdown_process_group()  # a graph is reset once
+    assert events == ["reset", "destroy", "destroy"]
 
 
 # ------------------------------------------------- launch_local's supervision

@@ -90,7 +90,7 @@ from torchrec.distributed.types import Awaitable, LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.capabilities import ONE_BATCH_PER_STEP
-from recpipe.distributed import control_group
+from recpipe.distributed import control_group, graph_holds_collectives
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.engine import Pipeline
@@ -264,6 +264,8 @@ def capture_with_torch(step: Callable[[], None]) -> Callable[[], None]:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         step()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        graph_holds_collectives(graph)  # its all-to-alls: reset before the groups go
     return graph.replay
 
 

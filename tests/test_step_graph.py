@@ -24,6 +24,7 @@ from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.preflight import check_rules
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers
 from recpipe.train.learning_rates import LearningRates
+from recpipe.speedups import step_graph
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, pad_features, signature
 
 TABLES = ["sharding.tables={t_cat_1: {type: table_wise}, t_cat_2: {type: column_wise}, t_cat_3: {type: table_wise}}"]
@@ -94,9 +95,18 @@ def _worker(cfg) -> None:
     want = train(cfg, "base", fixed)
     rows = row_features(cfg)
     for name in ("base", "sparse_dist"):
-        got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3, capacity=rows),
-                                  [5, 4])
+        agreements = []
+        agree = step_graph._agree
+        step_graph._agree = lambda ok: agreements.append(ok) or agree(ok)
+        try:
+            got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3,
+                                                                         capacity=rows), [5, 4])
+        finally:
+            step_graph._agree = agree
         assert_same(want, got, f"{name} step graph, fixed shapes")
+        # one agreement a step (a host round trip on several ranks), from the batch whose
+        # fetch completed the measurement (the 3rd) on
+        assert len(agreements) == 9 - 2, agreements
         assert sorted(graph.buckets) == sorted(rows), (graph.buckets, rows)
         assert graph.replays == 7 and graph.eager_steps == 2 and graph.padded == bool(rows), graph
         assert graph.over_capacity == 0, graph

@@ -47,7 +47,7 @@ Life of a pipeline with a step graph:
    replay. A batch over capacity (or of other shapes: a last, smaller batch) trains
    eagerly on its own, unpadded: counted in ``eager_steps``, named once in a warning,
    and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
-   first (one Gloo all-reduce a step), so all take the same path.
+   while the batch is still on the host (one Gloo all-reduce a step, at its fetch), so all take the same path.
 
 Learning rates (``optimizer.*.schedule``): the dense optimizer reads a scheduled rate
 from a device tensor (``recpipe.train.learning_rates``), so replays follow it. FBGEMM's
@@ -212,8 +212,8 @@ def _padding(ids: torch.Tensor, cap: int | list[int], b: Buckets | None) -> torc
     """The ids that fill one key up to ``cap`` (per bucket of ``b``); None if over it."""
     if b is None:
         cap = cap if isinstance(cap, int) else sum(cap)
-        if ids.numel() > cap:
-            return None
+        if ids.numel() >= cap:  # full (a one-hot feature: every batch), or over
+            return ids[:0] if ids.numel() == cap else None
         source = ids if ids.numel() else torch.zeros(1, dtype=ids.dtype)
         return source[torch.arange(cap - ids.numel()) % source.numel()]
     bucket = b.of(ids)
@@ -301,7 +301,8 @@ class StepGraph:
     _counts: list[list[int]] = field(default_factory=list)  # ids per (key, bucket) of the measured batches
     _replay: Callable[[], None] | None = None
     _static: Any = None
-    _signature: tuple | None = None
+    _shapes: tuple | None = None  # the signature of the first batch admitted on this rank: what replays hold
+    _admitted: set[int] = field(default_factory=set)  # indices of fetched batches every rank admitted
     _outputs: dict[str, Any] = field(default_factory=dict)
     _host_counts: list[torch.Tensor] = field(default_factory=list)
     _host_next: list[torch.Tensor] = field(default_factory=list)  # their values after the next replay
@@ -338,17 +339,38 @@ class StepGraph:
             if kjts:
                 kjts[0].length_per_key()  # on the host: the device copy carries it (else a host sync to read it)
                 self._see(ctx, kjts[0])
-                if self.padded and self.capacity is not None:
-                    # every rank pads this batch, or none does: torchrec's pooled all-to-all needs the
-                    # same batch size on every rank
-                    padded = pad_features(kjts[0], self.capacity, self._bucketing())
-                    if _agree(padded is not None):
-                        if kjts[0].values().is_pinned():  # as the loader pinned it: else the copy blocks the host
-                            padded = padded.pin_memory()
-                        b.host = _replace_kjt(b.host, kjts[0], padded)
+                if self.capacity is not None:
+                    self._admit(b, kjts[0])
             fn(ctx, b)
 
         return h2d
+
+    def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
+        """Whether batch ``b`` may replay, decided here, with the batch still on the host,
+        by every rank at once (the step's one agreement, a Gloo all-reduce; the rest of
+        the decision at ``train_step`` is the same on every rank): on each rank it pads
+        to the capacity (padding mode; else it has the measured ids per feature), is no
+        zero-loss padding batch and has the shapes of the first such batch (a last,
+        smaller one has not). Every rank pads it, or none does: torchrec's pooled
+        all-to-all needs the same batch size on every rank."""
+        padded, ok = None, not b.zero_loss
+        if ok and self.padded:
+            padded = pad_features(kjt, self.capacity, self._bucketing())
+            ok = padded is not None
+        elif ok:
+            ok = kjt.length_per_key() == [c[0] for c in self.capacity]
+        host = b.host if padded is None else _replace_kjt(b.host, kjt, padded)
+        if ok:
+            shapes = signature(host)
+            self._shapes = self._shapes or shapes
+            ok = shapes == self._shapes
+        if not _agree(ok):
+            return
+        if padded is not None:
+            if kjt.values().is_pinned():  # as the loader pinned it: else the copy blocks the host
+                host = _replace_kjt(b.host, kjt, padded.pin_memory())
+            b.host = host
+        self._admitted.add(b.index)
 
     def _see(self, ctx: Any, kjt: KeyedJaggedTensor) -> None:
         if self.capacity is not None:
@@ -402,10 +424,9 @@ class StepGraph:
         if self._replay is not None and lrs != self._captured_lrs:
             self._replay = None  # FBGEMM read the captured rate on the host: this graph cannot train at this one
         new_rate = self._replay is None and lrs != previous and self.eager_steps >= WARMUP_STEPS
-        fits = (self.capacity is not None and not b.zero_loss and (self._replay is not None or self.eager_steps >= WARMUP_STEPS)
-                and (not self.padded or self._was_padded(b))
-                and (self._signature is None or signature(b.device) == self._signature))
-        fits = _agree(fits) and not new_rate
+        admitted = b.index in self._admitted  # by every rank (at h2d): the rest is the same on every rank
+        self._admitted.discard(b.index)
+        fits = admitted and (self._replay is not None or self.eager_steps >= WARMUP_STEPS) and not new_rate
         if not fits:
             if self._replay is not None and not b.zero_loss:
                 self.over_capacity += 1
@@ -427,12 +448,6 @@ class StepGraph:
         loss, output = torch.utils._pytree.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (self._outputs["loss"], self._outputs["output"]))
         b.loss_value, b.output = loss.detach(), output
-
-    def _was_padded(self, b: Any) -> bool:
-        """In padding mode only a padded batch is captured or replayed: one that some rank
-        could not pad (over capacity) trains eagerly, as it is."""
-        kjts = _kjts(b.device)
-        return bool(kjts) and kjts[0].stride() == self.padded_stride
 
     def _eager(self, ctx: Any, b: Any) -> None:
         self.eager_steps += 1
@@ -471,7 +486,6 @@ class StepGraph:
     def _capture(self, ctx: Any, b: Any) -> None:
         model, optimizer = ctx.model, ctx.optimizer
         self._static = _clone(b.device)
-        self._signature = signature(b.device)
         outputs = self._outputs
 
         def step() -> None:

@@ -16,8 +16,8 @@ rank's bucket of each feature to a capacity agreed by all ranks; while the step 
 captured, :class:`FixedBuckets` gives torchrec's bucketized KeyedJaggedTensor those
 counts, which its ``permute`` and the all-to-all would otherwise read from the device.
 
-:class:`RecatCache` keeps torchrec's recat index tensors, which it builds from host
-lists at every input dist, one per splits layout.
+torchrec's recat index tensors, which it builds from host lists at every input dist,
+are made once per splits layout (:class:`recpipe.speedups.recat_cache.RecatCache`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded
 
-__all__ = ["Buckets", "FixedBuckets", "FixedSplitsForward", "RecatCache", "fixed_splits_installed", "row_buckets"]
+__all__ = ["Buckets", "FixedBuckets", "FixedSplitsForward", "fixed_splits_installed", "row_buckets"]
 
 
 @dataclass(frozen=True)
@@ -215,46 +215,3 @@ def fixed_splits_installed(modules: dict[str, Any], buckets: FixedBuckets | None
         for d in targets:
             if isinstance(vars(d).get("forward"), FixedSplitsForward):
                 del d.forward
-
-
-class RecatCache:
-    """torchrec's ``KJTAllToAllTensorsAwaitable`` makes its recat indices with
-    ``torch.tensor(list, device=cuda)`` at every input dist (torchrec 1.6.1 to 1.8:
-    ``dist_data._get_recat``, one rank too): a copy from pageable host memory, which a CUDA
-    graph cannot capture. They depend only on the splits, so while a step graph runs the
-    model (its eager steps, its capture) each is made once and reused: the captured step
-    reads the same device tensor at every replay. One first asked for during a capture is
-    made on the host, pinned and copied (a captured copy from pinned memory, kept alive here)."""
-
-    def __init__(self) -> None:
-        from torchrec.distributed import dist_data
-
-        self._module = dist_data
-        self._original = dist_data._get_recat
-        self._made: dict[tuple, Any] = {}
-        self._pinned: list[torch.Tensor] = []
-
-    def __call__(self, local_split: int, num_splits: int, stagger: int = 1, device: Any = None,
-                 batch_size_per_rank: Any = None) -> Any:
-        key = (local_split, num_splits, stagger, str(device), tuple(batch_size_per_rank or ()))
-        if key not in self._made:
-            device = torch.device(device) if device is not None else None
-            if device is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                host = self._original(local_split, num_splits, stagger, torch.device("cpu"), batch_size_per_rank)
-                if host is not None:
-                    host = host.pin_memory()
-                    self._pinned.append(host)
-                    self._made[key] = host.to(device, non_blocking=True)
-                else:
-                    self._made[key] = None
-            else:
-                self._made[key] = self._original(local_split, num_splits, stagger, device, batch_size_per_rank)
-        return self._made[key]
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        self._module._get_recat = self
-        try:
-            yield
-        finally:
-            self._module._get_recat = self._original

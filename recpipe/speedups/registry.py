@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 
 from recpipe.speedups.definition import SpeedupDef
-from recpipe.speedups.defs import cache_bookkeeping, cache_fill, compile, cuda_graphs, step_graph
+from recpipe.speedups.defs import cache_bookkeeping, cache_fill, compile, cuda_graphs, recat_cache, step_graph
 
 __all__ = ["SPEEDUPS", "SpeedupDef", "register", "unregister"]
 
@@ -24,7 +24,7 @@ _OPTIONS_MODULE = "recpipe.pipelines.options"
 
 SPEEDUPS: dict[str, SpeedupDef] = {
     d.name: d for d in (compile.FEATURE, cuda_graphs.FEATURE, cache_fill.FEATURE, cache_bookkeeping.FEATURE,
-                        step_graph.FEATURE)
+                        recat_cache.FEATURE, step_graph.FEATURE)
 }
 
 

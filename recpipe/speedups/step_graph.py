@@ -96,7 +96,8 @@ from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.engine import Pipeline
 from recpipe.pipelines.schedule import Schedule, Step
 from recpipe.speedups.defs.step_graph import StepGraphOptions
-from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, RecatCache, fixed_splits_installed, row_buckets
+from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, fixed_splits_installed, row_buckets
+from recpipe.speedups.recat_cache import RecatCache
 from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch_optimizers
 
 if TYPE_CHECKING:

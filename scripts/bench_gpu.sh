@@ -10,7 +10,7 @@
 # beside TorchRec: criteo_step_graph (Criteo-sized, bf16: CUDA graphs, compile, one graph per
 # step), mlperf (MLPerf DLRM-DCNv2's shapes, compiled, profiled by kernel class) and
 # gpu_bound_compile (65536/GPU, bf16, compiled on both sides: TorchRec's TrainPipelinePT2), and
-# scaling: both of those models on 1, 2, 4 (and 8) GPUs of this host, recpipe's sparse_dist and
+# scaling: both of those models on 1, 2, 4 (and 8) GPUs of this host, recpipe's sparse_dist (also with its host-sync levers) and
 # its step graph beside TorchRec's, then python -m recpipe.bench.scaling's report and plot
 # (samples/s per GPU against the GPU count) in OUT_DIR/scaling/<config>/.
 # Default: all but scaling.
@@ -65,7 +65,7 @@ scaling() {  # the Criteo-sized and MLPerf-shaped models on 1, 2, 4, ... GPUs of
             torchrun --standalone --nproc-per-node "$n" -m recpipe bench --config configs/bench/$cfg.yaml \
                 --set train.precision=bf16 --set pipeline.cuda_graphs=true --set data.synthetic.num_batches=60 \
                 "${common[@]}" --rounds "${ROUNDS:-2}" --steps 30 --warmup 10 --trace-steps 3 \
-                --pipelines "sparse_dist,sparse_dist:compile=true+step_graph=true+cuda_graphs=false" \
+                --pipelines "sparse_dist,sparse_dist:recat_cache=true+splits_exchange=host,sparse_dist:compile=true+step_graph=true+cuda_graphs=false" \
                 --out "$out/scaling/$name" 2>&1 | grep -v "compat_table\|WARNING:root" | tee "$out/scaling/$name.log"
         done
         python3 -m recpipe.bench.scaling "$out"/scaling/${cfg}_[0-9]* --out "$out/scaling/$cfg"

@@ -202,14 +202,15 @@ def _bench(args: argparse.Namespace) -> int:
     producers = _children_cpu() - children0
     first_half = (args.batches // 2) * d.batch_size / (half - t0)
     rate = (timed - args.batches // 2) * d.batch_size / (end - half)
+    producers_ran = d.num_workers and (d.source == "criteo_tsv" or workers_kind_of(cfg) == "process")
     print(f"first batch after {first_s:.3f} s; {args.warmup} untimed, then {timed} batches in {seconds:.3f} s over "
-          f"{epoch} epoch(s); this process (the training process's share): {cpu / seconds:.2f} CPU cores busy, "
-          f"{cpu / timed * 1e3:.2f} ms of CPU per batch")
-    if d.num_workers and (d.source == "criteo_tsv" or workers_kind_of(cfg) == "process"):
-        print(f"worker processes: {producers / made * 1e3:.2f} ms of CPU per batch (all {made} batches taken, "
-              "the untimed ones and their start included)")
+          f"{epoch} epoch(s)")
+    print(f"CPU per batch: this process (the training process's share) {cpu / timed * 1e3:.2f} ms, "
+          f"{cpu / seconds:.2f} cores busy; "
+          + (f"worker processes {producers / made * 1e3:.2f} ms (over all {made} batches taken, the untimed ones "
+             "included)" if producers_ran else "no worker processes"))
     total = cpu / timed + producers / made
-    print(f"in all {total / d.batch_size * 1e6:.3f} us of CPU per sample: {d.batch_size / total:.0f} samples per "
-          f"CPU-second; first half {first_half:.0f} samples/s, second half (sustained):")
+    print(f"in all {total / d.batch_size * 1e6:.3f} us of CPU per sample ({d.batch_size / total:.0f} samples per "
+          f"CPU-second); first half {first_half:.0f} samples/s, second half (sustained):")
     print(f"{rate:.0f} samples/s")
     return EXIT_OK

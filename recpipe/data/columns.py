@@ -59,17 +59,20 @@ class ColumnLayout:
         self,
         labels: np.ndarray,
         counts: np.ndarray,
-        ids: Sequence[np.ndarray],
+        ids: Sequence[np.ndarray] | np.ndarray,
         num_real: int,
         batch_size: int,
         pin: bool = False,
         log1p: bool = True,
     ) -> Batch:
         """``labels`` [n], ``counts`` [n, D], ``ids[f]`` [n, h_f] for the first ``n = num_real``
-        samples; samples ``n .. batch_size-1`` are padding. ``log1p=False``: ``counts``
-        are the dense features themselves (copied to float32)."""
+        samples (or, where every feature has one id, ``ids`` one [n, F] array); samples
+        ``n .. batch_size-1`` are padding. ``log1p=False``: ``counts`` are the dense
+        features themselves (copied to float32)."""
         n, B = num_real, batch_size
-        assert 0 <= n <= B and len(ids) == len(self.hotness)
+        assert 0 <= n <= B
+        assert (ids.shape[1] == len(self.hotness) and self.ids_per_sample == len(self.hotness)
+                if isinstance(ids, np.ndarray) else len(ids) == len(self.hotness))
         labels_t, labels_np = self._empty((B,), torch.float32, pin)
         labels_np[:n] = labels[:n]
         labels_np[n:] = 0
@@ -83,12 +86,17 @@ class ColumnLayout:
             np.copyto(dense_np[:n], counts[:n], casting="same_kind")
         dense_np[n:] = 0
         values_t, values_np = self._empty((B * self.ids_per_sample,), torch.int64, pin)
-        start = 0
-        for column, h in zip(ids, self.hotness):
-            block = values_np[start : start + B * h].reshape(B, h)
-            np.copyto(block[:n], column[:n].reshape(n, h), casting="same_kind")
-            block[n:] = 0
-            start += B * h
+        if isinstance(ids, np.ndarray):  # [n, F], one id per feature: the transpose, in one copy
+            by_feature = values_np.reshape(len(self.hotness), B)
+            np.copyto(by_feature[:, :n], ids[:n].T, casting="same_kind")
+            by_feature[:, n:] = 0
+        else:
+            start = 0
+            for column, h in zip(ids, self.hotness):
+                block = values_np[start : start + B * h].reshape(B, h)
+                np.copyto(block[:n], column[:n].reshape(n, h), casting="same_kind")
+                block[n:] = 0
+                start += B * h
         lengths_t, lengths_np = self._empty((len(self.hotness) * B,), torch.int32, pin)
         lengths_np.reshape(len(self.hotness), B)[:] = np.asarray(self.hotness, dtype=np.int32)[:, None]
         # ids per key known from the layout: without them torchrec reads them from the

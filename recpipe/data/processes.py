@@ -41,6 +41,7 @@ closed, dropped, or at interpreter exit.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import pickle
@@ -172,11 +173,34 @@ def _producer_main(stream: Production, w: int, k: int, conn: Connection, parent_
         os.close(parents_ends[1])
         # One intra-op thread: k producers beside the training process must not each run a full team.
         torch.set_num_threads(1)
+        _keep_freed_memory()
         _Producer(conn, w, k).run(stream)
     except BaseException:  # the pipe is gone: the iterator was closed; nothing to report
         code = 1
     finally:
         os._exit(code)  # no atexit handlers, no flush of buffers copied from the parent
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_HEAP_KEPT = 256 << 20  # freed heap memory a producer keeps for its next batches
+_HEAP_BLOCK = 64 << 20  # allocations up to this size come from the heap, not their own mmap
+
+
+def _keep_freed_memory() -> None:
+    """Make glibc keep a producer's freed memory for its next batch. A batch's arrays
+    (megabytes each) are allocated and freed once per batch; with glibc's defaults
+    (allocations of 128 KiB and more are mmapped, and a freed heap top of more than
+    twice that is trimmed back) most batches got fresh pages, and a page fault for
+    each one: 1,100 faults and 2 ms of CPU per 8192-sample ``criteo_npy`` batch where
+    the batch itself takes 1 ms (2-core VM; 4-25 faults once the memory is kept). A
+    producer's peak stays what one batch needs; this process only (not the training
+    process), and only where the C library is glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK)
+        libc.mallopt(_M_TRIM_THRESHOLD, _HEAP_KEPT)
+    except (OSError, AttributeError):  # no glibc: its defaults stay
+        pass
 
 
 # ------------------------------------------------------------------ training process side

@@ -41,7 +41,10 @@ import struct
 import zipfile
 from pathlib import Path
 
+from typing import Callable
+
 import numpy as np
+import torch
 
 from recpipe.data.batch import Batch
 from recpipe.data.binary_format import BinaryDataError, read_npy_header
@@ -221,8 +224,10 @@ class CriteoNpyDataset:
     def block_order(self, epoch: int) -> np.ndarray | None:
         return self.rows.block_order(epoch)
 
-    def batch(self, index: int, order: np.ndarray | None, epoch: int = 0, pin: bool = False) -> Batch:
-        """Batch ``index`` of this rank; ``order`` = ``block_order(epoch)``."""
+    def batch(self, index: int, order: np.ndarray | None, epoch: int = 0, pin: bool = False,
+              empty: Callable[..., torch.Tensor] | None = None) -> Batch:
+        """Batch ``index`` of this rank; ``order`` = ``block_order(epoch)``; ``empty``: the
+        allocator of its tensors (``ColumnLayout.build``)."""
         columns, count, slices = self.rows.rows(index, order, epoch)
         if self.one_file:
             raw = {"sparse": columns["sparse"]}
@@ -235,7 +240,7 @@ class CriteoNpyDataset:
         ids = {name: _modulo(a, limits[name]) if self.ids == "modulo" else a for name, a in raw.items()}
         per_feature = ids["sparse"] if self.one_file else [ids[f"cat_{f}"] for f in range(len(self.hotness))]
         return self.columns.build(columns["labels"][:, 0], columns["dense"], per_feature, count, self.batch_size,
-                                  pin=pin, log1p=False)
+                                  pin=pin, log1p=False, empty=empty)
 
     def _check(self, columns: dict[str, np.ndarray], raw: dict[str, np.ndarray], limits: dict, slices: list[Slice]) -> None:
         """Range checks of a batch; on failure, the file and row that is wrong."""

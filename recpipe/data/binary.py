@@ -12,7 +12,6 @@ error naming the file.
 from __future__ import annotations
 
 from pathlib import Path
-
 from typing import Callable
 
 import numpy as np
@@ -93,7 +92,8 @@ class BinaryDataset:
         if count:
             self._check(columns, slices)
         ids = [columns[f"cat_{f}"] for f in range(len(self.layout.hotness))]
-        return self.columns.build(columns["labels"][:, 0], columns["dense"], ids, count, self.batch_size, pin=pin, empty=empty)
+        return self.columns.build(columns["labels"][:, 0], columns["dense"], ids, count, self.batch_size, pin=pin,
+                                  empty=empty)
 
     def _check(self, columns: dict[str, np.ndarray], slices: list[Slice]) -> None:
         """Range checks of a batch; on failure, find the file and row that is wrong."""

@@ -40,7 +40,6 @@ from __future__ import annotations
 import struct
 import zipfile
 from pathlib import Path
-
 from typing import Callable
 
 import numpy as np

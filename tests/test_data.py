@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torchmetrics.functional import auroc
@@ -340,3 +341,44 @@ def test_tsv_eval_split(tmp_path):
     assert batches(cfg, split="eval") == []
     with_eval = tsv_cfg([path], eval_files=[path])
     assert same_seq(batches(with_eval, split="eval"), batches(with_eval))
+
+
+# ------------------------------------------------- synthetic: the numpy pieces equal torch's
+def test_rounded_power_rounds_as_torchs_power_also_at_rounding_boundaries():
+    """numpy's power differs from torch's in the last bit for most values; the ranks may not."""
+    from recpipe.data.synthetic import _rounded_power, _zipf_scale
+
+    alpha = 1.05
+    b = 1.0 - alpha
+    c, e = 0.5**b, 1.0 / b
+    rows = torch.tensor([10.0, 1e5, 1e7], dtype=torch.float64)
+    scale = _zipf_scale(rows, alpha).unsqueeze(1)
+    torch_ranks = lambda u: torch.floor((c + u * scale) ** e + 0.5).long()  # noqa: E731  (the formula's own)
+    u = torch.rand(3, 50_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert torch.equal(_rounded_power(u, scale, c, e), torch_ranks(u))
+    # u whose power lies within a few ulp of k + 0.5 for many k: where numpy's power rounds
+    # the other way, torch's must decide.
+    k = torch.linspace(1.0, 9.0, 3, dtype=torch.float64).unsqueeze(1) * torch.logspace(0, 6, 4000, dtype=torch.float64)
+    k = torch.minimum(k.floor() + 1, rows.unsqueeze(1) - 1)
+    steps = 1.0 + torch.arange(-6, 7, dtype=torch.float64).repeat_interleave(k.shape[1]) * torch.finfo(torch.float64).eps
+    near = ((k - 0.5).repeat(1, 13) ** (1.0 / e) * steps - c) / scale
+    numpy_ranks = torch.from_numpy(np.floor(np.power((c + near * scale).numpy(), e) + 0.5).astype(np.int64))
+    assert not torch.equal(numpy_ranks, torch_ranks(near))  # the case exists here ...
+    assert torch.equal(_rounded_power(near, scale, c, e), torch_ranks(near))  # ... and is handled
+
+
+def test_hash_unit_is_splitmix64():
+    """The planted model's id hash, in numpy's uint64, against splitmix64 in Python integers."""
+    from recpipe.data.synthetic import _hash_unit
+
+    def splitmix(key: int, i: int) -> float:
+        m = 2**64 - 1
+        z = (key + i * 0x9E3779B97F4A7C15) & m
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+        return ((z ^ (z >> 31)) >> 11) * 2.0**-53
+
+    ids = np.array([[0, 1, 2**40 + 7], [5, 2**62, 123456789]], dtype=np.int64)
+    keys = np.array([[-(2**63) + 3], [2**62 + 11]], dtype=np.int64)
+    want = [[splitmix(int(k) % 2**64, int(i)) for i in row] for k, row in zip(keys[:, 0], ids)]
+    assert _hash_unit(ids, keys).tolist() == want

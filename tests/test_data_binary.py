@@ -536,5 +536,23 @@ def test_data_bench_times_after_what_the_producers_made_ahead(tmp_path, capsys):
     assert made_ahead(load_config(str(cfg_file))) == 2 * (SLOTS + 1) + READY
     assert main(["data", "bench", "--config", str(cfg_file), "--batches", "6"]) == EXIT_OK
     out = capsys.readouterr().out.strip().splitlines()
-    assert f"{2 * (SLOTS + 1) + READY + 5} untimed, then 6 batches" in out[-2] and "second half (sustained)" in out[-2]
+    assert f"{2 * (SLOTS + 1) + READY + 5} untimed, then 6 batches" in out[-4] and "second half (sustained)" in out[-2]
     assert out[-1].endswith(" samples/s")
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_data_bench_counts_the_producer_processes_cpu(tmp_path, capsys, workers):
+    """The producers' CPU is reported per batch and added into the CPU per sample."""
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(f"# test\nmodel: {{num_embeddings_per_feature: {ROWS}}}\ndata: {{batch_size: 64, num_workers: {workers}}}\n")
+    assert main(["data", "bench", "--config", str(cfg_file), "--batches", "40", "--warmup", "2"]) == EXIT_OK
+    cpu, total = capsys.readouterr().out.strip().splitlines()[-3:-1]
+    this, _, rest = cpu.partition("this process (the training process's share) ")[2].partition(" ms")
+    per_sample = float(total.split(" us of CPU per sample")[0].split()[-1])
+    if workers:
+        producers = float(rest.split("worker processes ")[1].split(" ms")[0])
+        assert producers > 0  # making a batch costs its producer CPU, counted once the producers are reaped
+        assert per_sample > float(this) * 1e3 / 64
+    else:
+        assert "no worker processes" in rest
+        assert per_sample == pytest.approx(float(this) * 1e3 / 64, abs=0.006 * 1e3 / 64)  # "this" has 2 decimals

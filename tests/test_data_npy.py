@@ -322,3 +322,42 @@ def test_trainer_trains_and_evaluates_on_npy_days(days, tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 5  # 150 rows: 5 batches of 32, one epoch
     assert summary["eval_auc"] is not None and summary["samples"] == 5 * 32
+
+
+def test_modulo_keeps_ids_inside_their_tables_and_divides_the_others_exactly():
+    """``data.npy.ids: modulo`` is numpy's ``%`` on every id, whichever way it is computed."""
+    from recpipe.data.criteo_npy import _modulo
+
+    rng = np.random.default_rng(0)
+    rows = np.array(SIZES, dtype=np.int64)
+    inside = rng.integers(0, min(SIZES), (64, 26), dtype=np.int32)
+    assert _modulo(inside, rows) is inside  # nothing to divide: the ids as they are
+    for dtype in (np.int32, np.int64):
+        raw = rng.integers(np.iinfo(dtype).min, np.iinfo(dtype).max, (64, 26), dtype=dtype, endpoint=True)
+        raw[0] = np.iinfo(dtype).min
+        got = _modulo(raw, rows)
+        assert np.array_equal(got, raw.astype(np.int64) % rows) and got.min() >= 0 and (got < rows).all()
+    member = rng.integers(-5, 3 * SIZES[4], (64, 7), dtype=np.int32)  # one multi-hot member, one table
+    assert np.array_equal(_modulo(member, rows[4]), member.astype(np.int64) % SIZES[4])
+    big = np.array([[2**40 + 3]], dtype=np.int64)  # a table beyond int32: int64 division
+    assert _modulo(np.array([[-1]], dtype=np.int32), np.int64(2**33))[0, 0] == 2**33 - 1
+    assert _modulo(big, np.int64(7))[0, 0] == (2**40 + 3) % 7
+
+
+def test_one_hot_ids_as_one_array_build_the_batch_of_per_feature_columns():
+    """One [n, F] array of one id per feature (the one-hot ``.npy`` file) gives the batch
+    that F single columns give, padding included."""
+    from recpipe.data.columns import ColumnLayout
+
+    rng = np.random.default_rng(1)
+    keys = [f"cat_{f}" for f in range(26)]
+    layout = ColumnLayout(keys, [1] * 26, 13)
+    ids = rng.integers(0, 1000, (10, 26), dtype=np.int32)
+    labels, dense = rng.integers(0, 2, 10), rng.random((10, 13), dtype=np.float32)
+    for n in (10, 7, 0):
+        one = layout.build(labels, dense, ids, n, 12, log1p=False)
+        columns = layout.build(labels, dense, [ids[:, f : f + 1] for f in range(26)], n, 12, log1p=False)
+        assert torch.equal(one.sparse_features.values(), columns.sparse_features.values())
+        assert torch.equal(one.sparse_features.lengths(), columns.sparse_features.lengths())
+        assert one.sparse_features.values().view(26, 12)[:, :n].tolist() == ids[:n].T.tolist()
+        assert one.sparse_features.values().view(26, 12)[:, n:].eq(0).all()

@@ -186,6 +186,40 @@ def test_batches_larger_than_their_slot_arrive_whole():
         _assert_same(b, make(i))
 
 
+def _batch_into(n: int, empty, weights: bool) -> Batch:
+    """``_batch(n)`` with its ids and dense features allocated by ``empty`` (``make_into``)."""
+    b = _batch(n, weights)
+    kjt = b.sparse_features
+    values = empty(tuple(kjt.values().shape), kjt.values().dtype)
+    values.copy_(kjt.values())
+    dense = empty(tuple(b.dense_features.shape), torch.float32)
+    dense.copy_(b.dense_features)
+    return Batch(dense, KeyedJaggedTensor(keys=kjt.keys(), values=values, lengths=kjt.lengths(),
+                                          weights=kjt.weights_or_none(), stride=4), b.labels, b.weights)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_batches_made_in_their_slot_arrive_as_made_also_when_it_must_grow(tmp_path, workers):
+    """``make_into``: the producer hands ``empty`` views of the free slot (a tensor made there
+    is not copied); a batch that does not fit is made elsewhere and copied into a larger slot."""
+    sizes = [10] * 6 + [9000] * 6 + [100_000] * 6 + [10] * 6
+    odd = lambda i: i % 2 == 1  # noqa: E731
+
+    def into(i, empty):
+        batch = _batch_into(sizes[i], empty, odd(i))
+        if batch.sparse_features.values().untyped_storage().nbytes() > batch.sparse_features.values().nbytes:
+            (tmp_path / f"in-slot-{i}").touch()  # a view of a larger buffer: the slot's segment
+        return batch
+
+    got = list(BatchStream(lambda i: _batch(sizes[i], odd(i)), 0, len(sizes), workers, kind="process", make_into=into))
+    assert len(got) == len(sizes)
+    for i, b in enumerate(got):
+        _assert_same(b, _batch(sizes[i], odd(i)))
+    in_slot = {int(p.name.split("-")[-1]) for p in tmp_path.glob("in-slot-*")}
+    assert in_slot and in_slot < set(range(len(sizes)))  # some made in place, the first ones (no slot yet) not
+    assert not in_slot & set(range(3 * workers))
+
+
 _PARENT_SCRIPT = """
 import atexit, os, sys, time
 pids = []

@@ -12,8 +12,10 @@ error naming the file.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
+import torch
 
 from recpipe.data.batch import Batch
 from recpipe.data.binary_format import BinaryDataError, Layout, check_part_files, open_column, read_manifest
@@ -82,13 +84,16 @@ class BinaryDataset:
     def block_order(self, epoch: int) -> np.ndarray | None:
         return self.rows.block_order(epoch)
 
-    def batch(self, index: int, order: np.ndarray | None, epoch: int = 0, pin: bool = False) -> Batch:
-        """Batch ``index`` of this rank; ``order`` = ``block_order(epoch)``."""
+    def batch(self, index: int, order: np.ndarray | None, epoch: int = 0, pin: bool = False,
+              empty: Callable[..., torch.Tensor] | None = None) -> Batch:
+        """Batch ``index`` of this rank; ``order`` = ``block_order(epoch)``; ``empty``: the
+        allocator of its tensors (``ColumnLayout.build``)."""
         columns, count, slices = self.rows.rows(index, order, epoch)
         if count:
             self._check(columns, slices)
         ids = [columns[f"cat_{f}"] for f in range(len(self.layout.hotness))]
-        return self.columns.build(columns["labels"][:, 0], columns["dense"], ids, count, self.batch_size, pin=pin)
+        return self.columns.build(columns["labels"][:, 0], columns["dense"], ids, count, self.batch_size, pin=pin,
+                                  empty=empty)
 
     def _check(self, columns: dict[str, np.ndarray], slices: list[Slice]) -> None:
         """Range checks of a batch; on failure, find the file and row that is wrong."""

@@ -9,9 +9,10 @@
 * ``bench --config PATH``: samples/s of the configured loader (``data.source``,
   ``data.num_workers``, ``data.workers_kind``, ``data.batch_size``) for rank 0 of
   ``distributed.nproc``, on this machine; batches are made and dropped (no model).
-  It also prints the CPU this process spent per batch: what a training process
-  pays for its loader (producer processes excluded). The last line is
-  ``<N> samples/s``.
+  It also prints the CPU this process spent per batch (what a training process
+  pays for its loader), the CPU its producer or worker processes spent per batch,
+  and both together per sample: the cores a rank's loader needs at a given rate.
+  The last line is ``<N> samples/s``.
 
 Exit codes: 0; 2 bad arguments or config; 5 malformed or damaged data
 (``recpipe.exit_codes``).
@@ -21,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import time
+from typing import Any
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import DataError, report
@@ -139,6 +142,19 @@ def made_ahead(cfg: RecpipeConfig) -> int:
     return cfg.data.num_workers * (SLOTS + 1) + READY
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended and reaped child processes (its producers)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _close(batches: Any) -> None:
+    """End an iterator's producers now (a DataLoader's iterator ends its workers when dropped)."""
+    close = getattr(batches, "close", None)
+    if close is not None:
+        close()
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
@@ -159,9 +175,11 @@ def _bench(args: argparse.Namespace) -> int:
           f"torch threads {torch.get_num_threads()}")
     epoch, made, timed, started = 0, 0, 0, time.perf_counter()
     first_s = t0 = cpu0 = half = None
+    children0 = _children_cpu()
     while timed < args.batches:
         count = 0
-        for _ in make_dataloader(cfg, rank=0, world_size=world, split="train", epoch=epoch):
+        batches = iter(make_dataloader(cfg, rank=0, world_size=world, split="train", epoch=epoch))
+        for _ in batches:
             count += 1
             made += 1
             if first_s is None:
@@ -174,16 +192,25 @@ def _bench(args: argparse.Namespace) -> int:
                     half = time.perf_counter()
                 if timed == args.batches:
                     break
+        end, cpu1 = time.perf_counter(), time.process_time()
+        _close(batches)  # ends and reaps the producer processes: their CPU is counted from here on
+        batches = None  # a DataLoader's iterator ends its workers when dropped
         if count == 0:
             raise ConfigError("the configured train split has no batches")
         epoch += 1
-    end = time.perf_counter()
-    seconds, cpu = end - t0, time.process_time() - cpu0
+    seconds, cpu = end - t0, cpu1 - cpu0
+    producers = _children_cpu() - children0
     first_half = (args.batches // 2) * d.batch_size / (half - t0)
     rate = (timed - args.batches // 2) * d.batch_size / (end - half)
+    producers_ran = d.num_workers and (d.source == "criteo_tsv" or workers_kind_of(cfg) == "process")
     print(f"first batch after {first_s:.3f} s; {args.warmup} untimed, then {timed} batches in {seconds:.3f} s over "
-          f"{epoch} epoch(s); this process (the training process's share): {cpu / seconds:.2f} CPU cores busy, "
-          f"{cpu / timed * 1e3:.2f} ms of CPU per batch (worker processes not counted); first half "
-          f"{first_half:.0f} samples/s, second half (sustained):")
+          f"{epoch} epoch(s)")
+    print(f"CPU per batch: this process (the training process's share) {cpu / timed * 1e3:.2f} ms, "
+          f"{cpu / seconds:.2f} cores busy; "
+          + (f"worker processes {producers / made * 1e3:.2f} ms (over all {made} batches taken, the untimed ones "
+             "included)" if producers_ran else "no worker processes"))
+    total = cpu / timed + producers / made
+    print(f"in all {total / d.batch_size * 1e6:.3f} us of CPU per sample ({d.batch_size / total:.0f} samples per "
+          f"CPU-second); first half {first_half:.0f} samples/s, second half (sustained):")
     print(f"{rate:.0f} samples/s")
     return EXIT_OK

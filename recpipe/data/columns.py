@@ -20,7 +20,7 @@ them directly (no second copy for the host-to-device transfer).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,45 +51,57 @@ class ColumnLayout:
         self.num_dense = num_dense
         self.ids_per_sample = sum(self.hotness)
 
-    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, np.ndarray]:
-        t = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    @staticmethod
+    def _empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool,
+               empty: Callable[..., torch.Tensor] | None) -> tuple[torch.Tensor, np.ndarray]:
+        t = torch.empty(shape, dtype=dtype, pin_memory=pin) if empty is None else empty(shape, dtype)
         return t, t.numpy()
 
     def build(
         self,
         labels: np.ndarray,
         counts: np.ndarray,
-        ids: Sequence[np.ndarray],
+        ids: Sequence[np.ndarray] | np.ndarray,
         num_real: int,
         batch_size: int,
         pin: bool = False,
         log1p: bool = True,
+        empty: Callable[..., torch.Tensor] | None = None,
     ) -> Batch:
         """``labels`` [n], ``counts`` [n, D], ``ids[f]`` [n, h_f] for the first ``n = num_real``
-        samples; samples ``n .. batch_size-1`` are padding. ``log1p=False``: ``counts``
-        are the dense features themselves (copied to float32)."""
+        samples (or, where every feature has one id, ``ids`` one [n, F] array); samples
+        ``n .. batch_size-1`` are padding. ``log1p=False``: ``counts`` are the dense
+        features themselves (copied to float32). ``empty(shape, dtype)``: where the tensors
+        are allocated (default ``torch.empty``, pinned with ``pin``)."""
         n, B = num_real, batch_size
-        assert 0 <= n <= B and len(ids) == len(self.hotness)
-        labels_t, labels_np = self._empty((B,), torch.float32, pin)
+        assert 0 <= n <= B
+        assert (ids.shape[1] == len(self.hotness) and self.ids_per_sample == len(self.hotness)
+                if isinstance(ids, np.ndarray) else len(ids) == len(self.hotness))
+        labels_t, labels_np = self._empty((B,), torch.float32, pin, empty)
         labels_np[:n] = labels[:n]
         labels_np[n:] = 0
-        weights_t, weights_np = self._empty((B,), torch.float32, pin)
+        weights_t, weights_np = self._empty((B,), torch.float32, pin, empty)
         weights_np[:n] = 1
         weights_np[n:] = 0
-        dense_t, dense_np = self._empty((B, self.num_dense), torch.float32, pin)
+        dense_t, dense_np = self._empty((B, self.num_dense), torch.float32, pin, empty)
         if n and log1p:
             dense_from_counts(counts[:n], out=dense_np[:n])
         elif n:
             np.copyto(dense_np[:n], counts[:n], casting="same_kind")
         dense_np[n:] = 0
-        values_t, values_np = self._empty((B * self.ids_per_sample,), torch.int64, pin)
-        start = 0
-        for column, h in zip(ids, self.hotness):
-            block = values_np[start : start + B * h].reshape(B, h)
-            np.copyto(block[:n], column[:n].reshape(n, h), casting="same_kind")
-            block[n:] = 0
-            start += B * h
-        lengths_t, lengths_np = self._empty((len(self.hotness) * B,), torch.int32, pin)
+        values_t, values_np = self._empty((B * self.ids_per_sample,), torch.int64, pin, empty)
+        if isinstance(ids, np.ndarray):  # [n, F], one id per feature: the transpose, in one copy
+            by_feature = values_np.reshape(len(self.hotness), B)
+            np.copyto(by_feature[:, :n], ids[:n].T, casting="same_kind")
+            by_feature[:, n:] = 0
+        else:
+            start = 0
+            for column, h in zip(ids, self.hotness):
+                block = values_np[start : start + B * h].reshape(B, h)
+                np.copyto(block[:n], column[:n].reshape(n, h), casting="same_kind")
+                block[n:] = 0
+                start += B * h
+        lengths_t, lengths_np = self._empty((len(self.hotness) * B,), torch.int32, pin, empty)
         lengths_np.reshape(len(self.hotness), B)[:] = np.asarray(self.hotness, dtype=np.int32)[:, None]
         # ids per key known from the layout: without them torchrec reads them from the
         # device in every input dist (``length_per_key()`` in ``KeyedJaggedTensor.permute``)

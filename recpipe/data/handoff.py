@@ -16,6 +16,9 @@ class Production(Protocol):
     producers, pinned for ``pin_device`` (``recpipe.data.stream.BatchStream``)."""
 
     make: Callable[[int], Any]
+    # make(i) with its tensors allocated by ``empty(shape, dtype)``: a producer process
+    # passes views of the shared memory it hands the batch over in (None: not offered)
+    make_into: Callable[[int, Callable[..., Any]], Any] | None
     start: int
     stop: int
     workers: int

@@ -321,7 +321,8 @@ def make_dataloader(
             cfg, rank=rank, world_size=world_size, split=split)
         order = dataset.block_order(epoch)
         make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
-        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind)
+        make_into = lambda i, empty: dataset.batch(i, order, epoch, empty=empty)  # noqa: E731
+        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind, make_into)
     reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
     # Spawned workers where tables are in UVM: a fork of this process would copy their
     # pinned host memory into every worker (see workers_kind_of).

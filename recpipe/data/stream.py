@@ -68,7 +68,10 @@ class BatchStream:
     """``make(i)`` for ``i = start .. stop-1``, made by ``workers`` producers of ``kind``
     (0 = on demand in the consumer's thread). ``pin_device``: batches end up in pinned
     memory of this CUDA device's context: threads make them there (``make`` must pin),
-    processes' batches are copied into pinned memory (``make`` must not pin)."""
+    processes' batches are copied into pinned memory (``make`` must not pin).
+    ``make_into(i, empty)``, where given, is ``make(i)`` with its tensors allocated by
+    ``empty(shape, dtype)``: producer processes build the batch in the shared memory
+    they hand it over in (no copy there)."""
 
     def __init__(
         self,
@@ -78,9 +81,11 @@ class BatchStream:
         workers: int,
         pin_device: torch.device | None = None,
         kind: WorkersKind = "process",
+        make_into: Callable[[int, Callable[..., torch.Tensor]], Any] | None = None,
     ) -> None:
         self.make, self.start, self.stop = make, start, stop
         self.workers, self.pin_device, self.kind = workers, pin_device, kind
+        self.make_into = make_into
 
     def __len__(self) -> int:
         return max(self.stop - self.start, 0)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -71,21 +72,29 @@ def _signed(c: int) -> int:
     return c - 2**64 if c >= 2**63 else c
 
 
-_GOLDEN, _MIX1, _MIX2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_GOLDEN, _MIX1, _MIX2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+# Relative distance from a rounding boundary within which numpy's power is not trusted to
+# round as torch's does (both are within a few ulp, 2.2e-16 each, of the exact value).
+_POW_MARGIN = 1e-13
 
 
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (``>>`` is arithmetic on signed tensors)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+def _hash_unit(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """splitmix64(key + id * golden) mapped to float64 in [0, 1); int64 arrays in.
 
-
-def _hash_unit(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """splitmix64(key + id * golden) mapped to float64 in [0, 1)."""
-    z = keys + ids * _GOLDEN
-    z = (z ^ _srl(z, 30)) * _MIX1
-    z = (z ^ _srl(z, 27)) * _MIX2
-    z = z ^ _srl(z, 31)
-    return _srl(z, 11).double() * 2.0**-53
+    In numpy's uint64, whose ``>>`` is logical and whose products wrap as torch's int64
+    ones do (the same bits): torch has no logical shift of int64 (a shift and a mask
+    there), and numpy's in-place operations allocate nothing per step."""
+    z = ids.view(np.uint64) * _GOLDEN
+    z += keys.view(np.uint64)
+    z ^= z >> np.uint64(30)
+    z *= _MIX1
+    z ^= z >> np.uint64(27)
+    z *= _MIX2
+    z ^= z >> np.uint64(31)
+    z >>= np.uint64(11)
+    unit = z.astype(np.float64)  # < 2**53: exact
+    unit *= 2.0**-53
+    return unit
 
 
 def _zipf_scale(rows: torch.Tensor, alpha: float) -> torch.Tensor | None:
@@ -110,10 +119,41 @@ def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float, scale: torch.
     b = 1.0 - alpha
     if abs(b) < 1e-6:
         x = 0.5 * torch.exp(u * scale)
+        ranks = torch.floor(x + 0.5).long() - 1
     else:
-        x = (0.5**b + u * scale) ** (1.0 / b)
-    ranks = torch.floor(x + 0.5).long() - 1
+        ranks = _rounded_power(u, scale, 0.5**b, 1.0 / b)
+        ranks -= 1
     return torch.minimum(ranks.clamp_(min=0), rows.long() - 1)
+
+
+def _rounded_power(u: torch.Tensor, scale: torch.Tensor, c: float, exponent: float) -> torch.Tensor:
+    """``floor((c + u * scale) ** exponent + 0.5)`` (int64) as torch's ``pow`` gives it, bit for bit.
+
+    numpy's power (SIMD) costs a fifth of torch's. The two may differ in the last few
+    bits, which changes the rounded value only where the power plus 0.5 lies within a
+    few ulp of an integer; wherever numpy's lies within ``_POW_MARGIN`` (hundreds of
+    ulp) of one, torch's power of the whole tensor decides (about 2 batches in 100 of
+    the Criteo-sized tables)."""
+    x = u.numpy() * scale.numpy()
+    x += c
+    np.power(x, exponent, out=x)
+    x += 0.5
+    gap = np.rint(x)
+    gap -= x
+    np.abs(gap, out=gap)
+    if (gap <= _POW_MARGIN * x).any():
+        return torch.floor((c + u * scale) ** exponent + 0.5).long()
+    return torch.from_numpy(np.floor(x, out=x).astype(np.int64))
+
+
+def _permuted(ranks: torch.Tensor, rows: torch.Tensor, mult: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """``(ranks * mult + offset) % rows`` flattened, in place in ``ranks`` (numpy: no
+    temporaries; every value is non-negative, so numpy's ``%`` is torch's)."""
+    r = ranks.numpy()
+    np.multiply(r, mult.numpy(), out=r)
+    r += offset.numpy()
+    np.remainder(r, rows.numpy(), out=r)
+    return ranks.flatten()
 
 
 def _same_on_every_path(fn, values: torch.Tensor) -> torch.Tensor | None:
@@ -206,8 +246,7 @@ class SyntheticClickLog:
         rows, mult, offset, hash_keys = per_id(self.table_ints)
         u = torch.rand(shape, generator=g, dtype=torch.float64)  # the same draws for either shape
         scale = None if self.zipf_scale is None else per_id(self.zipf_scale)
-        ranks = _zipf_ranks(u, rows.double(), self.alpha, scale)
-        ids = ((ranks * mult + offset) % rows).flatten()
+        ids = _permuted(_zipf_ranks(u, rows.double(), self.alpha, scale), rows, mult, offset)
         # The ids per key, known here: torchrec reads them from the device otherwise (a
         # host sync in every input dist: ``length_per_key()`` in ``KeyedJaggedTensor.permute``).
         kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten(), stride=size,
@@ -225,15 +264,20 @@ class SyntheticClickLog:
         if hash_keys is None:
             per_feature = lengths.view(-1, size).sum(dim=1)
             hash_keys = self.hash_keys.repeat_interleave(per_feature, output_size=values.numel())
+        # Unit variance: (2 * h - 1) * sqrt(3), in place.
+        ids = values.numpy().reshape(-1, size) if hash_keys.dim() == 2 else values.numpy()
+        h = _hash_unit(ids, hash_keys.numpy())
+        h *= 2.0
+        h -= 1.0
+        h *= math.sqrt(3.0)
         if hash_keys.dim() == 2:  # [F, 1]: one id per sample and feature
-            h = (2.0 * _hash_unit(values.view(-1, size), hash_keys) - 1.0) * math.sqrt(3.0)
+            total = logit.numpy()
             for h_f in h:  # each sample's terms added in feature order, as index_add_ below does
-                logit += h_f
+                total += h_f
         else:
-            h = (2.0 * _hash_unit(values, hash_keys) - 1.0) * math.sqrt(3.0)  # unit variance
             # The sample of each id: samples 0..size-1 once per feature, each repeated by its length.
             sample = torch.arange(size).repeat(lengths.numel() // size).repeat_interleave(lengths, output_size=values.numel())
-            logit.index_add_(0, sample, h)
+            logit.index_add_(0, sample, torch.from_numpy(h.reshape(-1)))
         return self.scale * logit - self.bias
 
     def _calibrate_bias(self, seed: int) -> float:

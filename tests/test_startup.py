@@ -130,3 +130,28 @@ def test_producers_start_before_the_model_is_built(tmp_path, monkeypatch):
     assert len(running_at_build) == 1 and running_at_build[0], "no producer ran while the model was built"
     phases = list(trainer.startup.phases)
     assert phases.index("data_start") < phases.index("model")
+
+
+def test_a_resume_starts_its_producers_at_the_checkpoint_and_makes_the_padding_template_in_place(tmp_path, monkeypatch):
+    """Resumed mid-epoch: the producers start at the checkpoint's batch before the model is built,
+    the checkpoint is loaded after it, and the padding template (the epoch's first batch) is made
+    without producers of its own."""
+    common = [f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.every=4", "train.eval_every=0", "train.progress=false",
+              "data.num_workers=1", "data.workers_kind=process", "data.synthetic.num_eval_batches=1"]
+    _in_process(small_config(1, [*common, f"logging.run_dir={tmp_path / 'a'}", "train.steps=4"]))
+    calls = []
+    make_dataloader = trainer_module.make_dataloader
+
+    def recorded(cfg, **kwargs):
+        calls.append((cfg.data.num_workers, kwargs.get("start_batch", 0)))
+        return make_dataloader(cfg, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "make_dataloader", recorded)
+    trainer = _in_process(small_config(1, [*common, f"logging.run_dir={tmp_path / 'b'}", "train.steps=8"]))
+    assert trainer.start_step == 4 and trainer.position.step == 8
+    assert calls[:2] == [(1, 4), (0, 0)], calls  # the training batches from batch 4; the template: batch 0, in place
+    phases = list(trainer.startup.phases)
+    assert phases.index("checkpoint_choice") < phases.index("data_start") < phases.index("model") \
+        < phases.index("checkpoint_load"), phases
+    expected = next(iter(make_dataloader(trainer.cfg, rank=0, world_size=1, split="train", epoch=0)))
+    assert torch.equal(trainer.pipeline.padding_template.dense_features, expected.dense_features)

@@ -188,8 +188,11 @@ class Trainer:
             self._say(repr(self.rates))
         if self.position.batch > 0:
             # Resumed: this rank may be past its last batch while others are not;
-            # its padding batches then take their shapes from its first batch.
-            first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
+            # its padding batches then take their shapes from its first batch, made here
+            # (data.num_workers 0: no producers started and ended for one batch).
+            one_batch = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 0})})
+            first = make_dataloader(one_batch, rank=self.rank, world_size=self.world_size, split="train",
+                                    epoch=self.position.epoch)
             self.pipeline.padding_template = next(iter(first), None)
         self.startup.lap("pipeline")
         # Training: TorchRec's window values over one log interval (train/<name>) and lifetime ones

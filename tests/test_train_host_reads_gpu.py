@@ -38,6 +38,7 @@ def _sync_errors_between_log_points(trainer: Trainer, whole_step: bool) -> None:
     pipeline's step unless ``whole_step`` (then from the first log point on: warm-up and capture
     before it may sync)."""
     train_steps, log_train, progress = trainer._train_steps, trainer._log_train, trainer.pipeline.progress
+    count_time = trainer._count_time
     armed = {"steps": False, "step": False}
 
     def mode(on: bool) -> None:
@@ -67,7 +68,15 @@ def _sync_errors_between_log_points(trainer: Trainer, whole_step: bool) -> None:
         finally:
             mode(armed["steps"])
 
+    def clock(since: float, synchronize: bool) -> float:
+        mode(armed["steps"] and not synchronize)  # a segment's end waits for the device, by design
+        try:
+            return count_time(since, synchronize)
+        finally:
+            mode(armed["steps"])
+
     trainer._train_steps, trainer._log_train, trainer.pipeline.progress = counted_steps, log_point, step
+    trainer._count_time = clock
 
 
 def _rank(cfg, whole_step: bool) -> None:

@@ -155,3 +155,21 @@ def test_a_resume_starts_its_producers_at_the_checkpoint_and_makes_the_padding_t
         < phases.index("checkpoint_load"), phases
     expected = next(iter(make_dataloader(trainer.cfg, rank=0, world_size=1, split="train", epoch=0)))
     assert torch.equal(trainer.pipeline.padding_template.dense_features, expected.dense_features)
+
+
+def test_an_evaluation_before_the_speed_features_are_ready_is_its_own_phase(tmp_path):
+    cfg = small_config(1, [f"logging.run_dir={tmp_path}", "train.steps=8", "train.eval_every=2", "train.progress=false",
+                           "data.synthetic.num_eval_batches=1"])
+    trainer = _in_process(cfg, lambda t: t.pipeline.applied.append(_ReadyAfter(3)))
+    startup = trainer.startup.summary()
+    assert startup["first_timed_step"] == 4  # still the step after the third: the segment end at 2 did not end it
+    assert list(startup["phases_s"])[-4:] == ["first_step", "first_batch", "warm_up", "segment_ends"]
+
+
+def test_a_run_whose_speed_features_never_get_ready_has_no_first_timed_step(tmp_path):
+    cfg = small_config(1, [f"logging.run_dir={tmp_path}", "train.steps=4", "train.eval_every=0", "train.progress=false",
+                           "data.synthetic.num_eval_batches=1"])
+    trainer = _in_process(cfg, lambda t: t.pipeline.applied.append(_ReadyAfter(100)))
+    startup = trainer.startup.summary()
+    assert startup["first_timed_step"] is None and startup["to_first_timed_step_s"] is None
+    assert json.loads((tmp_path / "summary.json").read_text())["startup"]["first_timed_step"] is None

@@ -21,7 +21,9 @@ The phases, in order (a phase that did not happen is absent):
 * ``first_batch``: what the first step waited for its first batch; ``first_step``: the rest
   of the first step (lazy initialization, ``pipeline.compile``'s compile); ``warm_up``: the
   steps until every speed feature is ready (``pipeline.step_graph``'s and
-  ``pipeline.cuda_graphs``' capture).
+  ``pipeline.cuda_graphs``' capture); ``segment_ends``: evaluations and checkpoints that came
+  before the first timed step (``train.eval_every`` or ``checkpoint.every`` shorter than the
+  warm-up).
 
 The first timed step is the step after those: the first one that runs as the rest of the
 run does. ``summary()`` goes into summary.json (``startup``) and ``line()`` into the log.

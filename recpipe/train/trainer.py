@@ -355,6 +355,8 @@ class Trainer:
 
     def _train_segment(self, batches: Iterator[Batch]) -> int:
         """Train every batch of ``batches``; returns the number of steps (agreed by all ranks)."""
+        if not self.startup.finished and self.position.step > self.start_step:
+            self.startup.lap("segment_ends")  # evaluations and checkpoints before the first timed step
         self._watchdog.arm()
         try:
             return self._train_steps(batches)
@@ -370,8 +372,6 @@ class Trainer:
                 output = self.pipeline.progress(batches)
             except StopIteration:
                 self._count_time(last, synchronize=True)
-                if not self.startup.finished:  # a segment that ended before the speed features were ready
-                    self._startup_step(self.position.step + trained, ended=True)
                 return trained
             trained += 1
             step = self.position.step + trained
@@ -386,17 +386,18 @@ class Trainer:
                 self._log_train(step)
                 last = time.perf_counter()  # the metrics' work is not training time
 
-    def _startup_step(self, step: int, ended: bool = False) -> None:
+    def _startup_step(self, step: int) -> None:
         """After each step until the start-up ends: the run's first step is ``first_step`` (its wait
         for the first batch ``first_batch``), the steps until every speed feature is ready
         (captured, compiled) ``warm_up``; then the start-up is reported (no host sync: the
-        host's clock; the device may still be working on the steps queued)."""
+        host's clock; the device may still be working on the steps queued). A run whose speed
+        features never get ready reports no first timed step."""
         if step == self.start_step + 1:
             self.startup.lap("first_step")
             self.startup.move(self._first_batch_wait, "first_step", "first_batch")
-        elif step > self.start_step:
+        else:
             self.startup.lap("warm_up")
-        if not ended and not all(getattr(a, "ready", True) for a in getattr(self.pipeline, "applied", ())):
+        if not all(getattr(a, "ready", True) for a in getattr(self.pipeline, "applied", ())):
             return
         self.startup.done(step + 1)
         self._say(self.startup.line())

@@ -21,28 +21,13 @@ from recpipe.data.batch import Batch
 from recpipe.models.precision import Numerics, precision_context
 
 
-def initialized_by_the_kernel(weight: torch.Tensor) -> None:
-    """The ``init_fn`` (``EmbeddingBagConfig.init_fn``, TorchRec's public API) of tables built on
-    meta and materialized by sharding: TorchRec's batched kernels (FBGEMM's TBEs, the dense
-    data_parallel kernel) draw every shard from U(-1/sqrt(rows), 1/sqrt(rows)) when
-    DistributedModelParallel builds them (``init_parameters``), and the sharded module then
-    calls each table's ``init_fn`` (``reset_parameters``), whose default draws the whole table
-    again from the same distribution: a second pass over every weight (on CPU, 0.9 s of a 2.4 s
-    shard of 1.3 GB of tables with one intra-op thread; over PCIe for UVM tables in host
-    memory). This one leaves the kernel's draw; data_parallel tables are still broadcast from
-    rank 0 after it."""
-
-
-def embedding_configs(cfg: ModelConfig, sharded: bool = True) -> list[EmbeddingBagConfig]:
-    """The tables of ``cfg``; ``sharded``: materialized by sharding, initialized once by their
-    kernel (:func:`initialized_by_the_kernel`), else by TorchRec's default ``init_fn``."""
+def embedding_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(
             name=table,
             embedding_dim=cfg.embedding_dim,
             num_embeddings=rows,
             feature_names=[feature],
-            init_fn=initialized_by_the_kernel if sharded else None,
         )
         for table, feature, rows in zip(cfg.table_names, cfg.feature_names, cfg.num_embeddings_per_feature)
     ]
@@ -191,7 +176,7 @@ def build_model(cfg: ModelConfig, device: torch.device = torch.device("meta"), p
     """The unsharded model. Embedding tables go on ``device`` (meta by default:
     DistributedModelParallel materializes only the shards each rank owns);
     ``precision`` is ``train.precision``."""
-    ebc = EmbeddingBagCollection(tables=embedding_configs(cfg, sharded=device.type == "meta"), device=device)
+    ebc = EmbeddingBagCollection(tables=embedding_configs(cfg), device=device)
     common = dict(
         embedding_bag_collection=ebc,
         dense_in_features=cfg.num_dense_features,

@@ -6,12 +6,12 @@ recpipe's trainer; 2 ranks on 2 cores, 7.4 s a launch).
 
 ``recpipe train`` starts the server first thing (``recpipe.cli``, before it imports torch
 for its own checks), so the server's imports run while the launcher imports the same
-libraries and checks the config, instead of after. Measured on a loaded 2-core machine
-(median of 3, ``startup`` in summary.json): the ranks started 5.3 s after the checks, 0.05 s
-with the server started first, while the launcher's own imports took 9.2 s instead of 4.3 s
-(both processes import on the same 2 cores); to the first timed step, configs/quickstart.yaml
-11.7 -> 11.2 s, the Criteo-shaped tables at 1/20 of their rows 18.2 -> 13.5 s. A machine with
-cores to spare gains the whole of the server's imports.
+libraries and checks the config, instead of after. Measured on a 2-core machine (median of
+3, ``startup`` in summary.json): the ranks started 3.7 s after the checks, 0.06 s with the
+server started first, the launcher's own imports 4.0 s, then 4.4 s; configs/quickstart.yaml
+reached its first timed step after 8.5 s, then 5.0 s. Where other work keeps the cores busy
+(load 3-4 on the 2 cores) the two processes share them: the launcher's imports took 9.2 s
+instead of 4.3 s, and the first timed step came after 11.2 s instead of 11.7 s.
 
 This module's top imports nothing heavy: the launcher imports it before torch.
 

@@ -229,6 +229,10 @@ def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "train":
+            from recpipe.launch_preload import start_server, under_torchrun
+
+            if not under_torchrun():
+                start_server()  # its imports for the ranks run while this process imports for its checks
             from recpipe.train.cli import main_train
 
             return main_train(args)

@@ -30,14 +30,11 @@ from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, 
 
 from recpipe.errors import job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
+from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
 from recpipe.stop_requests import REPEAT_WINDOW_S, request
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
-
-
-def under_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
 
 
 def torchrun_overrides() -> list[str]:
@@ -257,27 +254,6 @@ def _child(
             shutdown_process_group()
 
 
-def _start_forkserver() -> None:
-    """multiprocessing's forkserver (public API), with recpipe's preload. The server is
-    started here, not at the first fork, so that it finds in its environment the
-    launcher's pid and multiprocessing's temporary directory of this process, where
-    its socket lives (``recpipe.launch_preload.SERVER_ENV``): it ends when this process
-    (the thread that starts it) does, however it ends, and removes that directory
-    first, so that a launcher killed with SIGKILL leaves nothing running and nothing
-    in $TMPDIR. It must start from a thread that lives as long as the launches (the
-    main thread); one started by a thread that has ended is started anew."""
-    from multiprocessing import forkserver, util
-
-    from recpipe.launch_preload import SERVER_ENV
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(["recpipe.launch_preload"])
-    os.environ[SERVER_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
-    try:
-        forkserver.ensure_running()  # a no-op while the server runs
-    finally:
-        del os.environ[SERVER_ENV]
-
-
 class _Launcher:
     """What a rank takes from the process that launches it, read when the launch starts:
     its pid, its environment, its standard output and error (the files behind fds 1 and
@@ -344,9 +320,10 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
     launcher = _Launcher()  # before the supervisor replaces this process's handlers
     try:
         with _Supervisor() as supervisor:
-            # The server starts under the supervisor's handlers: a signal from the moment
-            # it exists is the launcher's to forward, as for the ranks it forks.
-            _start_forkserver()
+            # A no-op where ``recpipe train`` started the server first thing (its imports then
+            # overlap the launcher's); otherwise it starts under the supervisor's handlers: a
+            # signal from the moment it exists is the launcher's to forward, as for the ranks.
+            start_server()
             context = mp.start_processes(
                 _child, args=(nproc, store.port, launcher, fn, args, handles_signals), nprocs=nproc, join=False,
                 start_method="forkserver"

@@ -121,6 +121,11 @@ class Compiled:
         """Graphs dynamo compiled since this was applied (every module of the process)."""
         return graph_count() - self.graphs_before
 
+    @property
+    def ready(self) -> bool:
+        """Whether every module has been compiled (its first training call: the trainer's start-up ends)."""
+        return all(f.compiled_calls > 0 for f in self.forwards)
+
     def __repr__(self) -> str:
         return "\n".join(f"compile: {f!r}" for f in self.forwards) or "compile: none"
 

@@ -111,6 +111,10 @@ class GraphedPart:
         state = "not captured yet" if self._graphed is None else f"captured for {[tuple(s[0]) for s in self._captured_for]}"
         return f"GraphedPart({self.name!r}, {state}; {self.replays} replays, {self.eager_calls} eager calls)"
 
+    @property
+    def captured(self) -> bool:
+        return self._graphed is not None
+
     def _eager(self, *args: Any, **kwargs: Any) -> Any:
         if self.inner is not None:
             return self.inner(*args, **kwargs)
@@ -202,6 +206,11 @@ class CudaGraphs:
     def __repr__(self) -> str:
         return "\n".join([*(f"cuda graphs: {p!r}" for p in self.parts),
                           *(f"cuda graphs: {s!r}" for s in self.optimizer_steps)]) or "cuda graphs: none"
+
+    @property
+    def ready(self) -> bool:
+        """Whether every part and optimizer step is captured (the trainer's start-up ends)."""
+        return all(p.captured for p in self.parts) and all(s.captured for s in self.optimizer_steps)
 
     def remove(self) -> None:
         remove(self.parts)

@@ -176,6 +176,11 @@ class GraphedOptimizerStep:
         return (f"GraphedOptimizerStep({kind}, {state}; {self.captures} captures, {self.replays} replays, "
                 f"{self.eager_calls} eager calls)")
 
+    @property
+    def captured(self) -> bool:
+        """Whether the step is captured, or will never be (every call runs eagerly)."""
+        return self._replay is not None or self.disabled is not None
+
     def __call__(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.optimizer
         if (closure is not None or self.disabled or _has_hooks(opt)

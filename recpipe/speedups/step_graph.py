@@ -320,6 +320,11 @@ class StepGraph:
         return (f"StepGraph({state}; {cap}; {self.replays} replays, {self.eager_steps} eager steps, "
                 f"{self.over_capacity} over capacity, {self.lr_steps} at a new embedding rate)")
 
+    @property
+    def ready(self) -> bool:
+        """Whether the step is captured: steps from here on replay (the trainer's start-up ends)."""
+        return self._replay is not None
+
     def summary(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
                 "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key()}

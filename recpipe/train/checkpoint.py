@@ -53,12 +53,15 @@ from recpipe.errors import CheckpointError, storage_problem
 from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
 
 __all__ = [
+    "ChosenCheckpoint",
     "TrainPosition",
     "check_checkpoint_config",
     "check_resume",
+    "choose_checkpoint",
     "complete_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_chosen",
     "resume_settings",
     "save_checkpoint",
 ]
@@ -278,9 +281,36 @@ def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     """Collective: restore the newest intact checkpoint in ``cfg.dir`` into ``model``
     and ``optimizer`` (already built and sharded) and this rank's RNG; returns its
     position, or None when there is none to resume from."""
+    chosen = choose_checkpoint(cfg)
+    if chosen is None:
+        return None
+    load_chosen(chosen, model, optimizer)
+    return chosen.position
+
+
+@dataclass(frozen=True)
+class ChosenCheckpoint:
+    """The checkpoint a resume loads (:func:`choose_checkpoint`): its directory and position."""
+
+    path: Path
+    position: TrainPosition
+
+
+def choose_checkpoint(cfg: CheckpointConfig) -> ChosenCheckpoint | None:
+    """Collective: the newest intact checkpoint in ``cfg.dir`` (verified; the damaged ones
+    are skipped with a warning), or None when there is none. Needs no model: the trainer
+    knows where its data resumes before it builds the model."""
     path = _choose_intact(cfg)
     if path is None:
         return None
+    meta = json.loads((path / METADATA_FILE).read_text())
+    return ChosenCheckpoint(path, TrainPosition(step=meta["step"], epoch=meta["epoch"], batch=meta["batch"]))
+
+
+def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedOptimizer) -> None:
+    """Collective: load ``chosen`` into ``model`` and ``optimizer`` (built and sharded) and
+    this rank's RNG."""
+    path = chosen.path
     meta = json.loads((path / METADATA_FILE).read_text())
     _init_lazy_optimizer_state(optimizer)
     # DCP loads in place into tensors of the right (sharded) shapes: take the live
@@ -296,7 +326,6 @@ def load_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path, saved_world_size=meta["world_size"])
-    return TrainPosition(step=meta["step"], epoch=meta["epoch"], batch=meta["batch"])
 
 
 def _choose_intact(cfg: CheckpointConfig) -> Path | None:

@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
@@ -34,6 +35,7 @@ from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
 from recpipe.train.preemption import watch_launcher
+from recpipe.train.startup import StartupClock
 from recpipe.train.trainer import run_worker
 
 
@@ -41,14 +43,15 @@ def _silent(line: str) -> None:
     """What ranks other than 0 print of the memory plan: nothing."""
 
 
-def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
+def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: StartupClock | None = None) -> int:
     """One rank of ``recpipe train``, the whole life of its process: train; return
     0, or the exit code of a user error after reporting it (once for the job when
     every rank has it), or of a signal before training started. A bug propagates with
     its traceback. ``lock_dirs``: under torchrun, where ``recpipe.cli`` has installed
     the signal handlers, rank 0 locks the run directories; otherwise this is a rank of
     ``launch_local``, whose launcher holds them and whose signals wait, blocked, for
-    the handlers installed here."""
+    the handlers installed here. ``startup``: the command's start-up clock
+    (``recpipe.train.startup``)."""
     rank = int(os.environ.get("RANK", "0"))
     failed = False
     try:  # a signal may raise StopRequested anywhere before training, the error path below included
@@ -57,10 +60,10 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False) -> int:
                 with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
                     init_process_group(cfg)
                     with hold_run_dirs_on_rank0(cfg):
-                        run_worker(cfg)
+                        run_worker(cfg, startup)
             else:
                 install_signal_handlers("train")
-                run_worker(cfg)
+                run_worker(cfg, startup)
         except Exception as err:
             if exit_code_of(err) is None:
                 failed = True
@@ -85,9 +88,9 @@ def _first_to_say_it() -> bool:
     return store is None or store.add(job_key("rank_errors"), 1) == 1
 
 
-def _local_rank(cfg: RecpipeConfig, debug: bool) -> None:
+def _local_rank(cfg: RecpipeConfig, debug: bool, startup: StartupClock) -> None:
     """``launch_local``'s target (module level: multiprocessing pickles it); exits with the rank's code."""
-    code = run_rank(cfg, debug)
+    code = run_rank(cfg, debug, startup=startup)
     if code:
         sys.exit(code)
 
@@ -102,8 +105,11 @@ def _launch_failed(err: ProcessException) -> int:
 
 
 def main_train(args: argparse.Namespace) -> int:
+    startup = StartupClock()  # from this process's start
+    startup.lap("imports")
     cfg = load_config(args.config, [*args.overrides, *torchrun_overrides()])  # ConfigError -> exit 2
-    return run_train(cfg, args.debug)
+    startup.lap("config")
+    return run_train(cfg, args.debug, startup)
 
 
 def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = False) -> int:
@@ -116,6 +122,7 @@ def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = 
     ``if __name__ == "__main__":``, as every multiprocessing program). Under torchrun each
     rank runs the script, and ``distributed.nproc`` is torchrun's."""
     install_signal_handlers("train")
+    startup = StartupClock(started_at=time.time())  # from this call: the script's own start is not ours
     try:
         try:
             overrides = parse_overrides(torchrun_overrides())
@@ -126,7 +133,8 @@ def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = 
                 for key, value in overrides.items():
                     apply_override(raw, key, value)
                 cfg = config_from_dict(raw, f"the trainer script's config with {', '.join(overrides)}")
-            return run_train(cfg, debug)
+            startup.lap("config")
+            return run_train(cfg, debug, startup)
         except Exception as err:
             if exit_code_of(err) is None:
                 raise  # a bug: keep the traceback
@@ -137,9 +145,11 @@ def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = 
         defer_requests()  # the run is over: a later signal is recorded, and forgotten by the next run
 
 
-def run_train(cfg: RecpipeConfig, debug: bool = False) -> int:
+def run_train(cfg: RecpipeConfig, debug: bool = False, startup: StartupClock | None = None) -> int:
     """``recpipe train`` on a loaded config: every pre-launch check, the memory plan, then the
-    ranks; returns the exit code (user errors before launch raise, for ``recpipe.cli``)."""
+    ranks; returns the exit code (user errors before launch raise, for ``recpipe.cli``).
+    ``startup``: the start-up clock of the command (else from this call)."""
+    startup = startup or StartupClock(started_at=time.time())
     machine = Machine.here()
     preflight(cfg, machine)  # ConfigError -> exit 2, DataError -> 5: before any process starts
     world_size = cfg.distributed.nproc  # WORLD_SIZE under torchrun (torchrun_overrides)
@@ -150,12 +160,13 @@ def run_train(cfg: RecpipeConfig, debug: bool = False) -> int:
         refused = check_memory(cfg, machine, world_size=world_size, log=_silent, refusal=_silent)
     if refused is not None:
         return refused
+    startup.lap("preflight")
     if under_torchrun():
-        code = run_rank(cfg, debug, lock_dirs=True)  # a bug raises, and torchrun reports the rank
+        code = run_rank(cfg, debug, lock_dirs=True, startup=startup)  # a bug raises, and torchrun reports the rank
     else:
         with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
             try:
-                launch_local(_local_rank, cfg.distributed.nproc, cfg, debug, handles_signals=True)
+                launch_local(_local_rank, cfg.distributed.nproc, cfg, debug, startup, handles_signals=True)
                 code = 0
             except ProcessException as err:
                 code = _launch_failed(err)

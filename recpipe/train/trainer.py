@@ -1,8 +1,12 @@
 """The training loop of ``recpipe train``: one :class:`Trainer` per rank.
 
-Build: seed, build the model on meta, shard it (DistributedModelParallel + the
-combined fused-embedding / dense optimizer), resume from the newest complete
-checkpoint, wrap the model in the configured pipeline.
+Build: choose the checkpoint to resume from (the newest intact one: its record says
+where the data resumes), start the training batches' producers there, so that they
+make the first batches while the rest is built; seed, build the model on meta, shard it
+(DistributedModelParallel + the combined fused-embedding / dense optimizer), load the
+checkpoint, wrap the model in the configured pipeline. The time from the command to the
+first timed step is kept phase by phase (``recpipe.train.startup``): rank 0 prints it
+once every speed feature is ready, and summary.json holds it (``startup``).
 
 Train in segments. The trainer hands the pipeline ``islice(batches, n)``, where
 ``n`` runs up to the next evaluation (``train.eval_every``), checkpoint
@@ -44,7 +48,7 @@ import threading
 import time
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, NoReturn, TypeVar
+from typing import Any, Callable, Iterable, Iterator, NoReturn, TypeVar
 
 import fbgemm_gpu
 import torch
@@ -60,8 +64,8 @@ from recpipe.models import make_model
 from recpipe.builder import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
-from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, describe_newest, load_checkpoint, resume_settings,
-                                     save_checkpoint)
+from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, choose_checkpoint, describe_newest, load_chosen,
+                                     resume_settings, save_checkpoint)
 from recpipe.train.learning_rates import LearningRates
 from recpipe.train.metrics import METRICS, ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (
@@ -74,6 +78,7 @@ from recpipe.train.nonfinite import (
 from recpipe.stop_requests import describe_request
 from recpipe.train.preemption import Preemption
 from recpipe.train.run_dir import RunDir
+from recpipe.train.startup import StartupClock
 from recpipe.train.watchdog import StepWatchdog
 
 __all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
@@ -82,24 +87,28 @@ _GIB = 2**30
 T = TypeVar("T")
 
 
-def run_worker(cfg: RecpipeConfig) -> None:
+def run_worker(cfg: RecpipeConfig, startup: StartupClock | None = None) -> None:
     """One rank of ``recpipe train`` (module-level: ``launch_local`` pickles it); the
     caller leaves the process group (``recpipe.train.cli.run_rank``: at once, or, after a
-    failure, as the process ends)."""
-    device = start_rank(cfg)
-    Trainer(cfg, device).fit()
+    failure, as the process ends). ``startup``: the command's start-up clock."""
+    device = start_rank(cfg, startup)
+    Trainer(cfg, device, startup=startup).fit()
 
 
-def start_rank(cfg: RecpipeConfig) -> torch.device:
+def start_rank(cfg: RecpipeConfig, startup: StartupClock | None = None) -> torch.device:
     """What a rank of ``recpipe train`` does before it builds its :class:`Trainer`,
     whoever launched it (``recpipe train`` itself or torchrun): quiet the libraries'
     own deprecation warnings, join the process group, set its intra-op threads
     (:func:`intra_op_threads`). Returns the rank's device."""
+    if startup is not None:
+        startup.lap("launch")
     _quiet_library_deprecations()
     device = init_process_group(cfg)
     threads = intra_op_threads(os.environ)
     if threads is not None:
         torch.set_num_threads(threads)
+    if startup is not None:
+        startup.lap("process_group")
     return device
 
 
@@ -141,8 +150,11 @@ class Trainer:
     the configured pipeline's class to train with (default: ``pipeline.class``, else the
     pipeline's own), built with the configured options and speed features."""
 
-    def __init__(self, cfg: RecpipeConfig, device: torch.device, pipeline_class: type | None = None) -> None:
+    def __init__(self, cfg: RecpipeConfig, device: torch.device, pipeline_class: type | None = None,
+                 startup: StartupClock | None = None) -> None:
         self.cfg, self.device = cfg, device
+        # The command's start-up clock (recpipe.train.startup), else one from here.
+        self.startup = startup if startup is not None else StartupClock(started_at=time.time())
         # Rank 0's bar and lines (tqdm.write) are this process's own: tqdm's default lock adds
         # a multiprocessing lock, a named semaphore that a rank killed with SIGKILL would leave
         # behind (the resource tracker removes it with a "leaked semaphore" warning).
@@ -150,21 +162,39 @@ class Trainer:
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.global_batch = cfg.data.batch_size * self.world_size
         self.started = time.perf_counter()
+        # Where training resumes is known before the model exists (the checkpoint's record),
+        # so the training batches' producers start first and make the first batches while
+        # the model is built and the checkpoint loaded.
+        chosen = choose_checkpoint(cfg.checkpoint) if cfg.checkpoint.dir is not None and cfg.checkpoint.resume else None
+        self.position = chosen.position if chosen is not None else TrainPosition(step=0, epoch=0, batch=0)
+        self.start_step = self.position.step
+        self.startup.lap("checkpoint_choice")
+        self._first_batch_wait = 0.0  # the first step's wait for its first batch (start-up)
+        self._started_batches = self._started_loader(self.position)
+        self.startup.lap("data_start")
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
         torch.manual_seed(cfg.train.seed)
         self.sharded = shard_model(make_model(cfg), cfg, device)
+        self.startup.lap("model")
         self._say(plan_summary(self.sharded.plan, self.sharded.tables))
-        self.position = self._resume()
-        self.start_step = self.position.step
+        if chosen is not None:
+            load_chosen(chosen, self.sharded.model, self.sharded.optimizer)
+            self._say(f"resumed from {chosen.path}: step {chosen.position.step}, epoch {chosen.position.epoch}, "
+                      f"batch {chosen.position.batch}")
+            self.startup.lap("checkpoint_load")
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device, cls=pipeline_class)
         self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
         if not self.rates.constant:
             self._say(repr(self.rates))
         if self.position.batch > 0:
             # Resumed: this rank may be past its last batch while others are not;
-            # its padding batches then take their shapes from its first batch.
-            first = make_dataloader(cfg, rank=self.rank, world_size=self.world_size, split="train", epoch=self.position.epoch)
+            # its padding batches then take their shapes from its first batch, made here
+            # (data.num_workers 0: no producers started and ended for one batch).
+            one_batch = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 0})})
+            first = make_dataloader(one_batch, rank=self.rank, world_size=self.world_size, split="train",
+                                    epoch=self.position.epoch)
             self.pipeline.padding_template = next(iter(first), None)
+        self.startup.lap("pipeline")
         # Training: TorchRec's window values over one log interval (train/<name>) and lifetime ones
         # (train/<name>_lifetime); evaluation: over the whole eval split.
         self.train_metrics = ClickMetrics(device, window_samples=cfg.train.log_every * cfg.data.batch_size)
@@ -203,21 +233,8 @@ class Trainer:
         self.last_eval_samples_per_s: float | None = None
 
     # ----------------------------------------------------------------- setup
-    def _resume(self) -> TrainPosition:
-        ckpt = self.cfg.checkpoint
-        position = None
-        if ckpt.dir is not None and ckpt.resume:
-            position = load_checkpoint(ckpt, self.sharded.model, self.sharded.optimizer)
-        if position is None:
-            return TrainPosition(step=0, epoch=0, batch=0)
-        self._say(
-            f"resumed from {checkpoint_path(ckpt, position.step)}: step {position.step}, "
-            f"epoch {position.epoch}, batch {position.batch}"
-        )
-        return position
-
-    def _train_batches(self, position: TrainPosition) -> Iterator[Batch]:
-        loader = make_dataloader(
+    def _loader(self, position: TrainPosition) -> Iterable[Batch]:
+        return make_dataloader(
             self.cfg,
             rank=self.rank,
             world_size=self.world_size,
@@ -225,11 +242,40 @@ class Trainer:
             epoch=position.epoch,
             start_batch=position.batch,
         )
-        return self._preemption.gate(data_errors(loader))
+
+    def _started_loader(self, position: TrainPosition) -> Iterable[Batch]:
+        """The training batches from ``position`` on, their producers started now (``iter``). A
+        loader that fails to start is returned as it is: training starts it again, where a data
+        error is reported (``data_errors``)."""
+        loader = self._loader(position)
+        try:
+            return iter(loader)
+        except (ValueError, OSError):
+            return loader
+
+    def _train_batches(self, position: TrainPosition) -> Iterator[Batch]:
+        """The training batches from ``position`` on: the first time those started while the
+        trainer was built, then a new loader per epoch."""
+        started, self._started_batches = self._started_batches, None
+        batches = started if started is not None else self._loader(position)
+        return self._preemption.gate(data_errors(self._first_batch_timed(batches)))
+
+    def _first_batch_timed(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """``batches``; until the start-up ends, the wait for the first is the start-up's ``first_batch``."""
+        it = iter(batches)
+        if not self.startup.finished:
+            since = time.time()
+            first = next(it, None)
+            self._first_batch_wait = time.time() - since
+            if first is None:
+                return
+            yield first
+        yield from it
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> None:
         self._start_fault_handling()
+        self.startup.lap("run_setup")
         try:
             self._fit()
         finally:
@@ -309,6 +355,8 @@ class Trainer:
 
     def _train_segment(self, batches: Iterator[Batch]) -> int:
         """Train every batch of ``batches``; returns the number of steps (agreed by all ranks)."""
+        if not self.startup.finished and self.position.step > self.start_step:
+            self.startup.lap("segment_ends")  # evaluations and checkpoints before the first timed step
         self._watchdog.arm()
         try:
             return self._train_steps(batches)
@@ -327,6 +375,8 @@ class Trainer:
                 return trained
             trained += 1
             step = self.position.step + trained
+            if not self.startup.finished:
+                self._startup_step(step)
             self._watchdog.stepped(step)
             self._record_step(output)
             self._after_step(self.pipeline.last_loss)
@@ -335,6 +385,22 @@ class Trainer:
             if step % self.cfg.train.log_every == 0:
                 self._log_train(step)
                 last = time.perf_counter()  # the metrics' work is not training time
+
+    def _startup_step(self, step: int) -> None:
+        """After each step until the start-up ends: the run's first step is ``first_step`` (its wait
+        for the first batch ``first_batch``), the steps until every speed feature is ready
+        (captured, compiled) ``warm_up``; then the start-up is reported (no host sync: the
+        host's clock; the device may still be working on the steps queued). A run whose speed
+        features never get ready reports no first timed step."""
+        if step == self.start_step + 1:
+            self.startup.lap("first_step")
+            self.startup.move(self._first_batch_wait, "first_step", "first_batch")
+        else:
+            self.startup.lap("warm_up")
+        if not all(getattr(a, "ready", True) for a in getattr(self.pipeline, "applied", ())):
+            return
+        self.startup.done(step + 1)
+        self._say(self.startup.line())
 
     def _record_step(self, output: object) -> None:
         """Keep what the next log needs of this step (device tensors: no host sync)."""
@@ -597,6 +663,7 @@ class Trainer:
             "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "speedups": self._speedups(),
+            "startup": self.startup.summary(),  # recpipe.train.startup
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {
                 "torch": torch.__version__,

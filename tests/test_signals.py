@@ -85,6 +85,15 @@ def _group(pgid: int) -> list[int]:
     return members
 
 
+def _foreground_signals() -> None:
+    """The run's SIGINT and SIGTERM as a terminal's foreground command has them, whatever
+    this test process inherited: pytest started in the background by a shell without job
+    control ignores SIGINT, and a command started with a signal ignored keeps ignoring it
+    (by design: ``recpipe.stop_requests``), which is not what these tests are about."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class Run:
     """``recpipe train`` on configs/quickstart.yaml (2 ranks), in a process group of its
     own, with its own $TMPDIR; stdout is read line by line as it comes."""
@@ -96,7 +105,7 @@ class Run:
                *_sets("train.eval_every=0", "train.progress=false", f"logging.run_dir={self.dir}",
                       f"checkpoint.dir={self.dir / 'ckpt'}", *extra)]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=_env(self.tmp), start_new_session=True)
+                                     env=_env(self.tmp), start_new_session=True, preexec_fn=_foreground_signals)
         self.started = time.monotonic()
 
     def wait_until(self, ready, what: str, timeout: float = 240.0) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Iterator, Union, get_args
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, field_validator, model_validator
 
-__all__ = ["INT64_MAX", "FactorySpec", "Section", "factory_spec"]
+__all__ = ["INT64_MAX", "FactorySpec", "Section", "SwitchSection", "factory_spec"]
 
 
 INT64_MAX = 2**63 - 1
@@ -49,6 +49,16 @@ class Section(BaseModel):
                 if isinstance(number, int) and not isinstance(number, bool) and abs(number) > INT64_MAX:
                     raise ValueError("larger than 2^63 - 1, the largest number recpipe counts with")
         return value
+
+
+class SwitchSection(Section):
+    """A section switched by its ``enabled`` field (a speed feature's): ``true`` / ``false``
+    stand for ``{enabled: true}`` / ``{enabled: false}``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, value: Any) -> Any:
+        return {"enabled": value} if isinstance(value, bool) else value
 
 
 def _takes_a_number(annotation: Any) -> bool:

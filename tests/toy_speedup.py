@@ -8,23 +8,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import model_validator
-
 from recpipe.capabilities import ONE_BATCH_PER_STEP
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 
-class StepCounterOptions(Section):
+class StepCounterOptions(SwitchSection):
     """``pipeline.step_counter``: count the optimizer steps. ``true`` / ``false`` stand for ``{enabled: ...}``."""
 
     # Count them.
     enabled: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 @dataclass

@@ -4,8 +4,8 @@ A speed feature speeds up a built pipeline and its model from outside the engine
 compiled or CUDA-graphed dense part, a whole-step graph, recpipe's UVM-cache insert).
 Each declares, in a module of ``recpipe/speedups/defs/`` that imports nothing heavy:
 
-* ``options``: its section of the ``pipeline`` config (a :class:`~recpipe.sections.Section`
-  whose ``enabled`` switches it; ``true`` / ``false`` stand for ``{enabled: ...}``), a key
+* ``options``: its section of the ``pipeline`` config (a :class:`~recpipe.sections.SwitchSection`:
+  its ``enabled`` switches it, and ``true`` / ``false`` stand for ``{enabled: ...}``), a key
   of every pipeline's options; None for a feature that is always on where it can be;
 * ``needs``: the capabilities (``recpipe.capabilities``) a pipeline must offer for it, and
   what happens where one does not (``missing``: ``"refuse"``, a config error naming the

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from recpipe.capabilities import PREFETCH_STEP
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 __all__ = ["CacheFillOptions", "FEATURE", "check"]
 
 
-class CacheFillOptions(Section):
+class CacheFillOptions(SwitchSection):
     """``pipeline.cache_fill`` (pipelines with a prefetch step: ``prefetch``): recpipe's
     UVM-cache insert. ``true`` / ``false`` stand for ``{enabled: true}`` / ``{enabled: false}``."""
 
@@ -24,11 +24,6 @@ class CacheFillOptions(Section):
     enabled: bool = True
     # SMs (persistent programs) of the kernel that moves rows between host memory and the cache.
     sms: int = Field(4, ge=1)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 def check(cfg: Any) -> list[str]:

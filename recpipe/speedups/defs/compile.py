@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 __all__ = ["CompileOptions", "FEATURE"]
 
 
-class CompileOptions(Section):
+class CompileOptions(SwitchSection):
     """``pipeline.compile``: the dense modules compiled by torch.compile (inductor).
     ``true`` / ``false`` stand for ``{enabled: true}`` / ``{enabled: false}``."""
 
@@ -33,11 +33,6 @@ class CompileOptions(Section):
     # GPU (inductor's deterministic mode): every compile of the model makes the same kernels, so
     # a restarted run resumes bit for bit. false: timed choices (may differ between processes).
     deterministic: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _autotune_needs_timing(self) -> "CompileOptions":

@@ -4,17 +4,15 @@ optimizer's step replayed as CUDA graphs; the implementation and its measurement
 
 from __future__ import annotations
 
-from typing import Any
+from pydantic import Field
 
-from pydantic import Field, model_validator
-
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 __all__ = ["CudaGraphsOptions", "FEATURE"]
 
 
-class CudaGraphsOptions(Section):
+class CudaGraphsOptions(SwitchSection):
     """``pipeline.cuda_graphs``: replay the dense modules' forward and backward, and the
     dense optimizer's step, as CUDA graphs (CUDA only). ``true`` / ``false`` stand for
     ``{enabled: true}`` / ``{enabled: false}``."""
@@ -30,11 +28,6 @@ class CudaGraphsOptions(Section):
     # Adagrad step costs about 0.8 ms of host time a step; false is for an optimizer whose
     # capture fails.
     optimizer: bool = True
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 FEATURE = SpeedupDef(

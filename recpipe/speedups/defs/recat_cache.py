@@ -4,17 +4,13 @@ the implementation is ``recpipe.speedups.recat_cache``."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import model_validator
-
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 __all__ = ["FEATURE", "RecatCacheOptions"]
 
 
-class RecatCacheOptions(Section):
+class RecatCacheOptions(SwitchSection):
     """``pipeline.recat_cache``: make torchrec's recat indices once per splits layout
     (features per rank, ranks, batch size per rank) and reuse them, where torchrec makes
     them at every input dist with a host-to-device copy the host waits for. The same
@@ -23,11 +19,6 @@ class RecatCacheOptions(Section):
 
     # Reuse the recat tensors (every pipeline; the step graph's own is always on).
     enabled: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 FEATURE = SpeedupDef(

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from recpipe.capabilities import ONE_BATCH_PER_STEP
-from recpipe.sections import Section
+from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
 __all__ = ["FEATURE", "StepGraphOptions", "check"]
 
 
-class StepGraphOptions(Section):
+class StepGraphOptions(SwitchSection):
     """``pipeline.step_graph``: capture the whole training step as one CUDA graph (CUDA
     only; pipelines that run one batch's whole step in one call: ``base``, ``sparse_dist``).
     ``true`` / ``false`` stand for ``{enabled: ...}``."""
@@ -31,11 +31,6 @@ class StepGraphOptions(Section):
     # Room above the largest measured count, for features whose counts vary; a batch over
     # capacity trains eagerly (counted, and named in a warning).
     headroom: float = Field(1.25, ge=1.0)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _shorthand(cls, value: Any) -> Any:
-        return {"enabled": value} if isinstance(value, bool) else value
 
 
 def check(cfg: Any) -> list[str]:

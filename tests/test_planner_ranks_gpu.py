@@ -12,8 +12,8 @@ statistics and runs measured steps; the test compares each rank's
 
 Each rank also reports its allocation after the build (the plan's static terms) and
 between steps, so a miss says whether the static or the per-step part is off. With
-``RECPIPE_PLANNER_SNAPSHOT=1`` and ``RECPIPE_REPORT_DIR`` set, rank 0 of every case
-records its measured steps as a CUDA memory snapshot (``snapshot_ranks_<case>.pickle``:
+``RECPIPE_PLANNER_SNAPSHOT=1`` and ``RECPIPE_REPORT_DIR`` set, every rank of every case
+records its measured steps as a CUDA memory snapshot (``snapshot_ranks_<case>_<ranks>_rank<r>.pickle``:
 ``benchmarks/studies/memory_at_peak.py --snapshot`` names what is alive at the peak).
 The table is written to ``$RECPIPE_REPORT_DIR/planner_ranks_gpu.{md,json}``.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_report import emit
+from gpu_report import emit, merged_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -85,15 +85,16 @@ def _measure_rank(cfg, case: str, out: str) -> None:
         pipeline.progress(steps)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
-    snapshot = rank == 0 and os.environ.get("RECPIPE_PLANNER_SNAPSHOT") and os.environ.get("RECPIPE_REPORT_DIR")
+    snapshot = os.environ.get("RECPIPE_PLANNER_SNAPSHOT") and os.environ.get("RECPIPE_REPORT_DIR")
     if snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000, stacks="python")
     for _ in range(MEASURED_STEPS):
         pipeline.progress(steps)
     torch.cuda.synchronize(device)
     if snapshot:
-        name = f"snapshot_ranks_{case}_{dist.get_world_size()}.pickle"
-        torch.cuda.memory._dump_snapshot(str(Path(os.environ["RECPIPE_REPORT_DIR"]) / name))
+        folder = Path(os.environ["RECPIPE_REPORT_DIR"])
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(str(folder / f"snapshot_ranks_{case}_{dist.get_world_size()}_rank{rank}.pickle"))
         torch.cuda.memory._record_memory_history(enabled=None)
     measured = {"static": static, "between_steps": torch.cuda.memory_allocated(device),
                 "allocated": torch.cuda.max_memory_allocated(device),
@@ -154,12 +155,13 @@ def _write_report() -> None:
             f"{torch.cuda.get_device_name(0)}")
     cols = ("case", "ranks", "rank", "est static GiB", "meas static GiB", "meas between steps GiB",
             "est alloc GiB", "meas alloc GiB", "err", "est reserved GiB", "meas reserved GiB", "err")
-    lines = [f"# planner on several ranks\n\n{head}\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in REPORT:
-        lines.append("| " + " | ".join([
-            r["case"], str(r["ranks"]), str(r["rank"]), f"{r['est_static'] / gib:.3f}", f"{r['meas_static'] / gib:.3f}",
-            f"{r['meas_between_steps'] / gib:.3f}", f"{r['est_allocated'] / gib:.3f}", f"{r['meas_allocated'] / gib:.3f}",
-            f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}", f"{r['meas_reserved'] / gib:.3f}",
-            f"{r['err_reserved']:+.1%}",
-        ]) + " |")
-    emit("planner_ranks_gpu", "\n".join(lines) + "\n", {"versions": head, "rows": REPORT})
+    with merged_rows("planner_ranks_gpu", REPORT, key=lambda r: (r["case"], r["ranks"], r["rank"])) as rows:
+        lines = [f"# planner on several ranks\n\n{head}\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in rows:
+            lines.append("| " + " | ".join([
+                r["case"], str(r["ranks"]), str(r["rank"]), f"{r['est_static'] / gib:.3f}", f"{r['meas_static'] / gib:.3f}",
+                f"{r['meas_between_steps'] / gib:.3f}", f"{r['est_allocated'] / gib:.3f}", f"{r['meas_allocated'] / gib:.3f}",
+                f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}", f"{r['meas_reserved'] / gib:.3f}",
+                f"{r['err_reserved']:+.1%}",
+            ]) + " |")
+        emit("planner_ranks_gpu", "\n".join(lines) + "\n", {"versions": head, "rows": rows})

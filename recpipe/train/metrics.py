@@ -96,7 +96,8 @@ class BinnedAUROC(Metric):
         bins = torch.bucketize(preds, thresholds, right=True)
         bins = torch.where(preds.isnan(), 0, bins)  # NaN >= threshold is false for every threshold
         index = bins + (t + 1) * target.long()
-        self.hist += torch.bincount(index, weights=weight.double(), minlength=2 * (t + 1)).view(2, t + 1)
+        # index_add_, not bincount: CUDA's bincount reads the largest index on the host to size its output.
+        self.hist.view(-1).index_add_(0, index, weight.double())
 
     def compute(self) -> torch.Tensor:
         t = self.num_thresholds

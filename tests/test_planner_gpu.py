@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_report import emit
+from gpu_report import emit, merged_rows
 
 pytestmark = pytest.mark.gpu
 
@@ -207,13 +207,14 @@ def _write_report() -> None:
             f"{torch.cuda.get_device_name(0)}")
     cols = ("config", "pipeline", "passes", "insert", "segments", "est alloc GiB", "meas alloc GiB", "err", "est reserved GiB",
             "meas reserved GiB", "err", "est total GiB", "meas used GiB", "torchrec GiB", "torchrec err vs reserved")
-    lines = [f"# planner GPU validation\n\n{head}\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    for r in REPORT:
-        lines.append("| " + " | ".join([
-            r["config"], r["pipeline"], str(r["passes"]), r["cache_insert"] if r["passes"] else "",
-            "expandable" if r["expandable_segments"] else "default", f"{r['est_allocated'] / gib:.3f}",
-            f"{r['meas_allocated'] / gib:.3f}", f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}",
-            f"{r['meas_reserved'] / gib:.3f}", f"{r['err_reserved']:+.1%}", f"{r['est_total'] / gib:.3f}",
-            f"{r['meas_used'] / gib:.3f}", f"{r['torchrec_hbm'] / gib:.3f}", f"{r['err_torchrec_vs_reserved']:+.1%}",
-        ]) + " |")
-    emit("planner_gpu", "\n".join(lines) + "\n", {"versions": head, "rows": REPORT})
+    with merged_rows("planner_gpu", REPORT, key=lambda r: (r["config"],)) as rows:
+        lines = [f"# planner GPU validation\n\n{head}\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in rows:
+            lines.append("| " + " | ".join([
+                r["config"], r["pipeline"], str(r["passes"]), r["cache_insert"] if r["passes"] else "",
+                "expandable" if r["expandable_segments"] else "default", f"{r['est_allocated'] / gib:.3f}",
+                f"{r['meas_allocated'] / gib:.3f}", f"{r['err_allocated']:+.1%}", f"{r['est_reserved'] / gib:.3f}",
+                f"{r['meas_reserved'] / gib:.3f}", f"{r['err_reserved']:+.1%}", f"{r['est_total'] / gib:.3f}",
+                f"{r['meas_used'] / gib:.3f}", f"{r['torchrec_hbm'] / gib:.3f}", f"{r['err_torchrec_vs_reserved']:+.1%}",
+            ]) + " |")
+        emit("planner_gpu", "\n".join(lines) + "\n", {"versions": head, "rows": rows})

@@ -72,6 +72,17 @@ ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
 CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
 NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
 CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each on sm90 (measured)
+# pipeline.cuda_graphs: what one captured dense part's warm-up stream and graph pool reserve
+# beyond what they hold allocated (partly used 20 MiB pages of expandable segments, and the
+# blocks the warm-up and capture passes freed, which no other stream or pool can reuse).
+# Measured (H200, torch 2.11, expandable segments, tests/test_planner_ranks_gpu.py's bf16
+# DLRM at 8192 samples, dense arch and head graphed): 177 MiB over the two parts at 1, 2 and
+# 4 ranks. It grows with the parts' activations: calibrate per model.
+CUDA_GRAPH_PART_SEGMENT_BYTES = 88 * MiB
+# W > 1: the streams the input and output dists allocate on keep whole pages beyond the
+# plan's pools. Measured (H200, expandable segments, the same test's row_wise and table_wise
+# runs at 2 and 4 ranks): reserved 34-83 MiB above the plan without it, per rank.
+COLLECTIVE_STREAM_PAGE_BYTES = 44 * MiB
 LENGTH_BYTES = 4  # KJT lengths/offsets are int32 (recpipe.data.synthetic)
 TBE_OFFSET_BYTES = 8  # the TBE casts offsets to int64
 OUTPUT_BYTES = 4  # pooled outputs fp32
@@ -216,6 +227,20 @@ def static_terms(inputs: PlannerInputs, io: RankIO) -> tuple[Term, ...]:
         Term("dense_optimizer", "hbm", "static", k * STATE_BYTES * P, f"{inputs.dense_optimizer}: {k} x params"),
         Term("cublas_workspace", "hbm", "static", CUBLAS_WORKSPACE_BYTES, "cuBLAS + cuBLASLt, default stream"),
     ]
+    parts = inputs.graphed_parts
+    if parts:
+        # torch.cuda.make_graphed_callables warms each part up on a new stream, whose cuBLAS
+        # workspaces stay cached; the capture stream's (in the first graph's pool) take the
+        # default stream's place, which then runs no GEMM. Measured (see
+        # CUDA_GRAPH_PART_SEGMENT_BYTES): 64 MiB on each warm-up stream, 64 in the first pool.
+        dense_out = inputs.batch_size * inputs.dense.dense_out_grad_bytes
+        terms += [
+            Term("cuda_graph_workspaces", "hbm", "static", parts * CUBLAS_WORKSPACE_BYTES,
+                 f"{parts} graphed parts' warm-up streams (cuBLAS + cuBLASLt)"),
+            Term("cuda_graph_buffers", "hbm", "static", pooled_output_bytes(inputs) + 2 * dense_out,
+                 "the graphs' static outputs and input gradients (the dense arch's output and its gradient, "
+                 "the pooled embeddings' gradient), in their pools for the model's life"),
+        ]
     return _merge(terms)
 
 
@@ -374,6 +399,13 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     for s in inputs.pipeline.side_streams:
         allocator.append(Term(f"reserve_{s}_stream", "hbm", "allocator", pool[s] - at_peak[s],
                               f"pool {fmt_bytes(pool[s])}, {fmt_bytes(at_peak[s])} of it at the peak"))
+    if inputs.world_size > 1:
+        allocator.append(Term("collective_stream_pages", "hbm", "allocator", COLLECTIVE_STREAM_PAGE_BYTES,
+                              "whole pages the dists' streams keep beyond their pools (measured)"))
+    if inputs.graphed_parts:
+        allocator.append(Term("cuda_graph_segments", "hbm", "allocator",
+                              inputs.graphed_parts * CUDA_GRAPH_PART_SEGMENT_BYTES,
+                              f"{inputs.graphed_parts} graphed parts' warm-up streams and pools (measured)"))
     # The passes' segments stay beside the cache bookkeeping's (its blocks, over all of a batch's
     # indices at once, are larger than any a pass freed): measured on one H100, 12 passes,
     # default segments, 1.285 GiB reserved against 1.082 with the two taken as one pool.

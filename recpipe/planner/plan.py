@@ -54,6 +54,8 @@ TERM_DOC: dict[str, str] = {
     "dense_grads": "dense gradients; views of the flat all-reduce buffer (or of DDP's buckets) on several ranks",
     "dense_optimizer": "dense optimizer state (adagrad 1x, adam 2x parameters)",
     "cublas_workspace": "cuBLAS workspace of the default stream (taken from the caching allocator)",
+    "cuda_graph_workspaces": "pipeline.cuda_graphs: the cuBLAS workspaces each graphed part's warm-up stream keeps",
+    "cuda_graph_buffers": "pipeline.cuda_graphs: the graphs' static outputs and input gradients, kept in their pools",
     # per step, always alive
     "input_batches": "device copies of the input batches in flight (dense, labels, weights, KJT)",
     "input_dist_kjts": "KJTs received by the input all-to-all, for the batches past input dist",
@@ -90,6 +92,9 @@ TERM_DOC: dict[str, str] = {
     "reserve_dist_stream": "dist stream pool: input all-to-all staging (permuted/bucketized KJT)",
     "reserve_lookup_stream": "lookup stream pool (a schedule with a lookup role): early pooled embeddings not reusable by the default stream",
     "reserve_prefetch_stream": "prefetch stream pool: its scratch when not overlapping the peak",
+    "collective_stream_pages": "W > 1: whole allocator pages the input and output dists' streams keep beyond their pools",
+    "cuda_graph_segments": "pipeline.cuda_graphs: what each graphed part's warm-up stream and graph pool reserve "
+                           "beyond what they hold",
     # cached
     "prefetch_pass_segments": "multi-pass prefetch with PyTorch's default segments: the prefetch pool's segments stay "
                               "near one pass's (released under pressure; none with expandable segments)",

@@ -224,6 +224,9 @@ class PlannerInputs:
     # (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True, recpipe train's default:
     # train.cuda_alloc_conf), so freed blocks coalesce; False: PyTorch's default segments.
     expandable_segments: bool = False
+    # pipeline.cuda_graphs: how many dense parts are captured (0: off). Each keeps its own
+    # warm-up stream and graph pool for the model's life (recpipe.speedups.cuda_graphs).
+    graphed_parts: int = 0
 
     @property
     def comm_bytes(self) -> tuple[int, int]:

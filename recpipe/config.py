@@ -413,6 +413,12 @@ class TrainConfig(Section):
     # weights and optimizer state, float32 loss, float32 embedding tables and lookups.
     # `recpipe bench` gives TorchRec's pipelines the same model, so the same numerics.
     precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    # The same bits on every run of the same config (recpipe/deterministic.py): torch's and
+    # FBGEMM's deterministic kernels (FBGEMM's embedding backward sums an id that occurs more
+    # than 1024 times in a batch in one thread block instead of adding partial sums with
+    # float atomics) and fixed cuBLAS workspaces. false: torch's defaults, whose atomics can
+    # round differently from run to run in large batches of skewed ids.
+    deterministic: bool = True
     # A loss that is NaN or inf (checked at log points and before every evaluation and
     # checkpoint, without a host sync per step): "error" stops the run naming the step
     # (exit code 4; no checkpoint is saved after that step); "skip_step" applies no

@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
+from recpipe.deterministic import apply_deterministic
 from recpipe.errors import job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
 from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
@@ -92,6 +93,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 def init_process_group(cfg: RecpipeConfig) -> torch.device:
     """Join the job's process group (env:// rendezvous) and return this rank's device."""
     apply_cuda_alloc_conf(cfg)
+    apply_deterministic(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its setting then
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg, local_rank)
     if not dist.is_initialized():

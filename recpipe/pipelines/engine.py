@@ -27,6 +27,15 @@ dropped (stream order already holds) and events are recorded only after steps th
 a fence on another stream waits for. Steps on the compute stream switch no stream
 when compute is already current (the usual case).
 
+The batch's device copy: ``h2d`` allocates it on the memcpy stream, so the caching
+allocator would hand its blocks to the memcpy stream's next copies as soon as Python
+drops the batch, whatever another stream has still queued on them. Every step that
+waits for its batch's ``h2d`` from another stream therefore gets the copy handed to its
+stream first (``streams.hand_off``: ``record_stream``), here, once for every step and
+schedule, speed features' steps included. The host runs ahead of the device (a step
+graph's replay is one launch): without it a later batch's copy overwrote an earlier
+batch's before that batch's step had read it.
+
 Inputs: the first batch of a pipeline's life is trained while the sharded modules
 run their own forward (``discovering``), which is how the pipeline learns where each
 module's input lives in the batch (``recpipe.pipelines.inputs``); only the steps
@@ -60,7 +69,7 @@ from recpipe.pipelines.context import InFlight, StepContext
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Stream, Streams, fence, record_event, use_stream
+from recpipe.pipelines.streams import Stream, Streams, fence, hand_off, record_event, use_stream
 
 __all__ = ["InFlight", "Pipeline", "StepContext"]
 
@@ -74,6 +83,7 @@ class _Op:
     stream: Stream
     fences: tuple[tuple[str, int], ...]  # the step's waits on steps of another stream
     record: bool  # record an event after it (a fence on another stream waits for it)
+    takes_batch: bool  # it reads the batch's device copy, made on another stream (it waits for its h2d)
 
     @property
     def label(self) -> str:
@@ -460,7 +470,9 @@ class Pipeline:
         for step in schedule.steps:
             stream = streams_of(step.stream)
             fences = tuple((dep, delta) for dep, delta in step.waits if not same_stream(dep, stream))
-            ops.append(_Op(step, self._step_function(step.name), stream, fences, step.name in waited and stream is not None))
+            takes_batch = ("h2d", 0) in fences
+            ops.append(_Op(step, self._step_function(step.name), stream, fences,
+                           step.name in waited and stream is not None, takes_batch))
         plan = (schedule, ops, {op.step.name: op for op in ops})
         self._plans[id(schedule)] = plan
         return plan
@@ -491,6 +503,8 @@ class Pipeline:
             source = batch if delta == 0 else self._recent.get(batch.index - 1)
             if source is not None:
                 fence(stream, source.events.get(dep))
+        if op.takes_batch:
+            hand_off(batch.device, stream)
         ctx.stream = stream  # the current stream while the step runs (steps skip switching to it)
         # Under torch.profiler each step is a named range ("recpipe.input_dist", ...), so a
         # trace shows host time per phase; otherwise not even the range object is made.

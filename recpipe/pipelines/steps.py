@@ -6,10 +6,12 @@ the batch in forward, recent batches, the pipeline's hooks).
 
 The engine runs each under its stream (``use_stream``) after the fences its
 ``Step.waits`` name, and records an event right after it when a fence on another
-stream waits for it. Inside, a step only has to hand the objects it reads from
-another stream to its own (``streams.hand_off`` / ``Streams.hand_over``:
-``record_stream`` so the allocator keeps them alive; nothing when the two are the
-same stream).
+stream waits for it. A step that waits for its batch's ``h2d`` on another stream reads
+the batch's device copy: the engine hands that copy to the step's stream before it runs
+(``record_stream``). Inside, a step only has to hand the other objects it reads from
+another stream to its own (``streams.hand_off`` / ``Streams.hand_over``: the input
+all-to-all's output, an early lookup's embeddings; nothing when the two are the same
+stream).
 The sharded modules' part of forward is ``sharded_forward``, called by the
 interceptors in ``recpipe.pipelines.sharded``.
 """
@@ -56,7 +58,6 @@ def input_dist(ctx: "StepContext", b: "InFlight") -> None:
     """Launch the splits all-to-all of every sharded module's input dists: one fused
     collective per process group once the input dists exist (the first batch
     creates them and goes unfused)."""
-    hand_off(b.device, ctx.streams.dist)
     requests = {}
     for fqn, module in ctx.modules.items():
         # The KJT at the module's path in the batch, or the user's inputs= function
@@ -128,7 +129,6 @@ def zero_grad(ctx: "StepContext", b: "InFlight") -> None:
 
 def forward(ctx: "StepContext", b: "InFlight") -> None:
     """``model(batch)`` -> ``(loss, output)``, TorchRec's contract."""
-    hand_off(b.device, ctx.streams.compute)
     ctx.pipeline.before_forward(b.device)
     ctx.current = b
     try:
@@ -154,7 +154,6 @@ def forward_eval(ctx: "StepContext", b: "InFlight") -> None:
     """``model(batch)`` under ``torch.no_grad()`` (the caller set the model's eval mode):
     all the model returns is the batch's output, whatever its form (an evaluation reads
     its logits and labels, recpipe.pipelines.evaluation); no loss is kept for a backward."""
-    hand_off(b.device, ctx.streams.compute)
     ctx.current = b
     try:
         with torch.no_grad():

@@ -1,0 +1,40 @@
+"""``train.deterministic``: the same bits on every run of the same config, whoever feeds it how fast.
+
+Two kernels a recommendation model trains with sum in an order that depends on how the
+GPU schedules their thread blocks, so the same steps can round differently from run to
+run, more often when other streams' work (the next batches' copies and all-to-alls, which
+a pipeline overlaps with the step) shares the GPU:
+
+* FBGEMM's TBE backward splits an id that occurs more than 1024 times in a batch over
+  several thread blocks, which add their partial gradients with float atomics
+  (``max_segment_length_per_cta`` in its ``embedding_backward_split_template.cu``). Skewed
+  ids reach that in large batches (one id per sample in 65536-sample batches of Zipf ids).
+  Under ``torch.use_deterministic_algorithms`` it sums each id in one block.
+* cuBLAS picks its reduction by the workspace it finds; ``CUBLAS_WORKSPACE_CONFIG`` fixes it
+  (``:4096:8``, unless the user set it; read when CUDA starts, so it is set first).
+
+torch's other kernels with a deterministic variant use it, and torch warns once about any
+that has none (``warn_only``: the run goes on). Memory that torch allocates without
+initializing is not filled (``torch.utils.deterministic.fill_uninitialized_memory`` off):
+nothing here reads memory before writing it, and the fill is a kernel per allocation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["CUBLAS_ENV", "apply_deterministic"]
+
+CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
+_CUBLAS_FIXED = ":4096:8"
+
+
+def apply_deterministic(enabled: bool) -> None:
+    """Make this process's kernels deterministic (``enabled``) or torch's default. Call it
+    before CUDA starts (the cuBLAS setting is read then); later it still applies the rest."""
+    if enabled and CUBLAS_ENV not in os.environ and not torch.cuda.is_initialized():
+        os.environ[CUBLAS_ENV] = _CUBLAS_FIXED
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False

@@ -69,7 +69,7 @@ from recpipe.pipelines.context import InFlight, StepContext
 from recpipe.pipelines.definition import PipelineDef
 from recpipe.pipelines.inputs import InputSource
 from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Stream, Streams, fence, hand_off, record_event, use_stream
+from recpipe.pipelines.streams import Stream, Streams, StepsAhead, fence, hand_off, record_event, use_stream
 
 __all__ = ["InFlight", "Pipeline", "StepContext"]
 
@@ -126,6 +126,7 @@ class Pipeline:
         definition: PipelineDef | None = None,
         schedule: Schedule | None = None,
         max_batches_ahead: int | None = None,
+        steps_ahead: int = 4,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
         splits_exchange: str = "device",
@@ -166,6 +167,8 @@ class Pipeline:
         if streams is None:
             streams = Streams.create(device, self.all_roles())
         self.context = StepContext(self, streams, modules, self.inputs, max_batches_ahead, splits_exchange)
+        self.steps_ahead = steps_ahead
+        self._ahead = StepsAhead(steps_ahead, streams.compute)
         if sources and modules:  # learned by another pipeline: input dists run in the order it found
             self.context.modules = {fqn: modules[fqn] for fqn in sources}
             self.context.sources = dict(sources)
@@ -242,6 +245,7 @@ class Pipeline:
         ctx.modules = ctx.modules if intercepts else {}
         ctx.sources = None if ctx.modules else {}
         ctx.streams = Streams.create(self.device, self.all_roles() | schedule.roles)
+        self._ahead = StepsAhead(self.steps_ahead, ctx.streams.compute)
         self._slots = [None] * schedule.depth
         self._depth = schedule.depth
         self._plans.clear()
@@ -328,6 +332,10 @@ class Pipeline:
         del self._slots[0]
         self._slots.append(None)
         self.last_loss, self.last_is_padding = head.loss_value, head.is_padding
+        # The step is queued: its batch's copies go back to the allocators once the device has
+        # run it (the record_streams of its steps); _recent keeps only its events.
+        head.host = head.device = None
+        self._ahead.step_queued()
         return head.output
 
     def _progress_discovering(self, it: Iterator[Any]) -> Any:

@@ -102,7 +102,8 @@ class EvalPipeline(Pipeline):
         intercepts = any(s.name == "input_dist" for s in schedule.steps)
         # Where each module's input is: the training pipeline learned it (else the first eval batch does).
         super().__init__(train.model, train.optimizer, train.device, definition=train.definition, schedule=schedule,
-                         uneven_data=train.uneven_data, inputs=train.inputs if intercepts else None,
+                         uneven_data=train.uneven_data, steps_ahead=train.steps_ahead,
+                         inputs=train.inputs if intercepts else None,
                          splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule),
                          intercepts=intercepts, sources=train.context.sources if intercepts else None)
         self.name = f"{train.name} eval"

@@ -34,6 +34,10 @@ class PipelineKeys(Section):
     # How far side streams may run ahead in batches (memory rate limiter); None = as far as
     # the schedule allows.
     max_batches_ahead: int | None = Field(None, ge=1)
+    # How many steps the host may queue ahead of the device: after each step it waits for
+    # the step this many back (recpipe/pipelines/streams.py, StepsAhead). Bounds the batches
+    # whose device and pinned host copies are alive to the schedule's depth plus this - 1.
+    steps_ahead: int = Field(4, ge=1)
     # Every rank trains every batch it has: ranks that run out early feed padding batches
     # with zero loss weight until the last rank is done ("pad"), or the run stops with an
     # error naming the ranks and their counts ("error").

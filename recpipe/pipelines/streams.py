@@ -186,6 +186,36 @@ def _multistreamables(obj: object) -> Iterator:
         yield obj.values()
 
 
+class StepsAhead:
+    """How far the host may run ahead of the device: at most ``steps`` steps queued and not
+    finished. ``step_queued()`` after each step records an event on ``stream`` (compute: a
+    step's last work is there) and first waits, on the host, for the event of the step
+    ``steps`` back (host sync, on a step the device has usually long finished).
+
+    Without a bound the host runs as far ahead as it can queue work: a step graph's step
+    is one launch and about 1.2 ms of host time where the device needs 1.6 ms (the
+    Criteo-sized DLRM on one H200), so the host reached the next point that waits for
+    the device (a log point, up to a log interval later) and every batch in between kept
+    its device and pinned host copies alive. Bounded, the batches alive are the
+    schedule's depth plus ``steps`` - 1 (the planner counts that many), and a clock on
+    the host measures the device's pace within ``steps`` steps. A ring of ``steps``
+    events, recorded again in turn: waiting on one waits for its latest record."""
+
+    def __init__(self, steps: int, stream: Stream) -> None:
+        self.steps = steps
+        self._stream = stream
+        self._ring = [torch.cuda.Event() for _ in range(steps)] if stream is not None else []
+        self._next = 0
+
+    def step_queued(self) -> None:
+        if not self._ring:
+            return
+        event = self._ring[self._next]
+        event.synchronize()  # host sync: the step `steps` back is done (at once if it never ran)
+        event.record(self._stream)
+        self._next = (self._next + 1) % self.steps
+
+
 def host_wait(event: Event) -> None:
     """Host sync: block the CPU until ``event`` has happened (used only for timing)."""
     if event is not None:

@@ -279,7 +279,8 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
     bb = batch_bytes(inputs)
     dist = "dist" if "dist" in pipe.side_streams else "main"
     items = [
-        ("input_batches", pipe.batches_in_flight * bb, "memcpy", f"{pipe.batches_in_flight} x {bb} B"),
+        ("input_batches", pipe.batches_alive * bb, "memcpy",
+         f"{pipe.batches_alive} x {bb} B ({pipe.batches_in_flight} in the schedule, {pipe.steps_ahead} steps ahead)"),
         ("input_dist_kjts", pipe.dist_kjts_in_flight * io.received, dist,
          f"{pipe.dist_kjts_in_flight} x received KJT" + (" (W=1: TBE offsets only)" if inputs.world_size == 1 else "")),
     ]
@@ -433,7 +434,7 @@ def _rank(inputs: PlannerInputs, rank: int) -> tuple[RankMemory, list[ShardMemor
     if inputs.world_size > 1:
         runtime.append(Term("nccl_communicators", "hbm", "runtime", NCCL_BYTES, "calibrate"))
     bb = batch_bytes(inputs)
-    host = [Term("pinned_host_batches", "ddr", "per_step", inputs.pipeline.batches_in_flight * bb, "pinned host batches")]
+    host = [Term("pinned_host_batches", "ddr", "per_step", inputs.pipeline.batches_alive * bb, "pinned host batches")]
     terms = static_terms(inputs, io) + _merge(per_step) + tuple(allocator) + tuple(runtime) + tuple(host)
     groups = tuple(
         TbeGroupInfo(rank, g.name, g.sharding_type, "cached" if g.cached else g.kernel_class,

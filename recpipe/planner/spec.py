@@ -125,7 +125,10 @@ class PipelineSpec:
     """Memory-relevant facts of one training pipeline (design numbers of recpipe's
     schedules, ``recpipe/pipelines/schedule.py``).
 
-    * ``batches_in_flight``: device copies of input batches alive at the peak;
+    * ``batches_in_flight``: device copies of input batches of the schedule alive at the
+      peak (its depth); ``steps_ahead``: steps the host may have queued ahead of the
+      device (``pipeline.steps_ahead``), whose batches' copies stay allocated until the
+      device has run them: ``batches_alive`` in all;
     * ``dist_kjts_in_flight``: of those, how many already went through the input
       all-to-all (their received KJTs are alive too);
     * ``pending_input_dists``: batches whose input all-to-all is launched but not yet
@@ -178,12 +181,18 @@ class PipelineSpec:
     lookup_after_backward: bool = False
     dense_backward_first: bool = False
     keeps_emb_graph: bool = False
+    steps_ahead: int = 1
     early_pooled_at_update: bool = False
     prefetch: bool = False
     stash_dense_grads: bool = False
     lookup_stream: str = "main"
     cache_insert: str = "fbgemm"  # recpipe | fbgemm
     cache_bookkeeping_stream: str = "main"  # prefetch | main
+
+    @property
+    def batches_alive(self) -> int:
+        """Input batches whose device (and pinned host) copies are alive at the peak."""
+        return self.batches_in_flight + self.steps_ahead - 1
 
 
 def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:

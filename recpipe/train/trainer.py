@@ -64,6 +64,7 @@ from recpipe.models import make_model
 from recpipe.builder import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
+from recpipe.train.clock import IntervalClock, seconds
 from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, choose_checkpoint, describe_newest, load_chosen,
                                      resume_settings, save_checkpoint)
 from recpipe.train.learning_rates import LearningRates
@@ -223,11 +224,11 @@ class Trainer:
         # One entry per step: (loss, is_padding, (logits, labels, weights) or None).
         self._window: list[tuple[torch.Tensor, bool, tuple[torch.Tensor, ...] | None]] = []
         self._has_clicks: bool | None = None  # known after the first step
-        self._window_seconds = 0.0
+        self._clock = IntervalClock(device)  # each log interval's training time, on the device
         self._train_seconds = 0.0
-        # The last log point's values on their way to the host (published at the next), with
-        # its learning rates.
-        self._pending_log: tuple[int, float, PendingMetrics, dict[str, float]] | None = None
+        # The last log point's values on their way to the host (published at the next): its step,
+        # steps, training time (IntervalClock's stretches, read then), metrics and learning rates.
+        self._pending_log: tuple[int, int, list, PendingMetrics, dict[str, float]] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
@@ -366,12 +367,14 @@ class Trainer:
     def _train_steps(self, batches: Iterator[Batch]) -> int:
         trained = 0
         last = time.perf_counter()
+        self._clock.start()
         while True:
             self.rates.set_step(self.position.step + trained + 1)  # the rates of the batch this call trains
             try:
                 output = self.pipeline.progress(batches)
             except StopIteration:
                 self._count_time(last, synchronize=True)
+                self._clock.stop()
                 return trained
             trained += 1
             step = self.position.step + trained
@@ -383,8 +386,10 @@ class Trainer:
             self.bar.update(1)
             last = self._count_time(last, synchronize=False)
             if step % self.cfg.train.log_every == 0:
+                self._clock.stop()
                 self._log_train(step)
                 last = time.perf_counter()  # the metrics' work is not training time
+                self._clock.start()
 
     def _startup_step(self, step: int) -> None:
         """After each step until the start-up ends: the run's first step is ``first_step`` (its wait
@@ -418,14 +423,12 @@ class Trainer:
         self._window.append((self.pipeline.last_loss, padding, clicks))
 
     def _count_time(self, since: float, synchronize: bool) -> float:
-        """Add the time since ``since`` to the training clocks. At segment ends,
-        first wait for the device (host sync), so that the clocks include the work
-        the host had queued ahead of it; elsewhere the host's clock (a log
-        interval's time is its steps' time on average, without a drain)."""
+        """Add the time since ``since`` to the run's training time (summary.json). At segment
+        ends, first wait for the device (host sync), so that it includes the work the host
+        had queued ahead of it. (A log interval's rate is the device's: ``IntervalClock``.)"""
         if synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
-        self._window_seconds += now - since
         self._train_seconds += now - since
         return now
 
@@ -521,9 +524,8 @@ class Trainer:
         # skip_step: the metrics must leave the skipped steps out, so wait for the check.
         self._check_nonfinite(step, wait=wait or self.cfg.train.on_nonfinite == "skip_step")
         kept = self._finite_window(step)
-        steps, seconds = len(self._window), self._window_seconds
+        steps, stretches = len(self._window), self._clock.take()
         self._window.clear()
-        self._window_seconds = 0.0
         if kept:  # else every step since the last log was skipped (agreed by all ranks)
             if self._has_clicks:
                 logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))
@@ -532,7 +534,7 @@ class Trainer:
             loss = self._mean_loss([loss for loss, padding, _ in kept if not padding])
             values = PendingMetrics({"loss": loss, **(self.train_metrics.compute_values() if self._has_clicks else {})})
             self._publish_log()
-            self._pending_log = (step, steps * self.global_batch / max(seconds, 1e-9), values, self.rates.scalars(step))
+            self._pending_log = (step, steps, stretches, values, self.rates.scalars(step))
         if wait:
             self._publish_log()
 
@@ -549,9 +551,10 @@ class Trainer:
         """TensorBoard scalars and the bar's figures of the last log point (waits for them)."""
         if self._pending_log is None:
             return
-        step, samples_per_s, values, rates = self._pending_log
+        step, steps, stretches, values, rates = self._pending_log
         self._pending_log = None
-        metrics = values.result()
+        metrics = values.result()  # waits for the metrics, queued after the interval's last step
+        samples_per_s = steps * self.global_batch / max(seconds(stretches), 1e-9)
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s

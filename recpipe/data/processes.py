@@ -302,10 +302,17 @@ class _Child:
                 raise ProducerDied(self._death(message[1])) from err
             self.segments[slot] = _Segment(fd, grown, writable=False)
             os.close(fd)
-        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        buffer = self._buffer(size, pin)
         np.copyto(buffer.numpy(), self.segments[slot].bytes[:size])
         self._free()
         return unflatten_batch(spec, [buffer[o : o + n].view(dtype).view(shape) for dtype, shape, o, n in layout])
+
+    @staticmethod
+    def _buffer(size: int, pin: bool) -> torch.Tensor:
+        """A batch's own memory: a new tensor per batch, never one a batch still in flight
+        holds. Pinned ones come from torch's caching host allocator, which gives a block back
+        only once the asynchronous copies made from it are done."""
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
     def _free(self) -> None:
         try:

@@ -389,6 +389,12 @@ class Pipeline:
             return f"{self.name}: inputs not known yet (learned on the first batch): {', '.join(ctx.modules)}"
         return "\n".join(f"{fqn} <- {ctx.sources[fqn]}" for fqn in ctx.modules)
 
+    @property
+    def host_waits(self) -> int:
+        """Steps after which the host had queued ``steps_ahead`` steps the device had not run
+        yet, and waited: the device, not the host or its loader, set the pace then."""
+        return self._ahead.waited
+
     def in_flight(self) -> int:
         return sum(b is not None for b in self._slots)
 

@@ -203,6 +203,7 @@ class StepsAhead:
 
     def __init__(self, steps: int, stream: Stream) -> None:
         self.steps = steps
+        self.waited = 0  # steps after which the host found the device `steps` behind and waited
         self._stream = stream
         self._ring = [torch.cuda.Event() for _ in range(steps)] if stream is not None else []
         self._next = 0
@@ -211,7 +212,9 @@ class StepsAhead:
         if not self._ring:
             return
         event = self._ring[self._next]
-        event.synchronize()  # host sync: the step `steps` back is done (at once if it never ran)
+        if not event.query():  # the device is `steps` steps behind the host: the device bounds the run
+            self.waited += 1
+            event.synchronize()  # host sync: on the step `steps` back
         event.record(self._stream)
         self._next = (self._next + 1) % self.steps
 

@@ -666,6 +666,8 @@ class Trainer:
             "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "speedups": self._speedups(),
+            # steps after which the host waited for the device (pipeline.steps_ahead): device-bound steps
+            "host_waits": getattr(self.pipeline, "host_waits", None),
             "startup": self.startup.summary(),  # recpipe.train.startup
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {

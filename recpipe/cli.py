@@ -88,6 +88,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="also print GPU time by kernel class and write the traced steps' op tables to "
                         "OUT/profile.txt (default: off)")
     p.add_argument("--no-plots", dest="plots", action="store_false", help="skip the PNG plots (default: plots on)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="skip each recpipe row's check: the same run again with the host waiting for the device after "
+                        "every step, whose every step's loss must equal the row's (default: check on; a row that "
+                        "differs is marked and left out of the comparisons)")
     p.add_argument("--out", default=None, help="directory for bench.json and bench.md (default: logging.run_dir)")
 
 

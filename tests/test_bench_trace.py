@@ -265,7 +265,8 @@ class _FakePipeline:
 
 def test_profile_progress_on_cpu_reads_phases_from_a_real_trace(tmp_path):
     it = iter([torch.randn(64, 64) for _ in range(3)])
-    s = profile_progress(_FakePipeline(), it, 3, torch.device("cpu"), op_tables=(str(tmp_path / "p.txt"), "fake"))
+    pipe = _FakePipeline()
+    s = profile_progress(lambda: pipe.progress(it), 3, torch.device("cpu"), op_tables=(str(tmp_path / "p.txt"), "fake"))
     assert s["steps"] == 3 and len(s["host_ms_per_call"]) == 3 and s["gpu_busy_ms"] is None
     assert set(s["phases_ms"]) == {"forward", "backward"} and s["phase_source"] == "recpipe"
     assert all(v > 0 for v in s["phases_ms"].values())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from full_speed import config, differences, train, train_resumed
+from benchmarks.studies.full_speed import config, differences, train, train_resumed
 from recpipe.data import processes
 
 BASE = [

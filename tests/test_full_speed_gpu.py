@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from full_speed import config, differences, train, train_resumed
+from benchmarks.studies.full_speed import config, differences, train, train_resumed
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

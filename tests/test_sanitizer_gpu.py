@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from full_speed import config, train
+from benchmarks.studies.full_speed import config, train
 from test_full_speed_gpu import CASES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

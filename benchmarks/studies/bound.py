@@ -572,7 +572,7 @@ class Bound:
     def __call__(self, cfg: RecpipeConfig, opts: Any, rows: list[Row], batches: list[Batch], device: torch.device,
                  bar: Any) -> tuple[dict[str, Any], list[str]]:
         bar.set_description("bound")
-        bound = measure_bound(cfg, list(fresh_batches(batches)), device, ", ".join(sorted(set(gpu_names(device)))))
+        bound = measure_bound(cfg, list(fresh_batches(batches, device)), device, ", ".join(sorted(set(gpu_names(device)))))
         bound["x_bound"] = x_bound(rows, bound)
         if dist.get_rank() == 0:
             bar.write(f"bound {bound['bound_ms']:.3f} ms ({bound['bound_resource']})" if bound["status"] == "ok"

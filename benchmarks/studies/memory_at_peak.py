@@ -36,7 +36,7 @@ from tqdm import tqdm  # noqa: E402
 
 from benchmarks.studies.common import command, config_parser  # noqa: E402
 from recpipe.bench.measure import free_device_memory  # noqa: E402
-from recpipe.bench.run import build_run, config_for_pipeline, fresh_batches, gather, untimed_steps  # noqa: E402
+from recpipe.bench.run import Steps, build_run, config_for_pipeline, fresh_batches, gather, untimed_steps  # noqa: E402
 from recpipe.bench.runner import launch, pregenerate  # noqa: E402
 from recpipe.config import load_config  # noqa: E402
 from recpipe.distributed import init_process_group, torchrun_overrides  # noqa: E402
@@ -238,14 +238,15 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
         return {"skipped": skip}
     free_device_memory(device)
     sharded, pipe = build_run(cfg_p, "recpipe", device)
-    it, bar = fresh_batches(batches), tqdm(disable=True)
-    untimed_steps(pipe, it, bar, args.warmup)
+    it, bar = fresh_batches(batches, device), tqdm(disable=True)
+    step = Steps(pipe, it, device)
+    untimed_steps(step, bar, args.warmup)
     torch.cuda.synchronize()
     streams = stream_roles(device, pipe)
     torch.cuda.reset_peak_memory_stats(device)
     torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
     for _ in range(args.steps):
-        pipe.progress(it)
+        step()
     torch.cuda.synchronize()
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
@@ -262,7 +263,7 @@ def run_one(cfg, label: str, args, batches, device, out: Path) -> dict:
     result["reserved"] = reserved_summary(snapshot["segments"], trace, streams)
     result["gap"] = gap_at_peak(snapshot, device.index if device.index is not None else torch.cuda.current_device(),
                                 streams)
-    untimed_steps(pipe, it, bar)  # the drain
+    untimed_steps(step, bar)  # the drain
     del pipe, sharded
     free_device_memory(device)
     return result

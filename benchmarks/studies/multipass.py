@@ -214,7 +214,7 @@ def measure_point(
         )
         if not mems[0]:
             point["memory_reason"] = "n/a: no allocator statistics on CPU"
-    alone = (measure_prefetch_memory(cfg_p, list(fresh_batches(batches)), device) if device.type == "cuda"
+    alone = (measure_prefetch_memory(cfg_p, list(fresh_batches(batches, device)), device) if device.type == "cuda"
              else {"status": "skipped", "reason": "n/a: CPU run (no UVM cache)"})
     if dist.get_rank() == 0:
         point["planner"] = planner_prediction(cfg_p, world)

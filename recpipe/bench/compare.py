@@ -49,6 +49,7 @@ def merge_rounds(rounds: list[Row], global_batch: int) -> Row:
     # a copy of the first round's row (its first_step_s: later rounds find the compiled kernels cached)
     row = dataclasses.replace(
         first, notes=list(first.notes), round_p50_ms=[r.step_ms["p50"] for r in rounds],
+        check=next((r.check for r in rounds if r.check != first.check), first.check),
         step_ms_per_step=[t for r in rounds for t in r.step_ms_per_step],
         host_ms_per_step=[t for r in rounds for t in r.host_ms_per_step],
         step_ms_p50_per_rank=[statistics.median(col) for col in zip(*(r.step_ms_p50_per_rank for r in rounds))],
@@ -112,8 +113,9 @@ def paired(a: Row, b: Row) -> dict[str, Any] | None:
 
 
 def comparisons(rows: list[Row]) -> list[dict[str, Any]]:
-    """Every recpipe row against each TorchRec row of its pipeline and against recpipe's base."""
-    ok = {(r.pipeline, r.impl): r for r in rows if r.status == "ok"}
+    """Every recpipe row against each TorchRec row of its pipeline and against recpipe's base; a row whose check
+    found it training differently from the same run in lockstep is compared with nothing."""
+    ok = {(r.pipeline, r.impl): r for r in rows if r.status == "ok" and not r.check.startswith("differs")}
     out = []
     for name, row in ((name, r) for (name, impl), r in ok.items() if impl == "recpipe"):
         against = [other for (n, i), other in ok.items() if n == name and i != "recpipe"]

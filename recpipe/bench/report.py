@@ -62,6 +62,10 @@ class Row:
     floor: dict[str, Any] = field(default_factory=dict)  # compute + collectives timed alone, x floor (floor.py)
     trace: dict[str, Any] = field(default_factory=dict)  # trace.summarize_trace over ranks (and rounds)
     cache: dict[str, Any] = field(default_factory=dict)  # UVM cache metrics (measure.cache_metrics), or {"reason": ...}
+    # recpipe's rows: every step's loss per rank, and "equal" when they equal the same run in lockstep
+    # (the host waiting for the device after every step: runner.lockstep_losses), else what differs
+    step_losses: list[list[float]] = field(default_factory=list)
+    check: str = ""
 
     def fill_rates(self, global_batch: int) -> None:
         """Statistics and rates from the per-step lists, ``step_ms_p50_per_rank``, ``wall_s`` and ``trace``."""
@@ -114,7 +118,7 @@ def environment(device: torch.device, world_size: int, gpu_names: list[str]) -> 
 
 _COLUMNS = ("pipeline", "impl", "P50 ms", "P90 ms", "GPU busy ms", "x GPU busy", "floor ms", "x floor", "host ms/call",
             "samples/s",
-            "samples/s/GPU", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB", "note")
+            "samples/s/GPU", "peak alloc GiB", "peak reserved GiB", "reserved/alloc", "step +GiB", "check", "note")
 
 
 def cell(x: float | None, fmt: str) -> str:
@@ -132,7 +136,14 @@ def _cells(row: Row) -> list[str]:
             cell(row.host_ms.get("p50"), ".2f"), cell(row.samples_per_s, ",.0f"),
             cell(row.samples_per_s_per_gpu, ",.0f"), cell(mem.get("peak_alloc_gib"), ".2f"),
             cell(mem.get("peak_reserved_gib"), ".2f"), cell(mem.get("reserved_over_alloc"), ".3f"),
-            cell(mem.get("step_peak_alloc_above_build_gib"), ".2f"), "; ".join(row.notes)]
+            cell(mem.get("step_peak_alloc_above_build_gib"), ".2f"), _check_cell(row.check), "; ".join(row.notes)]
+
+
+def _check_cell(check: str) -> str:
+    """The check column: equal, DIFFERS (a row not to publish), or - (TorchRec's rows, --no-check)."""
+    if not check:
+        return "-"
+    return "equal" if check == "equal" else ("DIFFERS" if check.startswith("differs") else "not checked")
 
 
 def grid(header: tuple[str, ...] | list[str], body: list[list[str]], markdown: bool = False) -> str:

@@ -25,6 +25,8 @@ from recpipe.bench.trace import combine_ranks, profile_progress
 from recpipe.builder import make_pipeline
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
+from recpipe.data.loader import workers_kind_of
+from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
 from recpipe.pipelines.options import PipelineOptions
@@ -33,8 +35,8 @@ from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
 
 __all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
-           "config_for_pipeline", "dynamo_config_kept", "fresh_batches", "gather", "measure_steps", "pipeline_options",
-           "run_local", "split_variant", "untimed_steps"]
+           "config_for_pipeline", "dynamo_config_kept", "fed_as_trained", "fresh_batches", "gather", "measure_steps", "pipeline_options",
+           "run_local", "split_variant", "Steps", "untimed_steps"]
 
 DRAIN = 3  # untimed batches after the timed (and traced) ones: TorchRec's SemiSync fetches three ahead
 
@@ -53,6 +55,7 @@ class BenchOptions:
     profile: str | None = None  # file for torch.profiler op tables of the traced steps
     plots: bool = True
     rounds: int = 1  # every run repeated, interleaved (compare.round_order)
+    check: bool = True  # each recpipe row against the same run in lockstep (runner.check_row)
 
     @property
     def batches_per_run(self) -> int:
@@ -79,6 +82,7 @@ class RunResult:
     cache_reason: str = ""  # why a prefetch row has no cache metrics
     populate_op: str = ""  # the profiler name of the cache insert the pipeline runs
     trace: dict[str, Any] | None = None  # summarize_trace of the profiled steps, or its failure
+    losses: list[float] = field(default_factory=list)  # every step's loss (recpipe's pipelines), in order
 
     def fail(self, err: BaseException) -> "RunResult":
         self.status, self.reason = "failed", f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
@@ -92,10 +96,27 @@ def gather(obj: Any) -> list[Any]:
     return out
 
 
-def fresh_batches(batches: list[Batch]) -> Iterator[Batch]:
+def fresh_batches(batches: list[Batch], device: torch.device | None = None) -> Iterator[Batch]:
     """The same tensors in new Batch/KJT objects: KJT caches (offsets, ...) that one
-    pipeline computes on a host batch must not make the next one's copies bigger."""
+    pipeline computes on a host batch must not make the next one's copies bigger. On a
+    CUDA ``device``, pinned copies (made now, for studies that hand a pipeline all of them)."""
+    if device is not None and device.type == "cuda":
+        return iter([b.pin_memory() for b in batches])
     return iter([replace(b, sparse_features=copy.copy(b.sparse_features)) for b in batches])
+
+
+def fed_as_trained(cfg: RecpipeConfig, batches: list[Batch], device: torch.device) -> Iterator[Batch]:
+    """``batches`` (made before the run, in pageable memory) handed to the pipeline the way the
+    trainer's loader hands its batches: made by ``data.num_workers`` producers (at least one;
+    processes, or threads where the loader uses threads: ``workers_kind_of``), each batch copied
+    into a buffer of its own, pinned on CUDA, from torch's caching host allocator, which gives it
+    back to the next batches once the copies made from it are done. So a run reuses host memory
+    as training does, and a pipeline that reads a batch's memory after it was reused trains on
+    other data here too (the row's check then says so). Each batch's objects are new: KJT caches
+    one run computes on a host batch do not reach the next."""
+    pin = device if device.type == "cuda" else None
+    return iter(BatchStream(batches.__getitem__, 0, len(batches), max(cfg.data.num_workers, 1), pin,
+                            workers_kind_of(cfg)))
 
 
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:
@@ -197,11 +218,33 @@ def dynamo_config_kept() -> Iterator[None]:
         torch._dynamo.reset()
 
 
-def untimed_steps(pipe: Any, it: Iterator[Batch], bar: tqdm, n: int | None = None) -> None:
+class Steps:
+    """``pipe.progress(it)``, keeping every step's loss (recpipe's pipelines: ``last_loss``, a device
+    tensor read after the run); in ``lockstep`` the host then waits for the device, so that no step
+    runs ahead of the one before (a row's reference run)."""
+
+    def __init__(self, pipe: Any, it: Iterator[Batch], device: torch.device, lockstep: bool = False) -> None:
+        self.pipe, self.it, self.device, self.lockstep = pipe, it, device, lockstep
+        self.losses: list[torch.Tensor] = []
+
+    def __call__(self) -> None:
+        self.pipe.progress(self.it)
+        loss = getattr(self.pipe, "last_loss", None)
+        if loss is not None:
+            self.losses.append(loss)
+        if self.lockstep:
+            synchronize(self.device)
+
+    def loss_values(self) -> list[float]:
+        """Host sync: every kept loss."""
+        return torch.stack([t.detach().reshape(()).float() for t in self.losses]).tolist() if self.losses else []
+
+
+def untimed_steps(step: Steps, bar: tqdm, n: int | None = None) -> None:
     """``n`` untimed steps (None: until StopIteration, the drain)."""
     try:
         for _ in itertools.count() if n is None else range(n):
-            pipe.progress(it)
+            step()
             bar.update(1)
     except StopIteration:
         if n is not None:
@@ -234,16 +277,18 @@ def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunRe
 
 def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch], opts: BenchOptions,
                   device: torch.device, bar: tqdm, result: RunResult, memory: MemorySnapshot | None = None,
-                  label: str = "") -> RunResult:
+                  label: str = "", lockstep: bool = False) -> RunResult:
     """The phases of a run on a built pipeline: warm-up, timed steps (UVM-cache counters read around them),
-    profiled steps, the drain; ``memory`` closes a phase after the warm-up and the timed steps."""
-    it, memory = fresh_batches(batches), memory or MemorySnapshot(cuda=False)  # None: no allocator snapshots
+    profiled steps, the drain; ``memory`` closes a phase after the warm-up and the timed steps. Every
+    step's loss goes into ``result.losses``; ``lockstep``: the host waits for the device after each step."""
+    memory = memory or MemorySnapshot(cuda=False)  # None: no allocator snapshots
+    step = Steps(pipe, fed_as_trained(cfg, batches, device), device, lockstep)
     synchronize(device)
     started = time.perf_counter()
-    untimed_steps(pipe, it, bar, 1)  # the first step: a compile or a capture shows here
+    untimed_steps(step, bar, 1)  # the first step: a compile or a capture shows here
     synchronize(device)
     result.first_step_s = time.perf_counter() - started
-    untimed_steps(pipe, it, bar, opts.warmup - 1)
+    untimed_steps(step, bar, opts.warmup - 1)
     synchronize(device)  # the timed steps start on an idle device
     memory.phase_done("warmup")
     if result.pipeline_class.startswith("torchrec."):
@@ -258,7 +303,7 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     clock, wall = StepClock(device), time.perf_counter()
     for _ in range(opts.steps):
         clock.start()
-        pipe.progress(it)
+        step()
         clock.stop()
         bar.update(1)
     result.times_ms, result.host_ms = clock.times_ms(), clock.host_ms()  # synchronizes
@@ -269,17 +314,20 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     if opts.trace_steps:
         tables = (opts.profile, label or cfg.pipeline.name) if opts.profile else None
         try:
-            result.trace = {"status": "ok", **profile_progress(pipe, it, opts.trace_steps, device, tables)}
+            result.trace = {"status": "ok", **profile_progress(step, opts.trace_steps, device, tables)}
         except Exception as err:  # noqa: BLE001 - the trace's failure, not the run's (a broken pipeline fails below)
             result.trace = {"status": "failed", "reason": f"{type(err).__name__}: {str(err).strip()[:300]}"}
         bar.update(opts.trace_steps)
-    untimed_steps(pipe, it, bar)
+    untimed_steps(step, bar)
+    result.losses = step.loss_values()
     return result
 
 
 def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOptions, device: torch.device,
-              bar: tqdm, label: str | None = None, build: Callable[..., Any] | None = None) -> RunResult:
-    """This rank's run of ``label`` (default: the pipeline) on a fresh model; errors go into the result."""
+              bar: tqdm, label: str | None = None, build: Callable[..., Any] | None = None,
+              lockstep: bool = False) -> RunResult:
+    """This rank's run of ``label`` (default: the pipeline) on a fresh model; errors go into the result.
+    ``lockstep``: the host waits for the device after every step (a row's reference run)."""
     result = RunResult()
     pipe = sharded = None
     bar_end = bar.n + len(batches)  # every batch of the run ticks the bar once, whatever happens
@@ -294,7 +342,7 @@ def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOp
             memory.built()
             result.build_s = time.perf_counter() - built
             measure_steps(sharded.model, pipe, cfg, batches, opts, device, bar, result, memory,
-                          f"{label or cfg.pipeline.name}/{impl}")
+                          f"{label or cfg.pipeline.name}/{impl}", lockstep)
     except Exception as err:  # noqa: BLE001 - recorded on the row; recpipe failures also fail the exit code
         result.fail(err)
         if impl == "recpipe":
@@ -334,6 +382,7 @@ def combine(row: Row, per_rank: list[RunResult], global_batch: int, steps: int) 
     row.step_ms_per_step = [max(ts) for ts in zip(*(r.times_ms for r in per_rank))]
     row.host_ms_per_step = [max(ts) for ts in zip(*(r.host_ms for r in per_rank))]
     row.step_ms_p50_per_rank = [summarize_ms(r.times_ms)["p50"] for r in per_rank]
+    row.step_losses = [r.losses for r in per_rank] if first.losses else []
     row.wall_s, row.build_s = max(r.wall_s for r in per_rank), max(r.build_s for r in per_rank)
     row.first_step_s = max(r.first_step_s for r in per_rank)
     mems = [r.memory for r in per_rank]

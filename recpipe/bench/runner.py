@@ -70,7 +70,8 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
                             *([f"--pipelines {','.join(names)}"] if names else []), *flags, f"--steps {args.steps}",
                             f"--warmup {args.warmup} --trace-steps {args.trace_steps} --out {out}"])
     opts = BenchOptions(tuple(names), bool(args.with_torchrec), args.steps, args.warmup, args.trace_steps, out,
-                        command, str(Path(out) / "profile.txt") if args.profile else None, args.plots, args.rounds)
+                        command, str(Path(out) / "profile.txt") if args.profile else None, args.plots, args.rounds,
+                        getattr(args, "check", True))
     world = cfg.distributed.nproc if not under_torchrun() else int(os.environ["WORLD_SIZE"])
     have = [num_batches(cfg, rank=r, world_size=world, split="train") for r in range(world)]
     if short := [(r, n) for r, n in enumerate(have) if n is not None and n < opts.batches_per_run]:
@@ -171,6 +172,7 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
     bar = tqdm(total=opts.rounds * len(runs) * len(batches), unit="step", dynamic_ncols=True,
                disable=None if rank == 0 and cfg.train.progress else True)
     measured: dict[tuple[str, str], list[Row]] = {run: [] for run in runs}
+    references: dict[str, list[list[float]] | str] = {}  # recpipe row -> its lockstep run's losses, per rank
     for r in range(opts.rounds):
         for name, impl in round_order(runs, r):
             if any(earlier.status != "ok" for earlier in measured[(name, impl)]):
@@ -178,11 +180,16 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
                 continue
             bar.set_description(f"{name}/{impl}" + (f" round {r + 1}/{opts.rounds}" if opts.rounds > 1 else ""))
             row = run_one(cfg, name, impl, batches, opts, device, bar)
+            if opts.check and impl == "recpipe" and row.status == "ok":
+                if name not in references:
+                    references[name] = lockstep_losses(cfg, name, batches, opts, device)
+                row.check = compare_losses(row.step_losses, references[name])
             measured[(name, impl)].append(row)
             if rank == 0:
                 ms = row.step_ms
                 result = f"{row.status}: {row.reason}" if row.status != "ok" else (
-                    f"P50 {ms['p50']:.2f} ms, P90 {ms['p90']:.2f} ms, {row.samples_per_s:,.0f} samples/s")
+                    f"P50 {ms['p50']:.2f} ms, P90 {ms['p90']:.2f} ms, {row.samples_per_s:,.0f} samples/s"
+                    + (f"; check: {row.check}" if row.check else ""))
                 tqdm.write(f"recpipe bench: {row.pipeline} ({row.impl}) {result}"
                            + (f" (round {r + 1})" if opts.rounds > 1 else ""))
     rows = [merge_rounds(measured[run], cfg.data.batch_size * world) for run in runs]
@@ -218,13 +225,40 @@ def _write(cfg: RecpipeConfig, opts: BenchOptions, header: dict[str, Any], rows:
 
 
 def pregenerate(cfg: RecpipeConfig, rank: int, world: int, count: int, device: torch.device) -> list[Batch]:
-    """``count`` host batches of this rank's train split, pinned on CUDA."""
-    batches = list(itertools.islice(iter(make_dataloader(cfg, rank=rank, world_size=world, split="train")), count))
+    """``count`` host batches of this rank's train split, in pageable memory: a run hands each to the
+    pipeline in a pinned buffer of its own, as the trainer's loader does (``run.fed_as_trained``);
+    pinned pages would be copied into every forked producer."""
+    pageable = cfg.model_copy(update={"data": cfg.data.model_copy(update={"pin_memory": False})})
+    batches = list(itertools.islice(iter(make_dataloader(pageable, rank=rank, world_size=world, split="train")), count))
     if min(counts := gather(len(batches))) < count:
         raise ValueError(f"the bench needs {count} batches per rank, the data gave (per rank) {counts}")
-    if device.type == "cuda":
-        batches = [b if b.dense_features.is_pinned() else b.pin_memory() for b in batches]
     return batches
+
+
+def lockstep_losses(cfg: RecpipeConfig, name: str, batches: list[Batch], opts: BenchOptions,
+                    device: torch.device) -> list[list[float]] | str:
+    """Collective: every rank's losses of ``name`` run again on a fresh model with the host waiting for
+    the device after every step (no step's work can run ahead of the one before: whatever a pipeline
+    overlaps, it overlaps only inside a step), or why that run failed."""
+    cfg_p = config_for_pipeline(cfg, name)[0]
+    local = run_local(cfg_p, "recpipe", batches, opts, device, tqdm(disable=True), label=name, lockstep=True)
+    per_rank = gather(local)
+    failed = [f"rank {i}: {r.reason}" for i, r in enumerate(per_rank) if r.status != "ok"]
+    return "; ".join(failed) if failed else [r.losses for r in per_rank]
+
+
+def compare_losses(losses: list[list[float]], reference: list[list[float]] | str) -> str:
+    """``equal`` when every rank's every step's loss equals the reference's bit for bit; else what differs."""
+    if isinstance(reference, str):
+        return f"not checked (the run in lockstep failed: {reference})"
+    for rank, (got, want) in enumerate(zip(losses, reference)):
+        if len(got) != len(want):
+            return f"differs: rank {rank} has {len(got)} losses, the run in lockstep {len(want)}"
+        for step, (a, b) in enumerate(zip(got, want)):
+            if a != b and not (a != a and b != b):  # NaN on both sides is the same outcome
+                worst = max(abs(x - y) for x, y in zip(got, want))
+                return f"differs: rank {rank} from step {step + 1} ({a!r} vs {b!r}; largest difference {worst:.3g})"
+    return "equal"
 
 
 def run_one(cfg: RecpipeConfig, name: str, impl: str, batches: list[Batch], opts: BenchOptions,

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
 
@@ -294,10 +294,11 @@ def kineto_markers_dropped() -> Iterator[None]:
                 os.write(2, b"".join(kept))
 
 
-def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.device,
+def profile_progress(step: Callable[[], Any], steps: int, device: torch.device,
                      op_tables: tuple[str, str] | None = None) -> dict[str, Any]:
-    """:func:`summarize_trace` of ``steps`` calls of ``pipe.progress(it)`` under torch.profiler; ``op_tables`` =
-    (file, title): also append its op tables there, by self and total CPU time (on CUDA also device time)."""
+    """:func:`summarize_trace` of ``steps`` calls of ``step()`` (one ``pipe.progress(it)`` each) under
+    torch.profiler; ``op_tables`` = (file, title): also append its op tables there, by self and total CPU
+    time (on CUDA also device time)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
@@ -307,7 +308,7 @@ def profile_progress(pipe: Any, it: Iterator[Any], steps: int, device: torch.dev
     try:
         for _ in range(steps):
             with record_function(PROGRESS_RANGE):
-                pipe.progress(it)
+                step()
         if cuda:
             torch.cuda.synchronize()  # host sync: every launched kernel ends inside the window
     finally:

@@ -25,6 +25,7 @@ from recpipe.bench.trace import combine_ranks, profile_progress
 from recpipe.builder import make_pipeline
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
+from recpipe.deterministic import apply_deterministic
 from recpipe.data.loader import workers_kind_of
 from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
@@ -256,6 +257,7 @@ def build_run(cfg: RecpipeConfig, impl: str, device: torch.device, result: RunRe
     """(sharded model, pipeline or None if recpipe's refuses the config) on a fresh model from ``train.seed``;
     ``impl``: recpipe (``build(cfg, model, optimizer, device)``, default ``make_pipeline``) or torchrec(_pt2)."""
     result = RunResult() if result is None else result
+    apply_deterministic(cfg.train.deterministic)  # a variant may set it (train.deterministic=false)
     torch.manual_seed(cfg.train.seed)
     # FBGEMM's cache counters (fbgemm-gpu 1.6, 1.8): a few atomics in its cache kernels, on every row alike
     stats = {"gather_uvm_cache_stats": True} if cached_tables(cfg) else {}

@@ -17,7 +17,7 @@ BASE = [
     "data.source=synthetic", "data.batch_size=128", "data.synthetic.num_eval_batches=4",
     "sharding.default={type: table_wise, kernel: fused}", "sharding.tables={}",
     "optimizer.embedding.lr=0.05", "optimizer.dense.lr=0.05", "pipeline.name=sparse_dist",
-    "train.log_every=25", "checkpoint.every=60",
+    "train.log_every=25", "checkpoint.every=60", "train.deterministic=true",
 ]
 STEPS, SPLIT = 120, 60
 PRODUCERS = ["data.num_workers=2", "data.workers_kind=process"]

@@ -6,7 +6,19 @@ made in the loop (``data.num_workers: 0``): the sanitizer starts CUDA in this pr
 forked producer that inherits it cannot use CUDA (recpipe's never do; torch refuses them all).
 What it cannot see: a CUDA graph's replay (one launch, no ops), and memory the caching allocator
 reuses across streams (its trace ends a tensor when Python frees it): tests/test_full_speed_gpu.py
-covers those by training at full speed."""
+covers those by training at full speed.
+
+Two things the sanitizer reports that are not races of these runs, and are kept out:
+
+* the ops recorded while a CUDA graph is captured: nothing runs then, but the sanitizer takes
+  them for launches on the capture's stream, and the first eager op of the next step on another
+  stream conflicts with them (``pipeline.cuda_graphs``, ``pipeline.step_graph``). The sanitizer is
+  paused while a graph is captured (it sees the steps before the capture and around each replay);
+* FBGEMM's prefetch pipeline checks a batch's ids on the prefetch stream and again in the forward,
+  on the compute stream, and both checks may add to the TBE's one ``bounds_check_warning``
+  counter (an atomic add per id out of range; none in these runs). Each such report names
+  ``fbgemm::bounds_check_indices`` writing ``warning`` on both sides; those are dropped, any other
+  report fails the test."""
 
 from __future__ import annotations
 
@@ -28,16 +40,41 @@ SMALL = [
 ]
 
 
+def _fbgemm_bounds_counter(error) -> bool:
+    """A report on FBGEMM's bounds-check warning counter, written by two id checks (see above)."""
+    accesses = (error.current_access, error.previous_access)
+    return all("fbgemm::bounds_check_indices" in str(a.operator) and a.aliases == ["warning"] for a in accesses)
+
+
 @pytest.fixture
-def sanitizer():
+def sanitizer(monkeypatch):
     from torch.cuda import _sanitizer
 
     torch.cuda.synchronize()
     _sanitizer.enable_cuda_sanitizer()
+    csan = _sanitizer.cuda_sanitizer
+    handler = csan.dispatch.event_handler
+    launch = handler._handle_kernel_launch
+    monkeypatch.setattr(handler, "_handle_kernel_launch",
+                        lambda *args: [e for e in launch(*args) if not _fbgemm_bounds_counter(e)])
+    enter, exit_ = torch.cuda.graph.__enter__, torch.cuda.graph.__exit__
+
+    def capture_enter(self):
+        csan.disable()
+        return enter(self)
+
+    def capture_exit(self, *exc):
+        try:
+            return exit_(self, *exc)
+        finally:
+            csan.enable()
+
+    monkeypatch.setattr(torch.cuda.graph, "__enter__", capture_enter)
+    monkeypatch.setattr(torch.cuda.graph, "__exit__", capture_exit)
     try:
         yield
     finally:
-        _sanitizer.cuda_sanitizer.disable()
+        csan.disable()
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -8,7 +8,7 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -44,10 +44,13 @@ def synchronize(device: torch.device) -> None:
 class StepClock:
     """Times calls. CUDA: a pair of events on the current (compute) stream around each call, read after one
     synchronize, so consecutive calls tile the compute stream's timeline (host stalls inside a call included,
-    the caller's work between calls not). CPU: the host's wall time. Always: the host time inside each call."""
+    the caller's work between calls not). CPU: the host's wall time. Always: the host time inside each call,
+    without the time the pipeline waited for the device to catch up (``waited()``: its ``host_wait_s``,
+    ``pipeline.steps_ahead``): the host's own work."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, waited: Callable[[], float] = lambda: 0.0) -> None:
         self.cuda = device.type == "cuda"
+        self._waited, self._w0 = waited, 0.0
         self.method = "cuda_events_per_progress_call" if self.cuda else "host_wall_per_progress_call"
         self._events: list[torch.cuda.Event] = []  # CUDA: start, end of every call
         self._host: list[float] = []
@@ -59,15 +62,16 @@ class StepClock:
             self._events[-1].record()
 
     def start(self) -> None:
-        self._t0 = time.perf_counter()
+        self._t0, self._w0 = time.perf_counter(), self._waited()
         self._record()
 
     def stop(self) -> None:
         self._record()
-        self._host.append((time.perf_counter() - self._t0) * 1e3)
+        self._host.append((time.perf_counter() - self._t0 - (self._waited() - self._w0)) * 1e3)
 
     def host_ms(self) -> list[float]:
-        """Host milliseconds spent inside each call (CUDA: launch work and host syncs only)."""
+        """Host milliseconds spent inside each call (CUDA: launch work and host syncs, not the waits for the
+        device to catch up)."""
         return list(self._host)
 
     def times_ms(self) -> list[float]:

@@ -302,7 +302,7 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     if counters is None and cfg.pipeline.name == "prefetch":
         result.cache_reason = ("n/a: CPU run (no UVM cache)" if cached_tables(cfg)
                                else "n/a: no fused_uvm_caching table (no UVM cache)")
-    clock, wall = StepClock(device), time.perf_counter()
+    clock, wall = StepClock(device, lambda: getattr(pipe, "host_wait_s", 0.0)), time.perf_counter()
     for _ in range(opts.steps):
         clock.start()
         step()

@@ -395,6 +395,11 @@ class Pipeline:
         yet, and waited: the device, not the host or its loader, set the pace then."""
         return self._ahead.waited
 
+    @property
+    def host_wait_s(self) -> float:
+        """The host's seconds in those waits (``host_waits``)."""
+        return self._ahead.waited_s
+
     def in_flight(self) -> int:
         return sum(b is not None for b in self._slots)
 

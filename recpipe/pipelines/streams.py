@@ -24,6 +24,7 @@ schedules run unchanged under Gloo in CI.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
@@ -204,6 +205,7 @@ class StepsAhead:
     def __init__(self, steps: int, stream: Stream) -> None:
         self.steps = steps
         self.waited = 0  # steps after which the host found the device `steps` behind and waited
+        self.waited_s = 0.0  # the host's time in those waits
         self._stream = stream
         self._ring = [torch.cuda.Event() for _ in range(steps)] if stream is not None else []
         self._next = 0
@@ -214,7 +216,9 @@ class StepsAhead:
         event = self._ring[self._next]
         if not event.query():  # the device is `steps` steps behind the host: the device bounds the run
             self.waited += 1
+            started = time.perf_counter()
             event.synchronize()  # host sync: on the step `steps` back
+            self.waited_s += time.perf_counter() - started
         event.record(self._stream)
         self._next = (self._next + 1) % self.steps
 

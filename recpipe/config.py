@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Iterator, Literal, Union
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, ValidationError, WrapValidator,
@@ -47,6 +47,11 @@ __all__ = [
 # --------------------------------------------------------------------- model
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
+# torch refuses a tensor of 2^63 bytes or more ("Storage size calculation overflowed"), even on
+# the meta device: the built-in model's weights (float32) are checked against it here, so that
+# such sizes are a config error naming the key, not a traceback where the model is built.
+TENSOR_BYTES_LIMIT = 2**63
+FP32_BYTES = 4
 
 
 
@@ -92,7 +97,30 @@ class ModelConfig(Section):
                 f"model.over_arch_layer_sizes[-1]={self.over_arch_layer_sizes[-1]} must be 1 "
                 "(one click logit per sample)"
             )
+        for what, rows, cols in self._weights():
+            if rows * cols * FP32_BYTES >= TENSOR_BYTES_LIMIT:
+                raise ValueError(f"{what}: a weight of {rows} x {cols} float32 values ({rows * cols * FP32_BYTES:.3g} "
+                                 "bytes) is larger than a torch tensor can be (2^63 bytes)")
         return self
+
+    def _weights(self) -> Iterator[tuple[str, int, int]]:
+        """(the keys that size it, rows, columns) of each weight of the built-in model
+        (recpipe.models.dlrm.build_model: torchrec's DLRM / DLRM_DCN): every table, every
+        Linear of the dense and over archs, DCNv2's low-rank cross layers."""
+        D, F = self.embedding_dim, self.num_sparse_features
+        for i, rows in enumerate(self.num_embeddings_per_feature):
+            yield f"model.num_embeddings_per_feature[{i}]={rows} x model.embedding_dim={D}", rows, D
+        inputs = self.num_dense_features
+        for i, size in enumerate(self.dense_arch_layer_sizes):
+            yield f"model.dense_arch_layer_sizes[{i}]={size}", size, inputs
+            inputs = size
+        inputs = D + F * (F + 1) // 2 if self.arch == "dlrm" else (F + 1) * D  # the interaction's output
+        if self.arch == "dcnv2":
+            yield (f"model.dcn_low_rank_dim={self.dcn_low_rank_dim} x (F + 1) * model.embedding_dim={inputs}",
+                   inputs, self.dcn_low_rank_dim)
+        for i, size in enumerate(self.over_arch_layer_sizes):
+            yield f"model.over_arch_layer_sizes[{i}]={size}", size, inputs
+            inputs = size
 
     @property
     def num_sparse_features(self) -> int:

@@ -17,7 +17,7 @@ import torch
 from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
-from recpipe.data.binary_format import BinaryDataError, Layout, column_path, read_manifest
+from recpipe.data.binary_format import BinaryDataError, Layout, column_path, npy_header, read_manifest
 from recpipe.data.convert import convert
 from recpipe.errors import DataError, data_errors, exit_code_of
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
@@ -354,6 +354,29 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
     assert f"{victim}: SHA-256 differs" in capsys.readouterr().err
     with pytest.raises(BinaryDataError, match=rf"{victim}: row 20 holds \[300\], outside the valid range of cat_1 \(ids 0..299\)"):
         batches(config("binary", directory=out))
+
+
+def _flip_a_bit(path: Path) -> None:
+    """Flip bit 1 of the first byte of the array data: a count of 0..3 stays one of 0..3, in range."""
+    offset = npy_header(path)[3]
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ 0b10]))
+
+
+def test_verify_says_its_problems_as_every_command_does(tmp_path, tsv_files, capsys):
+    out, _ = converted(tmp_path, tsv_files)
+    dense, ids = column_path(out, "00000-day_0.tsv", "dense"), column_path(out, "00002-day_1.tsv", "cat_1")
+    _flip_a_bit(dense)
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
+    corrupt = f"{dense}: SHA-256 differs from the manifest's (corrupt)"
+    assert capsys.readouterr().err == f"recpipe data verify: {corrupt} [exit {EXIT_BAD_DATA}]\n"
+    ids.unlink()
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
+    missing = f"{ids}: missing (the manifest lists 38 rows, 152 bytes of data)"
+    assert capsys.readouterr().err == f"recpipe data verify: {out}: 2 problems:\n  {corrupt}\n  {missing}\n[exit 5]\n"
 
 
 @pytest.mark.parametrize("kind", ["process", "thread"])

@@ -8,6 +8,9 @@ import hashlib
 import json
 import os
 import random
+import re
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -377,6 +380,32 @@ def test_verify_says_its_problems_as_every_command_does(tmp_path, tsv_files, cap
     assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
     missing = f"{ids}: missing (the manifest lists 38 rows, 152 bytes of data)"
     assert capsys.readouterr().err == f"recpipe data verify: {out}: 2 problems:\n  {corrupt}\n  {missing}\n[exit 5]\n"
+
+
+def test_train_start_says_when_a_dataset_was_never_verified_or_written_since(tmp_path, tsv_files, monkeypatch):
+    """Opening a dataset checks sizes and every batch's ranges, not the SHA-256s (which would
+    read the whole dataset at every start): a bit flip within range trains silently unless
+    `recpipe data verify` runs; the start of a run says when it has not since the files changed."""
+    from recpipe.data import check_data
+
+    monkeypatch.delenv("RANK", raising=False)
+    out, _ = converted(tmp_path, tsv_files)
+    cfg = config("binary", directory=out)
+    with pytest.warns(UserWarning, match=re.escape(f"data.binary.train_dir={str(out)!r}: its SHA-256 checksums were "
+                                                   f"never checked; `recpipe data verify {out}` checks every file")):
+        check_data(cfg)
+    assert main(["data", "verify", str(out)]) == EXIT_OK
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_data(cfg)  # verified and unchanged: nothing to say
+    time.sleep(0.05)  # a later write: beyond the granularity of file timestamps (a kernel tick, 10 ms at most)
+    dense = column_path(out, "00000-day_0.tsv", "dense")
+    _flip_a_bit(dense)
+    assert len(batches(cfg)) == 6  # every value in range: it would train
+    with pytest.warns(UserWarning, match=re.escape(f"{dense.name} was written after `recpipe data verify` last "
+                                                   "checked it")):
+        check_data(cfg)
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
 
 
 @pytest.mark.parametrize("kind", ["process", "thread"])

@@ -120,7 +120,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from recpipe.data.binary_format import BinaryDataError, read_manifest, verify_dataset
+    from recpipe.data.binary_format import VERIFIED, BinaryDataError, read_manifest, record_verified, verify_dataset
 
     problems = verify_dataset(args.directory, checksums=not args.sizes_only)
     if len(problems) == 1:
@@ -129,8 +129,11 @@ def _verify(args: argparse.Namespace) -> int:
         raise BinaryDataError(f"{args.directory}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
     manifest = read_manifest(args.directory)
     what = "sizes" if args.sizes_only else "sizes and SHA-256"
+    note = ""
+    if not args.sizes_only and not record_verified(manifest):
+        note = f"; {VERIFIED} cannot be written there, so `recpipe train` will still say it was never verified"
     print(f"{args.directory}: {manifest.num_rows:,} rows in {len(manifest.sources)} parts, {what} as in the manifest "
-          f"(format version {manifest.version}, ids hashed by {manifest.hashing}'s rule)")
+          f"(format version {manifest.version}, ids hashed by {manifest.hashing}'s rule){note}")
     return EXIT_OK
 
 

@@ -114,6 +114,24 @@ def test_sizes_this_machine_cannot_hold_are_refused_before_any_process_starts(tm
     assert not (tmp_path / "run").exists(), "something started"
 
 
+def test_the_host_memory_check_counts_each_cpu_rank_s_process(monkeypatch, capfd):
+    """Each CPU rank holds about 0.25 GiB beyond its plan's tensors (the interpreter, torch,
+    torchrec, FBGEMM, Gloo: CPU_RANK_BYTES), about 14 times what quickstart's plan gives a
+    rank: 64 ranks need about 17 GiB, not the 4.5 GiB of their plans."""
+    from recpipe import preflight
+    from recpipe.preflight import Machine, check_memory
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(preflight, "host_memory_available", lambda: 8 * 2**30)
+    assert check_memory(load_config(CONFIG, ["distributed.nproc=2"]), Machine(cuda=False), world_size=2) is None
+    cfg = load_config(CONFIG, ["distributed.nproc=64"])
+    assert check_memory(cfg, Machine(cuda=False), world_size=64) == EXIT_DOES_NOT_FIT
+    line = _one_line(capfd.readouterr().err, EXIT_DOES_NOT_FIT)
+    assert line.startswith("recpipe train: refusing to start, the configuration does not fit in this machine's memory: "
+                           "64 rank(s) on CPU need about 16.96 GiB: 256.0 MiB a rank for its process (measured"), line
+    assert "8.00 GiB is available" in line and "lower distributed.nproc" in line
+
+
 @pytest.mark.parametrize("overrides, says", [
     (["model.num_embeddings_per_feature=[1000000000000000000, 300, 500, 1000]"],
      "model.num_embeddings_per_feature[0]=1000000000000000000 x model.embedding_dim=8: a weight of "

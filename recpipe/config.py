@@ -426,6 +426,7 @@ PipelineSection = Annotated[SerializeAsAny[PipelineOptions], WrapValidator(_pipe
 # rank stopped; at 1 s that is 5 store writes a second per rank and a verdict 0.6 s later.
 MIN_STEP_TIMEOUT_S = 1.0
 
+
 class TrainConfig(Section):
     steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
     epochs: int = Field(1, gt=0)
@@ -472,6 +473,7 @@ class TrainConfig(Section):
         description="seconds without a training step before the job ends (exit 8): at least 1; null = 100 x the "
         "median step, at least 60; 0 = off",
     )
+
     @field_validator("step_timeout_s")
     @classmethod
     def _watchable(cls, value: float | None) -> float | None:

@@ -17,12 +17,13 @@ torch: the ``pipeline`` section's variants come from the registry's light declar
 from __future__ import annotations
 
 import re
+import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Iterator, Literal, Union
 
 import yaml
 from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, ValidationError, WrapValidator,
-                      model_validator)
+                      field_validator, model_validator)
 
 from recpipe.capabilities import PREFETCH_STEP
 from recpipe.errors import ConfigError
@@ -33,6 +34,8 @@ from recpipe.sections import FactorySpec, Section
 
 __all__ = [
     "ConfigError",
+    "ConfigLoader",
+    "MAX_CONFIG_BYTES",
     "RecpipeConfig",
     "load_config",
     "parse_overrides",
@@ -44,6 +47,11 @@ __all__ = [
 # --------------------------------------------------------------------- model
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26
+# torch refuses a tensor of 2^63 bytes or more ("Storage size calculation overflowed"), even on
+# the meta device: the built-in model's weights (float32) are checked against it here, so that
+# such sizes are a config error naming the key, not a traceback where the model is built.
+TENSOR_BYTES_LIMIT = 2**63
+FP32_BYTES = 4
 
 
 
@@ -89,7 +97,30 @@ class ModelConfig(Section):
                 f"model.over_arch_layer_sizes[-1]={self.over_arch_layer_sizes[-1]} must be 1 "
                 "(one click logit per sample)"
             )
+        for what, rows, cols in self._weights():
+            if rows * cols * FP32_BYTES >= TENSOR_BYTES_LIMIT:
+                raise ValueError(f"{what}: a weight of {rows} x {cols} float32 values ({rows * cols * FP32_BYTES:.3g} "
+                                 "bytes) is larger than a torch tensor can be (2^63 bytes)")
         return self
+
+    def _weights(self) -> Iterator[tuple[str, int, int]]:
+        """(the keys that size it, rows, columns) of each weight of the built-in model
+        (recpipe.models.dlrm.build_model: torchrec's DLRM / DLRM_DCN): every table, every
+        Linear of the dense and over archs, DCNv2's low-rank cross layers."""
+        D, F = self.embedding_dim, self.num_sparse_features
+        for i, rows in enumerate(self.num_embeddings_per_feature):
+            yield f"model.num_embeddings_per_feature[{i}]={rows} x model.embedding_dim={D}", rows, D
+        inputs = self.num_dense_features
+        for i, size in enumerate(self.dense_arch_layer_sizes):
+            yield f"model.dense_arch_layer_sizes[{i}]={size}", size, inputs
+            inputs = size
+        inputs = D + F * (F + 1) // 2 if self.arch == "dlrm" else (F + 1) * D  # the interaction's output
+        if self.arch == "dcnv2":
+            yield (f"model.dcn_low_rank_dim={self.dcn_low_rank_dim} x (F + 1) * model.embedding_dim={inputs}",
+                   inputs, self.dcn_low_rank_dim)
+        for i, size in enumerate(self.over_arch_layer_sizes):
+            yield f"model.over_arch_layer_sizes[{i}]={size}", size, inputs
+            inputs = size
 
     @property
     def num_sparse_features(self) -> int:
@@ -390,6 +421,12 @@ PipelineSection = Annotated[SerializeAsAny[PipelineOptions], WrapValidator(_pipe
 
 
 # ------------------------------------------------------------- train & co.
+# The shortest train.step_timeout_s: recpipe.train.watchdog polls every min(1 s, timeout / 5),
+# publishing a heartbeat to the job's store each time, and takes 3 more polls to say which
+# rank stopped; at 1 s that is 5 store writes a second per rank and a verdict 0.6 s later.
+MIN_STEP_TIMEOUT_S = 1.0
+
+
 class TrainConfig(Section):
     steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
     epochs: int = Field(1, gt=0)
@@ -436,13 +473,23 @@ class TrainConfig(Section):
     skipped_steps_window: int = Field(100, gt=0, description="skip_step: the window, in steps")
     # A rank that makes no training step for this long ends the job on every rank, naming
     # the rank that stopped and its last step (exit code 8; recpipe/train/watchdog.py). null:
-    # 100 times the median step of the run so far, and at least 60 s; 0: off. The first
-    # step (compiles, graph captures), evaluation and checkpoint saves are not timed.
+    # 100 times the median step of the run so far, and at least 60 s; 0: off; else at least
+    # MIN_STEP_TIMEOUT_S. The first step (compiles, graph captures), evaluation and
+    # checkpoint saves are not timed.
     step_timeout_s: float | None = Field(
         None, ge=0,
-        description="seconds without a training step before the job ends (exit 8); null = 100 x the median step, "
-        "at least 60; 0 = off",
+        description="seconds without a training step before the job ends (exit 8): at least 1; null = 100 x the "
+        "median step, at least 60; 0 = off",
     )
+
+    @field_validator("step_timeout_s")
+    @classmethod
+    def _watchable(cls, value: float | None) -> float | None:
+        if value and value < MIN_STEP_TIMEOUT_S:
+            raise ValueError(f"must be 0 (off) or at least {MIN_STEP_TIMEOUT_S:g} s (the watchdog polls every "
+                             "timeout / 5; a shorter one would end jobs over a pause of a host, not a stall)")
+        return value
+
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -643,15 +690,90 @@ PLANNER_ON_CPU = ("sharding.placement='planner' places shards by their GPU memor
 
 
 # -------------------------------------------------------------- loading
+# The largest config file read. Shipped configs are under 3 KB and a config of a thousand
+# tables or features a few hundred KB; PyYAML's pure-Python parser (whose messages are the
+# ones quoted) reads 80-250 KB/s on one core of a busy 2-core machine, so the largest file
+# parses in seconds. Checked before the file is read.
+MAX_CONFIG_BYTES = 1 << 20
+# Deeper nesting than any config needs (pipeline.cuda_graphs.x is 3 levels): a limit, so
+# that a file of brackets is a one-line error, not a RecursionError of the parser.
+MAX_CONFIG_DEPTH = 64
+
+
+class _RefusedYAML(yaml.MarkedYAMLError):
+    """YAML that parses but is not allowed in a config (aliases, duplicate keys, nesting)."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader for configs: no aliases (``*name``: a few lines of them expand
+    to billions of nodes when the config is copied or dumped), no key given twice in a
+    mapping (YAML keeps the last one silently), at most ``MAX_CONFIG_DEPTH`` levels."""
+
+    def __init__(self, stream: str, root: str = "") -> None:
+        super().__init__(stream)
+        # The key nodes and list indices down to the node being composed, under ``root``
+        # (the key of a --set value).
+        self._path: list[Any] = [root] if root else []
+        self._under_root = len(self._path)
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            alias = self.peek_event()
+            raise _RefusedYAML(problem=f"a YAML alias (*{alias.anchor}) is not allowed in a config: write the value "
+                                       "out (sharding.default holds what the tables share)",
+                               problem_mark=alias.start_mark)
+        if len(self._path) - self._under_root >= MAX_CONFIG_DEPTH:
+            raise _RefusedYAML(problem=f"nested more than {MAX_CONFIG_DEPTH} levels deep",
+                               problem_mark=self.peek_event().start_mark)
+        self._path.append(index)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._path.pop()
+
+    def compose_mapping_node(self, anchor: Any) -> Any:
+        node = super().compose_mapping_node(anchor)
+        first: dict[tuple[str, str], Any] = {}
+        for key, _ in node.value:
+            if not isinstance(key, yaml.ScalarNode):
+                continue
+            earlier = first.setdefault((key.tag, key.value), key)
+            if earlier is not key:
+                raise _RefusedYAML(problem=f"{self._key_path(key.value)} is given twice (first on line "
+                                           f"{earlier.start_mark.line + 1}); YAML would keep only the last: give "
+                                           "each key once", problem_mark=key.start_mark)
+        return node
+
+    def _key_path(self, key: str) -> str:
+        """``key``'s dotted path in the document (``train.device``, ``a.b[2].c``)."""
+        path = ""
+        for part in [*self._path, key]:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif part is not None:
+                value = part.value if isinstance(part, yaml.ScalarNode) else str(part)
+                path += f".{value}" if path else value
+        return path
+
+
+def _load_yaml(text: str, root: str = "") -> Any:
+    loader = ConfigLoader(text, root)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``["train.steps=50", ...]`` -> ``{"train.steps": 50}``; values are YAML scalars/lists."""
+    """``["train.steps=50", ...]`` -> ``{"train.steps": 50}``; values are YAML scalars/lists,
+    read as the config file is (:class:`ConfigLoader`)."""
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set train.steps=50")
         try:
-            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            out[key.strip()] = _load_yaml(raw, key.strip()) if raw.strip() else None
         except yaml.YAMLError as err:
             raise ConfigError(f"--set {key.strip()}={raw}: not a YAML value ({_yaml_problem(err)})") from None
     return out
@@ -666,13 +788,41 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
-def _read_yaml(p: Path) -> Any:
-    """The YAML document in file ``p``; ConfigError naming the file and line when it
-    cannot be read, is not UTF-8 (what YAML files are) or is not valid YAML."""
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+               (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _config_bytes(p: Path) -> bytes:
+    """The bytes of config file ``p``: a regular file of at most ``MAX_CONFIG_BYTES``,
+    checked before it is opened (a FIFO would block, /dev/zero never end)."""
     try:
-        data = p.read_bytes()
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(p)!r} does not exist") from None
     except OSError as err:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {err.strerror or err}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((what for test, what in _FILE_KINDS if test(st.st_mode)), "not a file")
+        raise ConfigError(f"config file {str(p)!r} is {kind}, not a regular file: --config names a YAML file")
+    too_big = (f"config file {str(p)!r} is larger than {MAX_CONFIG_BYTES / 2**20:g} MiB, the most a config may be "
+               "(configs are a few KB: is it the right file?)")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(too_big)
+    try:
+        with open(p, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except OSError as err:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {err.strerror or err}") from None
+    if len(data) > MAX_CONFIG_BYTES:  # it grew since
+        raise ConfigError(too_big)
+    return data
+
+
+def _read_yaml(p: Path) -> Any:
+    """The YAML document in file ``p``; ConfigError naming the file (and the line) when it is
+    not a regular file, is too large, is not UTF-8 (what YAML files are), is not valid YAML,
+    or holds what a config may not (:class:`ConfigLoader`)."""
+    data = _config_bytes(p)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -681,7 +831,9 @@ def _read_yaml(p: Path) -> Any:
         raise ConfigError(f"config file {str(p)!r}, line {line}, column {column}: byte 0x{data[err.start]:02x} is "
                           "not UTF-8 text (save the file as UTF-8)") from None
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text)
+    except _RefusedYAML as err:
+        raise ConfigError(f"config file {str(p)!r}, {_yaml_problem(err)}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(p)!r} is not valid YAML: {_yaml_problem(err)}") from None
 
@@ -757,8 +909,6 @@ def load_config(path: str | Path | None, overrides: list[str] | dict[str, Any] |
     source = "defaults"
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist")
         loaded = _read_yaml(p)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(p)!r} must hold a mapping of sections, got {type(loaded).__name__}")

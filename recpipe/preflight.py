@@ -39,8 +39,9 @@ from recpipe.speedups.registry import SPEEDUPS
 
 if TYPE_CHECKING:
     from recpipe.planner import MemoryPlan
+    from recpipe.planner.plan import RankMemory
 
-__all__ = ["Machine", "check_machine", "check_memory", "check_rules", "host_memory_available", "host_memory_problem",
+__all__ = ["CPU_RANK_BYTES", "Machine", "check_machine", "check_memory", "check_rules", "host_memory_available", "host_memory_problem",
            "preflight", "rule_problems"]
 
 
@@ -187,20 +188,48 @@ def check_memory(cfg: RecpipeConfig, machine: Machine, *, world_size: int | None
     return EXIT_DOES_NOT_FIT
 
 
+# What a CPU rank holds beyond its plan's tables, optimizer state and batches: its share of
+# the interpreter, torch, torchrec and FBGEMM, Gloo's buffers, the training loop. Measured
+# with configs/quickstart.yaml (train.device=cpu; torch 2.13 CPU, torchrec 1.8, fbgemm-gpu-cpu
+# 1.8, a 2-core x86 machine) by polling every process's /proc/PID/smaps_rollup every 0.2 s
+# through `recpipe train`, keeping each one's peak. A rank forked from the launcher's
+# preloaded server (recpipe.launch_preload) shares the server's imported pages: each peaked
+# at 0.39-0.53 GiB RSS (what `peak RSS` in the log says) but at 0.20-0.31 GiB of proportional
+# set size (PSS: its own pages, shared ones divided among their sharers), 0.24 GiB on average
+# over 64 ranks. The whole job's PSS peaked at 1.1 GiB with 2 ranks, 2.1 with 8, 4.0 with 16,
+# 7.6 with 32 and 15.4 GiB with 64 (MemAvailable fell by 15.0 GiB; the launcher and the server
+# held 0.7 GiB of it): 0.23 GiB more a rank, of which the plan's own terms are 8-18 MiB. A
+# rank under torchrun imports for itself (0.40-0.42 GiB PSS each, 2 ranks), most of it before
+# it runs this check, which then finds it in use already.
+CPU_RANK_BYTES = 256 * 2**20
+# Plan terms that only a CUDA rank has.
+CUDA_ONLY_TERMS = ("cublas_workspace",)
+
+
 def host_memory_problem(plan: "MemoryPlan", local_ranks: int) -> str | None:
     """Why ``local_ranks`` CPU ranks of ``plan`` cannot be held by this machine's available
-    memory (the largest ranks of the plan, as a node of torchrun may hold any), or None."""
+    memory (the largest ranks of the plan, as a node of torchrun may hold any), or None:
+    each rank needs ``CPU_RANK_BYTES`` for its process plus what its plan holds (the
+    tables, optimizer states, batches and activations a CPU run keeps in host memory)."""
     from recpipe.planner.plan import fmt_bytes
 
-    ranks = sorted(plan.ranks, key=lambda r: r.hbm_allocated_bytes, reverse=True)[:local_ranks]
-    needed = sum(r.hbm_allocated_bytes + r.ddr_bytes for r in ranks)
+    ranks = sorted(plan.ranks, key=_host_bytes, reverse=True)[:local_ranks]
+    needed = sum(CPU_RANK_BYTES + _host_bytes(r) for r in ranks)
     available = host_memory_available()
     if available is None or needed <= available:
         return None
-    counted = [t for t in ranks[0].terms if t.side == "hbm" and t.category in ("static", "per_step")]
+    counted = [t for t in ranks[0].terms if t.side == "hbm" and t.category in ("static", "per_step")
+               and t.name not in CUDA_ONLY_TERMS]
     big = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in sorted(counted, key=lambda t: -t.bytes)[:3])
-    return (f"{len(ranks)} rank(s) on CPU need about {fmt_bytes(needed)} (rank {ranks[0].rank}'s largest: {big}), "
-            f"{fmt_bytes(available)} is available; shrink the tables or data.batch_size, or train on GPUs")
+    return (f"{len(ranks)} rank(s) on CPU need about {fmt_bytes(needed)}: {fmt_bytes(CPU_RANK_BYTES)} a rank for its "
+            f"process (measured: torch, torchrec, FBGEMM, Gloo, the loop) plus its tables, optimizer state and batches "
+            f"(rank {ranks[0].rank}: {fmt_bytes(_host_bytes(ranks[0]))}, largest {big}); {fmt_bytes(available)} is "
+            "available: shrink the tables or data.batch_size, lower distributed.nproc, or train on GPUs")
+
+
+def _host_bytes(rank: "RankMemory") -> int:
+    """A CPU rank's planned bytes in host memory: every allocated term but the CUDA-only ones."""
+    return rank.hbm_allocated_bytes - sum(rank.term(name) for name in CUDA_ONLY_TERMS) + rank.ddr_bytes
 
 
 def host_memory_available() -> int | None:

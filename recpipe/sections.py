@@ -26,10 +26,12 @@ class Section(BaseModel):
     .nan is a config error, exit 2, not a run that diverges at its first step), an integer
     must fit in 64 bits (what torch's tensors and Python's iterators count with: a
     ``train.steps`` of 10**23 is refused here, not by a rank's traceback), and ``true`` /
-    ``false`` are not numbers (pydantic would read ``data.batch_size=true`` as 1). Sizes
-    that fit in 64 bits but not in the machine are the memory plan's to refuse (exit 3)."""
+    ``false`` are not numbers (pydantic would read ``data.batch_size=true`` as 1). Values
+    are taken as their YAML type (pydantic's strict mode): a quoted ``"100"`` is a string,
+    not a number, and ``1.5`` is no integer; an integer is a float. Sizes that fit in 64
+    bits but not in the machine are the memory plan's to refuse (exit 3)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="before")
     @classmethod

@@ -3,13 +3,14 @@ code 2 and a message naming the key path and the value, before any process start
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 
 ROOT_CONFIGS = Path(__file__).parent.parent / "configs"
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").rglob("*.yaml"))
@@ -176,3 +177,118 @@ def test_table_entries_override_only_what_they_set():
     from recpipe.config import config_from_dict
     for c in (cfg, own, cached, ranked, dp, half):
         assert config_from_dict(c.model_dump(mode="json")) == c
+
+
+# ------------------------------------------------------------- the config file itself: bounded input, exit 2
+def _one_line(err: str) -> str:
+    assert "Traceback" not in err and err.count("\n") == 1 and err.endswith(f"[exit {EXIT_BAD_CONFIG}]\n"), err
+    return err
+
+
+def _plan(capsys, path, *overrides: str) -> str:
+    """``recpipe plan`` on ``path``: it must refuse with exit 2 and one line, which is returned."""
+    args = ["plan", "--config", str(path)]
+    for pair in overrides:
+        args += ["--set", pair]
+    assert main(args) == EXIT_BAD_CONFIG
+    return _one_line(capsys.readouterr().err)
+
+
+BOMB = """# nine levels of ten aliases each: 10^9 strings once expanded
+model:
+  options:
+    a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+    b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+    c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+    d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+    e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+    f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+    g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+    h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+    i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+def test_yaml_aliases_are_refused_naming_the_file_and_line(tmp_path, capsys):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(BOMB)
+    with pytest.raises(ConfigError):
+        load_config(path)
+    line = _plan(capsys, path)
+    assert f"config file {str(path)!r}, line 5, column 12: a YAML alias (*a) is not allowed in a config" in line, line
+    # The same in a --set value.
+    line = _plan(capsys, QUICKSTART, "model.options={a: &a [1, 2], b: *a}")
+    assert "--set model.options={a: &a [1, 2], b: *a}: not a YAML value (line 1, column 19: a YAML alias (*a)" in line
+
+
+def test_a_config_file_larger_than_the_limit_is_refused_before_it_is_parsed(tmp_path, capsys):
+    from recpipe.config import MAX_CONFIG_BYTES
+
+    path = tmp_path / "big.yaml"
+    head = "# a config with a long comment\ntrain:\n  steps: 5\n# "
+    path.write_text(head + "x" * (MAX_CONFIG_BYTES - len(head) - 1) + "\n")
+    assert path.stat().st_size == MAX_CONFIG_BYTES
+    assert load_config(path).train.steps == 5  # at the limit: read
+    with path.open("a") as fh:
+        fh.write("#")
+    line = _plan(capsys, path)
+    assert f"config file {str(path)!r} is larger than 1 MiB, the most a config may be" in line, line
+
+
+def test_yaml_nested_deeper_than_any_config_is_one_line(tmp_path, capsys):
+    path = tmp_path / "deep.yaml"
+    path.write_text("# brackets\nmodel:\n  options:\n    x: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert "nested more than 64 levels deep" in _plan(capsys, path)
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs os.mkfifo")
+def test_config_paths_that_are_not_regular_files_say_what_they_are(tmp_path, capsys):
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)  # opening it would wait for a writer
+    for path, what in [(tmp_path, "a directory"), (fifo, "a FIFO (named pipe)"), (Path("/dev/zero"), "a character device")]:
+        if not path.exists():
+            continue
+        line = _plan(capsys, path)
+        assert f"config file {str(path)!r} is {what}, not a regular file" in line, line
+
+
+def test_duplicate_keys_are_refused_naming_both_lines_and_the_key_path(tmp_path, capsys):
+    path = tmp_path / "twice.yaml"
+    path.write_text("# train: twice\ntrain:\n  device: cpu\n  log_every: 5\nmodel:\n  embedding_dim: 16\n"
+                    "train:\n  steps: 3\n")
+    line = _plan(capsys, path)
+    assert f"config file {str(path)!r}, line 7, column 1: train is given twice (first on line 2)" in line, line
+    path.write_text("# a key twice\nsharding:\n  tables:\n    t_cat_0: {type: row_wise, type: table_wise}\n")
+    line = _plan(capsys, path)
+    assert "line 4, column 31: sharding.tables.t_cat_0.type is given twice (first on line 4)" in line, line
+    line = _plan(capsys, QUICKSTART, "train={steps: 1, steps: 2}")
+    assert "train.steps is given twice" in line, line
+
+
+@pytest.mark.parametrize("yaml_text, key", [
+    ('train:\n  steps: "100"\n', "train.steps"),
+    ("optimizer:\n  dense: {lr: '0.1'}\n", "optimizer.dense.lr"),
+    ("model:\n  num_embeddings_per_feature: ['10', 20]\n", "model.num_embeddings_per_feature.0"),
+    ("train:\n  log_every: 5.0\n", "train.log_every"),
+])
+def test_strings_are_not_numbers(tmp_path, capsys, yaml_text, key):
+    path = tmp_path / "quoted.yaml"
+    path.write_text("# quoted numbers\n" + yaml_text)
+    line = _plan(capsys, path)
+    assert f"{key}: Input should be a valid" in line, line
+
+
+def test_numbers_from_yaml_and_from_set_keep_their_type():
+    cfg = load_config(QUICKSTART, ["train.steps=100", "optimizer.dense.lr=1", "train.step_timeout_s=30"])
+    assert (cfg.train.steps, cfg.optimizer.dense.lr, cfg.train.step_timeout_s) == (100, 1.0, 30.0)
+    with pytest.raises(ConfigError, match="train.steps: Input should be a valid integer"):
+        load_config(QUICKSTART, ['train.steps="100"'])
+
+
+@pytest.mark.parametrize("value, ok", [("0.001", False), ("0.5", False), ("0", True), ("null", True), ("1", True)])
+def test_step_timeout_has_a_lower_bound(capsys, value, ok):
+    if ok:
+        load_config(QUICKSTART, [f"train.step_timeout_s={value}"])
+        return
+    line = _plan(capsys, QUICKSTART, f"train.step_timeout_s={value}")
+    assert f"train.step_timeout_s: must be 0 (off) or at least 1 s" in line and f"(got {value})" in line, line

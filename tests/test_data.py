@@ -7,7 +7,7 @@ import pytest
 import torch
 from torchmetrics.functional import auroc
 
-from recpipe.config import load_config
+from recpipe.config import load_config, parse_overrides
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.data.synthetic import SyntheticClickLog
 
@@ -208,7 +208,7 @@ def tsv_cfg(train: list, *overrides: str, batch_size: int = 4, eval_files: list 
             "data.num_workers": 0,
             "data.criteo.train_files": [str(p) for p in train],
             "data.criteo.eval_files": [str(p) for p in eval_files or []],
-            **dict(o.split("=", 1) for o in overrides),
+            **parse_overrides(list(overrides)),  # read as --set reads them
         },
     )
 

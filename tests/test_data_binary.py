@@ -8,6 +8,9 @@ import hashlib
 import json
 import os
 import random
+import re
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,7 @@ import torch
 from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
-from recpipe.data.binary_format import BinaryDataError, Layout, column_path, read_manifest
+from recpipe.data.binary_format import BinaryDataError, Layout, column_path, npy_header, read_manifest
 from recpipe.data.convert import convert
 from recpipe.errors import DataError, data_errors, exit_code_of
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
@@ -354,6 +357,55 @@ def test_corrupt_contents_are_caught_by_range_checks_and_checksums(tmp_path, tsv
     assert f"{victim}: SHA-256 differs" in capsys.readouterr().err
     with pytest.raises(BinaryDataError, match=rf"{victim}: row 20 holds \[300\], outside the valid range of cat_1 \(ids 0..299\)"):
         batches(config("binary", directory=out))
+
+
+def _flip_a_bit(path: Path) -> None:
+    """Flip bit 1 of the first byte of the array data: a count of 0..3 stays one of 0..3, in range."""
+    offset = npy_header(path)[3]
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        byte = fh.read(1)[0]
+        fh.seek(offset)
+        fh.write(bytes([byte ^ 0b10]))
+
+
+def test_verify_says_its_problems_as_every_command_does(tmp_path, tsv_files, capsys):
+    out, _ = converted(tmp_path, tsv_files)
+    dense, ids = column_path(out, "00000-day_0.tsv", "dense"), column_path(out, "00002-day_1.tsv", "cat_1")
+    _flip_a_bit(dense)
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
+    corrupt = f"{dense}: SHA-256 differs from the manifest's (corrupt)"
+    assert capsys.readouterr().err == f"recpipe data verify: {corrupt} [exit {EXIT_BAD_DATA}]\n"
+    ids.unlink()
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
+    missing = f"{ids}: missing (the manifest lists 38 rows, 152 bytes of data)"
+    assert capsys.readouterr().err == f"recpipe data verify: {out}: 2 problems:\n  {corrupt}\n  {missing}\n[exit 5]\n"
+
+
+def test_train_start_says_when_a_dataset_was_never_verified_or_written_since(tmp_path, tsv_files, monkeypatch):
+    """Opening a dataset checks sizes and every batch's ranges, not the SHA-256s (which would
+    read the whole dataset at every start): a bit flip within range trains silently unless
+    `recpipe data verify` runs; the start of a run says when it has not since the files changed."""
+    from recpipe.data import check_data
+
+    monkeypatch.delenv("RANK", raising=False)
+    out, _ = converted(tmp_path, tsv_files)
+    cfg = config("binary", directory=out)
+    with pytest.warns(UserWarning, match=re.escape(f"data.binary.train_dir={str(out)!r}: its SHA-256 checksums were "
+                                                   f"never checked; `recpipe data verify {out}` checks every file")):
+        check_data(cfg)
+    assert main(["data", "verify", str(out)]) == EXIT_OK
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_data(cfg)  # verified and unchanged: nothing to say
+    time.sleep(0.05)  # a later write: beyond the granularity of file timestamps (a kernel tick, 10 ms at most)
+    dense = column_path(out, "00000-day_0.tsv", "dense")
+    _flip_a_bit(dense)
+    assert len(batches(cfg)) == 6  # every value in range: it would train
+    with pytest.warns(UserWarning, match=re.escape(f"{dense.name} was written after `recpipe data verify` last "
+                                                   "checked it")):
+        check_data(cfg)
+    assert main(["data", "verify", str(out)]) == EXIT_BAD_DATA
 
 
 @pytest.mark.parametrize("kind", ["process", "thread"])

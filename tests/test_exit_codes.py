@@ -1,8 +1,8 @@
 """Every input an operator may try ends with its documented exit code and one line, never
 a traceback (docs/fault_tolerance.md, "When things go wrong"): damaged gzip data (5),
 numbers beyond 64 bits or a boolean for a number (2), sizes this machine cannot hold (3,
-before any process starts), a hand-edited checkpoint record (a damaged checkpoint: 6 when
-none is left), a hand-edited dataset manifest (5), output paths that are a mistake (2) or
+before any process starts) or no tensor can (2), a hand-edited checkpoint record (a
+damaged checkpoint: 6 when none is left), a hand-edited dataset manifest (5), output paths that are a mistake (2) or
 cannot be written (6), rules between settings (2: a prefetch pipeline without a cached
 table, a resume with another number of ranks or another optimizer). And what such a line
 echoes of a bad field is cut short."""
@@ -112,6 +112,46 @@ def test_sizes_this_machine_cannot_hold_are_refused_before_any_process_starts(tm
                            "memory: 2 rank(s) on CPU need about "), line
     assert term in line and "is available" in line
     assert not (tmp_path / "run").exists(), "something started"
+
+
+def test_the_host_memory_check_counts_each_cpu_rank_s_process(monkeypatch, capfd):
+    """Each CPU rank holds about 0.25 GiB beyond its plan's tensors (the interpreter, torch,
+    torchrec, FBGEMM, Gloo: CPU_RANK_BYTES), about 14 times what quickstart's plan gives a
+    rank: 64 ranks need about 17 GiB, not the 4.5 GiB of their plans."""
+    from recpipe import preflight
+    from recpipe.preflight import Machine, check_memory
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(preflight, "host_memory_available", lambda: 8 * 2**30)
+    assert check_memory(load_config(CONFIG, ["distributed.nproc=2"]), Machine(cuda=False), world_size=2) is None
+    cfg = load_config(CONFIG, ["distributed.nproc=64"])
+    assert check_memory(cfg, Machine(cuda=False), world_size=64) == EXIT_DOES_NOT_FIT
+    line = _one_line(capfd.readouterr().err, EXIT_DOES_NOT_FIT)
+    assert line.startswith("recpipe train: refusing to start, the configuration does not fit in this machine's memory: "
+                           "64 rank(s) on CPU need about 16.96 GiB: 256.0 MiB a rank for its process (measured"), line
+    assert "8.00 GiB is available" in line and "lower distributed.nproc" in line
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.num_embeddings_per_feature=[1000000000000000000, 300, 500, 1000]"],
+     "model.num_embeddings_per_feature[0]=1000000000000000000 x model.embedding_dim=8: a weight of "
+     "1000000000000000000 x 8 float32 values (3.2e+19 bytes) is larger than a torch tensor can be (2^63 bytes)"),
+    (["model.embedding_dim=1000000000000000000", "model.dense_arch_layer_sizes=[16, 1000000000000000000]"],
+     "model.num_embeddings_per_feature[0]=100 x model.embedding_dim=1000000000000000000: a weight of"),
+    (["model.dense_arch_layer_sizes=[1000000000000000000, 8]"], "model.dense_arch_layer_sizes[0]=1000000000000000000: a weight of"),
+    (["model.over_arch_layer_sizes=[1000000000000000000, 1]"], "model.over_arch_layer_sizes[0]=1000000000000000000: a weight of"),
+    (["model.arch=dcnv2", "model.dcn_low_rank_dim=100000000000000000"], "model.dcn_low_rank_dim=100000000000000000 x"),
+], ids=["rows", "embedding_dim", "dense_layer", "over_layer", "dcn_rank"])
+def test_sizes_no_tensor_can_hold_are_config_errors_for_every_command(tmp_path, capfd, overrides, says):
+    """Below 2^63 each, but a weight of 2^63 bytes or more, which torch cannot make even on
+    the meta device: one line naming the key from train, plan and bench, before any rank starts."""
+    sets = _sets(*TINY, f"logging.run_dir={tmp_path / 'run'}", "distributed.nproc=2", *overrides)
+    for command in (["train"], ["plan"], ["bench", "--steps", "2", "--warmup", "1", "--trace-steps", "0", "--no-plots",
+                                          "--out", str(tmp_path / "bench")]):
+        code = main([command[0], "--config", str(CONFIG), *sets, *command[1:]])
+        line = _one_line(capfd.readouterr().err, EXIT_BAD_CONFIG)
+        assert code == EXIT_BAD_CONFIG and line.startswith(f"recpipe {command[0]}: invalid config") and says in line, line
+    assert not (tmp_path / "run").exists() and not (tmp_path / "bench").exists(), "something started"
 
 
 # ---------------------------------------------------------------- rules between settings: 2

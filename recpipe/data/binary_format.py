@@ -29,7 +29,10 @@ that were skipped. A part is finished only once its entry is in the manifest, an
 the entry is written last (after the column files are fsynced and renamed to their
 final names), so an interrupted conversion never leaves a part that looks finished.
 Opening a dataset checks every file's ``.npy`` header (dtype, shape) and size
-against the manifest.
+against the manifest; the SHA-256s are checked by ``recpipe data verify``, which records
+in ``verified.json`` the size and mtime of every file it found intact, so that
+``recpipe train`` can say at its start when a dataset was never verified or a file was
+written since (a stat per file; hashing every start would read the whole dataset).
 
 Format version 1 (headerless ``P.<column>.bin`` files, the same arrays without the
 ``.npy`` header, ids always hashed by ``recpipe``) is still read as it is; a
@@ -55,6 +58,7 @@ __all__ = [
     "Layout",
     "MANIFEST",
     "Manifest",
+    "VERIFIED",
     "HASHINGS",
     "check_part_files",
     "column_path",
@@ -63,6 +67,8 @@ __all__ = [
     "part_name",
     "read_manifest",
     "read_npy_header",
+    "record_verified",
+    "unverified",
     "verify_dataset",
     "write_npy_header",
     "write_json_atomic",
@@ -71,6 +77,8 @@ __all__ = [
 FORMAT, VERSION = "recpipe-binary", 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+# Beside the manifest: the size and mtime of every file `recpipe data verify` last found intact.
+VERIFIED = "verified.json"
 # Id hashing of a TSV hex field v into a table of ``rows`` rows (criteo.parse_line).
 HASHINGS = {
     "recpipe": "hex v -> 1 + v mod (rows - 1), empty -> 0, one-row table -> 0",
@@ -325,6 +333,46 @@ def file_sha256(path: Path, offset: int = 0, chunk: int = 1 << 22) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def _file_states(manifest: Manifest) -> dict[str, list[int]]:
+    """[size, mtime in ns] of the manifest and of every finished part's column files, by
+    file name (a file that is gone: [-1, -1])."""
+    paths = [manifest.directory / MANIFEST] + [manifest.column_path(part, column) for part in manifest.parts
+                                               for column in manifest.layout.columns()]
+    states = {}
+    for path in paths:
+        try:
+            st = path.stat()
+            states[path.name] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            states[path.name] = [-1, -1]
+    return states
+
+
+def record_verified(manifest: Manifest) -> bool:
+    """Write ``VERIFIED``: the state of every file that ``recpipe data verify`` just found
+    intact; False when the directory cannot be written (a read-only dataset)."""
+    try:
+        write_json_atomic(manifest.directory / VERIFIED, {"format": f"{FORMAT}-verified",
+                                                          "files": _file_states(manifest)})
+    except OSError:
+        return False
+    return True
+
+
+def unverified(manifest: Manifest) -> str | None:
+    """Why the dataset's checksums have not been checked since its files were last
+    written (``VERIFIED`` is missing, or a file's size or mtime differs from it), or None.
+    A stat per file: what every start can afford, where hashing cannot (docs/data.md)."""
+    try:
+        recorded = json.loads((manifest.directory / VERIFIED).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its SHA-256 checksums were never checked"
+    for name, state in _file_states(manifest).items():
+        if recorded.get(name) != state:
+            return f"{name} was written after `recpipe data verify` last checked it"
+    return None
 
 
 def verify_dataset(directory: str | Path, checksums: bool = True) -> list[str]:

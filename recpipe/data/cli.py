@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import time
 from typing import Any
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import DataError, report
-from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
+from recpipe.exit_codes import EXIT_OK
 
 __all__ = ["add_data_parser", "main_data"]
 
@@ -121,16 +120,20 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from recpipe.data.binary_format import read_manifest, verify_dataset
+    from recpipe.data.binary_format import VERIFIED, BinaryDataError, read_manifest, record_verified, verify_dataset
 
     problems = verify_dataset(args.directory, checksums=not args.sizes_only)
-    if problems:
-        print("\n".join(problems), file=sys.stderr)
-        return EXIT_BAD_DATA
+    if len(problems) == 1:
+        raise BinaryDataError(problems[0])
+    if problems:  # one line each, as a config's problems (recpipe.errors.report)
+        raise BinaryDataError(f"{args.directory}: {len(problems)} problems:\n" + "\n".join(f"  {p}" for p in problems))
     manifest = read_manifest(args.directory)
     what = "sizes" if args.sizes_only else "sizes and SHA-256"
+    note = ""
+    if not args.sizes_only and not record_verified(manifest):
+        note = f"; {VERIFIED} cannot be written there, so `recpipe train` will still say it was never verified"
     print(f"{args.directory}: {manifest.num_rows:,} rows in {len(manifest.sources)} parts, {what} as in the manifest "
-          f"(format version {manifest.version}, ids hashed by {manifest.hashing}'s rule)")
+          f"(format version {manifest.version}, ids hashed by {manifest.hashing}'s rule){note}")
     return EXIT_OK
 
 

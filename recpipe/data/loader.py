@@ -37,7 +37,7 @@ from recpipe.config import ConfigError, RecpipeConfig
 from recpipe.errors import DataError, job_warning
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
-from recpipe.data.binary_format import BinaryDataError, Layout, read_manifest
+from recpipe.data.binary_format import BinaryDataError, Layout, Manifest, read_manifest, unverified
 from recpipe.data.criteo import CriteoTsvReader, hotness_of, open_lines
 from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
@@ -132,7 +132,9 @@ def check_data(cfg: RecpipeConfig) -> None:
                 if split == "train" and dataset.num_rows == 0:
                     raise BinaryDataError(f"data.binary.train_dir={_binary_dir(cfg, split)!r} holds no rows: no "
                                           "training data")
-                hashing[split] = read_manifest(_binary_dir(cfg, split)).hashing
+                manifest = read_manifest(_binary_dir(cfg, split))
+                hashing[split] = manifest.hashing
+                _hint_unverified(manifest, f"data.binary.{split}_dir")
         if len(set(hashing.values())) > 1:
             raise BinaryDataError(f"data.binary.train_dir holds ids hashed by {hashing['train']}'s rule, "
                                   f"data.binary.eval_dir by {hashing['eval']}'s: convert both with the same "
@@ -142,6 +144,17 @@ def check_data(cfg: RecpipeConfig) -> None:
             days = _open_npy_days(cfg, split)
             if split == "train" and not sum(day.rows for day in days):
                 raise BinaryDataError(f"data.npy.train={cfg.data.npy.train} holds no rows: no training data")
+
+
+def _hint_unverified(manifest: Manifest, key: str) -> None:
+    """Say (once for the job) when a binary dataset's SHA-256s were never checked, or a
+    file was written since: opening it checks sizes and every batch's ranges, so a value
+    changed within its range trains silently; ``recpipe data verify`` catches it."""
+    why = unverified(manifest)
+    if why is not None:
+        d = str(manifest.directory)
+        job_warning(f"{key}={d!r}: {why}; `recpipe data verify {d}` checks every file against the SHA-256 in its "
+                    "manifest (a changed value within its range trains silently otherwise)", stacklevel=3)
 
 
 def _open_npy_days(cfg: RecpipeConfig, split: str) -> list:

@@ -24,6 +24,7 @@ import yaml
 from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import (
+    EXIT_BAD_CONFIG,
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
     EXIT_INTERRUPTED,
@@ -322,6 +323,26 @@ def test_a_directory_that_cannot_be_written_at_the_start_exits_6(tmp_path):
     assert lines == [f"recpipe train: cannot write logging.run_dir={str(locked / 'run')!r} ({locked / 'run'}): "
                      f"Permission denied [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
 
+
+
+# ------------------------------------------------ checkpoint.dir and logging.run_dir: the run's own
+def test_a_directory_that_holds_more_than_the_run_is_refused(tmp_path, monkeypatch, capfd):
+    """checkpoint.dir and logging.run_dir empty (the working directory), the root, the home
+    directory or the working directory: refused before any process starts, exit 2, and
+    nothing of the working directory is touched."""
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "step_my_notes" / "todo.txt"
+    notes.parent.mkdir()
+    notes.write_text("keep")
+    for key in ("checkpoint.dir", "logging.run_dir"):
+        for value, what in [('""', "is empty"), ("/", "is the filesystem's root"), (".", "is the working directory"),
+                            (str(tmp_path), "is the working directory"), (str(Path.home()), "is the home directory")]:
+            other = [f"logging.run_dir={tmp_path / 'run'}"] if key == "checkpoint.dir" else []
+            code = main(["train", "--config", str(CONFIG), *_sets(*SHORT, *other, f"{key}={value}")])
+            err = capfd.readouterr().err
+            assert code == EXIT_BAD_CONFIG and f"{key}: {what}" in err, (key, value, err)
+            assert len(err.strip().splitlines()) == 1, err
+    assert notes.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["step_my_notes"]
 
 
 # ------------------------------------------------------------ nothing left after any kill

@@ -8,21 +8,27 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from recpipe.cli import main
 from recpipe.config import load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
-from recpipe.train.checkpoint import METADATA_FILE, latest_checkpoint, load_checkpoint
+from recpipe.train import checkpoint
+from recpipe.train.checkpoint import METADATA_FILE, choose_checkpoint, latest_checkpoint, load_checkpoint
+from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata
 from recpipe.train.integrity import file_records, verify_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more
@@ -253,3 +259,107 @@ def test_save_into_a_read_only_directory_fails_naming_it(tmp_path):
     assert f"the newest complete checkpoint is still {ckpt / 'step_00000002'}" in lines[0]
     assert "Traceback" not in out.stderr
     assert latest_checkpoint(ckpt) == ckpt / "step_00000002"
+
+
+# ------------------------------------------------- checkpoints are read as data, never run
+class Payload:
+    """What a crafted checkpoint file holds: unpickled by ``pickle.load`` (or
+    ``torch.load(weights_only=False)``), it runs ``touch MARKER`` through ``os.system``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def rerecord(path: Path) -> None:
+    """Rewrite ``metadata.json`` of checkpoint ``path`` with its files' sizes and CRC-32 as they
+    are now: what someone who changes a checkpoint's files can always do."""
+    meta = json.loads((path / METADATA_FILE).read_text())
+    world_size = meta.get("world_size", 1)
+    meta["files"] = {name: record for rank in range(world_size) for name, record in file_records(path, rank, world_size).items()}
+    (path / METADATA_FILE).write_text(json.dumps(meta))
+
+
+def dcp_checkpoint(root: Path, step: int, state: dict, **record) -> Path:
+    """A one-rank checkpoint ``root/step_<step>`` as a save writes it: DCP's files of ``state``
+    and ``metadata.json`` (with ``record``'s fields)."""
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    (path / METADATA_FILE).write_text(json.dumps({"format": 2, "world_size": 1, "step": step, "epoch": 0,
+                                                  "batch": step, **record}))
+    rerecord(path)
+    return path
+
+
+def craft_metadata(path: Path, marker: Path) -> None:
+    """Put a :class:`Payload` into DCP's ``.metadata`` of checkpoint ``path``, records updated."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # this test's own file
+    metadata.planner_data = Payload(marker)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    rerecord(path)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_crafted_dcp_metadata_is_refused_and_runs_nothing(tmp_path, one_rank, capsys):
+    marker = tmp_path / "ran"
+    dcp_checkpoint(tmp_path / "ckpt", 1, {"model": {"w": torch.ones(3)}})  # an older, intact one
+    crafted = dcp_checkpoint(tmp_path / "ckpt", 2, {"model": {"w": torch.ones(3)}})
+    craft_metadata(crafted, marker)
+    assert verify_checkpoint(crafted) == []  # the checksums match: they cannot tell
+    refused = rf"refusing checkpoint file {crafted / '.metadata'}: it names posix\.system, which no checkpoint holds"
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    with pytest.raises(UnsafeCheckpointError, match=refused):  # not skipped for the older one: refused
+        choose_checkpoint(cfg.checkpoint)
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        dcp_load({"model": {"w": torch.zeros(3)}}, crafted)
+    assert main(["checkpoint", "verify", str(tmp_path / "ckpt")]) == EXIT_CHECKPOINT
+    assert f"{crafted}: DAMAGED: refusing checkpoint file" in capsys.readouterr().out
+    assert not marker.exists(), "a checkpoint's file ran code"
+
+
+def test_a_non_tensor_value_is_read_as_data(tmp_path):
+    """A value DCP stores with torch.save (a module's extra state) is read with torch's
+    weights-only unpickler: plain data loads, a pickle that names code is refused."""
+    marker = tmp_path / "ran"
+    plain = dcp_checkpoint(tmp_path / "a", 1, {"model": {"w": torch.ones(3), "extra": "v2"}})
+    state = {"model": {"w": torch.zeros(3), "extra": None}}
+    dcp_load(state, plain, no_dist=True)
+    assert state["model"]["extra"] == "v2" and torch.equal(state["model"]["w"], torch.ones(3))
+    crafted = dcp_checkpoint(tmp_path / "b", 1, {"model": {"w": torch.ones(3), "extra": Payload(marker)}})
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing checkpoint file .*\(the value of model\.extra\): "
+                                                    r"it names posix\.system"):
+        dcp_load({"model": {"w": torch.zeros(3), "extra": None}}, crafted, no_dist=True)
+    assert not marker.exists(), "a checkpoint's value ran code"
+
+
+def test_a_rank_rng_file_that_names_code_is_refused_in_one_line(tmp_path, one_rank):
+    marker = tmp_path / "ran"
+    ckpt = dcp_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    torch.save({"cpu": Payload(marker)}, ckpt / "rng_rank00000.pt")
+    with pytest.raises(UnsafeCheckpointError, match=rf"refusing checkpoint file {ckpt / 'rng_rank00000.pt'}: it names "
+                                                    r"posix\.system"):
+        checkpoint._restore_rng(ckpt, saved_world_size=1)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_real_checkpoints_metadata_reads_as_data(tmp_path):
+    """What DCP's writer puts in ``.metadata`` for the trainer's state (tables row- and
+    column-wise, Adagrad and Adam states) is what the restricted unpickler builds: the same
+    Metadata as pickle's."""
+    run = tmp_path / "run"
+    assert _train(CONFIG, run, steps=1, every=1) == 0
+    ckpt = run / "ckpt" / "step_00000001"
+    assert read_metadata(ckpt) == pickle.loads((ckpt / ".metadata").read_bytes())  # this test's own file
+

@@ -13,6 +13,10 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
   finished writing. A directory without it is incomplete (a crash mid-save) and
   ignored.
 
+A checkpoint is read as data, never run: ``recpipe.train.checkpoint_reader`` reads
+DCP's ``.metadata`` and every other pickle without running code, and refuses a file
+that names anything else (exit 6).
+
 Resuming verifies the newest complete checkpoint before loading it; a damaged one
 (a truncated shard, a changed byte) is skipped with a warning naming it and the
 file, and the next older one is tried. After each save rank 0 keeps the newest
@@ -50,6 +54,7 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
+from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata, safe_torch_load
 from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
 
 __all__ = [
@@ -318,11 +323,7 @@ def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedO
     # views of the FBGEMM buffers; load_state_dict copies where they are not).
     optimizer_state = optimizer.state_dict()
     state = _dcp_state(model, optimizer_state)
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as err:  # raised on every rank
-        failed_rank, (exc, _) = min(err.failures.items())
-        raise CheckpointError(f"cannot load checkpoint {path} (rank {failed_rank}: {exc})") from None
+    dcp_load(state, path)  # CheckpointError on every rank
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path, saved_world_size=meta["world_size"])
@@ -330,19 +331,24 @@ def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedO
 
 def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     """Collective: the newest complete checkpoint that passes verification (rank 0
-    lists them; every rank checks its share of each); warns about each damaged one."""
+    lists them; every rank checks its share of each); warns about each damaged one. One
+    whose DCP metadata names anything but DCP's classes is refused on every rank
+    (:class:`UnsafeCheckpointError`): it was made to run code, not damaged."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     listed = [complete_checkpoints(cfg.dir)[::-1] if rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)  # every rank resumes from rank 0's choice
     damaged = []
     for path in listed[0]:
-        found: list[list[str] | None] = [None] * world_size
+        found: list[tuple[list[str] | None, str | None] | None] = [None] * world_size
         dist.all_gather_object(found, _resumable_problems(path, rank, world_size))
-        if found[0] is None:  # no record: format 1
+        refused = [refusal for _, refusal in found if refusal]
+        if refused:
+            raise UnsafeCheckpointError(refused[0])
+        if found[0][0] is None:  # no record: format 1
             if rank == 0:
                 warnings.warn(f"checkpoint {path} has no checksums (saved by an older recpipe); loading it unverified")
             return path
-        problems = sorted({p for part in found for p in part or ()})
+        problems = sorted({p for part, _ in found for p in part or ()})
         if not problems:
             return path
         damaged.append(f"{path.name}: {'; '.join(problems)}")
@@ -357,18 +363,28 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     return None
 
 
-def _resumable_problems(path: Path, rank: int, world_size: int) -> list[str] | None:
-    """``verify_checkpoint``'s problems of ``path``, and, on rank 0, its record's training
-    position (what a resume reads); None for an unverifiable (format 1) record that has it."""
+def _resumable_problems(path: Path, rank: int, world_size: int) -> tuple[list[str] | None, str | None]:
+    """``verify_checkpoint``'s problems of ``path`` (None for an unverifiable, format 1,
+    record) and why it is refused (or None). Rank 0 also checks what a resume reads: the
+    record's training position, and DCP's metadata, read without running code."""
     problems = verify_checkpoint(path, rank, world_size)
-    if rank == 0:
-        try:
-            meta = json.loads((path / METADATA_FILE).read_text())
-        except (OSError, ValueError):
-            return problems  # which say so
-        if isinstance(meta, dict) and (position := position_problems(meta)):
-            return [*(problems or []), *position]
-    return problems
+    if rank != 0:
+        return problems, None
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return problems, None  # which say so
+    if isinstance(meta, dict) and (position := position_problems(meta)):
+        return [*(problems or []), *position], None
+    if problems:
+        return problems, None
+    try:
+        read_metadata(path)
+    except UnsafeCheckpointError as err:
+        return problems, str(err)
+    except CheckpointError as err:
+        return [str(err)], None
+    return problems, None
 
 
 def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:
@@ -398,7 +414,10 @@ def _restore_rng(path: Path, saved_world_size: int) -> None:
             "this rank keeps its seeded RNG"
         )
         return
-    states = torch.load(file, weights_only=True)
+    try:
+        states = safe_torch_load(file, file)
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(str(err), every_rank=False) from None  # this rank's own file
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])

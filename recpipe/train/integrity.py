@@ -108,10 +108,24 @@ def position_problems(meta: dict) -> list[str]:
             if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool) or meta[key] < 0]
 
 
+def _metadata_problems(path: Path) -> list[str]:
+    """Why DCP's ``.metadata`` of ``path`` cannot be read as data (a resume refuses a
+    checkpoint whose metadata names code to run), or []."""
+    from recpipe.errors import CheckpointError
+    from recpipe.train.checkpoint_reader import read_metadata
+
+    try:
+        read_metadata(path)
+    except CheckpointError as err:
+        return [str(err)]
+    return []
+
+
 def main_checkpoint(args: argparse.Namespace) -> int:
     """``recpipe checkpoint verify DIR``: check every checkpoint in DIR (a
-    ``checkpoint.dir``, or one ``step_*`` directory) against its record. Exit 0 when
-    every complete checkpoint is intact, EXIT_CHECKPOINT otherwise."""
+    ``checkpoint.dir``, or one ``step_*`` directory) against its record, and that its
+    DCP metadata reads as data. Exit 0 when every complete checkpoint is intact,
+    EXIT_CHECKPOINT otherwise."""
     root = Path(args.dir)
     paths = [root] if (root / METADATA_FILE).is_file() else sorted(root.glob("step_*"))
     damaged = complete = 0
@@ -121,6 +135,8 @@ def main_checkpoint(args: argparse.Namespace) -> int:
             continue
         complete += 1
         problems = verify_checkpoint(path)
+        if not problems:
+            problems = _metadata_problems(path) or problems
         if problems is None:
             print(f"{path}: no checksums recorded (saved by an older recpipe); not verified")
         elif problems:

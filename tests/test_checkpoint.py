@@ -27,9 +27,9 @@ from recpipe.config import load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
 from recpipe.train import checkpoint
-from recpipe.train.checkpoint import METADATA_FILE, choose_checkpoint, latest_checkpoint, load_checkpoint
+from recpipe.train.checkpoint import METADATA_FILE, check_resume, choose_checkpoint, latest_checkpoint, load_checkpoint
 from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata
-from recpipe.train.integrity import file_records, verify_checkpoint
+from recpipe.train.integrity import MARKER_FILE, file_records, verify_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more
 TINY = [
@@ -116,10 +116,14 @@ def test_incomplete_checkpoint_is_ignored_with_a_warning(tmp_path):
     complete, partial = tmp_path / "step_00000003", tmp_path / "step_00000005"
     complete.mkdir()
     (complete / METADATA_FILE).write_text("{}")
-    partial.mkdir()
+    partial.mkdir()  # an interrupted save: the marker a save writes first, no metadata.json
+    (partial / MARKER_FILE).write_text("")
     (partial / "__0_0.distcp").write_bytes(b"half-written")
-    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint .*step_00000005"):
+    for name in ("step_00000007", "step_foo"):  # named like checkpoints, but no save of recpipe's began them
+        (tmp_path / name).mkdir()
+    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint .*step_00000005") as warned:
         assert latest_checkpoint(tmp_path) == complete
+    assert len(warned) == 1, [str(w.message) for w in warned]
     (complete / METADATA_FILE).unlink()
     with pytest.warns(UserWarning):
         assert latest_checkpoint(tmp_path) is None
@@ -183,7 +187,8 @@ def test_pruning_never_deletes_the_newest_intact_checkpoint_to_keep_a_damaged_on
     assert _train(CONFIG, run, steps=4, every=2, keep=2) == 0
     _damage(run / "ckpt" / "step_00000004", how)
     interrupted = run / "ckpt" / "step_00000003"
-    interrupted.mkdir()  # a save that never finished (no metadata.json)
+    interrupted.mkdir()  # a save that never finished: the marker a save writes first, no metadata.json
+    (interrupted / MARKER_FILE).write_text("")
     (interrupted / "__0_0.distcp").write_bytes(b"partial")
     assert _train(CONFIG, run, steps=5, every=0, keep=2) == 0
     assert f"resumed from {run / 'ckpt' / 'step_00000002'}" in capfd.readouterr().out
@@ -283,10 +288,11 @@ def rerecord(path: Path) -> None:
 
 
 def dcp_checkpoint(root: Path, step: int, state: dict, **record) -> Path:
-    """A one-rank checkpoint ``root/step_<step>`` as a save writes it: DCP's files of ``state``
-    and ``metadata.json`` (with ``record``'s fields)."""
+    """A one-rank checkpoint ``root/step_<step>`` as a save writes it: the marker, DCP's files
+    of ``state`` and ``metadata.json`` (with ``record``'s fields)."""
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True)
+    (path / MARKER_FILE).write_text("")
     with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(path), no_dist=True)
@@ -363,3 +369,53 @@ def test_a_real_checkpoints_metadata_reads_as_data(tmp_path):
     ckpt = run / "ckpt" / "step_00000001"
     assert read_metadata(ckpt) == pickle.loads((ckpt / ".metadata").read_bytes())  # this test's own file
 
+
+def test_a_record_that_verifies_nothing_is_damaged(tmp_path):
+    ckpt = dcp_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    meta = json.loads((ckpt / METADATA_FILE).read_text())
+    (ckpt / METADATA_FILE).write_text(json.dumps({**meta, "files": {}}))
+    assert verify_checkpoint(ckpt) == [f"{METADATA_FILE}: 'files' lists no file, so nothing of the checkpoint would "
+                                       "be verified"]
+    listed = {name: record for name, record in meta["files"].items() if name != "__0_0.distcp"}
+    (ckpt / METADATA_FILE).write_text(json.dumps({**meta, "files": listed}))
+    assert verify_checkpoint(ckpt) == [f"__0_0.distcp is not in {METADATA_FILE}'s record of the files"]
+
+
+def test_a_step_beyond_64_bits_is_damage_not_a_traceback(tmp_path, one_rank):
+    ckpt = tmp_path / "ckpt"
+    older = dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}})
+    newest = dcp_checkpoint(ckpt, 4, {"model": {"w": torch.ones(3)}})
+    meta = json.loads((newest / METADATA_FILE).read_text())
+    (newest / METADATA_FILE).write_text(json.dumps({**meta, "step": 10**30}))
+    cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
+    check_resume(cfg)  # before launch: the ranks find it damaged
+    with pytest.warns(UserWarning, match=rf"skipping damaged checkpoint {newest}: {METADATA_FILE}: 'step' is missing "
+                                         r"or not a count \(0 \.\. 2\^63 - 2\)"):
+        assert choose_checkpoint(cfg.checkpoint).path == older
+    shutil.rmtree(older)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000004: "
+                                                                        f"{METADATA_FILE}: 'step'"):
+        choose_checkpoint(cfg.checkpoint)
+
+
+def test_retention_deletes_only_what_recpipe_wrote(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    older = dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}})
+    (older / "notes.txt").write_text("mine")  # a user's file in a checkpoint directory
+    newest = dcp_checkpoint(ckpt, 4, {"model": {"w": torch.ones(3)}})
+    interrupted = ckpt / "step_00000003"
+    interrupted.mkdir()
+    (interrupted / MARKER_FILE).write_text("")
+    (interrupted / "__0_0.distcp").write_bytes(b"partial")
+    mine = {"step_foo/metadata.json": "{}", "step_00000099_notes/important.txt": "keep",
+            "step_00000005/todo.txt": "keep", "step_my_notes/todo.txt": "keep"}
+    for name, text in mine.items():
+        (ckpt / name).parent.mkdir(exist_ok=True)
+        (ckpt / name).write_text(text)
+    assert latest_checkpoint(ckpt) == newest  # step_foo/ holds a metadata.json, and is no checkpoint
+    with pytest.warns(UserWarning, match=rf"checkpoint.keep=1: deleted the checkpoint in {older} but kept the "
+                                         r"directory: it also holds notes.txt, which recpipe did not write"):
+        checkpoint._prune(ckpt, keep=1)
+    assert all((ckpt / name).read_text() == text for name, text in mine.items())
+    assert [p.name for p in older.iterdir()] == ["notes.txt"] and not interrupted.exists()
+    assert verify_checkpoint(newest) == []

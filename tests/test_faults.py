@@ -333,6 +333,23 @@ def _one_line(err: str, command: str) -> str:
 
 
 @pytest.mark.slow
+def test_retention_keeps_what_recpipe_did_not_write(tmp_path):
+    """Two ranks, checkpoint.keep=1: the user's directories in checkpoint.dir whose names
+    begin like a checkpoint's survive every prune."""
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+    mine = {"step_foo/notes.txt": "a", "step_00000099_notes/important.txt": "b", "step_my_notes/todo.txt": "c"}
+    for name, text in mine.items():
+        (ckpt / name).parent.mkdir(parents=True)
+        (ckpt / name).write_text(text)
+    out = subprocess.run([*RECPIPE, *_sets(*SHORT, f"logging.run_dir={run}", f"checkpoint.dir={ckpt}",
+                                           "checkpoint.every=2", "checkpoint.keep=1")],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all((ckpt / name).read_text() == text for name, text in mine.items())
+    assert sorted(p.name for p in ckpt.iterdir() if re.fullmatch(r"step_\d+", p.name)) == ["step_00000008"]
+
+
+@pytest.mark.slow
 def test_a_crafted_checkpoint_runs_no_code_on_resume_or_export(tmp_path):
     """A pickle that calls os.system in the newest checkpoint's DCP metadata, with matching
     sizes and CRC-32 in metadata.json: resuming (two ranks) and `recpipe export` refuse it

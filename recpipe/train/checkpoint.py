@@ -8,6 +8,8 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
   row-wise Adagrad momentum, and the dense optimizer's) under ``optimizer``. Each
   rank writes only its own shards; DCP writes replicated dense tensors once.
 * ``rng_rank{r:05d}.pt``: rank ``r``'s torch CPU (and CUDA) RNG states.
+* ``.recpipe_checkpoint``: written by rank 0 before anything else: recpipe started
+  this save.
 * ``metadata.json``: the data position and every other file's size and CRC-32
   (``recpipe.train.integrity``), written last, by rank 0, after every rank has
   finished writing. A directory without it is incomplete (a crash mid-save) and
@@ -21,9 +23,13 @@ Resuming verifies the newest complete checkpoint before loading it; a damaged on
 (a truncated shard, a changed byte) is skipped with a warning naming it and the
 file, and the next older one is tried. After each save rank 0 keeps the newest
 ``checkpoint.keep`` intact checkpoints and deletes every other ``step_*`` directory
-(older, damaged, or incomplete): a damaged checkpoint never displaces an intact one. A save that fails on any rank (read-only
-directory, full disk) fails on every rank with one error naming the path; it never
-writes ``metadata.json``, so the previous checkpoint stays the newest complete one.
+(older, damaged, or incomplete) that recpipe wrote: a damaged checkpoint never displaces an
+intact one. Only what a save wrote is deleted (``recpipe.train.integrity``: a directory named
+as a save names it, holding the marker or its record; in it, the files a save writes): a
+user's ``step_notes/``, or a file of theirs in a checkpoint directory, stays. A save that
+fails on any rank (read-only directory, full disk) fails on every rank with one error naming
+the path; it never writes ``metadata.json``, so the previous checkpoint stays the newest
+complete one.
 
 The trainer saves only with the pipeline drained (no batch in flight), so a
 checkpoint is exactly the state after ``step`` steps and resuming from it trains
@@ -38,7 +44,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,7 +60,8 @@ from torchrec.optim.keyed import CombinedOptimizer
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
 from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata, safe_torch_load
-from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
+from recpipe.train.integrity import (MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs, file_records,
+                                     position_problems, record_problems, verify_checkpoint, written_by_recpipe)
 
 __all__ = [
     "ChosenCheckpoint",
@@ -93,17 +99,14 @@ def _rng_file(path: Path, rank: int) -> Path:
 
 
 def complete_checkpoints(directory: str | Path, warn: bool = True) -> list[Path]:
-    """Every complete checkpoint under ``directory``, oldest first; with ``warn``, a
-    warning for every ``step_*`` directory that lacks ``metadata.json`` (an
-    interrupted save)."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
+    """Every complete checkpoint under ``directory`` (a checkpoint directory with its
+    ``metadata.json``), oldest first; with ``warn``, a warning for every one that a save
+    started (its marker) and never finished."""
     complete = []
-    for path in sorted(root.glob("step_*")):
+    for path in checkpoint_dirs(directory):
         if (path / METADATA_FILE).is_file():
             complete.append(path)
-        elif warn:
+        elif warn and (path / MARKER_FILE).is_file():
             warnings.warn(f"ignoring incomplete checkpoint {path} (no {METADATA_FILE}: the save was interrupted)")
     return complete
 
@@ -196,9 +199,7 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     Raises :class:`CheckpointError` on every rank when any rank cannot write."""
     path = checkpoint_path(cfg, position.step)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Leftovers of an interrupted save at this step (the run resumed from an older
-    # checkpoint): stale shard files must not mix with the new ones.
-    _agreed(cfg, path, lambda: shutil.rmtree(path) if rank == 0 and path.exists() else None)
+    _agreed(cfg, path, lambda: _start_save(path, position.step) if rank == 0 else None)
     _agreed(cfg, path, lambda: _write_rng(path, rank))
     try:
         # dcp.save returns on every rank only after rank 0 wrote DCP's own .metadata,
@@ -217,6 +218,29 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
         _prune(Path(cfg.dir), keep=cfg.keep)
     dist.barrier()
     return path
+
+
+def _start_save(path: Path, step: int) -> None:
+    """Rank 0, first: the directory of the checkpoint of ``step`` with the marker that says
+    recpipe started writing it. Leftovers of an interrupted save at this step (the run
+    resumed from an older checkpoint) go first: stale shard files must not mix with the new ones."""
+    if path.exists():
+        _delete_saved(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER_FILE).write_text(f"recpipe checkpoint of step {step}: {METADATA_FILE} is written last, once it is "
+                                    "complete\n")
+
+
+def _delete_saved(path: Path) -> list[str]:
+    """Delete what a save wrote in checkpoint directory ``path`` (the names ``SAVED_FILES``
+    matches), and the directory once empty; returns the names of what else it holds, kept."""
+    for file in path.iterdir():
+        if SAVED_FILES.fullmatch(file.name) and file.is_file():
+            file.unlink()
+    others = sorted(p.name for p in path.iterdir())
+    if not others:
+        path.rmdir()
+    return others
 
 
 def _write_rng(path: Path, rank: int) -> None:
@@ -257,13 +281,14 @@ def _save_error(cfg: CheckpointConfig, path: Path, reason: str) -> CheckpointErr
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` intact checkpoints; delete every other ``step_*`` directory:
-    older checkpoints, damaged ones, and incomplete ones (interrupted saves: no save is
-    under way now, and the new checkpoint is complete). A complete checkpoint counts as
-    intact unless resuming found it damaged (``_FOUND_DAMAGED``) or one of its files is not
-    the size it was saved with (a ``stat`` each, no read): a damaged checkpoint never
-    takes the place of an intact one. Housekeeping: a failure only warns."""
-    steps = sorted(root.glob("step_*"))
+    """Keep the newest ``keep`` intact checkpoints; delete every other checkpoint that recpipe
+    wrote (``written_by_recpipe``): older checkpoints, damaged ones, and incomplete ones
+    (interrupted saves: no save is under way now, and the new checkpoint is complete). A
+    complete checkpoint counts as intact unless resuming found it damaged (``_FOUND_DAMAGED``)
+    or one of its files is not the size it was saved with (a ``stat`` each, no read): a
+    damaged checkpoint never takes the place of an intact one. Only the files a save writes
+    are deleted, and a directory only once empty. Housekeeping: a failure only warns."""
+    steps = [p for p in checkpoint_dirs(root) if written_by_recpipe(p)]
     intact = [p for p in steps if (p / METADATA_FILE).is_file() and p not in _FOUND_DAMAGED
               and not verify_checkpoint(p, checksums=False)]
     kept = set(intact[-keep:])
@@ -271,9 +296,14 @@ def _prune(root: Path, keep: int) -> None:
         if path in kept:
             continue
         try:
-            shutil.rmtree(path)
+            others = _delete_saved(path)
         except OSError as err:
             warnings.warn(f"checkpoint.keep={keep}: cannot delete the checkpoint {path}: {err}")
+            continue
+        if others:
+            listed = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+            warnings.warn(f"checkpoint.keep={keep}: deleted the checkpoint in {path} but kept the directory: it also "
+                          f"holds {listed}, which recpipe did not write")
         _FOUND_DAMAGED.discard(path)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import shlex
 import shutil
 import subprocess
@@ -20,14 +21,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from recpipe.cli import main
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
 from recpipe.train import checkpoint
-from recpipe.train.checkpoint import METADATA_FILE, check_resume, choose_checkpoint, latest_checkpoint, load_checkpoint
+from recpipe.train.checkpoint import (METADATA_FILE, check_resume, check_resume_shapes, choose_checkpoint,
+                                      latest_checkpoint, load_checkpoint, resume_settings)
 from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata
 from recpipe.train.integrity import MARKER_FILE, file_records, verify_checkpoint
 
@@ -360,14 +363,23 @@ def test_a_rank_rng_file_that_names_code_is_refused_in_one_line(tmp_path, one_ra
 
 
 @pytest.mark.slow
-def test_a_real_checkpoints_metadata_reads_as_data(tmp_path):
+def test_a_real_checkpoint_reads_as_data_and_resumes_only_the_same_model(tmp_path, capsys):
     """What DCP's writer puts in ``.metadata`` for the trainer's state (tables row- and
     column-wise, Adagrad and Adam states) is what the restricted unpickler builds: the same
-    Metadata as pickle's."""
+    Metadata as pickle's. A resume with another model is refused before any process starts."""
     run = tmp_path / "run"
     assert _train(CONFIG, run, steps=1, every=1) == 0
     ckpt = run / "ckpt" / "step_00000001"
     assert read_metadata(ckpt) == pickle.loads((ckpt / ".metadata").read_bytes())  # this test's own file
+    capsys.readouterr()
+    for override, named in [("model.embedding_dim=16", "model.embedding_dim=8 (this run: 16)"),
+                            ("model.num_embeddings_per_feature=[100, 300, 500, 999]",
+                             "model.num_embeddings_per_feature=[100, 300, 500, 1000] (this run: [100, 300, 500, 999])"),
+                            ("model.arch=dcnv2", "model.arch='dlrm' (this run: 'dcnv2')")]:
+        extra = ["--set", override] + (["--set", "model.dense_arch_layer_sizes=[16, 16]"] if "dim" in override else [])
+        assert main([*_args(CONFIG, run, steps=2, every=1), *extra]) == EXIT_BAD_CONFIG
+        err = capsys.readouterr().err
+        assert f"checkpoint.resume: {ckpt} was saved with {named}" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_record_that_verifies_nothing_is_damaged(tmp_path):
@@ -419,3 +431,30 @@ def test_retention_deletes_only_what_recpipe_wrote(tmp_path):
     assert all((ckpt / name).read_text() == text for name, text in mine.items())
     assert [p.name for p in older.iterdir()] == ["notes.txt"] and not interrupted.exists()
     assert verify_checkpoint(newest) == []
+
+
+def test_resume_refuses_a_model_of_other_shapes_before_any_process_starts(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    model = [pair for pair in TINY if pair.startswith("model.")]
+    saved = load_config(None, [f"checkpoint.dir={ckpt}", *model])
+    dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}}, settings=resume_settings(saved))
+    check_resume(saved)
+    for override, named in [("model.embedding_dim=16", "model.embedding_dim=8 (this run: 16)"),
+                            ("model.num_embeddings_per_feature=[100, 300, 500, 999]",
+                             "model.num_embeddings_per_feature=[100, 300, 500, 1000] (this run: [100, 300, 500, 999])"),
+                            ("model.arch=dcnv2", "model.arch='dlrm' (this run: 'dcnv2')")]:
+        now = load_config(None, [f"checkpoint.dir={ckpt}", *model, override]
+                          + (["model.dense_arch_layer_sizes=[16, 16]"] if "embedding_dim" in override else []))
+        with pytest.raises(ConfigError, match=rf"checkpoint.resume: .*step_00000002 was saved with .*{re.escape(named)}"):
+            check_resume(now)
+
+
+def test_resume_refuses_a_factory_model_of_other_shapes(tmp_path):
+    """A model.factory model's shapes are its code's: compared with the checkpoint's own."""
+    ckpt = tmp_path / "ckpt"
+    dcp_checkpoint(ckpt, 2, {"model": nn.Linear(4, 2).state_dict()})
+    cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
+    check_resume_shapes(cfg, nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"holds another model than this run's \(weight: \[2, 4\] saved, \[3, 4\] in "
+                                          r"the config's model; bias: \[2\] saved, \[3\]"):
+        check_resume_shapes(cfg, nn.Linear(4, 3))

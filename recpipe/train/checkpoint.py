@@ -10,7 +10,8 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
 * ``rng_rank{r:05d}.pt``: rank ``r``'s torch CPU (and CUDA) RNG states.
 * ``.recpipe_checkpoint``: written by rank 0 before anything else: recpipe started
   this save.
-* ``metadata.json``: the data position and every other file's size and CRC-32
+* ``metadata.json``: the data position, the settings a resume must share
+  (:func:`resume_settings`) and every other file's size and CRC-32
   (``recpipe.train.integrity``), written last, by rank 0, after every rank has
   finished writing. A directory without it is incomplete (a crash mid-save) and
   ignored.
@@ -59,7 +60,8 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata, safe_torch_load
+from recpipe.train.checkpoint_reader import (UnsafeCheckpointError, dcp_load, model_tensors, read_metadata,
+                                             safe_torch_load, shape_differences)
 from recpipe.train.integrity import (MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs, file_records,
                                      position_problems, record_problems, verify_checkpoint, written_by_recpipe)
 
@@ -68,6 +70,7 @@ __all__ = [
     "TrainPosition",
     "check_checkpoint_config",
     "check_resume",
+    "check_resume_shapes",
     "choose_checkpoint",
     "complete_checkpoints",
     "latest_checkpoint",
@@ -159,10 +162,34 @@ def resume_settings(cfg: RecpipeConfig) -> dict[str, Any]:
     """What a run that resumes from a checkpoint must share with the run that saved it,
     recorded in ``metadata.json``: the number of ranks (a rank's data position, RNG state
     and shards are its own: with another number the run does not continue, and not bit
-    for bit) and the optimizers (their state is what the checkpoint holds: another one
-    would start from none, or not load)."""
+    for bit), the optimizers (their state is what the checkpoint holds: another one
+    would start from none, or not load) and the model settings that decide the shapes of
+    its tensors (another table size, ``embedding_dim`` or architecture would not load).
+    A ``model.factory`` model's shapes are its code's: :func:`check_resume_shapes` compares them."""
+    m = cfg.model
+    shapes = ["arch", "embedding_dim", "num_dense_features", "num_embeddings_per_feature", "dense_arch_layer_sizes",
+              "over_arch_layer_sizes"] + (["dcn_num_layers", "dcn_low_rank_dim"] if m.arch == "dcnv2" else [])
+    model = {f"model.{name}": getattr(m, name) for name in shapes} if m.factory is None else {}
     return {"distributed.nproc": cfg.distributed.nproc, "optimizer.embedding.name": cfg.optimizer.embedding.name,
-            "optimizer.dense.name": cfg.optimizer.dense.name}
+            "optimizer.dense.name": cfg.optimizer.dense.name, "model.factory": m.factory, **model}
+
+
+def _resume_candidate(cfg: RecpipeConfig) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint in ``checkpoint.dir`` and its record, when the run
+    resumes and it has a record a resume reads (else the ranks find it damaged)."""
+    ckpt = cfg.checkpoint
+    if ckpt.dir is None or not ckpt.resume:
+        return None
+    complete = complete_checkpoints(ckpt.dir, warn=False)
+    if not complete:
+        return None
+    try:
+        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if record_problems(meta) or position_problems(meta):
+        return None
+    return complete[-1], meta
 
 
 def check_resume(cfg: RecpipeConfig) -> None:
@@ -170,25 +197,42 @@ def check_resume(cfg: RecpipeConfig) -> None:
     (the one a resume starts from, unless it turns out damaged) was saved with this run's
     :func:`resume_settings`; else a ConfigError (exit 2) naming each that differs. A
     record from before the settings were recorded has its number of ranks."""
-    ckpt = cfg.checkpoint
-    if ckpt.dir is None or not ckpt.resume:
+    found = _resume_candidate(cfg)
+    if found is None:
         return
-    complete = complete_checkpoints(ckpt.dir, warn=False)
-    if not complete:
-        return
-    try:
-        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
-    except (OSError, ValueError):
-        return  # damaged: the ranks find it so and skip it
-    if record_problems(meta) or position_problems(meta):
-        return
+    path, meta = found
     saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
     now = resume_settings(cfg)
     differ = [f"{key}={saved[key]!r} (this run: {now[key]!r})" for key in now if key in saved and saved[key] != now[key]]
     if differ:
         raise ConfigError(
-            f"checkpoint.resume: {complete[-1]} was saved with {', '.join(differ)}; a resumed run continues the saved "
+            f"checkpoint.resume: {path} was saved with {', '.join(differ)}; a resumed run continues the saved "
             "one with the same settings: set them back, or start anew in another checkpoint.dir"
+        )
+
+
+def check_resume_shapes(cfg: RecpipeConfig, model: nn.Module) -> None:
+    """Before any process starts, after :func:`check_resume`: every tensor of ``model``
+    (the config's, built on meta) has its shape in the checkpoint a resume starts from,
+    read from DCP's ``.metadata`` without running code; else a ConfigError (exit 2) naming
+    each that differs (a ``model.factory`` model whose code or ``model.options`` changed).
+    A ``.metadata`` that names anything but DCP's classes is refused here (exit 6)."""
+    found = _resume_candidate(cfg)
+    if found is None:
+        return
+    path = found[0]
+    try:
+        stored = model_tensors(path)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:
+        return  # damaged: the ranks find it so and skip it
+    differ = shape_differences(stored, model.state_dict())
+    if differ:
+        raise ConfigError(
+            f"checkpoint.resume: {path} holds another model than this run's ({'; '.join(differ[:5])}"
+            f"{' ...' if len(differ) > 5 else ''}); a resumed run continues the saved one with the same model: set "
+            "its settings back, or start anew in another checkpoint.dir"
         )
 
 

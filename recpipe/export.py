@@ -15,7 +15,8 @@ read of its own, straight into its place in the output (a table saved in another
 precision, or exported with ``--fp16-tables``, passes through one buffer of its saved
 dtype, freed before the next table). Host memory holds the output once, plus one
 table at most; the output is written with ``torch.save`` to a temporary name and
-renamed, so ``FILE`` is complete or absent.
+renamed, so ``FILE`` is complete or absent (a write that fails, a read-only or full
+filesystem, is one line naming ``FILE``, exit 6).
 
 The file loads with::
 
@@ -30,6 +31,7 @@ model's tables, or keep them half with ``model.half()`` for the tables only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -190,10 +192,13 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
         with open(tmp, "wb") as fh:
             torch.save(state, fh)
         os.replace(tmp, out)
-    except OSError as err:
-        raise StorageError(f"cannot write --out {out}: {storage_problem(err, out.parent)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # fails too on a read-only filesystem: the write's error is what to say
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise StorageError(f"cannot write --out {out}: {storage_problem(err, out.parent)}") from None
+        raise
+
 
 def main_export(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)

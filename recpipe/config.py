@@ -16,6 +16,7 @@ torch: the ``pipeline`` section's variants come from the registry's light declar
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
@@ -461,8 +462,10 @@ def _own_directory(value: str | None) -> str | None:
         raise ValueError("is empty, which would be the working directory; name a directory of the run's own, "
                          "e.g. runs/NAME")
     path = Path(value).resolve()
-    shared = {Path(path.anchor): "the filesystem's root", Path.home().resolve(): "the home directory",
-              Path.cwd().resolve(): "the working directory"}
+    shared = {Path(path.anchor): "the filesystem's root", Path.cwd().resolve(): "the working directory"}
+    home = Path(os.path.expanduser("~"))  # "~" itself when there is no home to find
+    if home.is_absolute():
+        shared.setdefault(home.resolve(), "the home directory")
     if path in shared:
         raise ValueError(f"is {shared[path]} ({path}), which holds more than this run's files; name a directory of "
                          "the run's own, e.g. runs/NAME")

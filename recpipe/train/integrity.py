@@ -32,7 +32,7 @@ from recpipe.exit_codes import EXIT_CHECKPOINT
 from recpipe.sections import INT64_MAX
 
 __all__ = ["MARKER_FILE", "METADATA_FILE", "SAVED_FILES", "checkpoint_dirs", "checkpoint_step", "file_records",
-           "main_checkpoint", "verify_checkpoint"]
+           "main_checkpoint", "verify_checkpoint", "written_by_recpipe"]
 
 METADATA_FILE = "metadata.json"
 MARKER_FILE = ".recpipe_checkpoint"  # a save writes it first: recpipe started writing this directory

@@ -16,6 +16,7 @@ torch: the ``pipeline`` section's variants come from the registry's light declar
 
 from __future__ import annotations
 
+import os
 import re
 import stat
 from pathlib import Path
@@ -505,8 +506,34 @@ class DistributedConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = "auto"
 
 
+def _own_directory(value: str | None) -> str | None:
+    """``checkpoint.dir`` and ``logging.run_dir`` name a directory of the run's own: recpipe
+    writes its files there (and deletes its older checkpoints). The empty string (the
+    working directory), the filesystem's root, the home directory and the working
+    directory itself hold what is not the run's: refused."""
+    if value is None:
+        return value
+    if not value.strip():
+        raise ValueError("is empty, which would be the working directory; name a directory of the run's own, "
+                         "e.g. runs/NAME")
+    path = Path(value).resolve()
+    shared = {Path(path.anchor): "the filesystem's root", Path.cwd().resolve(): "the working directory"}
+    home = Path(os.path.expanduser("~"))  # "~" itself when there is no home to find
+    if home.is_absolute():
+        shared.setdefault(home.resolve(), "the home directory")
+    if path in shared:
+        raise ValueError(f"is {shared[path]} ({path}), which holds more than this run's files; name a directory of "
+                         "the run's own, e.g. runs/NAME")
+    return value
+
+
+OwnDirectory = Annotated[str, AfterValidator(_own_directory)]
+
+
 class CheckpointConfig(Section):
-    dir: str | None = None
+    # The run's checkpoints, DIR/step_<step>/ (null = none); a directory of the run's own:
+    # '', '/', the home and the working directory are refused.
+    dir: OwnDirectory | None = None
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
     keep: int = Field(2, gt=0)
@@ -528,7 +555,9 @@ class WandbConfig(Section):
 
 
 class LoggingConfig(Section):
-    run_dir: str = "runs/default"
+    # Rank 0's config.yaml, summary.json and TensorBoard events; a directory of the run's
+    # own: '', '/', the home and the working directory are refused.
+    run_dir: OwnDirectory = "runs/default"
     tensorboard: bool = True
     wandb: WandbConfig | None = None  # null = no W&B logging
 

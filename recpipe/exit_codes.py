@@ -22,7 +22,8 @@ EXIT_NONFINITE_LOSS = 4
 # no training data at all (an empty TSV file, a dataset of 0 rows, a data.factory that yields nothing).
 EXIT_BAD_DATA = 5
 # checkpoint.dir or logging.run_dir cannot be written (read-only, full disk, no permission), at
-# the start or while training, or no checkpoint in checkpoint.dir is intact.
+# the start or while training, no checkpoint in checkpoint.dir is intact, or a checkpoint file
+# names code to run (refused: recpipe reads checkpoints as data only).
 EXIT_CHECKPOINT = 6
 EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another recpipe run
 # A rank made no training step within train.step_timeout_s (stopped, frozen, stuck in a

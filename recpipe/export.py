@@ -4,7 +4,8 @@ checkpoint -> one unsharded ``state_dict`` file that plain PyTorch loads.
 The checkpoint (``recpipe.train.checkpoint``: DCP, tables as ShardedTensors split
 row- or column-wise over any number of ranks) is read without a process group by
 ``torch.distributed.checkpoint.load`` into full tensors of the unsharded model's
-shapes: DCP reassembles each tensor from the stored shards that overlap it. The
+shapes, without running code it names (``recpipe.train.checkpoint_reader``: a crafted
+file is refused, exit 6): DCP reassembles each tensor from the stored shards that overlap it. The
 keys and shapes come from the config's model (``model.factory`` or the built-in
 DLRM/DCNv2) built on the meta device, so a checkpoint of another model is an error
 naming what differs. Only the model is exported (no optimizer state).
@@ -14,7 +15,8 @@ read of its own, straight into its place in the output (a table saved in another
 precision, or exported with ``--fp16-tables``, passes through one buffer of its saved
 dtype, freed before the next table). Host memory holds the output once, plus one
 table at most; the output is written with ``torch.save`` to a temporary name and
-renamed, so ``FILE`` is complete or absent.
+renamed, so ``FILE`` is complete or absent (a write that fails, a read-only or full
+filesystem, is one line naming ``FILE``, exit 6).
 
 The file loads with::
 
@@ -29,16 +31,14 @@ model's tables, or keep them half with ``model.half()`` for the tables only.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError, StorageError, storage_problem
@@ -46,7 +46,6 @@ from recpipe.exit_codes import EXIT_OK
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
-_MODEL_PREFIX = "model."  # the model's state under DCP (recpipe.train.checkpoint._dcp_state)
 _GIB = 2**30
 
 
@@ -113,9 +112,11 @@ def _target(cfg: RecpipeConfig) -> nn.Module:
 
 def _load(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Fill ``tensors`` (checkpoint key -> full tensor) from the checkpoint, in place."""
+    from recpipe.train.checkpoint_reader import dcp_load
+
     with warnings.catch_warnings():  # DCP says it assumes a single process: that is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        dcp.load(tensors, storage_reader=FileSystemReader(str(path)), no_dist=True)
+        dcp_load(tensors, path, no_dist=True)
 
 
 def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Path, *, fp16_tables: bool = False,
@@ -123,27 +124,27 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring);
     with ``program``, also the servable ``torch.export`` program of the model with that
     state, its tables as ``program_tables`` says (:func:`recpipe.serving.export_program`)."""
+    from recpipe.train.checkpoint_reader import MODEL_PREFIX, model_tensors
+
     check_out(Path(out))
     path = resolve_checkpoint(checkpoint)
     model = _target(cfg)
     target, tables = model.state_dict(), table_keys(model)
-    saved = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    stored = {key.removeprefix(_MODEL_PREFIX): meta for key, meta in saved.items() if key.startswith(_MODEL_PREFIX)
-              and isinstance(meta, TensorStorageMetadata)}
+    stored = model_tensors(path)  # read without running code: a crafted file is refused
     _check_same_model(path, cfg, target, stored)
     report = ExportReport(path, Path(out))
     state: dict[str, torch.Tensor] = {}
     dense = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
              for key in target if key not in tables}
     if dense:
-        _load(path, {_MODEL_PREFIX + key: t for key, t in dense.items()})
+        _load(path, {MODEL_PREFIX + key: t for key, t in dense.items()})
     for key, t in dense.items():
         state[key] = t.to(target[key].dtype)
     report.dense = len(dense)
     for key in (k for k in target if k in tables):  # one read per table
         want = torch.float16 if fp16_tables else target[key].dtype
         buffer = torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
-        _load(path, {_MODEL_PREFIX + key: buffer})
+        _load(path, {MODEL_PREFIX + key: buffer})
         state[key] = buffer.to(want)
         del buffer
         report.tables[key] = (tuple(state[key].shape), want)
@@ -159,10 +160,11 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
 
 
 def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict) -> None:
+    from recpipe.train.checkpoint_reader import shape_differences
+
     missing = sorted(set(target) - set(stored))
     unexpected = sorted(set(stored) - set(target))
-    shapes = [f"{k}: {list(stored[k].size)} saved, {list(target[k].shape)} in the config's model"
-              for k in target if k in stored and tuple(stored[k].size) != tuple(target[k].shape)]
+    shapes = shape_differences(stored, target)
     if not (missing or unexpected or shapes):
         return
     what = "model.factory=" + repr(cfg.model.factory) if cfg.model.factory else "the built-in model"
@@ -190,10 +192,12 @@ def _save_atomic(state: dict[str, torch.Tensor], out: Path) -> None:
         with open(tmp, "wb") as fh:
             torch.save(state, fh)
         os.replace(tmp, out)
-    except OSError as err:
-        raise StorageError(f"cannot write --out {out}: {storage_problem(err, out.parent)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        with contextlib.suppress(OSError):  # fails too on a read-only filesystem: the write's error is what to say
+            tmp.unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise StorageError(f"cannot write --out {out}: {storage_problem(err, out.parent)}") from None
+        raise
 
 
 def main_export(args: argparse.Namespace) -> int:

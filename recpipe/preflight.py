@@ -10,8 +10,8 @@ here, above it, before any process starts:
 2. the machine (:func:`check_machine`: a CUDA GPU for what needs one, FBGEMM's CPU
    kernels, the distributed backend, optional packages);
 3. ``checkpoint.dir`` (another run's checkpoints; the settings of the checkpoint a resume
-   starts from), the data's files, the model's tables against ``sharding.*``, and
-   ``pipeline.class``;
+   starts from), the data's files, the model's tables against ``sharding.*``, the model's
+   tensors against the checkpoint a resume starts from, and ``pipeline.class``;
 4. the memory plan (:func:`check_memory`, exit 3): on CUDA each rank against its GPU,
    with the cheapest changes that make it fit; on CPU the ranks of this machine together
    against its available memory.
@@ -139,17 +139,22 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     machine, the data, the model's tables, ``pipeline.class``."""
     from recpipe.builder import pipeline_class
     from recpipe.data import check_data
+    from recpipe.embedding_tables import model_on_meta
     from recpipe.sharding import check_model_config
-    from recpipe.train.checkpoint import check_checkpoint_config, check_resume
+    from recpipe.train.checkpoint import check_checkpoint_config, check_resume, check_resume_shapes
 
     check_rules(cfg)
     check_checkpoint_config(cfg.checkpoint)
-    check_resume(cfg)  # another distributed.nproc or optimizer than the checkpoint's
+    check_resume(cfg)  # another distributed.nproc, optimizer or model setting than the checkpoint's
     check_machine(cfg, machine)
     check_data(cfg)  # missing TSV files: ConfigError -> 2; a damaged binary dataset: BinaryDataError -> 5
     # The model's tables (a model.factory model's are known only now, built on meta)
     # against sharding.*: ConfigError -> exit 2.
-    check_model_config(cfg, device_type="cuda" if machine.on_cuda(cfg) else "cpu")
+    model = model_on_meta(cfg)
+    check_model_config(cfg, model, device_type="cuda" if machine.on_cuda(cfg) else "cpu")
+    # Its tensors against the checkpoint a resume loads: ConfigError -> 2; a checkpoint
+    # whose metadata would run code: UnsafeCheckpointError -> 6.
+    check_resume_shapes(cfg, model)
     pipeline_class(cfg)  # pipeline.class imports and subclasses the pipeline's class
 
 

@@ -8,22 +8,31 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
+import shlex
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from recpipe.cli import main
-from recpipe.config import load_config
+from recpipe.config import ConfigError, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
-from recpipe.train.checkpoint import METADATA_FILE, latest_checkpoint, load_checkpoint
-from recpipe.train.integrity import file_records, verify_checkpoint
+from recpipe.train import checkpoint
+from recpipe.train.checkpoint import (METADATA_FILE, check_resume, check_resume_shapes, choose_checkpoint,
+                                      latest_checkpoint, load_checkpoint, resume_settings)
+from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata
+from recpipe.train.integrity import MARKER_FILE, file_records, verify_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more
 TINY = [
@@ -110,10 +119,14 @@ def test_incomplete_checkpoint_is_ignored_with_a_warning(tmp_path):
     complete, partial = tmp_path / "step_00000003", tmp_path / "step_00000005"
     complete.mkdir()
     (complete / METADATA_FILE).write_text("{}")
-    partial.mkdir()
+    partial.mkdir()  # an interrupted save: the marker a save writes first, no metadata.json
+    (partial / MARKER_FILE).write_text("")
     (partial / "__0_0.distcp").write_bytes(b"half-written")
-    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint .*step_00000005"):
+    for name in ("step_00000007", "step_foo"):  # named like checkpoints, but no save of recpipe's began them
+        (tmp_path / name).mkdir()
+    with pytest.warns(UserWarning, match="ignoring incomplete checkpoint .*step_00000005") as warned:
         assert latest_checkpoint(tmp_path) == complete
+    assert len(warned) == 1, [str(w.message) for w in warned]
     (complete / METADATA_FILE).unlink()
     with pytest.warns(UserWarning):
         assert latest_checkpoint(tmp_path) is None
@@ -177,7 +190,8 @@ def test_pruning_never_deletes_the_newest_intact_checkpoint_to_keep_a_damaged_on
     assert _train(CONFIG, run, steps=4, every=2, keep=2) == 0
     _damage(run / "ckpt" / "step_00000004", how)
     interrupted = run / "ckpt" / "step_00000003"
-    interrupted.mkdir()  # a save that never finished (no metadata.json)
+    interrupted.mkdir()  # a save that never finished: the marker a save writes first, no metadata.json
+    (interrupted / MARKER_FILE).write_text("")
     (interrupted / "__0_0.distcp").write_bytes(b"partial")
     assert _train(CONFIG, run, steps=5, every=0, keep=2) == 0
     assert f"resumed from {run / 'ckpt' / 'step_00000002'}" in capfd.readouterr().out
@@ -253,3 +267,194 @@ def test_save_into_a_read_only_directory_fails_naming_it(tmp_path):
     assert f"the newest complete checkpoint is still {ckpt / 'step_00000002'}" in lines[0]
     assert "Traceback" not in out.stderr
     assert latest_checkpoint(ckpt) == ckpt / "step_00000002"
+
+
+# ------------------------------------------------- checkpoints are read as data, never run
+class Payload:
+    """What a crafted checkpoint file holds: unpickled by ``pickle.load`` (or
+    ``torch.load(weights_only=False)``), it runs ``touch MARKER`` through ``os.system``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {shlex.quote(str(self.marker))}",))
+
+
+def rerecord(path: Path) -> None:
+    """Rewrite ``metadata.json`` of checkpoint ``path`` with its files' sizes and CRC-32 as they
+    are now: what someone who changes a checkpoint's files can always do."""
+    meta = json.loads((path / METADATA_FILE).read_text())
+    world_size = meta.get("world_size", 1)
+    meta["files"] = {name: record for rank in range(world_size) for name, record in file_records(path, rank, world_size).items()}
+    (path / METADATA_FILE).write_text(json.dumps(meta))
+
+
+def dcp_checkpoint(root: Path, step: int, state: dict, **record) -> Path:
+    """A one-rank checkpoint ``root/step_<step>`` as a save writes it: the marker, DCP's files
+    of ``state`` and ``metadata.json`` (with ``record``'s fields)."""
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / MARKER_FILE).write_text("")
+    with warnings.catch_warnings():  # DCP: "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    (path / METADATA_FILE).write_text(json.dumps({"format": 2, "world_size": 1, "step": step, "epoch": 0,
+                                                  "batch": step, **record}))
+    rerecord(path)
+    return path
+
+
+def craft_metadata(path: Path, marker: Path) -> None:
+    """Put a :class:`Payload` into DCP's ``.metadata`` of checkpoint ``path``, records updated."""
+    metadata = pickle.loads((path / ".metadata").read_bytes())  # this test's own file
+    metadata.planner_data = Payload(marker)
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    rerecord(path)
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_crafted_dcp_metadata_is_refused_and_runs_nothing(tmp_path, one_rank, capsys):
+    marker = tmp_path / "ran"
+    dcp_checkpoint(tmp_path / "ckpt", 1, {"model": {"w": torch.ones(3)}})  # an older, intact one
+    crafted = dcp_checkpoint(tmp_path / "ckpt", 2, {"model": {"w": torch.ones(3)}})
+    craft_metadata(crafted, marker)
+    assert verify_checkpoint(crafted) == []  # the checksums match: they cannot tell
+    refused = rf"refusing checkpoint file {crafted / '.metadata'}: it names posix\.system, which no checkpoint holds"
+    cfg = load_config(None, [f"checkpoint.dir={tmp_path / 'ckpt'}"])
+    with pytest.raises(UnsafeCheckpointError, match=refused):  # not skipped for the older one: refused
+        choose_checkpoint(cfg.checkpoint)
+    with pytest.raises(UnsafeCheckpointError, match=refused):
+        dcp_load({"model": {"w": torch.zeros(3)}}, crafted)
+    assert main(["checkpoint", "verify", str(tmp_path / "ckpt")]) == EXIT_CHECKPOINT
+    assert f"{crafted}: DAMAGED: refusing checkpoint file" in capsys.readouterr().out
+    assert not marker.exists(), "a checkpoint's file ran code"
+
+
+def test_a_non_tensor_value_is_read_as_data(tmp_path):
+    """A value DCP stores with torch.save (a module's extra state) is read with torch's
+    weights-only unpickler: plain data loads, a pickle that names code is refused."""
+    marker = tmp_path / "ran"
+    plain = dcp_checkpoint(tmp_path / "a", 1, {"model": {"w": torch.ones(3), "extra": "v2"}})
+    state = {"model": {"w": torch.zeros(3), "extra": None}}
+    dcp_load(state, plain, no_dist=True)
+    assert state["model"]["extra"] == "v2" and torch.equal(state["model"]["w"], torch.ones(3))
+    crafted = dcp_checkpoint(tmp_path / "b", 1, {"model": {"w": torch.ones(3), "extra": Payload(marker)}})
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing checkpoint file .*\(the value of model\.extra\): "
+                                                    r"it names posix\.system"):
+        dcp_load({"model": {"w": torch.zeros(3), "extra": None}}, crafted, no_dist=True)
+    assert not marker.exists(), "a checkpoint's value ran code"
+
+
+def test_a_rank_rng_file_that_names_code_is_refused_in_one_line(tmp_path, one_rank):
+    marker = tmp_path / "ran"
+    ckpt = dcp_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    torch.save({"cpu": Payload(marker)}, ckpt / "rng_rank00000.pt")
+    with pytest.raises(UnsafeCheckpointError, match=rf"refusing checkpoint file {ckpt / 'rng_rank00000.pt'}: it names "
+                                                    r"posix\.system"):
+        checkpoint._restore_rng(ckpt, saved_world_size=1)
+    assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_real_checkpoint_reads_as_data_and_resumes_only_the_same_model(tmp_path, capsys):
+    """What DCP's writer puts in ``.metadata`` for the trainer's state (tables row- and
+    column-wise, Adagrad and Adam states) is what the restricted unpickler builds: the same
+    Metadata as pickle's. A resume with another model is refused before any process starts."""
+    run = tmp_path / "run"
+    assert _train(CONFIG, run, steps=1, every=1) == 0
+    ckpt = run / "ckpt" / "step_00000001"
+    assert read_metadata(ckpt) == pickle.loads((ckpt / ".metadata").read_bytes())  # this test's own file
+    capsys.readouterr()
+    for override, named in [("model.embedding_dim=16", "model.embedding_dim=8 (this run: 16)"),
+                            ("model.num_embeddings_per_feature=[100, 300, 500, 999]",
+                             "model.num_embeddings_per_feature=[100, 300, 500, 1000] (this run: [100, 300, 500, 999])"),
+                            ("model.arch=dcnv2", "model.arch='dlrm' (this run: 'dcnv2')")]:
+        extra = ["--set", override] + (["--set", "model.dense_arch_layer_sizes=[16, 16]"] if "dim" in override else [])
+        assert main([*_args(CONFIG, run, steps=2, every=1), *extra]) == EXIT_BAD_CONFIG
+        err = capsys.readouterr().err
+        assert f"checkpoint.resume: {ckpt} was saved with {named}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_record_that_verifies_nothing_is_damaged(tmp_path):
+    ckpt = dcp_checkpoint(tmp_path, 1, {"model": {"w": torch.ones(3)}})
+    meta = json.loads((ckpt / METADATA_FILE).read_text())
+    (ckpt / METADATA_FILE).write_text(json.dumps({**meta, "files": {}}))
+    assert verify_checkpoint(ckpt) == [f"{METADATA_FILE}: 'files' lists no file, so nothing of the checkpoint would "
+                                       "be verified"]
+    listed = {name: record for name, record in meta["files"].items() if name != "__0_0.distcp"}
+    (ckpt / METADATA_FILE).write_text(json.dumps({**meta, "files": listed}))
+    assert verify_checkpoint(ckpt) == [f"__0_0.distcp is not in {METADATA_FILE}'s record of the files"]
+
+
+def test_a_step_beyond_64_bits_is_damage_not_a_traceback(tmp_path, one_rank):
+    ckpt = tmp_path / "ckpt"
+    older = dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}})
+    newest = dcp_checkpoint(ckpt, 4, {"model": {"w": torch.ones(3)}})
+    meta = json.loads((newest / METADATA_FILE).read_text())
+    (newest / METADATA_FILE).write_text(json.dumps({**meta, "step": 10**30}))
+    cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
+    check_resume(cfg)  # before launch: the ranks find it damaged
+    with pytest.warns(UserWarning, match=rf"skipping damaged checkpoint {newest}: {METADATA_FILE}: 'step' is missing "
+                                         r"or not a count \(0 \.\. 2\^63 - 2\)"):
+        assert choose_checkpoint(cfg.checkpoint).path == older
+    shutil.rmtree(older)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match="no intact checkpoint .*step_00000004: "
+                                                                        f"{METADATA_FILE}: 'step'"):
+        choose_checkpoint(cfg.checkpoint)
+
+
+def test_retention_deletes_only_what_recpipe_wrote(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    older = dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}})
+    (older / "notes.txt").write_text("mine")  # a user's file in a checkpoint directory
+    newest = dcp_checkpoint(ckpt, 4, {"model": {"w": torch.ones(3)}})
+    interrupted = ckpt / "step_00000003"
+    interrupted.mkdir()
+    (interrupted / MARKER_FILE).write_text("")
+    (interrupted / "__0_0.distcp").write_bytes(b"partial")
+    mine = {"step_foo/metadata.json": "{}", "step_00000099_notes/important.txt": "keep",
+            "step_00000005/todo.txt": "keep", "step_my_notes/todo.txt": "keep"}
+    for name, text in mine.items():
+        (ckpt / name).parent.mkdir(exist_ok=True)
+        (ckpt / name).write_text(text)
+    assert latest_checkpoint(ckpt) == newest  # step_foo/ holds a metadata.json, and is no checkpoint
+    with pytest.warns(UserWarning, match=rf"checkpoint.keep=1: deleted the checkpoint in {older} but kept the "
+                                         r"directory: it also holds notes.txt, which recpipe did not write"):
+        checkpoint._prune(ckpt, keep=1)
+    assert all((ckpt / name).read_text() == text for name, text in mine.items())
+    assert [p.name for p in older.iterdir()] == ["notes.txt"] and not interrupted.exists()
+    assert verify_checkpoint(newest) == []
+
+
+def test_resume_refuses_a_model_of_other_shapes_before_any_process_starts(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    model = [pair for pair in TINY if pair.startswith("model.")]
+    saved = load_config(None, [f"checkpoint.dir={ckpt}", *model])
+    dcp_checkpoint(ckpt, 2, {"model": {"w": torch.ones(3)}}, settings=resume_settings(saved))
+    check_resume(saved)
+    for override, named in [("model.embedding_dim=16", "model.embedding_dim=8 (this run: 16)"),
+                            ("model.num_embeddings_per_feature=[100, 300, 500, 999]",
+                             "model.num_embeddings_per_feature=[100, 300, 500, 1000] (this run: [100, 300, 500, 999])"),
+                            ("model.arch=dcnv2", "model.arch='dlrm' (this run: 'dcnv2')")]:
+        now = load_config(None, [f"checkpoint.dir={ckpt}", *model, override]
+                          + (["model.dense_arch_layer_sizes=[16, 16]"] if "embedding_dim" in override else []))
+        with pytest.raises(ConfigError, match=rf"checkpoint.resume: .*step_00000002 was saved with .*{re.escape(named)}"):
+            check_resume(now)
+
+
+def test_resume_refuses_a_factory_model_of_other_shapes(tmp_path):
+    """A model.factory model's shapes are its code's: compared with the checkpoint's own."""
+    ckpt = tmp_path / "ckpt"
+    dcp_checkpoint(ckpt, 2, {"model": nn.Linear(4, 2).state_dict()})
+    cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
+    check_resume_shapes(cfg, nn.Linear(4, 2))
+    with pytest.raises(ConfigError, match=r"holds another model than this run's \(weight: \[2, 4\] saved, \[3, 4\] in "
+                                          r"the config's model; bias: \[2\] saved, \[3\]"):
+        check_resume_shapes(cfg, nn.Linear(4, 3))

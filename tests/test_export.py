@@ -137,6 +137,35 @@ def test_a_directory_without_a_checkpoint_is_an_error(tmp_path, capsys):
     assert "--checkpoint" in capsys.readouterr().err and not (tmp_path / "x.pt").exists()
 
 
+def _can_mount_tmpfs() -> bool:
+    from test_faults import _can_mount_tmpfs as can
+
+    return can()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs `unshare -rm` (user and mount namespaces) to mount a tmpfs")
+def test_export_onto_a_read_only_filesystem_is_one_line_naming_out(tmp_path):
+    from recpipe.models import build_model
+    from test_checkpoint import dcp_checkpoint
+
+    sets = [pair for pair in TINY if not pair.startswith("sharding.")]
+    model = build_model(load_config(CONFIG, sets).model, device=torch.device("cpu"))
+    ckpt = dcp_checkpoint(tmp_path / "ckpt", 3, {"model": model.state_dict()})
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    out = read_only / "model.pt"
+    mount_read_only = 'mount -t tmpfs -o ro tmpfs "$1" || exit 90; shift; exec "$@"'
+    cmd = ["unshare", "-rm", "sh", "-c", mount_read_only, "sh", str(read_only), sys.executable, "-m", "recpipe",
+           "export", "--config", str(CONFIG), *[arg for pair in sets for arg in ("--set", pair)], "--checkpoint",
+           str(ckpt), "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == EXIT_CHECKPOINT, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [
+        f"recpipe export: cannot write --out {out}: Read-only file system [exit {EXIT_CHECKPOINT}]"], done.stderr[-3000:]
+
+
 # ------------------------------------------------------- servable program
 SERVE = [*TINY, "data.batch_size=256", "data.synthetic.num_eval_batches=4", "train.steps=20", "train.log_every=10",
          "optimizer.embedding.lr=0.1", "optimizer.dense.lr=0.1"]

@@ -24,6 +24,7 @@ import yaml
 from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import (
+    EXIT_BAD_CONFIG,
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
     EXIT_INTERRUPTED,
@@ -322,6 +323,80 @@ def test_a_directory_that_cannot_be_written_at_the_start_exits_6(tmp_path):
     assert lines == [f"recpipe train: cannot write logging.run_dir={str(locked / 'run')!r} ({locked / 'run'}): "
                      f"Permission denied [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
 
+
+
+# ------------------------------------------------ checkpoint.dir: data only, and only the run's own
+def _one_line(err: str, command: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith(f"recpipe {command}:")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-4000:]
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_retention_keeps_what_recpipe_did_not_write(tmp_path):
+    """Two ranks, checkpoint.keep=1: the user's directories in checkpoint.dir whose names
+    begin like a checkpoint's survive every prune."""
+    run, ckpt = tmp_path / "run", tmp_path / "run" / "ckpt"
+    mine = {"step_foo/notes.txt": "a", "step_00000099_notes/important.txt": "b", "step_my_notes/todo.txt": "c"}
+    for name, text in mine.items():
+        (ckpt / name).parent.mkdir(parents=True)
+        (ckpt / name).write_text(text)
+    out = subprocess.run([*RECPIPE, *_sets(*SHORT, f"logging.run_dir={run}", f"checkpoint.dir={ckpt}",
+                                           "checkpoint.every=2", "checkpoint.keep=1")],
+                         capture_output=True, text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert all((ckpt / name).read_text() == text for name, text in mine.items())
+    assert sorted(p.name for p in ckpt.iterdir() if re.fullmatch(r"step_\d+", p.name)) == ["step_00000008"]
+
+
+@pytest.mark.slow
+def test_a_crafted_checkpoint_runs_no_code_on_resume_or_export(tmp_path):
+    """A pickle that calls os.system in the newest checkpoint's DCP metadata, with matching
+    sizes and CRC-32 in metadata.json: resuming (two ranks) and `recpipe export` refuse it
+    in one line naming the file and what it names, exit 6, and nothing runs."""
+    from test_checkpoint import craft_metadata
+
+    run, ckpt, marker = tmp_path / "run", tmp_path / "run" / "ckpt", tmp_path / "ran"
+    sets = _sets(*SHORT, f"logging.run_dir={run}", f"checkpoint.dir={ckpt}", "checkpoint.every=4")
+    out = subprocess.run([*RECPIPE, *sets], capture_output=True, text=True, env=_env(), timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    craft_metadata(ckpt / "step_00000008", marker)
+    refused = (f"refusing checkpoint file {ckpt / 'step_00000008' / '.metadata'}: it names posix.system, which no "
+               "checkpoint holds")
+
+    out = subprocess.run([*RECPIPE, *sets, "--set", "train.steps=12"], capture_output=True, text=True, env=_env(),
+                         timeout=600)
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    line = _one_line(out.stderr, "train")
+    assert refused in line and line.endswith(f"[exit {EXIT_CHECKPOINT}]"), line
+
+    exported = tmp_path / "model.pt"
+    out = subprocess.run([sys.executable, "-m", "recpipe", "export", "--config", str(CONFIG), *_sets(*TINY_MODEL),
+                          "--checkpoint", str(ckpt), "--out", str(exported)], capture_output=True, text=True,
+                         env=_env(), timeout=600)
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    assert refused in _one_line(out.stderr, "export")
+    assert not marker.exists(), "a checkpoint's file ran code"
+    assert not exported.exists()
+
+
+def test_a_directory_that_holds_more_than_the_run_is_refused(tmp_path, monkeypatch, capfd):
+    """checkpoint.dir and logging.run_dir empty (the working directory), the root, the home
+    directory or the working directory: refused before any process starts, exit 2, and
+    nothing of the working directory is touched."""
+    monkeypatch.chdir(tmp_path)
+    notes = tmp_path / "step_my_notes" / "todo.txt"
+    notes.parent.mkdir()
+    notes.write_text("keep")
+    for key in ("checkpoint.dir", "logging.run_dir"):
+        for value, what in [('""', "is empty"), ("/", "is the filesystem's root"), (".", "is the working directory"),
+                            (str(tmp_path), "is the working directory"), (str(Path.home()), "is the home directory")]:
+            other = [f"logging.run_dir={tmp_path / 'run'}"] if key == "checkpoint.dir" else []
+            code = main(["train", "--config", str(CONFIG), *_sets(*SHORT, *other, f"{key}={value}")])
+            err = capfd.readouterr().err
+            assert code == EXIT_BAD_CONFIG and f"{key}: {what}" in err, (key, value, err)
+            assert len(err.strip().splitlines()) == 1, err
+    assert notes.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["step_my_notes"]
 
 
 # ------------------------------------------------------------ nothing left after any kill

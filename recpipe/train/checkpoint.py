@@ -8,18 +8,29 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
   row-wise Adagrad momentum, and the dense optimizer's) under ``optimizer``. Each
   rank writes only its own shards; DCP writes replicated dense tensors once.
 * ``rng_rank{r:05d}.pt``: rank ``r``'s torch CPU (and CUDA) RNG states.
-* ``metadata.json``: the data position and every other file's size and CRC-32
+* ``.recpipe_checkpoint``: written by rank 0 before anything else: recpipe started
+  this save.
+* ``metadata.json``: the data position, the settings a resume must share
+  (:func:`resume_settings`) and every other file's size and CRC-32
   (``recpipe.train.integrity``), written last, by rank 0, after every rank has
   finished writing. A directory without it is incomplete (a crash mid-save) and
   ignored.
+
+A checkpoint is read as data, never run: ``recpipe.train.checkpoint_reader`` reads
+DCP's ``.metadata`` and every other pickle without running code, and refuses a file
+that names anything else (exit 6).
 
 Resuming verifies the newest complete checkpoint before loading it; a damaged one
 (a truncated shard, a changed byte) is skipped with a warning naming it and the
 file, and the next older one is tried. After each save rank 0 keeps the newest
 ``checkpoint.keep`` intact checkpoints and deletes every other ``step_*`` directory
-(older, damaged, or incomplete): a damaged checkpoint never displaces an intact one. A save that fails on any rank (read-only
-directory, full disk) fails on every rank with one error naming the path; it never
-writes ``metadata.json``, so the previous checkpoint stays the newest complete one.
+(older, damaged, or incomplete) that recpipe wrote: a damaged checkpoint never displaces an
+intact one. Only what a save wrote is deleted (``recpipe.train.integrity``: a directory named
+as a save names it, holding the marker or its record; in it, the files a save writes): a
+user's ``step_notes/``, or a file of theirs in a checkpoint directory, stays. A save that
+fails on any rank (read-only directory, full disk) fails on every rank with one error naming
+the path; it never writes ``metadata.json``, so the previous checkpoint stays the newest
+complete one.
 
 The trainer saves only with the pipeline drained (no batch in flight), so a
 checkpoint is exactly the state after ``step`` steps and resuming from it trains
@@ -34,7 +45,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,13 +60,17 @@ from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.integrity import METADATA_FILE, file_records, position_problems, record_problems, verify_checkpoint
+from recpipe.train.checkpoint_reader import (UnsafeCheckpointError, dcp_load, model_tensors, read_metadata,
+                                             safe_torch_load, shape_differences)
+from recpipe.train.integrity import (MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs, file_records,
+                                     position_problems, record_problems, verify_checkpoint, written_by_recpipe)
 
 __all__ = [
     "ChosenCheckpoint",
     "TrainPosition",
     "check_checkpoint_config",
     "check_resume",
+    "check_resume_shapes",
     "choose_checkpoint",
     "complete_checkpoints",
     "latest_checkpoint",
@@ -88,17 +102,14 @@ def _rng_file(path: Path, rank: int) -> Path:
 
 
 def complete_checkpoints(directory: str | Path, warn: bool = True) -> list[Path]:
-    """Every complete checkpoint under ``directory``, oldest first; with ``warn``, a
-    warning for every ``step_*`` directory that lacks ``metadata.json`` (an
-    interrupted save)."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
+    """Every complete checkpoint under ``directory`` (a checkpoint directory with its
+    ``metadata.json``), oldest first; with ``warn``, a warning for every one that a save
+    started (its marker) and never finished."""
     complete = []
-    for path in sorted(root.glob("step_*")):
+    for path in checkpoint_dirs(directory):
         if (path / METADATA_FILE).is_file():
             complete.append(path)
-        elif warn:
+        elif warn and (path / MARKER_FILE).is_file():
             warnings.warn(f"ignoring incomplete checkpoint {path} (no {METADATA_FILE}: the save was interrupted)")
     return complete
 
@@ -151,10 +162,34 @@ def resume_settings(cfg: RecpipeConfig) -> dict[str, Any]:
     """What a run that resumes from a checkpoint must share with the run that saved it,
     recorded in ``metadata.json``: the number of ranks (a rank's data position, RNG state
     and shards are its own: with another number the run does not continue, and not bit
-    for bit) and the optimizers (their state is what the checkpoint holds: another one
-    would start from none, or not load)."""
+    for bit), the optimizers (their state is what the checkpoint holds: another one
+    would start from none, or not load) and the model settings that decide the shapes of
+    its tensors (another table size, ``embedding_dim`` or architecture would not load).
+    A ``model.factory`` model's shapes are its code's: :func:`check_resume_shapes` compares them."""
+    m = cfg.model
+    shapes = ["arch", "embedding_dim", "num_dense_features", "num_embeddings_per_feature", "dense_arch_layer_sizes",
+              "over_arch_layer_sizes"] + (["dcn_num_layers", "dcn_low_rank_dim"] if m.arch == "dcnv2" else [])
+    model = {f"model.{name}": getattr(m, name) for name in shapes} if m.factory is None else {}
     return {"distributed.nproc": cfg.distributed.nproc, "optimizer.embedding.name": cfg.optimizer.embedding.name,
-            "optimizer.dense.name": cfg.optimizer.dense.name}
+            "optimizer.dense.name": cfg.optimizer.dense.name, "model.factory": m.factory, **model}
+
+
+def _resume_candidate(cfg: RecpipeConfig) -> tuple[Path, dict] | None:
+    """The newest complete checkpoint in ``checkpoint.dir`` and its record, when the run
+    resumes and it has a record a resume reads (else the ranks find it damaged)."""
+    ckpt = cfg.checkpoint
+    if ckpt.dir is None or not ckpt.resume:
+        return None
+    complete = complete_checkpoints(ckpt.dir, warn=False)
+    if not complete:
+        return None
+    try:
+        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if record_problems(meta) or position_problems(meta):
+        return None
+    return complete[-1], meta
 
 
 def check_resume(cfg: RecpipeConfig) -> None:
@@ -162,25 +197,42 @@ def check_resume(cfg: RecpipeConfig) -> None:
     (the one a resume starts from, unless it turns out damaged) was saved with this run's
     :func:`resume_settings`; else a ConfigError (exit 2) naming each that differs. A
     record from before the settings were recorded has its number of ranks."""
-    ckpt = cfg.checkpoint
-    if ckpt.dir is None or not ckpt.resume:
+    found = _resume_candidate(cfg)
+    if found is None:
         return
-    complete = complete_checkpoints(ckpt.dir, warn=False)
-    if not complete:
-        return
-    try:
-        meta = json.loads((complete[-1] / METADATA_FILE).read_text())
-    except (OSError, ValueError):
-        return  # damaged: the ranks find it so and skip it
-    if record_problems(meta) or position_problems(meta):
-        return
+    path, meta = found
     saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
     now = resume_settings(cfg)
     differ = [f"{key}={saved[key]!r} (this run: {now[key]!r})" for key in now if key in saved and saved[key] != now[key]]
     if differ:
         raise ConfigError(
-            f"checkpoint.resume: {complete[-1]} was saved with {', '.join(differ)}; a resumed run continues the saved "
+            f"checkpoint.resume: {path} was saved with {', '.join(differ)}; a resumed run continues the saved "
             "one with the same settings: set them back, or start anew in another checkpoint.dir"
+        )
+
+
+def check_resume_shapes(cfg: RecpipeConfig, model: nn.Module) -> None:
+    """Before any process starts, after :func:`check_resume`: every tensor of ``model``
+    (the config's, built on meta) has its shape in the checkpoint a resume starts from,
+    read from DCP's ``.metadata`` without running code; else a ConfigError (exit 2) naming
+    each that differs (a ``model.factory`` model whose code or ``model.options`` changed).
+    A ``.metadata`` that names anything but DCP's classes is refused here (exit 6)."""
+    found = _resume_candidate(cfg)
+    if found is None:
+        return
+    path = found[0]
+    try:
+        stored = model_tensors(path)
+    except UnsafeCheckpointError:
+        raise
+    except CheckpointError:
+        return  # damaged: the ranks find it so and skip it
+    differ = shape_differences(stored, model.state_dict())
+    if differ:
+        raise ConfigError(
+            f"checkpoint.resume: {path} holds another model than this run's ({'; '.join(differ[:5])}"
+            f"{' ...' if len(differ) > 5 else ''}); a resumed run continues the saved one with the same model: set "
+            "its settings back, or start anew in another checkpoint.dir"
         )
 
 
@@ -191,9 +243,7 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     Raises :class:`CheckpointError` on every rank when any rank cannot write."""
     path = checkpoint_path(cfg, position.step)
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    # Leftovers of an interrupted save at this step (the run resumed from an older
-    # checkpoint): stale shard files must not mix with the new ones.
-    _agreed(cfg, path, lambda: shutil.rmtree(path) if rank == 0 and path.exists() else None)
+    _agreed(cfg, path, lambda: _start_save(path, position.step) if rank == 0 else None)
     _agreed(cfg, path, lambda: _write_rng(path, rank))
     try:
         # dcp.save returns on every rank only after rank 0 wrote DCP's own .metadata,
@@ -212,6 +262,29 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
         _prune(Path(cfg.dir), keep=cfg.keep)
     dist.barrier()
     return path
+
+
+def _start_save(path: Path, step: int) -> None:
+    """Rank 0, first: the directory of the checkpoint of ``step`` with the marker that says
+    recpipe started writing it. Leftovers of an interrupted save at this step (the run
+    resumed from an older checkpoint) go first: stale shard files must not mix with the new ones."""
+    if path.exists():
+        _delete_saved(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER_FILE).write_text(f"recpipe checkpoint of step {step}: {METADATA_FILE} is written last, once it is "
+                                    "complete\n")
+
+
+def _delete_saved(path: Path) -> list[str]:
+    """Delete what a save wrote in checkpoint directory ``path`` (the names ``SAVED_FILES``
+    matches), and the directory once empty; returns the names of what else it holds, kept."""
+    for file in path.iterdir():
+        if SAVED_FILES.fullmatch(file.name) and file.is_file():
+            file.unlink()
+    others = sorted(p.name for p in path.iterdir())
+    if not others:
+        path.rmdir()
+    return others
 
 
 def _write_rng(path: Path, rank: int) -> None:
@@ -252,13 +325,14 @@ def _save_error(cfg: CheckpointConfig, path: Path, reason: str) -> CheckpointErr
 
 
 def _prune(root: Path, keep: int) -> None:
-    """Keep the newest ``keep`` intact checkpoints; delete every other ``step_*`` directory:
-    older checkpoints, damaged ones, and incomplete ones (interrupted saves: no save is
-    under way now, and the new checkpoint is complete). A complete checkpoint counts as
-    intact unless resuming found it damaged (``_FOUND_DAMAGED``) or one of its files is not
-    the size it was saved with (a ``stat`` each, no read): a damaged checkpoint never
-    takes the place of an intact one. Housekeeping: a failure only warns."""
-    steps = sorted(root.glob("step_*"))
+    """Keep the newest ``keep`` intact checkpoints; delete every other checkpoint that recpipe
+    wrote (``written_by_recpipe``): older checkpoints, damaged ones, and incomplete ones
+    (interrupted saves: no save is under way now, and the new checkpoint is complete). A
+    complete checkpoint counts as intact unless resuming found it damaged (``_FOUND_DAMAGED``)
+    or one of its files is not the size it was saved with (a ``stat`` each, no read): a
+    damaged checkpoint never takes the place of an intact one. Only the files a save writes
+    are deleted, and a directory only once empty. Housekeeping: a failure only warns."""
+    steps = [p for p in checkpoint_dirs(root) if written_by_recpipe(p)]
     intact = [p for p in steps if (p / METADATA_FILE).is_file() and p not in _FOUND_DAMAGED
               and not verify_checkpoint(p, checksums=False)]
     kept = set(intact[-keep:])
@@ -266,9 +340,14 @@ def _prune(root: Path, keep: int) -> None:
         if path in kept:
             continue
         try:
-            shutil.rmtree(path)
+            others = _delete_saved(path)
         except OSError as err:
             warnings.warn(f"checkpoint.keep={keep}: cannot delete the checkpoint {path}: {err}")
+            continue
+        if others:
+            listed = ", ".join(others[:5]) + (" ..." if len(others) > 5 else "")
+            warnings.warn(f"checkpoint.keep={keep}: deleted the checkpoint in {path} but kept the directory: it also "
+                          f"holds {listed}, which recpipe did not write")
         _FOUND_DAMAGED.discard(path)
 
 
@@ -318,11 +397,7 @@ def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedO
     # views of the FBGEMM buffers; load_state_dict copies where they are not).
     optimizer_state = optimizer.state_dict()
     state = _dcp_state(model, optimizer_state)
-    try:
-        dcp.load(state, checkpoint_id=str(path))
-    except CheckpointException as err:  # raised on every rank
-        failed_rank, (exc, _) = min(err.failures.items())
-        raise CheckpointError(f"cannot load checkpoint {path} (rank {failed_rank}: {exc})") from None
+    dcp_load(state, path)  # CheckpointError on every rank
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optimizer_state)
     _restore_rng(path, saved_world_size=meta["world_size"])
@@ -330,19 +405,24 @@ def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedO
 
 def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     """Collective: the newest complete checkpoint that passes verification (rank 0
-    lists them; every rank checks its share of each); warns about each damaged one."""
+    lists them; every rank checks its share of each); warns about each damaged one. One
+    whose DCP metadata names anything but DCP's classes is refused on every rank
+    (:class:`UnsafeCheckpointError`): it was made to run code, not damaged."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     listed = [complete_checkpoints(cfg.dir)[::-1] if rank == 0 else None]
     dist.broadcast_object_list(listed, src=0)  # every rank resumes from rank 0's choice
     damaged = []
     for path in listed[0]:
-        found: list[list[str] | None] = [None] * world_size
+        found: list[tuple[list[str] | None, str | None] | None] = [None] * world_size
         dist.all_gather_object(found, _resumable_problems(path, rank, world_size))
-        if found[0] is None:  # no record: format 1
+        refused = [refusal for _, refusal in found if refusal]
+        if refused:
+            raise UnsafeCheckpointError(refused[0])
+        if found[0][0] is None:  # no record: format 1
             if rank == 0:
                 warnings.warn(f"checkpoint {path} has no checksums (saved by an older recpipe); loading it unverified")
             return path
-        problems = sorted({p for part in found for p in part or ()})
+        problems = sorted({p for part, _ in found for p in part or ()})
         if not problems:
             return path
         damaged.append(f"{path.name}: {'; '.join(problems)}")
@@ -357,18 +437,28 @@ def _choose_intact(cfg: CheckpointConfig) -> Path | None:
     return None
 
 
-def _resumable_problems(path: Path, rank: int, world_size: int) -> list[str] | None:
-    """``verify_checkpoint``'s problems of ``path``, and, on rank 0, its record's training
-    position (what a resume reads); None for an unverifiable (format 1) record that has it."""
+def _resumable_problems(path: Path, rank: int, world_size: int) -> tuple[list[str] | None, str | None]:
+    """``verify_checkpoint``'s problems of ``path`` (None for an unverifiable, format 1,
+    record) and why it is refused (or None). Rank 0 also checks what a resume reads: the
+    record's training position, and DCP's metadata, read without running code."""
     problems = verify_checkpoint(path, rank, world_size)
-    if rank == 0:
-        try:
-            meta = json.loads((path / METADATA_FILE).read_text())
-        except (OSError, ValueError):
-            return problems  # which say so
-        if isinstance(meta, dict) and (position := position_problems(meta)):
-            return [*(problems or []), *position]
-    return problems
+    if rank != 0:
+        return problems, None
+    try:
+        meta = json.loads((path / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return problems, None  # which say so
+    if isinstance(meta, dict) and (position := position_problems(meta)):
+        return [*(problems or []), *position], None
+    if problems:
+        return problems, None
+    try:
+        read_metadata(path)
+    except UnsafeCheckpointError as err:
+        return problems, str(err)
+    except CheckpointError as err:
+        return [str(err)], None
+    return problems, None
 
 
 def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:
@@ -398,7 +488,10 @@ def _restore_rng(path: Path, saved_world_size: int) -> None:
             "this rank keeps its seeded RNG"
         )
         return
-    states = torch.load(file, weights_only=True)
+    try:
+        states = safe_torch_load(file, file)
+    except UnsafeCheckpointError as err:
+        raise UnsafeCheckpointError(str(err), every_rank=False) from None  # this rank's own file
     torch.set_rng_state(states["cpu"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state(states["cuda"])

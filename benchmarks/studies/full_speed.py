@@ -41,6 +41,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks.studies.common import command, config_parser  # noqa: E402
 from recpipe.bench.measure import free_device_memory  # noqa: E402
+from recpipe.bench.report import environment  # noqa: E402
 from recpipe.bench.runner import single_rank_group  # noqa: E402
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group  # noqa: E402
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         return load_config(args.config, [*base, f"logging.run_dir={out / run}", "checkpoint.dir=null", *extra])
 
     reference = args.reference or ["data.num_workers=0"]
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     started = time.perf_counter()
     runs: list[tuple[str, Trained, list[str] | None]] = []
     ref = train(cfg("reference", reference), lockstep=args.lockstep)
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     for v, variant in enumerate(args.variant):
         overrides = [o.strip() for o in variant.split(",") if o.strip()]
         for r in range(args.repeat):
-            free_device_memory(torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+            free_device_memory(device)
             c = cfg(f"variant{v}_{r}", overrides)
             t = train(c)
             same = differences(t, ref)
@@ -173,7 +175,11 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((label, t, same))
             print(_run_md(label, t, c.train.log_every, same), flush=True)
     log_every = cfg("reference", reference).train.log_every
+    env = environment(device, 1, [torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"])
+    v = env["versions"]
     lines = [f"# Full speed against the reference: `{args.config}`", "", f"Command: `{command('full_speed', argv)}`", "",
+             f"- {env['gpu']['name']}, host of {env['host']['cpus']} cores; torch {v['torch']}, fbgemm-gpu "
+             f"{v['fbgemm_gpu']}, torchrec {v['torchrec']}" + (f", CUDA {v['cuda']}" if v["cuda"] else ""), "",
              f"Mean loss of each log interval ({log_every} steps), final eval, the trainer's samples/s, the steps after "
              "which the host waited for the device, and whether every step's loss and the eval metrics equal the "
              "reference's bit for bit.", "",

@@ -455,8 +455,8 @@ class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
     keep: int = Field(2, gt=0)
-    # On SIGTERM / SIGINT (preemption) every rank finishes its step, drains the
-    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130.
+    # On SIGTERM / SIGINT / SIGHUP (preemption) every rank finishes its step, drains the
+    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130 / 129.
     on_preempt: bool = True
 
 

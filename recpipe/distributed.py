@@ -31,7 +31,7 @@ from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, 
 from recpipe.errors import job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
 from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
-from recpipe.stop_requests import REPEAT_WINDOW_S, request
+from recpipe.stop_requests import REPEAT_WINDOW_S, SIGNALS, request
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -211,7 +211,7 @@ def _child(
 ) -> None:
     # The parent is launch_local's forkserver, which ends with the launcher
     # (recpipe.launch_preload); the kernel then ends this rank (die_with_parent).
-    # SIGTERM and SIGINT are blocked here, as in the server: one sent before the rank
+    # The stop signals are blocked here, as in the server: one sent before the rank
     # handles it stays pending instead of being lost.
     die_with_parent(os.getppid())
     try:
@@ -257,13 +257,14 @@ def _child(
 class _Launcher:
     """What a rank takes from the process that launches it, read when the launch starts:
     its pid, its environment, its standard output and error (the files behind fds 1 and
-    2, which a caller may have redirected since the server started) and which of SIGTERM /
-    SIGINT it ignores (a job started in the background ignores SIGINT). A forked rank has
-    the forkserver's, as they were when the server started (and SIGTERM and SIGINT
-    blocked there: ``recpipe.launch_preload``), so it sets these first thing, as a
-    spawned interpreter would have them."""
+    2, which a caller may have redirected since the server started) and which of the stop
+    signals (``recpipe.stop_requests.SIGNALS``) it ignores (a job started in the background
+    ignores SIGINT, one under nohup SIGHUP). A forked rank has the forkserver's, as they
+    were when the server started (and the stop signals blocked there:
+    ``recpipe.launch_preload``), so it sets these first thing, as a spawned interpreter
+    would have them."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = SIGNALS
     STDIO = (1, 2)
 
     def __init__(self) -> None:
@@ -311,11 +312,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
     environment and ignored signals as they are at the launch (:class:`_Launcher`).
     The server never initializes CUDA, so forked ranks may (as spawned ones).
 
-    A rank starts with SIGTERM and SIGINT blocked, so that a signal forwarded to it
-    before it can handle one waits instead of being lost; they are unblocked before
-    ``fn`` runs, or, with ``handles_signals``, by ``fn`` once it has installed its
-    handlers (``recpipe.stop_requests.install_signal_handlers`` does). A SIGINT that
-    raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
+    A rank starts with the stop signals (SIGTERM, SIGINT, SIGHUP) blocked, so that a
+    signal forwarded to it before it can handle one waits instead of being lost; they
+    are unblocked before ``fn`` runs, or, with ``handles_signals``, by ``fn`` once it
+    has installed its handlers (``recpipe.stop_requests.install_signal_handlers``
+    does). A SIGINT that raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
     store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
     launcher = _Launcher()  # before the supervisor replaces this process's handlers
     try:
@@ -336,7 +337,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
 class _Supervisor:
     """Watches the ranks of one ``launch_local`` until every one has exited.
 
-    Signals: the first SIGTERM or SIGINT this process gets is forwarded to every
+    Signals: the first SIGTERM, SIGINT or SIGHUP this process gets is forwarded to every
     rank (``recpipe train``'s ranks then finish the step, drain, save and exit with
     128 + signal). More within ``REPEAT_WINDOW_S`` are the same one delivered again:
     a signal to the process group reaches this process and every rank directly, and
@@ -356,7 +357,7 @@ class _Supervisor:
 
     USER_EXIT_GRACE_S = 15.0
     CRASH_GRACE_S = 2.0
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = SIGNALS
     REPEAT_WINDOW_S = REPEAT_WINDOW_S  # the ranks' own
 
     def __init__(self) -> None:

@@ -21,14 +21,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, wait_for
+from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, ranks_of, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import (
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
+    EXIT_HANGUP,
     EXIT_INTERRUPTED,
     EXIT_LAUNCHER_GONE,
     EXIT_PREEMPTED,
+    EXIT_WORKER_FAILED,
 )
 from recpipe.train.checkpoint import latest_checkpoint
 from recpipe.train.integrity import METADATA_FILE
@@ -109,6 +111,83 @@ def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path, sig, code):
     assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {code}]" in line
     assert latest_checkpoint(run / "ckpt") == run / "ckpt" / f"step_{step:08d}"
     assert not _group_members(proc.pid), "a process of the job outlived it"
+
+
+# ------------------------------------------------------------- TSV loader workers, SIGHUP
+class _Job:
+    """An endless ``recpipe train`` (process_harness.ENDLESS) in a process group of its own
+    (as `setsid` or a scheduler starts it) with its own $TMPDIR. ``end()`` checks that
+    nothing of it outlives it: no process of its group, nothing it made in $TMPDIR
+    (torch's compile cache aside)."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.run, self.tmp = tmp_path / "run", tmp_path / "tmp"
+        self.tmp.mkdir()
+        self.proc = subprocess.Popen([*RECPIPE, *overrides(self.run, *extra)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=_env(TMPDIR=str(self.tmp)),
+                                     start_new_session=True)
+
+    def training(self) -> None:
+        wait_for(self.run / "ckpt" / "step_00000004" / METADATA_FILE, self.proc)
+
+    def end(self, timeout: float = 120) -> str:
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc.pid)  # its ranks hold its output open
+            _, err = self.proc.communicate()
+            raise AssertionError(f"still running after {timeout} s:\n{err[-4000:]}") from None
+        finally:
+            members = _group_members(self.proc.pid)
+            _kill_group(self.proc.pid)
+        assert not members, f"processes of the job outlived it: {[cmdline(p)[:100] for p in members]}\n{err[-3000:]}"
+        left = [p.name for p in self.tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, f"left in $TMPDIR: {left}"
+        return err
+
+    def summary(self) -> dict:
+        return json.loads((self.run / "summary.json").read_text())
+
+
+def _tsv_source(tmp_path: Path) -> list[str]:
+    """Criteo TSV training data read by a forked DataLoader worker in each rank."""
+    return ["data.source=criteo_tsv", "data.num_workers=1", "data.batch_size=16",
+            f"data.criteo.train_files=[{_tsv(tmp_path / 'day_0.tsv', 4000)}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_PREEMPTED), (signal.SIGHUP, EXIT_HANGUP)],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_a_group_signal_with_tsv_loader_workers_is_one_request(tmp_path, sig, code):
+    """`kill -TERM -$PGID` (or the SIGHUP of a closed terminal) reaches the launcher, the
+    forkserver, the ranks and their DataLoader workers: the workers outlive it (torch's end
+    on SIGTERM, which failed the run: "DataLoader worker ... is killed by signal"), and the
+    job stops as for one request: drain, save, 128 + signal, one line."""
+    job = _Job(tmp_path, *_tsv_source(tmp_path))
+    job.training()
+    os.killpg(job.proc.pid, sig)
+    err = job.end()
+    assert job.proc.returncode == code, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    line, step = _stop_line(err)
+    assert line.startswith(f"recpipe train: stopped by {sig.name} after step {step}: "), line
+    assert f"checkpoint {job.run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {code}]" in line
+    assert latest_checkpoint(job.run / "ckpt") == job.run / "ckpt" / f"step_{step:08d}"
+    assert job.summary()["status"] == "preempted" and job.summary()["stopped_by"] == sig.name
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
+    """SIGKILL to a rank: its workers end with it (they outlived it for seconds, and their
+    exit printed tracebacks about the launcher's temporary files); the launcher reports
+    the rank."""
+    job = _Job(tmp_path, *_tsv_source(tmp_path))
+    job.training()
+    os.kill(ranks_of(job.proc.pid)[1], signal.SIGKILL)
+    err = job.end()
+    assert job.proc.returncode == EXIT_WORKER_FAILED, err[-4000:]
+    assert "recpipe train: rank 1 failed:\nprocess 1 terminated with signal SIGKILL" in err, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
 
 
 # ---------------------------------------------------- a rank whose torchrun is gone

@@ -8,7 +8,8 @@ launching process, so a bad config exits with code 2 before any process starts. 
   process is one rank and trains directly; rank 0 locks the run directories;
 * otherwise: this process locks ``checkpoint.dir`` and ``logging.run_dir``
   (``recpipe.run_lock``), starts ``distributed.nproc`` processes on this machine
-  (``launch_local``), one rank each, and waits for them, forwarding SIGTERM / SIGINT.
+  (``launch_local``), one rank each, and waits for them, forwarding SIGTERM / SIGINT /
+  SIGHUP.
 
 Every rank runs :func:`run_rank`: a signal asks it to stop at a step boundary
 (``recpipe.train.preemption``); a user error (bad data, a checkpoint that cannot be
@@ -115,7 +116,7 @@ def main_train(args: argparse.Namespace) -> int:
 def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = False) -> int:
     """``recpipe train`` from a trainer script: returns its exit code, a user error reported
     in one line as the command reports it (``debug``: with its traceback), and a SIGTERM /
-    SIGINT handled as the command handles it. ``pipeline_class``: a subclass of the
+    SIGINT / SIGHUP handled as the command handles it. ``pipeline_class``: a subclass of the
     configured pipeline's class, trained in its place with the configured options and speed
     features (it becomes ``pipeline.class``, imported by name in every rank: its module must
     import without starting a run, so a script keeps its entry point under

@@ -1,11 +1,11 @@
-"""Stopping on SIGTERM / SIGINT at a step boundary, with every rank agreeing.
+"""Stopping on SIGTERM / SIGINT / SIGHUP at a step boundary, with every rank agreeing.
 
 What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to every
-rank, or to some of them. Each rank:
+rank, or to some of them (a closed terminal sends SIGHUP, which asks the same). Each rank:
 
 1. ``recpipe.stop_requests`` handles the signals. Until training starts a signal
    ends the run at once (nothing is trained yet). From the moment ``Preemption`` is
-   built, the first SIGTERM or SIGINT is only a request: training goes on for now.
+   built, the first SIGTERM, SIGINT or SIGHUP is only a request: training goes on for now.
    Another within ``REPEAT_WINDOW_S`` is the same request delivered twice; a later
    one ends the process at once: exit 128 + signal, nothing saved.
 2. ``Preemption.after_step()`` runs on every rank at every step boundary. At an
@@ -33,9 +33,9 @@ the same process saw (one process may run ``recpipe.cli.main`` several times).
 A rank started by torchrun (TORCHELASTIC_RUN_ID set) also watches its launcher
 (``watch_launcher()``): torchrun is its parent, and when it is gone (killed with
 SIGKILL, its node lost) the rank asks every rank to stop exactly as for a signal,
-with SIGHUP's number (what a shell sends a job whose terminal is gone): they drain,
-save and exit 129, and the other nodes' torchrun ends the job at once. Without the
-watch such a rank trained on with nobody to report to, and the other torchrun
+with ``LAUNCHER_GONE``, which ends the run as SIGHUP does (what a shell sends a job
+whose terminal is gone): they drain, save and exit 129, and the other nodes' torchrun
+ends the job at once. Without the watch such a rank trained on with nobody to report to, and the other torchrun
 waited out its exit barrier and exited 0. Stopping together, rather than the kernel
 killing the rank as ``recpipe train``'s own launcher has it do
 (``recpipe.distributed.die_with_parent``), keeps the other ranks out of a collective

@@ -75,7 +75,7 @@ from recpipe.train.nonfinite import (
     finite_json,
     skip_step_caveats,
 )
-from recpipe.stop_requests import describe_request
+from recpipe.stop_requests import describe_request, signal_of
 from recpipe.train.preemption import Preemption
 from recpipe.train.run_dir import RunDir
 from recpipe.train.startup import StartupClock
@@ -509,9 +509,9 @@ class Trainer:
                 self._save()
             where = f"checkpoint {checkpoint_path(ckpt, step)} saved; run the same command again to resume"
         self.bar.close()
-        self._finish(status="preempted")
         signum = self._preemption.signum
-        raise Preempted(f"stopped by {describe_request(signum)} after step {step}: {where}", signum)
+        self._finish(status="preempted", stopped_by=describe_request(signum))
+        raise Preempted(f"stopped by {describe_request(signum)} after step {step}: {where}", signal_of(signum))
 
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int, wait: bool = False) -> None:
@@ -627,15 +627,16 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.log(step, scalars)
 
-    def _finish(self, status: str = "completed") -> None:
+    def _finish(self, status: str = "completed", **why: Any) -> None:
         """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
-        non-finite number is written as null) and, when completed, the final line."""
+        non-finite number is written as null; ``why``: what ended the run, beside its
+        status) and, when completed, the final line."""
         self.run_dir.close()
         if self.wandb is not None:
             self.wandb.finish(status)
         if self.rank != 0:
             return
-        summary = {**self.summary(), "status": status}
+        summary = {**self.summary(), "status": status, **why}
         path = self.run_dir.write_summary(finite_json(summary))
         if status != "completed":
             return

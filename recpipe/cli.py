@@ -101,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged, or a directory or --out not "
         f"writable, "
         f"{codes.EXIT_DIR_IN_USE} directory in use by another run, {codes.EXIT_STALLED} a rank made no step within "
-        "train.step_timeout_s, 128 + N stopped by signal N "
+        f"train.step_timeout_s, {codes.EXIT_LAUNCHER_FAILED} the launcher lost the process that forks its ranks, "
+        "128 + N stopped by signal N "
         f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT, {codes.EXIT_HANGUP} SIGHUP).",
         formatter_class=HelpFormatter,
     )

@@ -29,6 +29,10 @@ EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another re
 # collective another rank never joined): every rank was ended; the newest checkpoint is
 # the last one saved before it.
 EXIT_STALLED = 8
+# recpipe train's launcher lost the server that forks its ranks (multiprocessing's
+# forkserver, their parent): it was killed or stopped, so the ranks' exits could not reach
+# the launcher. Every rank was ended; the newest checkpoint is the last one saved before.
+EXIT_LAUNCHER_FAILED = 9
 # Stopped by a signal (preemption): 128 + the signal number, as shells report it. The
 # ranks finished their step, drained and saved a checkpoint (checkpoint.on_preempt).
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM (SLURM, Kubernetes, `kill`)
@@ -52,6 +56,7 @@ __all__ = [
     "EXIT_DOES_NOT_FIT",
     "EXIT_HANGUP",
     "EXIT_INTERRUPTED",
+    "EXIT_LAUNCHER_FAILED",
     "EXIT_LAUNCHER_GONE",
     "EXIT_NONFINITE_LOSS",
     "EXIT_OK",

@@ -28,6 +28,7 @@ from recpipe.exit_codes import (
     EXIT_CHECKPOINT,
     EXIT_HANGUP,
     EXIT_INTERRUPTED,
+    EXIT_LAUNCHER_FAILED,
     EXIT_LAUNCHER_GONE,
     EXIT_PREEMPTED,
     EXIT_WORKER_FAILED,
@@ -113,7 +114,7 @@ def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path, sig, code):
     assert not _group_members(proc.pid), "a process of the job outlived it"
 
 
-# ------------------------------------------------------------- TSV loader workers, SIGHUP
+# ------------------------------------------- TSV loader workers, SIGHUP, the forkserver
 class _Job:
     """An endless ``recpipe train`` (process_harness.ENDLESS) in a process group of its own
     (as `setsid` or a scheduler starts it) with its own $TMPDIR. ``end()`` checks that
@@ -129,6 +130,10 @@ class _Job:
 
     def training(self) -> None:
         wait_for(self.run / "ckpt" / "step_00000004" / METADATA_FILE, self.proc)
+
+    def server(self) -> int:
+        """The forkserver: the launcher's child that forks the ranks (which share its command line)."""
+        return next(c for c in _children(self.proc.pid) if "multiprocessing.forkserver" in cmdline(c))
 
     def end(self, timeout: float = 120) -> str:
         try:
@@ -188,6 +193,26 @@ def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
     assert job.proc.returncode == EXIT_WORKER_FAILED, err[-4000:]
     assert "recpipe train: rank 1 failed:\nprocess 1 terminated with signal SIGKILL" in err, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, what", [(signal.SIGKILL, "was killed by SIGKILL"), (signal.SIGSTOP, "was stopped (SIGSTOP)")],
+                         ids=["SIGKILL", "SIGSTOP"])
+def test_the_forkserver_killed_or_stopped_ends_the_job_in_one_line(tmp_path, sig, what):
+    """The server that forks the ranks is their parent and passes their exits on to the
+    launcher: killed, its ranks die with it (the launcher exited 255 without a word);
+    stopped, the launcher would wait for ever. Either ends the job: one line, exit 9."""
+    job = _Job(tmp_path)
+    job.training()
+    server = job.server()
+    os.kill(server, sig)
+    err = job.end()
+    assert job.proc.returncode == EXIT_LAUNCHER_FAILED, err[-4000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith(f"recpipe train: the process that forks the ranks (multiprocessing's forkserver, pid "
+                           f"{server}) {what}"), err[-4000:]
+    assert f"; every rank was ended; newest checkpoint: {job.run / 'ckpt'}/step_" in last, last
+    assert last.endswith(f"[exit {EXIT_LAUNCHER_FAILED}]") and "Traceback" not in err, err[-4000:]
 
 
 # ---------------------------------------------------- a rank whose torchrun is gone

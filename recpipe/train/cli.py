@@ -30,11 +30,12 @@ from recpipe.callables import class_spec
 from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
 from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
                                  shutdown_process_group, torchrun_overrides, under_torchrun)
-from recpipe.errors import StopRequested, exit_code_of, report
+from recpipe.errors import LauncherFailed, StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
+from recpipe.train.checkpoint import describe_newest
 from recpipe.train.preemption import watch_launcher
 from recpipe.train.startup import StartupClock
 from recpipe.train.trainer import run_worker
@@ -171,6 +172,8 @@ def run_train(cfg: RecpipeConfig, debug: bool = False, startup: StartupClock | N
                 code = 0
             except ProcessException as err:
                 code = _launch_failed(err)
+            except LauncherFailed as err:
+                code = report("train", LauncherFailed(f"{err}; {describe_newest(cfg.checkpoint.dir)}"), debug=debug)
             finally:
                 defer_requests()  # the ranks have ended: a signal from now on has nothing left to stop
     signum = requested_signal()

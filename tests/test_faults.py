@@ -185,7 +185,7 @@ def test_a_group_signal_with_tsv_loader_workers_is_one_request(tmp_path, sig, co
 def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
     """SIGKILL to a rank: its workers end with it (they outlived it for seconds, and their
     exit printed tracebacks about the launcher's temporary files); the launcher reports
-    the rank."""
+    the rank and writes how the run ended in summary.json, which rank 0 could not."""
     job = _Job(tmp_path, *_tsv_source(tmp_path))
     job.training()
     os.kill(ranks_of(job.proc.pid)[1], signal.SIGKILL)
@@ -193,6 +193,9 @@ def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
     assert job.proc.returncode == EXIT_WORKER_FAILED, err[-4000:]
     assert "recpipe train: rank 1 failed:\nprocess 1 terminated with signal SIGKILL" in err, err[-4000:]
     assert "Traceback" not in err, err[-4000:]
+    summary = job.summary()
+    assert summary["status"] == "failed" and summary["exit_code"] == EXIT_WORKER_FAILED, summary
+    assert summary["error"] == "process 1 terminated with signal SIGKILL", summary
 
 
 @pytest.mark.slow
@@ -201,7 +204,8 @@ def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
 def test_the_forkserver_killed_or_stopped_ends_the_job_in_one_line(tmp_path, sig, what):
     """The server that forks the ranks is their parent and passes their exits on to the
     launcher: killed, its ranks die with it (the launcher exited 255 without a word);
-    stopped, the launcher would wait for ever. Either ends the job: one line, exit 9."""
+    stopped, the launcher would wait for ever. Either ends the job: one line, exit 9, and
+    summary.json says so."""
     job = _Job(tmp_path)
     job.training()
     server = job.server()
@@ -213,6 +217,8 @@ def test_the_forkserver_killed_or_stopped_ends_the_job_in_one_line(tmp_path, sig
                            f"{server}) {what}"), err[-4000:]
     assert f"; every rank was ended; newest checkpoint: {job.run / 'ckpt'}/step_" in last, last
     assert last.endswith(f"[exit {EXIT_LAUNCHER_FAILED}]") and "Traceback" not in err, err[-4000:]
+    summary = job.summary()
+    assert summary["status"] == "launcher_failed" and summary["exit_code"] == EXIT_LAUNCHER_FAILED, summary
 
 
 # ---------------------------------------------------- a rank whose torchrun is gone
@@ -404,6 +410,8 @@ def test_a_full_filesystem_is_one_line_naming_the_path(tmp_path):
     left = re.findall(r"^complete: (step_\d+)$", out.stdout, re.MULTILINE)
     assert still and left and max(left) == still[1] and int(still[1][5:]) < failed, (lines[0], left)
     assert "Traceback" not in out.stderr
+    summary = json.loads((tmp_path / "run2" / "summary.json").read_text())  # written by the launcher
+    assert summary["status"] == "storage_error" and summary["exit_code"] == EXIT_CHECKPOINT, summary
 
 
 def _without_root_override() -> list[str]:
@@ -507,7 +515,8 @@ def test_a_run_killed_by_a_second_signal_leaves_no_earlier_summary(tmp_path):
     proc, _, err = interrupt(run, twice)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] in ("running", "preempted") and summary["steps"] != 999, summary
+    # preempted: the ranks were done before the second signal; killed: the launcher says it for them
+    assert summary["status"] in ("killed", "preempted") and summary["steps"] != 999, summary
 
 
 # ----------------------------------------------------------------- data convert and signals

@@ -129,6 +129,9 @@ def _assert_its_error(proc, err: str, took: float) -> None:
 def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(tmp_path):
     proc, err, took = _rank_1_raises(tmp_path / "run")
     _assert_its_error(proc, err, took)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the launcher's word for rank 1
+    assert summary["status"] == "failed" and summary["exit_code"] == EXIT_WORKER_FAILED, summary
+    assert summary["error"] == "rank 1 failed: RuntimeError: injected failure on rank 1 at its training step 6", summary
 
 
 @pytest.mark.slow

@@ -324,11 +324,12 @@ class Trainer:
     def _save(self) -> None:
         """Collective: save a checkpoint of the state after this step, unless a weight
         is not finite (then NonFiniteLossError, exit 4: never a checkpoint of a
-        diverged model)."""
-        self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
-                                                            describe_newest(self.cfg.checkpoint.dir)))
-        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
-                        resume_settings(self.cfg))
+        diverged model). A rank that stops responding meanwhile ends the job (the watchdog)."""
+        with self._watchdog.during(f"the checkpoint save of step {self.position.step}"):
+            self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
+                                                                describe_newest(self.cfg.checkpoint.dir)))
+            save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
+                            resume_settings(self.cfg))
 
     def _no_training_data(self, epoch: int) -> NoReturn:
         """Collective (every rank agreed the epoch had no batch): DataError, exit 5."""
@@ -575,7 +576,8 @@ class Trainer:
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         started = time.perf_counter()
         evaluated = samples = 0
-        with contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs:
+        with (self._watchdog.during(f"the evaluation after step {self.position.step}"),
+              contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs):
             for result, padding in outputs:
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:

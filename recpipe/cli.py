@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         "under torchrun. Prints the placement of the tables (on GPUs also the memory plan's per-rank summary, "
         "refusing with exit 3 a plan that does not fit), the eval metrics at every evaluation and the final eval "
         "AUC; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT / SIGHUP "
-        "stop every rank at a step boundary, after a checkpoint (exit 143 / 130 / 129); a second signal, a "
-        "second or more later, stops at once. Exit codes: docs/fault_tolerance.md.",
+        "stop every rank at a step boundary (an evaluation within train.stop_grace_s), after a checkpoint (exit "
+        "143 / 130 / 129); a second signal, a second or more later, stops at once. Exit codes: "
+        "docs/fault_tolerance.md.",
     )
     _add_config_args(train)
 

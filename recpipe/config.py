@@ -435,6 +435,15 @@ class TrainConfig(Section):
         description="seconds without a training step before the job ends (exit 8); null = 100 x the median step, "
         "at least 60; 0 = off",
     )
+    # A stop request (SIGTERM, SIGINT, SIGHUP) that comes during an evaluation lets it go on
+    # this long, then every rank ends it together (recpipe/train/preemption.py), saves the
+    # last trained step and exits 128 + signal: an evaluation of thousands of batches must
+    # not outlast a scheduler's grace period (30 s is common) before the checkpoint.
+    stop_grace_s: float = Field(
+        10.0, ge=0,
+        description="seconds an evaluation goes on after a stop request (SIGTERM, SIGINT, SIGHUP) before every "
+        "rank ends it, saves the last trained step and exits; 0 = at once",
+    )
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",

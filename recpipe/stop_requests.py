@@ -51,7 +51,7 @@ from recpipe.errors import StopRequested, report
 from recpipe.exit_codes import exit_code_for_signal
 
 __all__ = ["LAUNCHER_GONE", "REPEAT_WINDOW_S", "SIGNALS", "defer_requests", "describe_request",
-           "ignore_stop_signals", "install_signal_handlers", "request", "requested_signal",
+           "ignore_stop_signals", "install_signal_handlers", "request", "request_age_s", "requested_signal",
            "signal_of", "stop_signals_blocked"]
 
 REPEAT_WINDOW_S = 1.0
@@ -76,6 +76,11 @@ class _Requests:
 def requested_signal() -> int | None:
     """The signal that asked this process to stop, or None."""
     return _Requests.signum
+
+
+def request_age_s() -> float | None:
+    """Seconds since the request of :func:`requested_signal` came, or None."""
+    return None if _Requests.signum is None else time.monotonic() - _Requests.first_at
 
 
 def signal_of(code: int) -> int:

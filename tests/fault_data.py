@@ -98,3 +98,27 @@ def rank_0_stops_in_a_save(cfg):
 def rank_1_stops_in_a_save(cfg):
     """A ``model.factory``: see ``StopsInASave``; rank 1 stops."""
     return _stops_in_a_save(cfg, 1)
+
+
+EVAL_STARTED = "eval_started"  # in logging.run_dir: an evaluation of ``endless_eval`` has started
+
+
+def endless_eval(cfg, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int) -> Iterator:
+    """A ``data.factory``: the synthetic click log, but its eval split never ends (its
+    batches again and again); when an evaluation starts, rank 0 creates
+    ``logging.run_dir/eval_started``."""
+    from recpipe.data import make_dataloader
+
+    synthetic = cfg.model_copy(update={"data": cfg.data.model_copy(update={"factory": None})})
+    batches = make_dataloader(synthetic, rank=rank, world_size=world_size, split=split, epoch=epoch,
+                              start_batch=start_batch)
+    if split != "eval":
+        return iter(batches)
+    return _again_and_again(list(batches), os.path.join(cfg.logging.run_dir, EVAL_STARTED) if rank == 0 else None)
+
+
+def _again_and_again(batches: list, started: str | None) -> Iterator:
+    if started is not None:
+        open(started, "w").close()
+    while True:
+        yield from batches

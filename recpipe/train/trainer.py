@@ -306,6 +306,8 @@ class Trainer:
             if _due(step, train.eval_every) and evaluated_at != step:
                 self.evaluate()
                 evaluated_at = step
+                if self._preemption.signum is not None:  # a stop request came during the evaluation
+                    self._stop_preempted(saved_at)
             if checkpointing and _due(step, self.cfg.checkpoint.every) and saved_at != step:
                 self._save()
                 saved_at = step
@@ -313,9 +315,11 @@ class Trainer:
         if self._window:
             self._log_train(step, wait=True)
         self._check_nonfinite(step)
-        self._preemption.close()
         if evaluated_at != step:
             self.evaluate()
+        self._preemption.close()
+        if self._preemption.evaluation_ended:  # a stop request ended the final evaluation
+            self._stop_preempted(saved_at)
         if checkpointing and saved_at != step and step > self.start_step:
             self._save()
         self.bar.close()
@@ -512,7 +516,11 @@ class Trainer:
         self.bar.close()
         signum = self._preemption.signum
         self._finish(status="preempted", stopped_by=describe_request(signum))
-        raise Preempted(f"stopped by {describe_request(signum)} after step {step}: {where}", signal_of(signum))
+        when = f"after step {step}"
+        if self._preemption.evaluation_ended:
+            when = (f"during the evaluation after step {step} (ended unfinished, "
+                    f"train.stop_grace_s={self.cfg.train.stop_grace_s:g})")
+        raise Preempted(f"stopped by {describe_request(signum)} {when}: {where}", signal_of(signum))
 
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int, wait: bool = False) -> None:
@@ -592,6 +600,11 @@ class Trainer:
                     evaluated += 1
                     samples += labels.numel()
                 self.eval_metrics.update(logits, labels, torch.ones_like(labels) if weights is None else weights)
+                if self._preemption.end_evaluation(self.cfg.train.stop_grace_s):  # agreed: a stop request, its grace over
+                    break
+        if self._preemption.evaluation_ended:
+            self.eval_metrics.reset()
+            return {}
         if not self.has_eval:
             return {}
         evaluated, samples = _total([evaluated, samples], self.device)  # host sync: after the last forward

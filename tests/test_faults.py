@@ -360,6 +360,7 @@ def _can_mount_tmpfs() -> bool:
 
 # Runs "$@" with a small tmpfs at $1 (a mount namespace of its own, as an unprivileged
 # user where user namespaces are allowed). FILL=now: filled before the command starts;
+# FILL=rerun: as now, over the config.yaml of an earlier run (rewritten in its own blocks);
 # FILL=after:FILE: filled once FILE exists; then the complete checkpoints left in it
 # are printed (the mount is gone with the namespace).
 _FULL_FS = r"""
@@ -368,6 +369,7 @@ mount -t tmpfs -o size=4m tmpfs "$dir" || exit 90
 fill() { dd if=/dev/zero of="$dir/filler" bs=4k 2>/dev/null; true; }
 case $FILL in
   now) fill; exec "$@" ;;
+  rerun) echo "an earlier run's" >"$dir/config.yaml"; fill; exec "$@" ;;
   after:*) "$@" & job=$!
            while [ ! -e "${FILL#after:}" ] && kill -0 $job 2>/dev/null; do sleep 0.05; done
            fill; wait $job; code=$?
@@ -396,6 +398,16 @@ def test_a_full_filesystem_is_one_line_naming_the_path(tmp_path):
                      f"No space left on device [exit {EXIT_CHECKPOINT}]"], out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert latest_checkpoint(tmp_path / "ckpt") is None
+
+    # A rerun into the full logging.run_dir: its config.yaml is rewritten in place, and
+    # TensorBoard's writer is the first to fail (in its thread, which prints no traceback).
+    out = _on_full_tmpfs(run, "rerun", [*RECPIPE, *_sets(*SHORT, f"logging.run_dir={run}",
+                                                        f"checkpoint.dir={tmp_path / 'ckpt'}")])
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-1] == (f"recpipe train: cannot write logging.run_dir={str(run)!r} ({run / 'events.out.tfevents.*'}): "
+                         f"No space left on device [exit {EXIT_CHECKPOINT}]"), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr[-3000:]
 
     # checkpoint.dir fills up once the step-10 checkpoint exists: a later save fails, and
     # the checkpoint before it stays the newest complete one.

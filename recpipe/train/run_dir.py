@@ -140,15 +140,18 @@ class RunDir:
         self.note: str | None = None
         problem = None
         if rank == 0:
+            written = self.path / "config.yaml"
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
-                (self.path / "config.yaml").write_text(cfg.to_yaml())
+                written.write_text(cfg.to_yaml())
                 if cfg.logging.tensorboard:
                     events, purge_step, self.note = tensorboard_dir(self.path, resumed_from)
+                    written = events / EVENT_FILES
+                    # before the writer starts: its thread's first write (the file's header) may fail
+                    threading.excepthook = _writer_thread_errors_are_reported
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
-                threading.excepthook = _writer_thread_errors_are_reported
             except OSError as err:
-                problem = self._message(err, self.path / "config.yaml")
+                problem = self._message(err, written)
         shared = [problem]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(shared, src=0)  # every rank stops before training

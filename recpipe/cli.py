@@ -105,8 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         f"loss, {codes.EXIT_BAD_DATA} bad data, {codes.EXIT_CHECKPOINT} checkpoint damaged, or a directory or --out not "
         f"writable, "
         f"{codes.EXIT_DIR_IN_USE} directory in use by another run, {codes.EXIT_STALLED} a rank made no step within "
-        "train.step_timeout_s, 128 + N stopped by signal N "
-        f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT).",
+        f"train.step_timeout_s, {codes.EXIT_LAUNCHER_FAILED} the launcher lost the process that forks its ranks, "
+        "128 + N stopped by signal N "
+        f"({codes.EXIT_PREEMPTED} SIGTERM, {codes.EXIT_INTERRUPTED} SIGINT, {codes.EXIT_HANGUP} SIGHUP).",
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=version(), help="print the versions and exit")
@@ -122,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the configured model: distributed.nproc processes on this machine, or one rank "
         "under torchrun. Prints the placement of the tables (on GPUs also the memory plan's per-rank summary, "
         "refusing with exit 3 a plan that does not fit), the eval metrics at every evaluation and the final eval "
-        "AUC; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT "
-        "stop every rank at a step boundary, after a checkpoint (exit 143 / 130); a second signal, a second or "
-        "more later, stops at once. Exit codes: docs/fault_tolerance.md.",
+        "AUC; writes TensorBoard scalars and summary.json to logging.run_dir. SIGTERM / SIGINT / SIGHUP "
+        "stop every rank at a step boundary (an evaluation within train.stop_grace_s), after a checkpoint (exit "
+        "143 / 130 / 129); a second signal, a second or more later, stops at once. Exit codes: "
+        "docs/fault_tolerance.md.",
     )
     _add_config_args(train)
 
@@ -210,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # First, before anything heavy is imported: from here on a SIGTERM or SIGINT ends the
+    # First, before anything heavy is imported: from here on a SIGTERM, SIGINT or SIGHUP ends the
     # command with one line and 128 + signal, or stops training at a step boundary.
     words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
     command = " ".join(words[:2]) if words[:1] == ["data"] else words[0] if words else ""

@@ -491,6 +491,15 @@ class TrainConfig(Section):
                              "timeout / 5; a shorter one would end jobs over a pause of a host, not a stall)")
         return value
 
+    # A stop request (SIGTERM, SIGINT, SIGHUP) that comes during an evaluation lets it go on
+    # this long, then every rank ends it together (recpipe/train/preemption.py), saves the
+    # last trained step and exits 128 + signal: an evaluation of thousands of batches must
+    # not outlast a scheduler's grace period (30 s is common) before the checkpoint.
+    stop_grace_s: float = Field(
+        10.0, ge=0,
+        description="seconds an evaluation goes on after a stop request (SIGTERM, SIGINT, SIGHUP) before every "
+        "rank ends it, saves the last trained step and exits; 0 = at once",
+    )
     cuda_alloc_conf: str | None = Field(
         "expandable_segments:True",
         pattern=r"^[A-Za-z_]+:[^,\s]+(,[A-Za-z_]+:[^,\s]+)*$",
@@ -537,8 +546,8 @@ class CheckpointConfig(Section):
     every: int = Field(0, ge=0, description="steps between checkpoints; 0 = only at the end")
     resume: bool = True
     keep: int = Field(2, gt=0)
-    # On SIGTERM / SIGINT (preemption) every rank finishes its step, drains the
-    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130.
+    # On SIGTERM / SIGINT / SIGHUP (preemption) every rank finishes its step, drains the
+    # pipeline and, with this on and a dir set, saves a checkpoint before exiting 143 / 130 / 129.
     on_preempt: bool = True
 
 

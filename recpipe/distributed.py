@@ -29,10 +29,10 @@ from torch.distributed import TCPStore
 from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, ProcessRaisedException
 
 from recpipe.deterministic import apply_deterministic
-from recpipe.errors import job_warning
+from recpipe.errors import LauncherFailed, job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
 from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
-from recpipe.stop_requests import REPEAT_WINDOW_S, request
+from recpipe.stop_requests import REPEAT_WINDOW_S, SIGNALS, request
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -213,7 +213,7 @@ def _child(
 ) -> None:
     # The parent is launch_local's forkserver, which ends with the launcher
     # (recpipe.launch_preload); the kernel then ends this rank (die_with_parent).
-    # SIGTERM and SIGINT are blocked here, as in the server: one sent before the rank
+    # The stop signals are blocked here, as in the server: one sent before the rank
     # handles it stays pending instead of being lost.
     die_with_parent(os.getppid())
     try:
@@ -259,13 +259,14 @@ def _child(
 class _Launcher:
     """What a rank takes from the process that launches it, read when the launch starts:
     its pid, its environment, its standard output and error (the files behind fds 1 and
-    2, which a caller may have redirected since the server started) and which of SIGTERM /
-    SIGINT it ignores (a job started in the background ignores SIGINT). A forked rank has
-    the forkserver's, as they were when the server started (and SIGTERM and SIGINT
-    blocked there: ``recpipe.launch_preload``), so it sets these first thing, as a
-    spawned interpreter would have them."""
+    2, which a caller may have redirected since the server started) and which of the stop
+    signals (``recpipe.stop_requests.SIGNALS``) it ignores (a job started in the background
+    ignores SIGINT, one under nohup SIGHUP). A forked rank has the forkserver's, as they
+    were when the server started (and the stop signals blocked there:
+    ``recpipe.launch_preload``), so it sets these first thing, as a spawned interpreter
+    would have them."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = SIGNALS
     STDIO = (1, 2)
 
     def __init__(self) -> None:
@@ -313,11 +314,11 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
     environment and ignored signals as they are at the launch (:class:`_Launcher`).
     The server never initializes CUDA, so forked ranks may (as spawned ones).
 
-    A rank starts with SIGTERM and SIGINT blocked, so that a signal forwarded to it
-    before it can handle one waits instead of being lost; they are unblocked before
-    ``fn`` runs, or, with ``handles_signals``, by ``fn`` once it has installed its
-    handlers (``recpipe.stop_requests.install_signal_handlers`` does). A SIGINT that
-    raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
+    A rank starts with the stop signals (SIGTERM, SIGINT, SIGHUP) blocked, so that a
+    signal forwarded to it before it can handle one waits instead of being lost; they
+    are unblocked before ``fn`` runs, or, with ``handles_signals``, by ``fn`` once it
+    has installed its handlers (``recpipe.stop_requests.install_signal_handlers``
+    does). A SIGINT that raises KeyboardInterrupt in ``fn`` ends the rank with 130."""
     store = TCPStore("127.0.0.1", 0, world_size=nproc, is_master=True, wait_for_workers=False)
     launcher = _Launcher()  # before the supervisor replaces this process's handlers
     try:
@@ -338,7 +339,7 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
 class _Supervisor:
     """Watches the ranks of one ``launch_local`` until every one has exited.
 
-    Signals: the first SIGTERM or SIGINT this process gets is forwarded to every
+    Signals: the first SIGTERM, SIGINT or SIGHUP this process gets is forwarded to every
     rank (``recpipe train``'s ranks then finish the step, drain, save and exit with
     128 + signal). More within ``REPEAT_WINDOW_S`` are the same one delivered again:
     a signal to the process group reaches this process and every rank directly, and
@@ -346,6 +347,12 @@ class _Supervisor:
     more to its child. One that comes later kills the ranks at once (SIGKILL). A
     signal ignored when the launch starts (SIG_IGN, as for background jobs) stays
     ignored.
+
+    The server that forks the ranks (multiprocessing's forkserver, their parent) is watched
+    too (:class:`_ServerWatch`): the ranks' exits reach this process through it, and the
+    ranks die with it. Killed, or stopped for ``_ServerWatch.STOPPED_S`` (training would
+    end and this process wait forever for exits that never come), it ends the job: every
+    rank is killed and :class:`~recpipe.errors.LauncherFailed` (exit 9) names it.
 
     Failures: when a rank exits non-zero, the others get a grace period to end by
     themselves: ``USER_EXIT_GRACE_S`` when it exited with a code of its own (the
@@ -358,7 +365,7 @@ class _Supervisor:
 
     USER_EXIT_GRACE_S = 15.0
     CRASH_GRACE_S = 2.0
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    SIGNALS = SIGNALS
     REPEAT_WINDOW_S = REPEAT_WINDOW_S  # the ranks' own
 
     def __init__(self) -> None:
@@ -426,11 +433,23 @@ class _Supervisor:
         pending = {process.sentinel: rank for rank, process in enumerate(processes)}
         failed: list[int] = []  # ranks that exited non-zero, in the order they did
         deadline = math.inf  # to kill the ranks still running, once one has failed
+        server = _ServerWatch()
         while pending:
-            timeout = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
-            for sentinel in multiprocessing.connection.wait(list(pending), timeout=timeout):
+            timeout = min(_ServerWatch.POLL_S, max(0.0, deadline - time.monotonic()))
+            ended = multiprocessing.connection.wait(list(pending), timeout=timeout)
+            for sentinel in ended:
+                processes[pending[sentinel]].join()
+            # A rank's exit comes through the server: one it could not report reads as 255
+            # (its death closes the pipes a moment before it can be seen dead).
+            unreported = any(processes[pending[s]].exitcode == _UNREPORTED for s in ended)
+            fault = server.fault(wait_s=1.0 if unreported else 0.0)
+            if fault is not None:
+                self._send(signal.SIGKILL)
+                server.end()
+                raise LauncherFailed(f"the process that forks the ranks (multiprocessing's forkserver, pid "
+                                     f"{server.pid}) {fault}; every rank was ended")
+            for sentinel in ended:
                 rank = pending.pop(sentinel)
-                processes[rank].join()
                 if processes[rank].exitcode != 0:
                     failed.append(rank)
                     if len(failed) == 1:
@@ -474,3 +493,69 @@ class _Supervisor:
             name = signal.Signals(-exitcode).name
             return ProcessExitedException(f"process {rank} terminated with signal {name}", rank, pid, exitcode, name)
         return ProcessExitedException(f"process {rank} terminated with exit code {exitcode}", rank, pid, exitcode)
+
+
+_UNREPORTED = 255  # multiprocessing's exit code of a rank whose exit its forkserver did not report
+
+
+class _ServerWatch:
+    """The forkserver of :func:`launch_local`, a child of this process, looked at without
+    reaping it (``waitid`` with ``WNOWAIT``: multiprocessing reaps it when it restarts one)."""
+
+    POLL_S = 0.5
+    # A stop that lasts this long is a fault. Job control (Ctrl-Z, then fg) stops and
+    # continues the whole process group, this process with it.
+    STOPPED_S = 3.0
+
+    def __init__(self) -> None:
+        from multiprocessing import forkserver
+
+        # multiprocessing keeps the server's pid in its module state (no public accessor)
+        self.pid: int | None = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+        if not hasattr(os, "waitid"):
+            self.pid = None
+        self._stopped_since: float | None = None
+
+    def fault(self, wait_s: float = 0.0) -> str | None:
+        """What happened to the server ("was killed by SIGKILL", "was stopped ..."), or None
+        while it serves; waits up to ``wait_s`` for an exit that is under way."""
+        end = time.monotonic() + wait_s
+        while True:
+            found = self._look()
+            if found is not None or time.monotonic() >= end:
+                return found
+            time.sleep(0.02)
+
+    def _look(self) -> str | None:
+        if self.pid is None:
+            return None
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WSTOPPED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # not a child this process can wait for (SIGCHLD ignored: reaped at once)
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return "is gone (its ranks die with it)"
+            self.pid = None  # alive: nothing more to learn of it here
+            return None
+        if info is None or info.si_code == os.CLD_TRAPPED:  # serving (or in a debugger's hands)
+            self._stopped_since = None
+            return None
+        if info.si_code == os.CLD_STOPPED:
+            now = time.monotonic()
+            self._stopped_since = self._stopped_since or now
+            if now - self._stopped_since < self.STOPPED_S:
+                return None
+            return (f"was stopped ({signal.Signals(info.si_status).name}) for {self.STOPPED_S:g} s (the ranks' exits "
+                    "reach the launcher through it)")
+        if info.si_code == os.CLD_EXITED:
+            return f"exited with code {info.si_status} (its ranks die with it)"
+        return f"was killed by {signal.Signals(info.si_status).name} (its ranks die with it)"
+
+    def end(self) -> None:
+        """Kill a server that is stopped (a dead one stays for multiprocessing to reap)."""
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -26,6 +26,7 @@ from recpipe.exit_codes import (
     EXIT_CHECKPOINT,
     EXIT_DIR_IN_USE,
     EXIT_DOES_NOT_FIT,
+    EXIT_LAUNCHER_FAILED,
     EXIT_NONFINITE_LOSS,
     EXIT_WORKER_FAILED,
     exit_code_for_signal,
@@ -37,6 +38,7 @@ __all__ = [
     "DataError",
     "DirInUseError",
     "DoesNotFitError",
+    "LauncherFailed",
     "NonFiniteLossError",
     "PipelineError",
     "Preempted",
@@ -99,6 +101,13 @@ class DoesNotFitError(UserError):
     """The memory plan does not fit the machine (exit 3)."""
 
     exit_code = EXIT_DOES_NOT_FIT
+
+
+class LauncherFailed(UserError):
+    """``recpipe train``'s launcher lost the server that forks its ranks (killed, stopped):
+    it ended every rank (exit 9)."""
+
+    exit_code = EXIT_LAUNCHER_FAILED
 
 
 class StopRequested(BaseException):

@@ -30,17 +30,22 @@ EXIT_DIR_IN_USE = 7  # checkpoint.dir or logging.run_dir is locked by another re
 # collective another rank never joined): every rank was ended; the newest checkpoint is
 # the last one saved before it.
 EXIT_STALLED = 8
+# recpipe train's launcher lost the server that forks its ranks (multiprocessing's
+# forkserver, their parent): it was killed or stopped, so the ranks' exits could not reach
+# the launcher. Every rank was ended; the newest checkpoint is the last one saved before.
+EXIT_LAUNCHER_FAILED = 9
 # Stopped by a signal (preemption): 128 + the signal number, as shells report it. The
 # ranks finished their step, drained and saved a checkpoint (checkpoint.on_preempt).
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM (SLURM, Kubernetes, `kill`)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: SIGINT (Ctrl-C)
-# 129: a rank under torchrun whose own torchrun (its parent) is gone asks every rank to
-# stop, as the shell's SIGHUP asks a job whose terminal is gone; they save and exit 129.
-EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
+# 129: SIGHUP (the job's terminal or session is gone), or a rank under torchrun whose own
+# torchrun (its parent) is gone, which asks every rank to stop as SIGHUP does; they save
+# and exit 129.
+EXIT_HANGUP = EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP
 
 
 def exit_code_for_signal(signum: int) -> int:
-    """128 + the signal number: 143 for SIGTERM, 130 for SIGINT."""
+    """128 + the signal number: 143 for SIGTERM, 130 for SIGINT, 129 for SIGHUP."""
     return 128 + int(signum)
 
 
@@ -50,7 +55,9 @@ __all__ = [
     "EXIT_CHECKPOINT",
     "EXIT_DIR_IN_USE",
     "EXIT_DOES_NOT_FIT",
+    "EXIT_HANGUP",
     "EXIT_INTERRUPTED",
+    "EXIT_LAUNCHER_FAILED",
     "EXIT_LAUNCHER_GONE",
     "EXIT_NONFINITE_LOSS",
     "EXIT_OK",

@@ -20,10 +20,11 @@ launcher sets it while it starts the server, and a rank's environment is the
 launcher's): ``"<launcher pid>:<multiprocessing's temporary directory of the launcher>"``.
 There:
 
-* SIGTERM and SIGINT are blocked. A SIGTERM to the whole process group, as schedulers
-  deliver it, must reach the ranks and the launcher (which drain and save), not end the
-  server, whose end the launcher would read as every rank gone and the ranks as their
-  parent gone. A rank inherits the mask: a signal sent to it before it handles signals
+* The stop signals (SIGTERM, SIGINT, SIGHUP: ``recpipe.stop_requests.SIGNALS``) are
+  blocked. A SIGTERM to the whole process group, as schedulers deliver it (or the
+  SIGHUP of a closed terminal), must reach the ranks and the launcher (which drain and
+  save), not end the server, whose end the launcher would read as every rank gone and
+  the ranks as their parent gone. A rank inherits the mask: a signal sent to it before it handles signals
   waits until it does (``recpipe.stop_requests``), where an ignored one was lost.
 * The server dies with its launcher (``PR_SET_PDEATHSIG``, with ``DEATH_SIGNAL``, a
   real-time signal nothing else sends): its handler removes the launcher's temporary
@@ -112,7 +113,9 @@ def start_server() -> None:
 
 
 if SERVER_ENV in os.environ:
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    from recpipe.stop_requests import SIGNALS
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     _pid, _dir = os.environ[SERVER_ENV].split(":", 1)
     _serve_only_while_the_launcher_lives(int(_pid), _dir)
     _import_for_the_ranks()

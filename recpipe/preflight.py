@@ -9,14 +9,16 @@ here, above it, before any process starts:
    feature against the capabilities the pipeline offers);
 2. the machine (:func:`check_machine`: a CUDA GPU for what needs one, FBGEMM's CPU
    kernels, the distributed backend, optional packages);
-3. ``checkpoint.dir`` (another run's checkpoints; the settings of the checkpoint a resume
+3. ``checkpoint.dir`` and ``logging.run_dir`` as paths (:func:`check_dir_paths`, exit 6),
+   ``checkpoint.dir`` (another run's checkpoints; the settings of the checkpoint a resume
    starts from), the data's files, the model's tables against ``sharding.*``, the model's
    tensors against the checkpoint a resume starts from, and ``pipeline.class``;
 4. the memory plan (:func:`check_memory`, exit 3): on CUDA each rank against its GPU,
    with the cheapest changes that make it fit; on CPU the ranks of this machine together
    against its available memory.
 
-Every problem of 1-3 is a ``ConfigError`` naming its key (exit 2), or a ``DataError`` (exit 5).
+Every problem of 1-3 is a ``ConfigError`` naming its key (exit 2), a ``DataError`` (exit 5),
+or a ``StorageError`` (exit 6).
 ``recpipe plan`` and the bench run :func:`check_rules` (the machine there is not the
 one that trains); ``recpipe train`` and :func:`recpipe.train.train` run all of it. This
 module imports nothing heavy: the checks of steps 3 and 4 import what they check (the
@@ -25,6 +27,7 @@ data readers, torchrec, the user's class, the planner) when they run.
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -32,7 +35,7 @@ from typing import TYPE_CHECKING, Callable
 
 from recpipe.capabilities import CAPABILITIES, PREFETCH_STEP
 from recpipe.config import PLANNER_ON_CPU, RecpipeConfig
-from recpipe.errors import ConfigError, DoesNotFitError, job_warning, report
+from recpipe.errors import ConfigError, DoesNotFitError, StorageError, job_warning, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 from recpipe.pipelines.registry import PIPELINES, offering
 from recpipe.speedups.registry import SPEEDUPS
@@ -41,8 +44,8 @@ if TYPE_CHECKING:
     from recpipe.planner import MemoryPlan
     from recpipe.planner.plan import RankMemory
 
-__all__ = ["CPU_RANK_BYTES", "Machine", "check_machine", "check_memory", "check_rules", "host_memory_available", "host_memory_problem",
-           "preflight", "rule_problems"]
+__all__ = ["CPU_RANK_BYTES", "Machine", "check_dir_paths", "check_machine", "check_memory", "check_rules",
+           "host_memory_available", "host_memory_problem", "preflight", "rule_problems"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,7 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     from recpipe.train.checkpoint import check_checkpoint_config, check_resume, check_resume_shapes
 
     check_rules(cfg)
+    check_dir_paths(cfg)  # StorageError -> exit 6
     check_checkpoint_config(cfg.checkpoint)
     check_resume(cfg)  # another distributed.nproc, optimizer or model setting than the checkpoint's
     check_machine(cfg, machine)
@@ -246,4 +250,48 @@ def host_memory_available() -> int | None:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+# Room under a run directory for the files recpipe writes there (step_00000500/__12_0.distcp,
+# rerun_2/events.out.tfevents.<time>.<host>.<pid>.<n>, ...) within the system's PATH_MAX.
+_ROOM_BELOW = 256
+
+
+def check_dir_paths(cfg: RecpipeConfig) -> None:
+    """``checkpoint.dir`` and ``logging.run_dir`` as paths the system can use, before any
+    process starts: no symlink loop, no component longer than its filesystem's NAME_MAX,
+    and room under PATH_MAX for the files written there. A ``StorageError`` (exit 6) names
+    the key and the cause; what only a write tells (permissions, a full disk) is found
+    when the directory is created."""
+    for key, directory in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.run_dir", cfg.logging.run_dir)):
+        if directory is not None:
+            problem = _dir_path_problem(os.path.abspath(directory))
+            if problem is not None:
+                shown = repr(directory) if len(directory) <= 120 else f"{directory[:80]!r}... ({len(directory)} characters)"
+                raise StorageError(f"cannot use {key}={shown}: {problem}")
+
+
+def _dir_path_problem(path: str) -> str | None:
+    """Why the system cannot resolve ``path`` (absolute), or None."""
+    try:
+        os.stat(path)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENAMETOOLONG):
+            return os.strerror(err.errno) + (" (a symbolic link that leads back to itself)" if err.errno == errno.ELOOP
+                                             else "")
+    existing = path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return None
+    too_long = [part for part in path.split(os.sep) if len(os.fsencode(part)) > name_max]
+    if too_long:
+        return (f"{os.strerror(errno.ENAMETOOLONG)}: a component of {len(os.fsencode(too_long[0]))} bytes, "
+                f"{name_max} at most ({too_long[0][:40]}...)")
+    if len(os.fsencode(path)) + _ROOM_BELOW > path_max:
+        return (f"{os.strerror(errno.ENAMETOOLONG)}: {len(os.fsencode(path))} bytes leave less than {_ROOM_BELOW} of "
+                f"the system's {path_max} for the files written under it")
     return None

@@ -1,4 +1,4 @@
-"""What SIGTERM and SIGINT ask of a ``recpipe`` process, from its first line to its exit.
+"""What SIGTERM, SIGINT and SIGHUP ask of a ``recpipe`` process, from its first line to its exit.
 
 Every ``recpipe`` command installs the handlers first thing (``recpipe.cli.main``, which
 is also how a torchrun rank starts), and a rank of ``launch_local`` first thing in its
@@ -24,29 +24,42 @@ The same signal again within ``REPEAT_WINDOW_S`` is the same request delivered t
 too; SLURM signals every process of a step). A later one ends the process at once:
 exit 128 + signal, nothing saved.
 
+SIGHUP (the terminal or the session of the job is gone) asks what SIGTERM asks, and ends
+the run with 129. A rank whose launcher (torchrun) is gone asks the same with
+``LAUNCHER_GONE``, a request code that is no signal, so that messages tell the two apart.
+
+Processes that a rank forks to make its batches (``recpipe.data``) ignore these signals
+(:func:`ignore_stop_signals`): one sent to the whole process group is the training
+process's to act on, at a step boundary. They are forked with the signals blocked
+(:func:`stop_signals_blocked`), so that none reaches them before they ignore it.
+
 No torch here: the command installs the handlers before it imports anything heavy, so
 that a signal during its imports is already a request.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from recpipe.errors import StopRequested, report
 from recpipe.exit_codes import exit_code_for_signal
 
 __all__ = ["LAUNCHER_GONE", "REPEAT_WINDOW_S", "SIGNALS", "defer_requests", "describe_request",
-           "install_signal_handlers", "request", "requested_signal"]
+           "ignore_stop_signals", "install_signal_handlers", "request", "request_age_s", "requested_signal",
+           "signal_of", "stop_signals_blocked"]
 
 REPEAT_WINDOW_S = 1.0
 STUCK_MAIN_S = 1.0
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
-LAUNCHER_GONE = signal.SIGHUP  # the request of a rank whose launcher (torchrun) is gone (exit 129)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# The request of a rank whose launcher (torchrun) is gone: no signal number (above them all),
+# ending the run as SIGHUP does (exit 129, ``signal_of``).
+LAUNCHER_GONE = 0x100 | signal.SIGHUP
 
 
 class _Requests:
@@ -65,11 +78,40 @@ def requested_signal() -> int | None:
     return _Requests.signum
 
 
+def request_age_s() -> float | None:
+    """Seconds since the request of :func:`requested_signal` came, or None."""
+    return None if _Requests.signum is None else time.monotonic() - _Requests.first_at
+
+
+def signal_of(code: int) -> int:
+    """The signal a request ends the run with (exit 128 + it): the request's own, SIGHUP for ``LAUNCHER_GONE``."""
+    return code & 0xFF
+
+
 def describe_request(signum: int) -> str:
     """What asked the ranks to stop, for messages: "SIGTERM", or that a launcher is gone."""
     if signum == LAUNCHER_GONE:
         return "the loss of a rank's launcher (torchrun)"
     return signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def stop_signals_blocked() -> Iterator[None]:
+    """Block ``SIGNALS`` in this thread for the block: a process forked in it starts with them
+    blocked (pending, not lost, not acted on by the parent's handlers) until it sets its own."""
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def ignore_stop_signals() -> None:
+    """In a process that makes batches for a rank, first thing: ignore ``SIGNALS`` (one sent to
+    the whole process group is the rank's to act on; a pending one is dropped) and unblock them."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
 
 
 def request(signum: int) -> None:
@@ -99,8 +141,8 @@ def _on_signal(signum: int, frame: Any) -> None:
 
 def install_signal_handlers(command: str) -> None:
     """Start a run's signal handling in the starting phase, for ``recpipe COMMAND``:
-    forget any request seen before (an earlier run in this process), handle SIGTERM /
-    SIGINT from now on, for the rest of this process, and unblock them (a rank of
+    forget any request seen before (an earlier run in this process), handle ``SIGNALS``
+    from now on, for the rest of this process, and unblock them (a rank of
     ``launch_local`` starts with them blocked: one sent before this is delivered now).
     Main thread only; elsewhere Python cannot install handlers and this does nothing. A
     signal ignored now (SIG_IGN, as in background jobs) stays ignored. Never restored:

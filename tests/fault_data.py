@@ -1,10 +1,12 @@
 """User code for the fault tests: a ``data.factory`` that yields no training batch at all
 (a filter that drops everything, an empty query), ``model.factory`` models that build
-slowly or raise on one rank mid-training, a ``launch_local`` target that fails unevenly."""
+slowly, raise on one rank mid-training or stop one rank in a checkpoint save, a
+``launch_local`` target that fails unevenly."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Iterator
 
@@ -60,3 +62,63 @@ def fails_on_rank_1(cfg):
     from recpipe.models.dlrm import build_model
 
     return FailsAt(build_model(cfg.model, precision=cfg.train.precision), rank=1, call=6)
+
+
+class StopsInASave(nn.Module):
+    """The built-in model whose state (read by every checkpoint save, first by its check
+    of the weights) stops its own process on one rank (SIGSTOP) once the step-4
+    checkpoint exists: a rank stopped, or frozen, in the middle of a later save."""
+
+    def __init__(self, inner: nn.Module, rank: int, after: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: self._stop(rank, after))
+
+    @staticmethod
+    def _stop(rank: int, after: str) -> None:
+        if os.environ.get("RANK") == str(rank) and os.path.exists(after):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def forward(self, batch):
+        return self.inner(batch)
+
+
+def _stops_in_a_save(cfg, rank: int):
+    from recpipe.models.dlrm import build_model
+
+    after = os.path.join(cfg.checkpoint.dir, "step_00000004", "metadata.json")
+    return StopsInASave(build_model(cfg.model, precision=cfg.train.precision), rank=rank, after=after)
+
+
+def rank_0_stops_in_a_save(cfg):
+    """A ``model.factory``: see ``StopsInASave``; rank 0 stops."""
+    return _stops_in_a_save(cfg, 0)
+
+
+def rank_1_stops_in_a_save(cfg):
+    """A ``model.factory``: see ``StopsInASave``; rank 1 stops."""
+    return _stops_in_a_save(cfg, 1)
+
+
+EVAL_STARTED = "eval_started"  # in logging.run_dir: an evaluation of ``endless_eval`` has started
+
+
+def endless_eval(cfg, *, rank: int, world_size: int, split: str, epoch: int, start_batch: int) -> Iterator:
+    """A ``data.factory``: the synthetic click log, but its eval split never ends (its
+    batches again and again); when an evaluation starts, rank 0 creates
+    ``logging.run_dir/eval_started``."""
+    from recpipe.data import make_dataloader
+
+    synthetic = cfg.model_copy(update={"data": cfg.data.model_copy(update={"factory": None})})
+    batches = make_dataloader(synthetic, rank=rank, world_size=world_size, split=split, epoch=epoch,
+                              start_batch=start_batch)
+    if split != "eval":
+        return iter(batches)
+    return _again_and_again(list(batches), os.path.join(cfg.logging.run_dir, EVAL_STARTED) if rank == 0 else None)
+
+
+def _again_and_again(batches: list, started: str | None) -> Iterator:
+    if started is not None:
+        open(started, "w").close()
+    while True:
+        yield from batches

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 TESTS = Path(__file__).resolve().parent
 CONFIG = TESTS.parent / "configs" / "quickstart.yaml"
 # A step in milliseconds; a row-wise and a column-wise table.
@@ -53,9 +55,10 @@ def _as_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False) -> subprocess.Popen:
+def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False,
+          config: Path = CONFIG) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [sys.executable]
-    cmd = [*launcher, "-m", "recpipe", "train", "--config", str(CONFIG), *overrides(run, *extra)]
+    cmd = [*launcher, "-m", "recpipe", "train", "--config", str(config), *overrides(run, *extra)]
     # The tests' own modules (fault_data's factories) importable by the run
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TESTS)]))}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -144,12 +147,13 @@ def interrupt(
     nproc: int = 2,
     background: bool = False,
     timeout: float = 180.0,
+    config: Path = CONFIG,
 ) -> tuple[subprocess.Popen, dict[int, int], str]:
     """Start an endless run into ``run``; once training is under way (its step-4
     checkpoint exists) call ``act(process, {rank: pid})``; wait up to ``timeout``
     for the end. Returns the process, the ranks' pids and its stderr. Whatever
     happens, nothing it started is left running."""
-    proc = start(run, *extra, torchrun=torchrun, background=background)
+    proc = start(run, *extra, torchrun=torchrun, background=background, config=config)
     ranks: dict[int, int] = {}
     try:
         wait_for(run / "ckpt" / "step_00000004" / "metadata.json", proc)
@@ -179,3 +183,13 @@ def finish(proc: subprocess.Popen, timeout: float = 180.0, also_kill: list[int] 
         _kill(list(also_kill))
         out, err = proc.communicate()
         raise AssertionError(f"still running after {timeout} s:\n{out[-2000:]}\n{err[-4000:]}") from None
+
+
+def factory_config(directory: Path) -> Path:
+    """configs/quickstart.yaml without its ``data.source``, for a run whose batches come
+    from a ``data.factory`` (the two name the data; one may be set)."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    del raw["data"]["source"]
+    path = directory / "factory.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path

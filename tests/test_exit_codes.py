@@ -284,3 +284,28 @@ def test_a_bad_field_is_echoed_cut_short(tmp_path, capfd):
                  "--out", str(tmp_path / "bin"), str(day)]) == EXIT_BAD_DATA
     line = _one_line(capfd.readouterr().err, EXIT_BAD_DATA)
     assert f"{day}:5: categorical column 0 (column 15) is not hex: " in line and len(line) < 250, line
+
+
+def _symlink_loop(tmp: Path) -> Path:
+    (tmp / "a").symlink_to(tmp / "b")
+    (tmp / "b").symlink_to(tmp / "a")
+    return tmp / "a"
+
+
+@pytest.mark.parametrize("key", ["checkpoint.dir", "logging.run_dir"])
+@pytest.mark.parametrize("path, says", [
+    (lambda tmp: tmp / ("x" * 256), "File name too long"),
+    (lambda tmp: tmp / "new" / ("x" * 256) / "ckpt", "File name too long: a component of 256 bytes, 255 at most"),
+    (lambda tmp: tmp / "/".join(["y" * 200] * 21), "File name too long"),
+    (lambda tmp: _symlink_loop(tmp), "Too many levels of symbolic links"),
+    (lambda tmp: _symlink_loop(tmp) / "ckpt", "Too many levels of symbolic links"),
+], ids=["long-name", "long-name-below-a-new-dir", "long-path", "symlink-loop", "in-a-symlink-loop"])
+def test_a_run_directory_the_system_cannot_resolve_is_refused_before_any_process_starts(tmp_path, capfd, key, path,
+                                                                                           says):
+    directory = path(tmp_path)
+    run = tmp_path / "run" if key == "checkpoint.dir" else directory
+    code = main(_train(tmp_path, "train.steps=2", f"{key}={directory}", f"logging.run_dir={run}"))
+    line = _one_line(capfd.readouterr().err, EXIT_CHECKPOINT)
+    assert code == EXIT_CHECKPOINT
+    assert line.startswith(f"recpipe train: cannot use {key}='{str(directory)[:80]}") and says in line, line
+    assert not list(tmp_path.glob("new")), "created before the refusal"

@@ -21,15 +21,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, wait_for
+from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, ranks_of, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import (
     EXIT_BAD_CONFIG,
     EXIT_BAD_DATA,
     EXIT_CHECKPOINT,
+    EXIT_HANGUP,
     EXIT_INTERRUPTED,
+    EXIT_LAUNCHER_FAILED,
     EXIT_LAUNCHER_GONE,
     EXIT_PREEMPTED,
+    EXIT_WORKER_FAILED,
 )
 from recpipe.train.checkpoint import latest_checkpoint
 from recpipe.train.integrity import METADATA_FILE
@@ -110,6 +113,113 @@ def test_a_group_signal_through_a_wrapper_is_one_signal(tmp_path, sig, code):
     assert f"checkpoint {run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {code}]" in line
     assert latest_checkpoint(run / "ckpt") == run / "ckpt" / f"step_{step:08d}"
     assert not _group_members(proc.pid), "a process of the job outlived it"
+
+
+# ------------------------------------------- TSV loader workers, SIGHUP, the forkserver
+class _Job:
+    """An endless ``recpipe train`` (process_harness.ENDLESS) in a process group of its own
+    (as `setsid` or a scheduler starts it) with its own $TMPDIR. ``end()`` checks that
+    nothing of it outlives it: no process of its group, nothing it made in $TMPDIR
+    (torch's compile cache aside)."""
+
+    def __init__(self, tmp_path: Path, *extra: str) -> None:
+        self.run, self.tmp = tmp_path / "run", tmp_path / "tmp"
+        self.tmp.mkdir()
+        self.proc = subprocess.Popen([*RECPIPE, *overrides(self.run, *extra)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=_env(TMPDIR=str(self.tmp)),
+                                     start_new_session=True)
+
+    def training(self) -> None:
+        wait_for(self.run / "ckpt" / "step_00000004" / METADATA_FILE, self.proc)
+
+    def server(self) -> int:
+        """The forkserver: the launcher's child that forks the ranks (which share its command line)."""
+        return next(c for c in _children(self.proc.pid) if "multiprocessing.forkserver" in cmdline(c))
+
+    def end(self, timeout: float = 120) -> str:
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc.pid)  # its ranks hold its output open
+            _, err = self.proc.communicate()
+            raise AssertionError(f"still running after {timeout} s:\n{err[-4000:]}") from None
+        finally:
+            members = _group_members(self.proc.pid)
+            _kill_group(self.proc.pid)
+        assert not members, f"processes of the job outlived it: {[cmdline(p)[:100] for p in members]}\n{err[-3000:]}"
+        left = [p.name for p in self.tmp.iterdir() if not p.name.startswith("torchinductor_")]
+        assert not left, f"left in $TMPDIR: {left}"
+        return err
+
+    def summary(self) -> dict:
+        return json.loads((self.run / "summary.json").read_text())
+
+
+def _tsv_source(tmp_path: Path) -> list[str]:
+    """Criteo TSV training data read by a forked DataLoader worker in each rank."""
+    return ["data.source=criteo_tsv", "data.num_workers=1", "data.batch_size=16",
+            f"data.criteo.train_files=[{_tsv(tmp_path / 'day_0.tsv', 4000)}]"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, EXIT_PREEMPTED), (signal.SIGHUP, EXIT_HANGUP)],
+                         ids=["SIGTERM", "SIGHUP"])
+def test_a_group_signal_with_tsv_loader_workers_is_one_request(tmp_path, sig, code):
+    """`kill -TERM -$PGID` (or the SIGHUP of a closed terminal) reaches the launcher, the
+    forkserver, the ranks and their DataLoader workers: the workers outlive it (torch's end
+    on SIGTERM, which failed the run: "DataLoader worker ... is killed by signal"), and the
+    job stops as for one request: drain, save, 128 + signal, one line."""
+    job = _Job(tmp_path, *_tsv_source(tmp_path))
+    job.training()
+    os.killpg(job.proc.pid, sig)
+    err = job.end()
+    assert job.proc.returncode == code, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    line, step = _stop_line(err)
+    assert line.startswith(f"recpipe train: stopped by {sig.name} after step {step}: "), line
+    assert f"checkpoint {job.run / 'ckpt' / f'step_{step:08d}'} saved" in line and f"[exit {code}]" in line
+    assert latest_checkpoint(job.run / "ckpt") == job.run / "ckpt" / f"step_{step:08d}"
+    assert job.summary()["status"] == "preempted" and job.summary()["stopped_by"] == sig.name
+
+
+@pytest.mark.slow
+def test_a_rank_killed_with_tsv_loader_workers_is_one_report(tmp_path):
+    """SIGKILL to a rank: its workers end with it (they outlived it for seconds, and their
+    exit printed tracebacks about the launcher's temporary files); the launcher reports
+    the rank and writes how the run ended in summary.json, which rank 0 could not."""
+    job = _Job(tmp_path, *_tsv_source(tmp_path))
+    job.training()
+    os.kill(ranks_of(job.proc.pid)[1], signal.SIGKILL)
+    err = job.end()
+    assert job.proc.returncode == EXIT_WORKER_FAILED, err[-4000:]
+    assert "recpipe train: rank 1 failed:\nprocess 1 terminated with signal SIGKILL" in err, err[-4000:]
+    assert "Traceback" not in err, err[-4000:]
+    summary = job.summary()
+    assert summary["status"] == "failed" and summary["exit_code"] == EXIT_WORKER_FAILED, summary
+    assert summary["error"] == "process 1 terminated with signal SIGKILL", summary
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, what", [(signal.SIGKILL, "was killed by SIGKILL"), (signal.SIGSTOP, "was stopped (SIGSTOP)")],
+                         ids=["SIGKILL", "SIGSTOP"])
+def test_the_forkserver_killed_or_stopped_ends_the_job_in_one_line(tmp_path, sig, what):
+    """The server that forks the ranks is their parent and passes their exits on to the
+    launcher: killed, its ranks die with it (the launcher exited 255 without a word);
+    stopped, the launcher would wait for ever. Either ends the job: one line, exit 9, and
+    summary.json says so."""
+    job = _Job(tmp_path)
+    job.training()
+    server = job.server()
+    os.kill(server, sig)
+    err = job.end()
+    assert job.proc.returncode == EXIT_LAUNCHER_FAILED, err[-4000:]
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last.startswith(f"recpipe train: the process that forks the ranks (multiprocessing's forkserver, pid "
+                           f"{server}) {what}"), err[-4000:]
+    assert f"; every rank was ended; newest checkpoint: {job.run / 'ckpt'}/step_" in last, last
+    assert last.endswith(f"[exit {EXIT_LAUNCHER_FAILED}]") and "Traceback" not in err, err[-4000:]
+    summary = job.summary()
+    assert summary["status"] == "launcher_failed" and summary["exit_code"] == EXIT_LAUNCHER_FAILED, summary
 
 
 # ---------------------------------------------------- a rank whose torchrun is gone
@@ -251,6 +361,7 @@ def _can_mount_tmpfs() -> bool:
 
 # Runs "$@" with a small tmpfs at $1 (a mount namespace of its own, as an unprivileged
 # user where user namespaces are allowed). FILL=now: filled before the command starts;
+# FILL=rerun: as now, over the config.yaml of an earlier run (rewritten in its own blocks);
 # FILL=after:FILE: filled once FILE exists; then the complete checkpoints left in it
 # are printed (the mount is gone with the namespace).
 _FULL_FS = r"""
@@ -259,6 +370,7 @@ mount -t tmpfs -o size=4m tmpfs "$dir" || exit 90
 fill() { dd if=/dev/zero of="$dir/filler" bs=4k 2>/dev/null; true; }
 case $FILL in
   now) fill; exec "$@" ;;
+  rerun) echo "an earlier run's" >"$dir/config.yaml"; fill; exec "$@" ;;
   after:*) "$@" & job=$!
            while [ ! -e "${FILL#after:}" ] && kill -0 $job 2>/dev/null; do sleep 0.05; done
            fill; wait $job; code=$?
@@ -288,6 +400,16 @@ def test_a_full_filesystem_is_one_line_naming_the_path(tmp_path):
     assert "Traceback" not in out.stderr
     assert latest_checkpoint(tmp_path / "ckpt") is None
 
+    # A rerun into the full logging.run_dir: its config.yaml is rewritten in place, and
+    # TensorBoard's writer is the first to fail (in its thread, which prints no traceback).
+    out = _on_full_tmpfs(run, "rerun", [*RECPIPE, *_sets(*SHORT, f"logging.run_dir={run}",
+                                                        f"checkpoint.dir={tmp_path / 'ckpt'}")])
+    assert out.returncode == EXIT_CHECKPOINT, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines[-1] == (f"recpipe train: cannot write logging.run_dir={str(run)!r} ({run / 'events.out.tfevents.*'}): "
+                         f"No space left on device [exit {EXIT_CHECKPOINT}]"), out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "Exception in thread" not in out.stderr, out.stderr[-3000:]
+
     # checkpoint.dir fills up once the step-10 checkpoint exists: a later save fails, and
     # the checkpoint before it stays the newest complete one.
     ckpt = tmp_path / "ckpt2"
@@ -301,6 +423,8 @@ def test_a_full_filesystem_is_one_line_naming_the_path(tmp_path):
     left = re.findall(r"^complete: (step_\d+)$", out.stdout, re.MULTILINE)
     assert still and left and max(left) == still[1] and int(still[1][5:]) < failed, (lines[0], left)
     assert "Traceback" not in out.stderr
+    summary = json.loads((tmp_path / "run2" / "summary.json").read_text())  # written by the launcher
+    assert summary["status"] == "storage_error" and summary["exit_code"] == EXIT_CHECKPOINT, summary
 
 
 def _without_root_override() -> list[str]:
@@ -478,7 +602,8 @@ def test_a_run_killed_by_a_second_signal_leaves_no_earlier_summary(tmp_path):
     proc, _, err = interrupt(run, twice)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["status"] in ("running", "preempted") and summary["steps"] != 999, summary
+    # preempted: the ranks were done before the second signal; killed: the launcher says it for them
+    assert summary["status"] in ("killed", "preempted") and summary["steps"] != 999, summary
 
 
 # ----------------------------------------------------------------- data convert and signals

@@ -12,12 +12,14 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from process_harness import CONFIG, alive, interrupt, overrides
+from fault_data import EVAL_STARTED
+from process_harness import CONFIG, alive, factory_config, interrupt, overrides, wait_for
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_DIR_IN_USE, EXIT_PREEMPTED
 from recpipe.train.integrity import METADATA_FILE
@@ -156,3 +158,34 @@ def _stopped_at_in(err: str, run: Path) -> None:
     assert len(lines) == 1, err[-4000:]
     step = int(re.search(r"after step (\d+)", lines[0])[1])
     assert step >= 4 and (run / "ckpt" / f"step_{step:08d}" / METADATA_FILE).is_file()
+
+
+@pytest.mark.slow
+def test_a_stop_request_during_an_evaluation_ends_it_within_the_grace(tmp_path):
+    """An evaluation that would outlast any grace period (its eval split never ends) and a
+    SIGTERM to rank 1 only while it runs: it goes on for train.stop_grace_s, then both
+    ranks end it at the same batch (they agree, as at step boundaries), save the last
+    trained step and exit 143."""
+    run, grace = tmp_path / "run", 2.0
+    signalled: list[float] = []
+
+    def sigterm_rank_1_in_the_evaluation(proc, ranks):
+        wait_for(run / EVAL_STARTED, proc)
+        os.kill(ranks[1], signal.SIGTERM)
+        signalled.append(time.monotonic())
+
+    proc, ranks, err = interrupt(run, sigterm_rank_1_in_the_evaluation, "data.factory=fault_data:endless_eval",
+                                 "train.eval_every=8", f"train.stop_grace_s={grace:g}", config=factory_config(tmp_path),
+                                 timeout=90)
+    took = time.monotonic() - signalled[0]
+    assert proc.returncode == EXIT_PREEMPTED, err[-4000:]
+    assert grace <= took < grace + 30, took
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    step_8 = run / "ckpt" / "step_00000008"
+    assert last == (f"recpipe train: stopped by SIGTERM during the evaluation after step 8 (ended unfinished, "
+                    f"train.stop_grace_s={grace:g}): checkpoint {step_8} saved; run the same command again to resume "
+                    f"[exit {EXIT_PREEMPTED}]"), err[-4000:]
+    assert json.loads((step_8 / METADATA_FILE).read_text())["step"] == 8
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "preempted" and summary["stopped_by"] == "SIGTERM", summary
+    assert not [pid for pid in ranks.values() if alive(pid)]

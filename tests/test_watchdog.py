@@ -1,6 +1,7 @@
 """No silent hang. A rank that stops making training steps (here: SIGSTOP) ends the job on
 every rank within ``train.step_timeout_s`` and a few polls, naming the rank and its last
-step, with exit 8, summary.json saying "stalled" and the newest checkpoint intact. A rank
+step, with exit 8, summary.json saying "stalled" and the newest checkpoint intact; so does
+one that stops during a checkpoint save, whichever rank it is. A rank
 that raises inside a step ends the job within 60 s with that rank's error (exit 1), never
 leaving the others waiting in a collective. On CPU (Gloo) here; the same on 2 GPUs (NCCL)
 in the gpu-marked cases."""
@@ -49,15 +50,17 @@ def test_the_first_step_evaluation_and_saves_are_not_timed():
         dog.close()
 
 
-def _stop_rank_1(run: Path, *extra: str, nproc: int = 2, timeout_s: float = 5.0):
-    """An endless run; once step 4's checkpoint exists, SIGSTOP rank 1. Returns the launcher,
-    the ranks, stderr and the seconds from the stop to the end."""
+def _stalled_run(run: Path, *extra: str, stop: int | None = 1, nproc: int = 2, timeout_s: float = 5.0):
+    """An endless run; once step 4's checkpoint exists, SIGSTOP rank ``stop`` (None: a rank
+    of the run stops itself). Returns the launcher, the ranks, stderr and the seconds from
+    then to the end."""
     proc = start(run, f"train.step_timeout_s={timeout_s}", *extra)
     ranks: dict[int, int] = {}
     try:
         wait_for(run / "ckpt" / "step_00000004" / METADATA_FILE, proc)
         ranks = ranks_of(proc.pid, nproc=nproc)
-        os.kill(ranks[1], signal.SIGSTOP)
+        if stop is not None:
+            os.kill(ranks[stop], signal.SIGSTOP)
         stopped_at = time.monotonic()
         _, err = finish(proc, timeout=timeout_s + 90, also_kill=list(ranks.values()))
         took = time.monotonic() - stopped_at
@@ -90,7 +93,7 @@ def _assert_stalled(run: Path, proc, ranks, err: str, took: float, timeout_s: fl
 @pytest.mark.slow
 def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     run = tmp_path / "run"
-    proc, ranks, err, took = _stop_rank_1(run)
+    proc, ranks, err, took = _stalled_run(run)
     _assert_stalled(run, proc, ranks, err, took, 5.0)
 
 
@@ -99,7 +102,7 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
 @pytest.mark.gpus(2)
 def test_a_stopped_rank_ends_the_job_under_nccl(tmp_path):
     run = tmp_path / "run"
-    proc, ranks, err, took = _stop_rank_1(run, *CUDA_2, timeout_s=10.0)
+    proc, ranks, err, took = _stalled_run(run, *CUDA_2, timeout_s=10.0)
     _assert_stalled(run, proc, ranks, err, took, 10.0)
 
 
@@ -129,6 +132,9 @@ def _assert_its_error(proc, err: str, took: float) -> None:
 def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(tmp_path):
     proc, err, took = _rank_1_raises(tmp_path / "run")
     _assert_its_error(proc, err, took)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # the launcher's word for rank 1
+    assert summary["status"] == "failed" and summary["exit_code"] == EXIT_WORKER_FAILED, summary
+    assert summary["error"] == "rank 1 failed: RuntimeError: injected failure on rank 1 at its training step 6", summary
 
 
 @pytest.mark.slow
@@ -137,3 +143,51 @@ def test_a_rank_that_raises_mid_step_ends_the_job_with_its_error(tmp_path):
 def test_a_rank_that_raises_mid_step_ends_the_job_under_nccl(tmp_path):
     proc, err, took = _rank_1_raises(tmp_path / "run", *CUDA_2)
     _assert_its_error(proc, err, took)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_naming_it(tmp_path, rank):
+    """A rank stops (SIGSTOP, here its own, from inside the save of step 8: the check of its
+    weights reads its state) while every rank saves: saves are not timed, but a rank that
+    stops responding in one ends the job as in a step, naming it, within the timeout and a
+    few polls, not Gloo's 10 minutes. When rank 0 is the stopped one, the launcher writes
+    the "stalled" summary.json that rank 0 cannot."""
+    run, timeout_s = tmp_path / "run", 5.0
+    # the save of step 8 starts a few steps after step 4's checkpoint
+    proc, ranks, err, took = _stalled_run(run, f"model.factory=fault_data:rank_{rank}_stops_in_a_save", stop=None)
+    assert proc.returncode == EXIT_STALLED, err[-4000:]
+    assert took < timeout_s + 45, took
+    newest = run / "ckpt" / "step_00000004"
+    last = [line for line in err.splitlines() if line.strip()][-1]
+    assert last == (f"recpipe train: no response for 5 s during the checkpoint save of step 8 (train.step_timeout_s=5): "
+                    f"rank {rank} stopped responding (stopped or frozen); the other ranks waited for it. Every rank is "
+                    f"ended; nothing was saved after it (newest checkpoint: {newest}) [exit {EXIT_STALLED}]"), err[-4000:]
+    assert latest_checkpoint(run / "ckpt") == newest and verify_checkpoint(newest, 0, 1) == []
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "stalled", summary
+    assert not [pid for pid in ranks.values() if alive(pid)], "a rank outlived the job (the stopped one?)"
+
+
+def test_a_closed_watchdog_is_not_taken_for_a_stopped_rank(tmp_path):
+    """A rank whose training is over (its watchdog closed) stops beating: the ranks still
+    saving or evaluating must not end the job for it."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ended: list[str] = []
+    try:
+        done = StepWatchdog(0.2, rank=1, world_size=2, describe_newest=str, on_stall=ended.append)
+        done.close()
+        dog = StepWatchdog(0.2, rank=0, world_size=2, describe_newest=str, on_stall=ended.append)
+        dog._end = ended.append  # record instead of ending this process
+        with dog.during("the checkpoint save of step 8"):
+            time.sleep(1.5)  # several timeouts and diagnoses
+        dog.close()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert ended == []

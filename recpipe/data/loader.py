@@ -17,12 +17,14 @@ stream, bit-for-bit identical whatever ``data.num_workers`` is.
   DataLoader takes one result from each worker in turn, which restores the order.
   Forked, not spawned: a spawned worker would import torch, torchrec and fbgemm
   again (seconds, and fbgemm's import warnings) before its first batch; the
-  workers never touch CUDA. Everything handed to workers is module-level, so the
-  loader also works where only spawn exists.
+  workers never touch CUDA. Like the producers, they ignore SIGTERM, SIGINT and
+  SIGHUP and die with their rank (``init_worker``). Everything handed to workers
+  is module-level, so the loader also works where only spawn exists.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 import os
@@ -42,6 +44,8 @@ from recpipe.data.criteo import CriteoTsvReader, hotness_of, open_lines
 from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
+from recpipe.distributed import die_with_parent
+from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "workers_kind_of"]
 
@@ -254,9 +258,26 @@ def identity_collate(batch: Batch) -> Batch:
     return batch
 
 
-def init_worker(worker_id: int) -> None:
-    """Each worker makes whole batches alone: intra-op threads would only oversubscribe."""
+def init_worker(worker_id: int, parent_pid: int) -> None:
+    """A TSV DataLoader worker, first thing (``worker_init_fn``, with ``parent_pid`` the
+    rank's pid): it dies with its rank, however the rank ends (a rank killed with SIGKILL
+    left its workers running for seconds, whose exit then failed on files the launcher had
+    removed); it ignores the stop signals, which its rank acts on at a step boundary
+    (torch's workers end on a SIGTERM to the process group, which failed the run); and it
+    makes whole batches alone: intra-op threads would only oversubscribe."""
+    die_with_parent(parent_pid)
+    ignore_stop_signals()
     torch.set_num_threads(1)
+
+
+class TsvDataLoader(DataLoader):
+    """torch's DataLoader whose worker processes start with the stop signals blocked, until
+    ``init_worker`` ignores them: a signal to the process group while they start is not
+    theirs to act on."""
+
+    def __iter__(self) -> Iterator[Any]:
+        with stop_signals_blocked():  # the workers start in iter() (persistent_workers=False)
+            return super().__iter__()
 
 
 class _SyntheticBatch:
@@ -340,13 +361,13 @@ def make_dataloader(
     # Spawned workers where tables are in UVM: a fork of this process would copy their
     # pinned host memory into every worker (see workers_kind_of).
     context = None if "fork" not in multiprocessing.get_all_start_methods() else "spawn" if host_memory_tables(cfg) else "fork"
-    return DataLoader(
+    return TsvDataLoader(
         CriteoTsvDataset(reader, start_batch=start_batch),
         batch_size=None,
         num_workers=workers,
         collate_fn=identity_collate,
         pin_memory=pin,
-        worker_init_fn=init_worker if workers > 0 else None,
+        worker_init_fn=functools.partial(init_worker, parent_pid=os.getpid()) if workers > 0 else None,
         multiprocessing_context=context if workers > 0 else None,
         persistent_workers=False,
     )

@@ -35,11 +35,11 @@ Producers are forked, not spawned (no second import of torch, torchrec and fbgem
 the first batch comes within milliseconds of the fork, and fbgemm's import logs
 nothing) and never touch CUDA (their batches are never pinned; a CUDA call there
 raises torch's "Cannot re-initialize CUDA in forked subprocess", which reaches the
-consumer like any producer error). A producer ignores SIGINT and SIGTERM (sent to
-the whole process group by Ctrl-C, SLURM, Kubernetes: the trainer reads batches
-until its ranks agree to stop at a step boundary), dies with its parent
-(``PR_SET_PDEATHSIG``), and is ended with SIGKILL and reaped when the iterator is
-closed, dropped, or at interpreter exit.
+consumer like any producer error). A producer ignores SIGINT, SIGTERM and SIGHUP
+(sent to the whole process group by Ctrl-C, SLURM, Kubernetes, a closed terminal:
+the trainer reads batches until its ranks agree to stop at a step boundary), dies
+with its parent (``PR_SET_PDEATHSIG``), and is ended with SIGKILL and reaped when the
+iterator is closed, dropped, or at interpreter exit.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from recpipe.data.batch import Batch
 from recpipe.data.flat import flatten_batch, unflatten_batch
 from recpipe.data.handoff import Failed, Production, put_unless_closed
 from recpipe.distributed import die_with_parent
+from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["ProducerDied", "Processes"]
 
@@ -197,19 +198,15 @@ class _Producer:
         self.conn.send_bytes(pickle.dumps((_ERROR, index, payload, text), pickle.HIGHEST_PROTOCOL))
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # ignored by producers: the training process decides
-
-
 def _producer_main(stream: Production, w: int, k: int, conn: Connection, parent_pid: int,
-                   parents_ends: tuple[Connection, int], signal_mask: set) -> NoReturn:
+                   parents_ends: tuple[Connection, int]) -> NoReturn:
     """The forked child's whole life: it never returns into the parent's code. It
-    starts with SIGINT and SIGTERM blocked (see ``_Child``)."""
+    starts with the stop signals blocked (see ``_Child``) and ignores them: the training
+    process decides."""
     code = 0
     try:
         die_with_parent(parent_pid)
-        for sig in _STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, signal_mask)
+        ignore_stop_signals()
         parents_ends[0].close()
         os.close(parents_ends[1])
         # One intra-op thread: k producers beside the training process must not each run a full team.
@@ -255,13 +252,10 @@ class _Child:
         parent_pid = os.getpid()
         # Blocked across the fork, so that a Ctrl-C cannot raise KeyboardInterrupt in
         # the child before it is inside _producer_main (it would run the parent's code).
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
+        with stop_signals_blocked():
             pid = os.fork()
             if pid == 0:
-                _producer_main(stream, w, k, child_conn, parent_pid, (conn, sentinel), mask)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+                _producer_main(stream, w, k, child_conn, parent_pid, (conn, sentinel))
         # Closed here before the next fork, so that only this producer holds them.
         os.close(child_sentinel)
         child_conn.close()

@@ -8,7 +8,9 @@ launching process, so a bad config exits with code 2 before any process starts. 
   process is one rank and trains directly; rank 0 locks the run directories;
 * otherwise: this process locks ``checkpoint.dir`` and ``logging.run_dir``
   (``recpipe.run_lock``), starts ``distributed.nproc`` processes on this machine
-  (``launch_local``), one rank each, and waits for them, forwarding SIGTERM / SIGINT.
+  (``launch_local``), one rank each, and waits for them, forwarding SIGTERM / SIGINT /
+  SIGHUP; when a run ends in a way rank 0 could not write (a rank failed or was killed,
+  rank 0 stopped, the forkserver lost), it says so in ``summary.json`` (``settle_summary``).
 
 Every rank runs :func:`run_rank`: a signal asks it to stop at a step boundary
 (``recpipe.train.preemption``); a user error (bad data, a checkpoint that cannot be
@@ -29,12 +31,14 @@ from recpipe.callables import class_spec
 from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
 from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
                                  shutdown_process_group, torchrun_overrides, under_torchrun)
-from recpipe.errors import StopRequested, exit_code_of, report
+from recpipe.errors import LauncherFailed, StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
+from recpipe.train.checkpoint import describe_newest
 from recpipe.train.preemption import watch_launcher
+from recpipe.train.run_dir import read_summary, settle_summary
 from recpipe.train.startup import StartupClock
 from recpipe.train.trainer import run_worker
 
@@ -54,6 +58,10 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: 
     (``recpipe.train.startup``)."""
     rank = int(os.environ.get("RANK", "0"))
     failed = False
+    # Under torchrun no launcher of recpipe's outlives the ranks: rank 0 says how a run it
+    # could not finish ended (settle_summary), as far as it can.
+    settles = lock_dirs and rank == 0
+    summary_before = read_summary(cfg.logging.run_dir) if settles else None
     try:  # a signal may raise StopRequested anywhere before training, the error path below included
         try:
             if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
@@ -65,6 +73,9 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: 
                 install_signal_handlers("train")
                 run_worker(cfg, startup)
         except Exception as err:
+            if settles:
+                settle_summary(cfg.logging.run_dir, summary_before, exit_code_of(err) or EXIT_WORKER_FAILED,
+                               (str(err).strip().splitlines() or [type(err).__name__])[0])
             if exit_code_of(err) is None:
                 failed = True
                 leave_after_failure()
@@ -104,6 +115,14 @@ def _launch_failed(err: ProcessException) -> int:
     return EXIT_WORKER_FAILED
 
 
+def _failure_line(err: ProcessException) -> str:
+    """A failed rank in one line, for summary.json: how it ended, or its exception's last line."""
+    if isinstance(err, ProcessExitedException):
+        return str(err)
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"rank {err.error_index} failed: {lines[-1] if lines else type(err).__name__}"
+
+
 def main_train(args: argparse.Namespace) -> int:
     startup = StartupClock()  # from this process's start
     startup.lap("imports")
@@ -115,7 +134,7 @@ def main_train(args: argparse.Namespace) -> int:
 def train(cfg: RecpipeConfig, pipeline_class: type | None = None, debug: bool = False) -> int:
     """``recpipe train`` from a trainer script: returns its exit code, a user error reported
     in one line as the command reports it (``debug``: with its traceback), and a SIGTERM /
-    SIGINT handled as the command handles it. ``pipeline_class``: a subclass of the
+    SIGINT / SIGHUP handled as the command handles it. ``pipeline_class``: a subclass of the
     configured pipeline's class, trained in its place with the configured options and speed
     features (it becomes ``pipeline.class``, imported by name in every rank: its module must
     import without starting a run, so a script keeps its entry point under
@@ -165,13 +184,20 @@ def run_train(cfg: RecpipeConfig, debug: bool = False, startup: StartupClock | N
         code = run_rank(cfg, debug, lock_dirs=True, startup=startup)  # a bug raises, and torchrun reports the rank
     else:
         with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
+            summary_before = read_summary(cfg.logging.run_dir)
+            error = None
             try:
                 launch_local(_local_rank, cfg.distributed.nproc, cfg, debug, startup, handles_signals=True)
                 code = 0
             except ProcessException as err:
-                code = _launch_failed(err)
+                code, error = _launch_failed(err), _failure_line(err)
+            except LauncherFailed as err:
+                error = f"{err}; {describe_newest(cfg.checkpoint.dir)}"
+                code = report("train", LauncherFailed(error), debug=debug)
             finally:
                 defer_requests()  # the ranks have ended: a signal from now on has nothing left to stop
+            if code:  # what rank 0 could not write: a rank failed or was killed, rank 0 stalled, ...
+                settle_summary(cfg.logging.run_dir, summary_before, code, error)
     signum = requested_signal()
     if code == 0 and signum is not None and first:
         print(f"recpipe train: {describe_request(signum)} came after the last step: the run completed", file=sys.stderr,

@@ -1,11 +1,11 @@
-"""Stopping on SIGTERM / SIGINT at a step boundary, with every rank agreeing.
+"""Stopping on SIGTERM / SIGINT / SIGHUP at a step boundary, with every rank agreeing.
 
 What SLURM and Kubernetes send on preemption is SIGTERM, to the launcher, to every
-rank, or to some of them. Each rank:
+rank, or to some of them (a closed terminal sends SIGHUP, which asks the same). Each rank:
 
 1. ``recpipe.stop_requests`` handles the signals. Until training starts a signal
    ends the run at once (nothing is trained yet). From the moment ``Preemption`` is
-   built, the first SIGTERM or SIGINT is only a request: training goes on for now.
+   built, the first SIGTERM, SIGINT or SIGHUP is only a request: training goes on for now.
    Another within ``REPEAT_WINDOW_S`` is the same request delivered twice; a later
    one ends the process at once: exit 128 + signal, nothing saved.
 2. ``Preemption.after_step()`` runs on every rank at every step boundary. At an
@@ -25,17 +25,26 @@ rank, or to some of them. Each rank:
    pipeline drains, training the batches already in flight. The trainer then saves
    a checkpoint (``checkpoint.on_preempt``) and raises ``Preempted``.
 
-A signal that arrives after the last step boundary (during the final evaluation or
-save) does not stop the run: it completes and exits 0. A run never stops on a request
-from before it started: ``recpipe.stop_requests.install_signal_handlers()`` clears what an earlier run in
-the same process saw (one process may run ``recpipe.cli.main`` several times).
+Evaluations (``end_evaluation()``): the same exchange runs after every eval batch,
+carrying also how long ago each rank's request came. A request agreed during an
+evaluation lets it go on for ``train.stop_grace_s``; then every rank ends it at the
+same batch, and the trainer saves the last trained step and raises ``Preempted``. An
+evaluation of thousands of batches would otherwise outlast a scheduler's grace period
+(30 s is common) before the checkpoint.
+
+A signal that arrives after the last step boundary lets the run complete (exit 0)
+when the final evaluation ends within ``train.stop_grace_s``, and during the final
+save; a final evaluation that it ends stops the run as above. A run never stops on a
+request from before it started: ``recpipe.stop_requests.install_signal_handlers()``
+clears what an earlier run in the same process saw (one process may run
+``recpipe.cli.main`` several times).
 
 A rank started by torchrun (TORCHELASTIC_RUN_ID set) also watches its launcher
 (``watch_launcher()``): torchrun is its parent, and when it is gone (killed with
 SIGKILL, its node lost) the rank asks every rank to stop exactly as for a signal,
-with SIGHUP's number (what a shell sends a job whose terminal is gone): they drain,
-save and exit 129, and the other nodes' torchrun ends the job at once. Without the
-watch such a rank trained on with nobody to report to, and the other torchrun
+with ``LAUNCHER_GONE``, which ends the run as SIGHUP does (what a shell sends a job
+whose terminal is gone): they drain, save and exit 129, and the other nodes' torchrun
+ends the job at once. Without the watch such a rank trained on with nobody to report to, and the other torchrun
 waited out its exit barrier and exited 0. Stopping together, rather than the kernel
 killing the rank as ``recpipe train``'s own launcher has it do
 (``recpipe.distributed.die_with_parent``), keeps the other ranks out of a collective
@@ -53,7 +62,7 @@ from typing import Any, Iterable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
-from recpipe.stop_requests import LAUNCHER_GONE, defer_requests, request, requested_signal
+from recpipe.stop_requests import LAUNCHER_GONE, defer_requests, request, request_age_s, requested_signal
 
 __all__ = ["Preemption", "watch_launcher"]
 
@@ -102,14 +111,16 @@ class Preemption:
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
         self._proposes = group is None or dist.get_rank(group) == 0  # rank 0 sets the spacing
-        # [signal asking to stop (max over ranks), rank 0's proposed spacing]. Reused:
-        # the previous all-reduce is waited for before the next one starts.
-        self._flag = torch.zeros(2, dtype=torch.int64)
+        # [signal asking to stop, rank 0's proposed spacing, milliseconds since the request
+        # came], each the max over the ranks. Reused: the previous all-reduce is waited for
+        # before the next one starts.
+        self._flag = torch.zeros(3, dtype=torch.int64)
         self._work: Any = None
-        self._boundary = 0  # step boundaries so far
+        self._boundary = 0  # step boundaries (and eval batches) so far
         self._next_exchange = 1  # the boundary of the next exchange
         self._last = (0, time.perf_counter())  # (boundary, time) of the last exchange
         self.signum: int | None = None  # agreed: every rank stops
+        self.evaluation_ended = False  # agreed: the evaluation in progress was ended (end_evaluation)
         defer_requests()  # training starts: a signal is a request for a step boundary from now on
 
     def after_step(self) -> bool:
@@ -117,25 +128,49 @@ class Preemption:
         boundary where stopping becomes agreed; ``signum`` says it from then on."""
         if self.signum is not None:
             return False
+        agreed = self._exchange()
+        if agreed is not None and agreed[0] > 0:
+            self.signum = agreed[0]
+            return True
+        return False
+
+    def end_evaluation(self, grace_s: float) -> bool:
+        """Collective: call on every rank after every batch of an evaluation (every rank
+        evaluates as many, padding included). True once the ranks agree that a stop request
+        came at least ``grace_s`` ago: the evaluation ends there, unfinished, and the run
+        stops. A request that came during the evaluation is agreed (``signum``) at once; the
+        evaluation goes on meanwhile, and one that ends within ``grace_s`` counts."""
+        agreed = self._exchange()
+        if agreed is None:
+            return False
+        signum, _, age_ms = agreed
+        if signum > 0 and self.signum is None:
+            self.signum = signum
+        if self.signum is not None and age_ms >= grace_s * 1000:
+            self.evaluation_ended = True
+        return self.evaluation_ended
+
+    def _exchange(self) -> tuple[int, int, int] | None:
+        """At an exchange boundary: the result of the previous exchange (every rank reads the
+        same at the same boundary), and the next one launched; else None."""
         self._boundary += 1
         if self.group is None:
-            self.signum = requested_signal()
-            return self.signum is not None
+            signum, age = requested_signal(), request_age_s()
+            return (signum or 0, 1, int((age or 0.0) * 1000))
         if self._boundary < self._next_exchange:
-            return False
-        spacing = 1
+            return None
+        agreed = None
         if self._work is not None:
             self._work.wait()  # launched one exchange ago: done by now
             self._work = None
-            signum, spacing = self._flag.tolist()
-            if signum > 0:
-                self.signum = signum
-                return True
+            agreed = tuple(self._flag.tolist())
+        spacing = agreed[1] if agreed is not None else 1
         self._next_exchange = self._boundary + max(1, spacing)
         self._flag[0] = requested_signal() or 0
         self._flag[1] = self._propose_spacing() if self._proposes else 0
+        self._flag[2] = int((request_age_s() or 0.0) * 1000)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return False
+        return agreed
 
     def _propose_spacing(self) -> int:
         """Steps between exchanges so that they come about every EXCHANGE_EVERY_S."""

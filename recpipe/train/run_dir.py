@@ -14,6 +14,7 @@ or at close) is rank 0's alone: it reports it, and the launcher ends the other r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 from pathlib import Path
@@ -24,8 +25,10 @@ from torch.utils.tensorboard import SummaryWriter
 
 from recpipe.config import RecpipeConfig
 from recpipe.errors import StorageError, storage_problem
+from recpipe.exit_codes import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_CHECKPOINT, EXIT_DIR_IN_USE, EXIT_DOES_NOT_FIT,
+                                EXIT_LAUNCHER_FAILED, EXIT_NONFINITE_LOSS, EXIT_STALLED, EXIT_WORKER_FAILED)
 
-__all__ = ["RunDir", "tensorboard_dir"]
+__all__ = ["RunDir", "read_summary", "settle_summary", "status_of_exit", "tensorboard_dir"]
 
 
 RERUN_PREFIX = "rerun_"
@@ -55,6 +58,63 @@ def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None,
                          f"run's go to {fresh} (a TensorBoard run of its own)")
 
 
+SUMMARY_FILE = "summary.json"
+RUNNING = "running"
+_STATUS_OF_EXIT = {
+    EXIT_WORKER_FAILED: "failed",
+    EXIT_BAD_CONFIG: "bad_config",
+    EXIT_DOES_NOT_FIT: "does_not_fit",
+    EXIT_NONFINITE_LOSS: "nonfinite_loss",
+    EXIT_BAD_DATA: "bad_data",
+    EXIT_CHECKPOINT: "storage_error",
+    EXIT_DIR_IN_USE: "dir_in_use",
+    EXIT_STALLED: "stalled",
+    EXIT_LAUNCHER_FAILED: "launcher_failed",
+}
+
+
+def status_of_exit(code: int) -> str:
+    """summary.json's ``status`` for a run that ended with exit ``code`` (not 0) without rank 0
+    writing one: 128 + signal is a run whose ranks were killed (a second signal)."""
+    return _STATUS_OF_EXIT.get(code, "killed" if code > 128 else "failed")
+
+
+def read_summary(run_dir: str | Path) -> str | None:
+    """The text of ``run_dir``'s summary.json, or None when there is none to read."""
+    try:
+        return (Path(run_dir) / SUMMARY_FILE).read_text()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def settle_summary(run_dir: str | Path, before: str | None, code: int, error: str | None = None) -> None:
+    """Once a run has ended with exit ``code`` (not 0): when ``run_dir``'s summary.json is this
+    run's (its text is no longer ``before``, what it was when the run started) and still says
+    "running", say how the run ended (:func:`status_of_exit`), with ``exit_code`` and ``error``.
+    Rank 0 writes each ending it decides itself (completed, preempted, stalled, ...); this is
+    for what it could not write: a rank that failed or was killed, rank 0 stopped, the ranks'
+    launcher failing. Best effort: a summary that cannot be written now (a full disk, the
+    cause the run already reported) stays as it is."""
+    text = read_summary(run_dir)
+    if text is None or text == before:
+        return
+    try:
+        summary = json.loads(text)
+    except ValueError:
+        return
+    if not isinstance(summary, dict) or summary.get("status") != RUNNING:
+        return
+    summary.update(status=status_of_exit(code), exit_code=code, error=error)
+    path = Path(run_dir) / SUMMARY_FILE
+    tmp = path.with_name(f".{SUMMARY_FILE}.tmp")
+    try:
+        tmp.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+
+
 def _writer_thread_errors_are_reported(args: threading.ExceptHookArgs) -> None:
     """``threading.excepthook`` while a TensorBoard writer is open: its writer thread keeps
     a failed write (a full disk) and raises it again, which Python prints as a traceback
@@ -80,15 +140,18 @@ class RunDir:
         self.note: str | None = None
         problem = None
         if rank == 0:
+            written = self.path / "config.yaml"
             try:
                 self.path.mkdir(parents=True, exist_ok=True)
-                (self.path / "config.yaml").write_text(cfg.to_yaml())
+                written.write_text(cfg.to_yaml())
                 if cfg.logging.tensorboard:
                     events, purge_step, self.note = tensorboard_dir(self.path, resumed_from)
+                    written = events / EVENT_FILES
+                    # before the writer starts: its thread's first write (the file's header) may fail
+                    threading.excepthook = _writer_thread_errors_are_reported
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
-                threading.excepthook = _writer_thread_errors_are_reported
             except OSError as err:
-                problem = self._message(err, self.path / "config.yaml")
+                problem = self._message(err, written)
         shared = [problem]
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(shared, src=0)  # every rank stops before training
@@ -118,7 +181,7 @@ class RunDir:
 
     def write_summary(self, summary: dict[str, Any]) -> Path:
         """``summary.json`` (strict JSON: the caller replaced non-finite numbers)."""
-        path = self.path / "summary.json"
+        path = self.path / SUMMARY_FILE
         if self.rank == 0:
             try:
                 path.write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")

@@ -76,7 +76,7 @@ from recpipe.train.nonfinite import (
     finite_json,
     skip_step_caveats,
 )
-from recpipe.stop_requests import describe_request
+from recpipe.stop_requests import describe_request, signal_of
 from recpipe.train.preemption import Preemption
 from recpipe.train.run_dir import RunDir
 from recpipe.train.startup import StartupClock
@@ -307,6 +307,8 @@ class Trainer:
             if _due(step, train.eval_every) and evaluated_at != step:
                 self.evaluate()
                 evaluated_at = step
+                if self._preemption.signum is not None:  # a stop request came during the evaluation
+                    self._stop_preempted(saved_at)
             if checkpointing and _due(step, self.cfg.checkpoint.every) and saved_at != step:
                 self._save()
                 saved_at = step
@@ -314,9 +316,11 @@ class Trainer:
         if self._window:
             self._log_train(step, wait=True)
         self._check_nonfinite(step)
-        self._preemption.close()
         if evaluated_at != step:
             self.evaluate()
+        self._preemption.close()
+        if self._preemption.evaluation_ended:  # a stop request ended the final evaluation
+            self._stop_preempted(saved_at)
         if checkpointing and saved_at != step and step > self.start_step:
             self._save()
         self.bar.close()
@@ -325,11 +329,12 @@ class Trainer:
     def _save(self) -> None:
         """Collective: save a checkpoint of the state after this step, unless a weight
         is not finite (then NonFiniteLossError, exit 4: never a checkpoint of a
-        diverged model)."""
-        self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
-                                                            describe_newest(self.cfg.checkpoint.dir)))
-        save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
-                        resume_settings(self.cfg))
+        diverged model). A rank that stops responding meanwhile ends the job (the watchdog)."""
+        with self._watchdog.during(f"the checkpoint save of step {self.position.step}"):
+            self._stop_if_diverged(lambda: check_finite_weights(self.sharded.model, self.position.step,
+                                                                describe_newest(self.cfg.checkpoint.dir)))
+            save_checkpoint(self.cfg.checkpoint, self.sharded.model, self.sharded.optimizer, self.position,
+                            resume_settings(self.cfg))
 
     def _no_training_data(self, epoch: int) -> NoReturn:
         """Collective (every rank agreed the epoch had no batch): DataError, exit 5."""
@@ -512,9 +517,13 @@ class Trainer:
                 self._save()
             where = f"checkpoint {checkpoint_path(ckpt, step)} saved; run the same command again to resume"
         self.bar.close()
-        self._finish(status="preempted")
         signum = self._preemption.signum
-        raise Preempted(f"stopped by {describe_request(signum)} after step {step}: {where}", signum)
+        self._finish(status="preempted", stopped_by=describe_request(signum))
+        when = f"after step {step}"
+        if self._preemption.evaluation_ended:
+            when = (f"during the evaluation after step {step} (ended unfinished, "
+                    f"train.stop_grace_s={self.cfg.train.stop_grace_s:g})")
+        raise Preempted(f"stopped by {describe_request(signum)} {when}: {where}", signal_of(signum))
 
     # ------------------------------------------------------- metrics & eval
     def _log_train(self, step: int, wait: bool = False) -> None:
@@ -578,7 +587,8 @@ class Trainer:
         loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         started = time.perf_counter()
         evaluated = samples = 0
-        with contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs:
+        with (self._watchdog.during(f"the evaluation after step {self.position.step}"),
+              contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs):
             for result, padding in outputs:
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:
@@ -593,6 +603,11 @@ class Trainer:
                     evaluated += 1
                     samples += labels.numel()
                 self.eval_metrics.update(logits, labels, torch.ones_like(labels) if weights is None else weights)
+                if self._preemption.end_evaluation(self.cfg.train.stop_grace_s):  # agreed: a stop request, its grace over
+                    break
+        if self._preemption.evaluation_ended:
+            self.eval_metrics.reset()
+            return {}
         if not self.has_eval:
             return {}
         evaluated, samples = _total([evaluated, samples], self.device)  # host sync: after the last forward
@@ -630,15 +645,16 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.log(step, scalars)
 
-    def _finish(self, status: str = "completed") -> None:
+    def _finish(self, status: str = "completed", **why: Any) -> None:
         """Close the TensorBoard writer; rank 0 writes summary.json (strict JSON: a
-        non-finite number is written as null) and, when completed, the final line."""
+        non-finite number is written as null; ``why``: what ended the run, beside its
+        status) and, when completed, the final line."""
         self.run_dir.close()
         if self.wandb is not None:
             self.wandb.finish(status)
         if self.rank != 0:
             return
-        summary = {**self.summary(), "status": status}
+        summary = {**self.summary(), "status": status, **why}
         path = self.run_dir.write_summary(finite_json(summary))
         if status != "completed":
             return

@@ -13,7 +13,11 @@ thread (which is the one waiting):
 
 * The trainer arms it for each training segment and tells it every step boundary
   (``stepped``: two attribute writes, no host sync). The first step of the run (compiles,
-  graph captures) is not timed, nor are evaluation and checkpoint saves.
+  graph captures) is not timed, nor are evaluation and checkpoint saves, whose length
+  depends on the data and the model; while the trainer is in one of them (``during``),
+  a rank that stops responding ends the job instead: every timeout, the ranks whose
+  heartbeat has stopped (below) are looked for, and one found ends it as a stalled step
+  does. A slow save or evaluation on ranks that all respond goes on.
 * Every ``POLL_S`` it publishes a heartbeat (a counter and its last step) to the job's
   rendezvous store (the launcher's, or torchrun's agent store), and checks whether this
   rank's last step is older than the timeout: ``train.step_timeout_s``, or by default
@@ -24,20 +28,24 @@ thread (which is the one waiting):
   checkpoint), rank 0 (when it can) writes ``summary.json`` with ``"status": "stalled"``,
   and every rank that still runs ends its own process with ``EXIT_STALLED``; a rank that
   sees another's timeout in the store ends at once. The launcher (``launch_local`` or
-  torchrun) then ends a rank that cannot end itself.
+  torchrun) then ends a rank that cannot end itself, and ``recpipe train``'s launcher
+  records the stall in ``summary.json`` when rank 0 is the one that stopped.
+* A rank whose watchdog is closed (its training is over) says so in its heartbeat: it is
+  not waited for, and never taken for a rank that stopped.
 
 The newest checkpoint stays the last good one: nothing is saved after a stall.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterator
 
 from recpipe.distributed import job_key, job_store
 from recpipe.errors import UserError, report
@@ -47,6 +55,9 @@ __all__ = ["AUTO_FACTOR", "AUTO_MIN_S", "StalledError", "StepWatchdog", "auto_ti
 
 AUTO_FACTOR = 100
 AUTO_MIN_S = 60.0
+
+
+_CLOSED = "closed"  # the heartbeat of a rank whose watchdog is closed
 
 
 class StalledError(UserError):
@@ -78,6 +89,10 @@ class StepWatchdog:
         self._steps_seen = 0
         self._durations: deque[float] = deque(maxlen=200)
         self._count = 0  # heartbeats published
+        # What the trainer is doing outside its training steps (``during``) and since when;
+        # the thread's: the phase it last found every rank responding in, and when.
+        self._phase: tuple[str, float] | None = None
+        self._responding: tuple[tuple[str, float] | None, float] = (None, 0.0)
         self._done = threading.Event()
         self._store = job_store() if timeout_s != 0 else None
         self._thread = threading.Thread(target=self._watch, name="recpipe-step-watchdog", daemon=True)
@@ -104,10 +119,25 @@ class StepWatchdog:
         self._steps_seen += 1
         self._last_at = now if self._armed else None
 
+    @contextlib.contextmanager
+    def during(self, what: str) -> Iterator[None]:
+        """The block is ``what`` (``"the checkpoint save of step 8"``): not timed, but a rank
+        that stops responding meanwhile ends the job (see the module docstring)."""
+        self._phase = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self._phase = None
+
     def close(self) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self._store is not None:  # the other ranks wait for this one no more
+            try:
+                self._store.set(self._key(f"beat/{self.rank}"), _CLOSED)
+            except Exception:  # noqa: BLE001: the store is gone (the job is ending)
+                pass
 
     # ------------------------------------------------------------------ the thread
     def current_timeout_s(self) -> float:
@@ -133,35 +163,81 @@ class StepWatchdog:
                     message = self._diagnosis()  # before the others learn of it: they keep beating meanwhile
                     if self._last_at != last:
                         continue  # a step came meanwhile: slow, not stalled
-                    first = self._store is None or self._store.add(self._key("stalled"), 1) == 1
-                    self._end(message if first else "")
+                    self._stalled(message)
+                self._check_phase()
         except Exception:  # noqa: BLE001: the store is gone (the job is ending); nothing left to watch
             return
 
-    def _beats(self) -> dict[int, tuple[int, int]]:
-        beats = {}
+    def _check_phase(self) -> None:
+        """In a phase (``during``), every timeout: end the job if a rank stopped responding."""
+        phase = self._phase
+        if phase is None or self._store is None:
+            return
+        looked, at = self._responding
+        since = at if looked is phase else phase[1]
+        if time.monotonic() - since <= self.current_timeout_s():
+            return
+        message = self._phase_diagnosis(phase[0])
+        if self._phase is not phase:
+            return  # the phase ended meanwhile
+        if message is None:  # every rank responds: slow, not stalled; look again after another timeout
+            self._responding = (phase, time.monotonic())
+            return
+        self._stalled(message)
+
+    def _stalled(self, message: str) -> None:
+        """End this process: the first rank that found the stall says ``message``."""
+        first = self._store is None or self._store.add(self._key("stalled"), 1) == 1
+        self._end(message if first else "")
+
+    def _beats(self) -> dict[int, tuple[int, int] | None]:
+        """Every rank's heartbeat (count, last step; None before its first), but for ranks
+        whose watchdog is closed."""
+        beats: dict[int, tuple[int, int] | None] = {}
         for rank in range(self.world_size):
             key = self._key(f"beat/{rank}")
-            if self._store.check([key]):
-                count, step = self._store.get(key).decode().split(",")
+            beat = self._store.get(key).decode() if self._store.check([key]) else None
+            if beat is None:
+                beats[rank] = None
+            elif beat != _CLOSED:
+                count, step = beat.split(",")
                 beats[rank] = (int(count), int(step))
         return beats
+
+    def _silent_ranks(self) -> tuple[list[int], dict[int, tuple[int, int]]]:
+        """The other ranks whose heartbeat did not move over ``SILENT_POLLS`` polls (this rank
+        beating on meanwhile), and the heartbeats of those that have one."""
+        before = self._beats()
+        for _ in range(self.SILENT_POLLS):
+            time.sleep(self.poll_s)
+            self._beat()
+        after = self._beats()
+        silent = [r for r in sorted(after) if r != self.rank and r in before and before[r] == after[r]]
+        return silent, {r: beat for r, beat in after.items() if beat is not None}
+
+    def _phase_diagnosis(self, what: str) -> str | None:
+        """The message for ranks that stopped responding during ``what``, or None when none did."""
+        silent, _ = self._silent_ranks()
+        if not silent:
+            return None
+        named = ", ".join(f"rank {r}" for r in silent)
+        return (f"no response for {self.current_timeout_s():.0f} s during {what} ({self._timeout_rule()}): {named} "
+                f"stopped responding (stopped or frozen); the other ranks waited for it. Every rank is ended; nothing "
+                f"was saved after it ({self.describe_newest()})")
+
+    def _timeout_rule(self) -> str:
+        if self.timeout_s:
+            return f"train.step_timeout_s={self.timeout_s:g}"
+        return f"train.step_timeout_s: {AUTO_FACTOR} x the median step, at least {AUTO_MIN_S:.0f} s"
 
     def _diagnosis(self) -> str:
         """Which rank stopped, from the heartbeats over ``SILENT_POLLS`` polls (this rank
         beating on meanwhile), and the newest checkpoint."""
-        timeout = self.current_timeout_s()
-        what = f"no training step for {timeout:.0f} s (train.step_timeout_s"
-        what += f"={self.timeout_s:g})" if self.timeout_s else f": {AUTO_FACTOR} x the median step, at least {AUTO_MIN_S:.0f} s)"
+        what = f"no training step for {self.current_timeout_s():.0f} s ({self._timeout_rule()})"
         if self._store is None:
             found = f"rank {self.rank}: {what}; its last step: {self.step}"
         else:
-            before = self._beats()
-            for _ in range(self.SILENT_POLLS):
-                time.sleep(self.poll_s)
-                self._beat()
-            after = self._beats()
-            silent = [r for r in range(self.world_size) if r != self.rank and before.get(r) == after.get(r)]
+            silent, after = self._silent_ranks()
             # The job advances in lockstep: the ranks that respond finished the step the silent
             # one took last (its own heartbeat is up to a poll older than its last step).
             reached = max([self.step] + [after[r][1] for r in after if r not in silent])

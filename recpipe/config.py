@@ -525,7 +525,10 @@ def _own_directory(value: str | None) -> str | None:
     if not value.strip():
         raise ValueError("is empty, which would be the working directory; name a directory of the run's own, "
                          "e.g. runs/NAME")
-    path = Path(value).resolve()
+    try:
+        path = Path(value).resolve()
+    except (OSError, RuntimeError):  # a symbolic link loop: preflight's check_dir_paths names it (exit 6)
+        return value
     shared = {Path(path.anchor): "the filesystem's root", Path.cwd().resolve(): "the working directory"}
     home = Path(os.path.expanduser("~"))  # "~" itself when there is no home to find
     if home.is_absolute():
@@ -792,6 +795,15 @@ class ConfigLoader(yaml.SafeLoader):
                 value = part.value if isinstance(part, yaml.ScalarNode) else str(part)
                 path += f".{value}" if path else value
         return path
+
+
+# Numbers in exponent form without a dot or an exponent sign (``1e12``, ``1e-3``, ``2.5e5``)
+# are floats in YAML 1.2, and in every other config format; PyYAML follows YAML 1.1, which
+# reads them as strings, and strings are never numbers here.
+ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."))
 
 
 def _load_yaml(text: str, root: str = "") -> Any:

@@ -292,3 +292,14 @@ def test_step_timeout_has_a_lower_bound(capsys, value, ok):
         return
     line = _plan(capsys, QUICKSTART, f"train.step_timeout_s={value}")
     assert f"train.step_timeout_s: must be 0 (off) or at least 1 s" in line and f"(got {value})" in line, line
+
+
+def test_numbers_in_exponent_form_are_floats_in_files_and_overrides(tmp_path):
+    """``1e12`` and ``1e-3`` (YAML 1.2 floats; YAML 1.1, PyYAML's, reads them as strings) are floats,
+    in a file and in --set; a quoted one stays a string, which no number field takes."""
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer:\n  dense: {name: adagrad, lr: 1e-3}\n")
+    cfg = load_config(str(path), ["optimizer.embedding.lr=1e12", "train.steps=100"])
+    assert cfg.optimizer.dense.lr == 0.001 and cfg.optimizer.embedding.lr == 1e12 and cfg.train.steps == 100
+    with pytest.raises(ConfigError, match="optimizer.dense.lr"):
+        load_config(None, ['optimizer.dense.lr="1e-3"'])

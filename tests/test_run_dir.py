@@ -5,6 +5,7 @@ And without a terminal, one line per log point."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -17,7 +18,14 @@ CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 
 
 def _log(run: Path, steps: range, value: float, resumed_from: int = 0) -> str | None:
-    """One process of a run that logs ``value`` at ``steps``; returns what it says."""
+    """One process of a run that logs ``value`` at ``steps``; returns what it says. It starts in
+    a second of its own, as a process that resumes a run does: TensorBoard reads a directory's
+    event files in the order of their names, ``events.out.tfevents.<second>.<host>.<pid>.<n>``,
+    where ``n`` counts the writers of this process; two in one second sort by it as text, and
+    ``.10`` comes before ``.9``."""
+    second = int(time.time())
+    while int(time.time()) == second:
+        time.sleep(0.05)
     run_dir = RunDir(load_config(CONFIG, [f"logging.run_dir={run}"]), rank=0, resumed_from=resumed_from)
     for step in steps:
         run_dir.scalars(step, {"train/loss": value})

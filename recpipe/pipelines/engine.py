@@ -126,7 +126,7 @@ class Pipeline:
         definition: PipelineDef | None = None,
         schedule: Schedule | None = None,
         max_batches_ahead: int | None = None,
-        steps_ahead: int = 4,
+        steps_ahead: int = 2,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
         splits_exchange: str = "device",

@@ -37,7 +37,9 @@ class PipelineKeys(Section):
     # How many steps the host may queue ahead of the device: after each step it waits for
     # the step this many back (recpipe/pipelines/streams.py, StepsAhead). Bounds the batches
     # whose device and pinned host copies are alive to the schedule's depth plus this - 1.
-    steps_ahead: int = Field(4, ge=1)
+    # 2 leaves the device a step's work queued while the host prepares the next one; more
+    # absorbs longer host pauses (a log point's metrics, about 6 ms) at a batch of memory each.
+    steps_ahead: int = Field(2, ge=1)
     # Every rank trains every batch it has: ranks that run out early feed padding batches
     # with zero loss weight until the last rank is done ("pad"), or the run stops with an
     # error naming the ranks and their counts ("error").

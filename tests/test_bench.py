@@ -326,3 +326,15 @@ def test_floor_is_compute_plus_the_steps_collectives():
     cpu = Row("base", "recpipe", step_ms={"p50": 6.0}, trace={})
     fill_floor(cpu, {"comm_ms": None, "reason": "n/a: NCCL collectives need CUDA"})
     assert cpu.floor == {"reason": "n/a: NCCL collectives need CUDA"}
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_any_run(tmp_path, capfd):
+    """``--out`` on a pseudo filesystem, or under a file: one line naming it, exit 6, before a batch is made."""
+    from recpipe.exit_codes import EXIT_CHECKPOINT
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for out in ("/proc/recpipe_bench", str(blocker / "bench")):
+        assert main(["bench", "--config", SMOKE, "--out", out, "--steps", "1", "--warmup", "1"]) == EXIT_CHECKPOINT
+        err = capfd.readouterr().err.strip().splitlines()
+        assert err == [err[0]] and err[0].startswith(f"recpipe bench: cannot write --out {out}: "), err

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -32,6 +33,7 @@ from recpipe.preflight import check_rules
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.distributed import (init_process_group, launch_local, shutdown_process_group, torchrun_overrides,
                                  under_torchrun)
+from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.pipelines import PIPELINES
 
@@ -63,6 +65,7 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
     if args.profile and not args.trace_steps:
         raise ConfigError("--profile writes the op tables of the traced steps: it needs --trace-steps >= 1")
     out = args.out or cfg.logging.run_dir
+    writable_out(Path(out))
     if command is None:
         flags = [flag for flag, on in (("--with-torchrec", args.with_torchrec), ("--no-plots", not args.plots),
                                        (f"--rounds {args.rounds}", args.rounds > 1), ("--profile", args.profile)) if on]
@@ -79,6 +82,17 @@ def options_from_args(args: argparse.Namespace, cfg: RecpipeConfig,
             f"the bench needs warmup + steps + trace steps + {DRAIN} = {opts.batches_per_run} batches per rank but "
             f"(rank, batches) {short} have fewer; raise data.synthetic.num_batches or lower --steps/--warmup")
     return opts
+
+
+def writable_out(out: Path) -> None:
+    """Before any run: ``--out`` is a directory this process can write (made if missing), so that a
+    bench does not run to its end and then fail to write its report. StorageError (exit 6) naming it."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".recpipe-bench-"):
+            pass
+    except OSError as err:
+        raise StorageError(f"cannot write --out {out}: {storage_problem(err, out)}") from None
 
 
 def main_bench(args: argparse.Namespace, sections: Sections | None = None,

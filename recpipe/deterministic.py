@@ -24,14 +24,30 @@ nothing here reads memory before writing it, and the fill is a kernel per alloca
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import torch
 
-__all__ = ["CUBLAS_ENV", "apply_deterministic"]
+__all__ = ["CUBLAS_ENV", "apply_deterministic", "kept"]
 
 CUBLAS_ENV = "CUBLAS_WORKSPACE_CONFIG"
 _CUBLAS_FIXED = ":4096:8"
+
+
+@contextlib.contextmanager
+def kept() -> Iterator[None]:
+    """This process's kernel choice as it was before the block, whatever the block applied (a
+    process that runs several trainings, as tests and studies do: a run's
+    ``train.deterministic`` must not reach what runs after it)."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.utils.deterministic.fill_uninitialized_memory)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.utils.deterministic.fill_uninitialized_memory = saved[2]
 
 
 def apply_deterministic(enabled: bool) -> None:

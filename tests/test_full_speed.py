@@ -28,6 +28,8 @@ def test_producer_processes_train_like_batches_made_in_the_loop(tmp_path):
     fast = train_resumed(BASE, tmp_path / "fast", PRODUCERS, STEPS, SPLIT)
     assert len(slow.losses) == STEPS and torch.isfinite(slow.losses).all()
     assert differences(fast, slow) == []
+    # the runs' train.deterministic ended with them: later code in this process keeps torch's choice
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_a_batch_reused_in_flight_is_seen(tmp_path, monkeypatch):

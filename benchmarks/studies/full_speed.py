@@ -43,6 +43,7 @@ from benchmarks.studies.common import command, config_parser  # noqa: E402
 from recpipe.bench.measure import free_device_memory  # noqa: E402
 from recpipe.bench.report import environment  # noqa: E402
 from recpipe.bench.runner import single_rank_group  # noqa: E402
+from recpipe import deterministic  # noqa: E402
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
 from recpipe.distributed import init_process_group, launch_local, shutdown_process_group  # noqa: E402
 from recpipe.train.trainer import Trainer  # noqa: E402
@@ -65,7 +66,7 @@ def config(base: list[str], run: Path, overrides: list[str]) -> RecpipeConfig:
 def train(cfg: RecpipeConfig, lockstep: bool = False) -> Trained:
     """Train ``cfg``: one rank in this process, several in ``launch_local``'s (rank 0's result)."""
     if cfg.distributed.nproc == 1:
-        with single_rank_group():
+        with single_rank_group(), deterministic.kept():  # the run's train.deterministic ends with it
             return _fit(cfg, init_process_group(cfg), lockstep)
     out = Path(cfg.logging.run_dir) / "rank0_trained.pt"
     launch_local(_rank, cfg.distributed.nproc, cfg, lockstep, str(out))

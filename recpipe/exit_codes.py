@@ -38,7 +38,7 @@ EXIT_LAUNCHER_FAILED = 9
 # ranks finished their step, drained and saved a checkpoint (checkpoint.on_preempt).
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # 143: SIGTERM (SLURM, Kubernetes, `kill`)
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: SIGINT (Ctrl-C)
-# 129: SIGHUP (the job's terminal or session is gone), or a rank under torchrun whose own
+# 129: SIGHUP (the job's terminal or its controlling process is gone), or a rank under torchrun whose own
 # torchrun (its parent) is gone, which asks every rank to stop as SIGHUP does; they save
 # and exit 129.
 EXIT_HANGUP = EXIT_LAUNCHER_GONE = 128 + signal.SIGHUP

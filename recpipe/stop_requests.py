@@ -24,7 +24,7 @@ The same signal again within ``REPEAT_WINDOW_S`` is the same request delivered t
 too; SLURM signals every process of a step). A later one ends the process at once:
 exit 128 + signal, nothing saved.
 
-SIGHUP (the terminal or the session of the job is gone) asks what SIGTERM asks, and ends
+SIGHUP (the job's terminal or its controlling process is gone) asks what SIGTERM asks, and ends
 the run with 129. A rank whose launcher (torchrun) is gone asks the same with
 ``LAUNCHER_GONE``, a request code that is no signal, so that messages tell the two apart.
 

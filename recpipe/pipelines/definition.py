@@ -87,8 +87,7 @@ class PipelineDef:
 
     def memory(self, options: PipelineOptions) -> dict[str, Any]:
         """The planner's facts about this pipeline (``recpipe.planner.spec.PipelineSpec`` fields)."""
-        return {"name": self.name, **memory_facts(self.schedule_of(options)), "steps_ahead": options.steps_ahead,
-                **self.extra_facts(options)}
+        return {"name": self.name, **memory_facts(self.schedule_of(options)), **self.extra_facts(options)}
 
     def engine_options(self, options: PipelineOptions) -> dict[str, Any]:
         """The keyword arguments of its engine for ``options``: the pipeline's own keys and

@@ -8,7 +8,6 @@ FBGEMM.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 from recpipe.distributed import ALLOC_CONF_ENV
@@ -105,8 +104,6 @@ def inputs_from_config(
     if hbm_capacity_bytes is None:
         hbm_capacity_bytes = int(cfg.sharding.hbm_gb * GiB) if cfg.sharding.hbm_gb else default_hbm_bytes()
     pipe = pipeline_spec(cfg.pipeline)
-    if cfg.train.device == "cpu":  # the host waits for no device there: no step runs ahead
-        pipe = dataclasses.replace(pipe, steps_ahead=1)
     return PlannerInputs(
         tables=tables_t,
         shards=tuple(shards),

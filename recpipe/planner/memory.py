@@ -279,8 +279,7 @@ def alive_items(inputs: PlannerInputs, io: RankIO) -> list[tuple[str, int, str, 
     bb = batch_bytes(inputs)
     dist = "dist" if "dist" in pipe.side_streams else "main"
     items = [
-        ("input_batches", pipe.batches_alive * bb, "memcpy",
-         f"{pipe.batches_alive} x {bb} B ({pipe.batches_in_flight} in the schedule, {pipe.steps_ahead} steps ahead)"),
+        ("input_batches", pipe.batches_in_flight * bb, "memcpy", f"{pipe.batches_in_flight} x {bb} B"),
         ("input_dist_kjts", pipe.dist_kjts_in_flight * io.received, dist,
          f"{pipe.dist_kjts_in_flight} x received KJT" + (" (W=1: TBE offsets only)" if inputs.world_size == 1 else "")),
     ]
@@ -376,7 +375,7 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     Each stream's pool keeps its own peak (alive on it + its largest phase), and
     blocks cached in one pool are not reused by another stream, so
     reserved = static + (1 + phi) * sum of pools, where a pool also covers staging
-    the peak does not see (one batch on memcpy; on dist when W > 1, one more
+    the peak does not see (one batch on memcpy with default segments; on dist when W > 1, one more
     permuted local KJT: the next batch's input dist is launched while the one
     before is still held). With fused_sparse_dist's lookup on the dist stream,
     staging and lookup share that pool; on a 'new' stream they cannot (TorchRec #2916)."""
@@ -389,9 +388,13 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     streams = ("main",) + inputs.pipeline.side_streams
     on = {s: sum(b for _, b, st, _ in alive if st == s) for s in streams}
     at_peak = {s: on[s] + sum(b for _, b, st in phases[peak] if st == s) for s in streams}
-    # staging the peak does not see: a batch freed late on memcpy; one more permuted local
-    # KJT on dist (W > 1). It reuses the pool's blocks when the lookup shares the stream.
-    staging = {"memcpy": batch_bytes(inputs), "dist": local_sparse_bytes(inputs) if inputs.world_size > 1 else 0}
+    # staging the peak does not see: on memcpy, with PyTorch's default segments, the next
+    # batch's copy, made before the device has released the finished one's block (with
+    # expandable segments the pool needs none: tests/test_planner_gpu.py and
+    # tests/test_planner_precision_gpu.py measure both); one more permuted local KJT on
+    # dist (W > 1). It reuses the pool's blocks when the lookup shares the stream.
+    staging = {"memcpy": 0 if inputs.expandable_segments else batch_bytes(inputs),
+               "dist": local_sparse_bytes(inputs) if inputs.world_size > 1 else 0}
     pool = {s: on[s] + max([sum(b for _, b, st in items if st == s) for items in phases.values()] + [staging.get(s, 0)])
             for s in streams}
     allocator = [Term("allocator_fragmentation", "hbm", "allocator",
@@ -434,7 +437,7 @@ def _rank(inputs: PlannerInputs, rank: int) -> tuple[RankMemory, list[ShardMemor
     if inputs.world_size > 1:
         runtime.append(Term("nccl_communicators", "hbm", "runtime", NCCL_BYTES, "calibrate"))
     bb = batch_bytes(inputs)
-    host = [Term("pinned_host_batches", "ddr", "per_step", inputs.pipeline.batches_alive * bb, "pinned host batches")]
+    host = [Term("pinned_host_batches", "ddr", "per_step", inputs.pipeline.batches_in_flight * bb, "pinned host batches")]
     terms = static_terms(inputs, io) + _merge(per_step) + tuple(allocator) + tuple(runtime) + tuple(host)
     groups = tuple(
         TbeGroupInfo(rank, g.name, g.sharding_type, "cached" if g.cached else g.kernel_class,

@@ -126,9 +126,12 @@ class PipelineSpec:
     schedules, ``recpipe/pipelines/schedule.py``).
 
     * ``batches_in_flight``: device copies of input batches of the schedule alive at the
-      peak (its depth); ``steps_ahead``: steps the host may have queued ahead of the
-      device (``pipeline.steps_ahead``), whose batches' copies stay allocated until the
-      device has run them: ``batches_alive`` in all;
+      peak (its depth). The steps the host queues ahead of the device
+      (``pipeline.steps_ahead``) add none to the allocated bytes: a finished step frees
+      its batch in the caching allocator's count at once, and the allocator keeps the
+      block from reuse until the device has passed the streams that read it
+      (``record_stream``); ``tests/test_planner_gpu.py`` measures this with the
+      default ``steps_ahead``;
     * ``dist_kjts_in_flight``: of those, how many already went through the input
       all-to-all (their received KJTs are alive too);
     * ``pending_input_dists``: batches whose input all-to-all is launched but not yet
@@ -181,18 +184,12 @@ class PipelineSpec:
     lookup_after_backward: bool = False
     dense_backward_first: bool = False
     keeps_emb_graph: bool = False
-    steps_ahead: int = 1
     early_pooled_at_update: bool = False
     prefetch: bool = False
     stash_dense_grads: bool = False
     lookup_stream: str = "main"
     cache_insert: str = "fbgemm"  # recpipe | fbgemm
     cache_bookkeeping_stream: str = "main"  # prefetch | main
-
-    @property
-    def batches_alive(self) -> int:
-        """Input batches whose device (and pinned host) copies are alive at the peak."""
-        return self.batches_in_flight + self.steps_ahead - 1
 
 
 def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:

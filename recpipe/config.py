@@ -196,8 +196,9 @@ class DataConfig(Section):
     batch_size: int = Field(512, gt=0, description="samples per rank and step")
     # Parallel batch makers per rank (0 = made in the training loop itself).
     # criteo_tsv: forked DataLoader worker processes. synthetic and binary: see
-    # workers_kind.
-    num_workers: int = Field(1, ge=0)
+    # workers_kind. auto: sized by the rank's share of the host's cores and the
+    # measured time to make a batch (recpipe/data/workers.py), said at start.
+    num_workers: Union[Annotated[int, Field(ge=0)], Literal["auto"]] = "auto"
     # synthetic and binary with num_workers > 0. process: forked producer processes
     # that hand batches over through reused shared-memory slots, so making them
     # never holds the training loop's GIL (recpipe/data/stream.py). thread: threads

@@ -26,7 +26,7 @@ from recpipe.builder import make_pipeline
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.deterministic import apply_deterministic
-from recpipe.data.loader import workers_kind_of
+from recpipe.data.loader import with_sized_workers, workers_kind_of
 from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
@@ -116,8 +116,9 @@ def fed_as_trained(cfg: RecpipeConfig, batches: list[Batch], device: torch.devic
     other data here too (the row's check then says so). Each batch's objects are new: KJT caches
     one run computes on a host batch do not reach the next."""
     pin = device if device.type == "cuda" else None
-    return iter(BatchStream(batches.__getitem__, 0, len(batches), max(cfg.data.num_workers, 1), pin,
-                            workers_kind_of(cfg)))
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    workers = with_sized_workers(cfg, rank=rank, world_size=world)[0].data.num_workers  # auto: as the trainer sizes it
+    return iter(BatchStream(batches.__getitem__, 0, len(batches), max(workers, 1), pin, workers_kind_of(cfg)))
 
 
 def split_variant(label: str) -> tuple[str, dict[str, Any]]:

@@ -162,17 +162,19 @@ def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from recpipe.data import check_data, make_dataloader
-    from recpipe.data.loader import workers_kind_of
+    from recpipe.data.loader import with_sized_workers, workers_description, workers_kind_of
 
     cfg = _config(args)
+    cfg, sizing = with_sized_workers(cfg, rank=0, world_size=cfg.distributed.nproc)
+    if sizing is not None:
+        print(sizing.line(workers_description(cfg)))
     if args.warmup is None:
         args.warmup = made_ahead(cfg) + 5
     if args.batches < 2 or args.warmup < 1:
         raise ConfigError(f"--batches={args.batches} must be >= 2 and --warmup={args.warmup} >= 1")
     check_data(cfg)
     world, d = cfg.distributed.nproc, cfg.data
-    kind = ("made in the loop" if d.num_workers == 0 else "DataLoader worker processes" if d.source == "criteo_tsv"
-            else {"process": "producer processes", "thread": "producer threads"}[workers_kind_of(cfg)])
+    kind = workers_description(cfg)
     print(f"source {d.source}, batch {d.batch_size}, num_workers {d.num_workers} ({kind}), rank 0 of {world}, "
           f"shuffle {d.shuffle}, pinned {d.pin_memory and torch.cuda.is_available()}, "
           f"torch threads {torch.get_num_threads()}")

@@ -28,6 +28,7 @@ import functools
 import itertools
 import multiprocessing
 import os
+import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
@@ -44,10 +45,12 @@ from recpipe.data.criteo import CriteoTsvReader, hotness_of, open_lines
 from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
+from recpipe.data.workers import WorkersSizing, local_ranks, rank_cores, size_workers
 from recpipe.distributed import die_with_parent
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
-__all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "workers_kind_of"]
+__all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "with_sized_workers",
+           "workers_description", "workers_kind_of"]
 
 
 def _check(cfg: RecpipeConfig, rank: int, world_size: int, split: str) -> None:
@@ -306,11 +309,11 @@ def workers_kind_of(cfg: RecpipeConfig) -> str:
     build ended and the producers forked, and a producer had 21 GB resident. Whether
     all of it was copies was not isolated; threads need no fork at all."""
     d = cfg.data
-    if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers == 0):
+    if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers in (0, "auto")):
         why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"
                else "data.num_workers=0 makes the batches in the training loop")
         job_warning(f"data.workers_kind={d.workers_kind!r} is ignored: {why}", stacklevel=3)
-    if d.num_workers == 0:
+    if d.num_workers in (0, "auto"):
         return d.workers_kind
     host = host_memory_tables(cfg) if d.workers_kind == "process" else []
     if host:
@@ -319,6 +322,49 @@ def workers_kind_of(cfg: RecpipeConfig) -> str:
                         "(pinned host memory), which every forked producer would copy", stacklevel=3)
         return "thread"
     return workers_kind(d.workers_kind)
+
+
+def workers_description(cfg: RecpipeConfig) -> str:
+    """What makes the batches: "made in the loop", "DataLoader worker processes", "producer processes"
+    or "producer threads" (``data.num_workers`` a number)."""
+    d = cfg.data
+    if d.num_workers == 0:
+        return "made in the loop"
+    if d.source == "criteo_tsv":
+        return "DataLoader worker processes"
+    return {"process": "producer processes", "thread": "producer threads"}[workers_kind_of(cfg)]
+
+
+def _on_cpu(cfg: RecpipeConfig) -> bool:
+    return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+
+
+def size_loader(cfg: RecpipeConfig, *, rank: int, world_size: int) -> WorkersSizing:
+    """``data.num_workers: auto`` for ``rank``: the time to make a batch of its training split,
+    measured here (the second and third batch of a loader without producers: the first
+    pays the source's start), and the cores it has (``recpipe.data.workers``)."""
+    cores, on_cpu = rank_cores(local_ranks(world_size)), _on_cpu(cfg)
+    if cfg.data.factory is not None:  # a user's batches: data.num_workers does not apply
+        return WorkersSizing(workers=0, cores=cores, batch_seconds=None, needed=0)
+    one = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 0, "pin_memory": False})})
+    seconds = None
+    try:
+        batches = iter(make_dataloader(one, rank=rank, world_size=world_size, split="train"))
+        if next(batches, None) is not None:
+            started, made = time.perf_counter(), sum(1 for _ in itertools.islice(batches, 2))
+            seconds = (time.perf_counter() - started) / made if made else None
+    except (ValueError, OSError, DataError, BinaryDataError):  # reported where training reads the data
+        pass
+    return size_workers(cores=cores, batch_seconds=seconds, batch_size=cfg.data.batch_size, on_cpu=on_cpu)
+
+
+def with_sized_workers(cfg: RecpipeConfig, *, rank: int, world_size: int) -> tuple[RecpipeConfig, WorkersSizing | None]:
+    """``cfg`` with ``data.num_workers: auto`` replaced by the producers :func:`size_loader`
+    chose (and that choice), or as it is when the number is set."""
+    if cfg.data.num_workers != "auto":
+        return cfg, None
+    sizing = size_loader(cfg, rank=rank, world_size=world_size)
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": sizing.workers})}), sizing
 
 
 def make_dataloader(
@@ -337,6 +383,7 @@ def make_dataloader(
         raise ValueError(f"start_batch must be >= 0, got {start_batch}")
     if cfg.data.factory is not None:
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
+    cfg = with_sized_workers(cfg, rank=rank, world_size=world_size)[0]
     pin = cfg.data.pin_memory and torch.cuda.is_available()
     pin_device = torch.device("cuda", torch.cuda.current_device()) if pin else None
     workers, kind = cfg.data.num_workers, workers_kind_of(cfg)

@@ -35,10 +35,11 @@ class PipelineKeys(Section):
     # the schedule allows.
     max_batches_ahead: int | None = Field(None, ge=1)
     # How many steps the host may queue ahead of the device: after each step it waits for
-    # the step this many back (recpipe/pipelines/streams.py, StepsAhead). Bounds the batches
-    # whose device and pinned host copies are alive to the schedule's depth plus this - 1.
-    # 2 leaves the device a step's work queued while the host prepares the next one; more
-    # absorbs longer host pauses (a log point's metrics, about 6 ms) at a batch of memory each.
+    # the step this many back (recpipe/pipelines/streams.py, StepsAhead). A finished step
+    # frees its batch's copies (the allocator reuses a block once the device has read it),
+    # so more steps ahead cost no allocated memory. 2 leaves the device a step's work queued
+    # while the host prepares the next one; more absorbs longer host pauses (a log point's
+    # metrics).
     steps_ahead: int = Field(2, ge=1)
     # Every rank trains every batch it has: ranks that run out early feed padding batches
     # with zero loss weight until the last rank is done ("pad"), or the run stops with an

@@ -1,15 +1,17 @@
-"""A log interval's training time, where the device ran its steps: :class:`IntervalClock`."""
+"""A log interval's training time, where the device ran its steps (:class:`IntervalClock`), and
+the host's time in it spent waiting for batches (:class:`LoaderWait`)."""
 
 from __future__ import annotations
 
 import time
-from typing import Union
+from typing import Iterable, Iterator, TypeVar, Union
 
 import torch
 
-__all__ = ["IntervalClock", "seconds"]
+__all__ = ["IntervalClock", "LoaderWait", "seconds"]
 
 Mark = Union[torch.cuda.Event, float]
+T = TypeVar("T")
 
 
 class IntervalClock:
@@ -56,3 +58,43 @@ class IntervalClock:
 def seconds(stretches: list[tuple[Mark, Mark]]) -> float:
     """The stretches' time. On CUDA their events must be done (else torch raises)."""
     return sum(a.elapsed_time(b) / 1e3 if isinstance(a, torch.cuda.Event) else b - a for a, b in stretches)
+
+
+class LoaderWait:
+    """The host's time blocked in the loader's ``next()`` during training, against its time
+    training: the share that says whether the loader, not the device or the host's own work,
+    sets the pace. Started and stopped with the interval clock; ``take`` gives an interval's
+    (waited, trained) seconds."""
+
+    def __init__(self) -> None:
+        self.total = 0.0  # every wait of the run
+        self._waited = self._trained = 0.0
+        self._start: float | None = None
+
+    def timed(self, batches: Iterable[T]) -> Iterator[T]:
+        """``batches``, each wait for the next one counted."""
+        it = iter(batches)
+        while True:
+            since = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            waited = time.perf_counter() - since
+            self._waited += waited
+            self.total += waited
+            yield batch
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self) -> None:
+        if self._start is not None:
+            self._trained += time.perf_counter() - self._start
+            self._start = None
+
+    def take(self) -> tuple[float, float]:
+        """(seconds waiting for batches, seconds training) since the last ``take``."""
+        out = (self._waited, self._trained)
+        self._waited = self._trained = 0.0
+        return out

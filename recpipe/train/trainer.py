@@ -58,13 +58,14 @@ from tqdm import tqdm
 
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
+from recpipe.data.loader import with_sized_workers, workers_description
 from recpipe.distributed import control_group, init_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.builder import make_pipeline
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
-from recpipe.train.clock import IntervalClock, seconds
+from recpipe.train.clock import IntervalClock, LoaderWait, seconds
 from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, choose_checkpoint, describe_newest, load_chosen,
                                      resume_settings, save_checkpoint)
 from recpipe.train.learning_rates import LearningRates
@@ -85,6 +86,10 @@ from recpipe.train.watchdog import StepWatchdog
 __all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
 
 _GIB = 2**30
+# A log interval whose host spent more than this share of its training time blocked on the
+# loader's next() was paced by the loader: the device or the host's own work would have
+# taken more of it (the trainer says so once, with what would help).
+LOADER_BOUND = 0.2
 T = TypeVar("T")
 
 
@@ -153,14 +158,20 @@ class Trainer:
 
     def __init__(self, cfg: RecpipeConfig, device: torch.device, pipeline_class: type | None = None,
                  startup: StartupClock | None = None) -> None:
-        self.cfg, self.device = cfg, device
         # The command's start-up clock (recpipe.train.startup), else one from here.
         self.startup = startup if startup is not None else StartupClock(started_at=time.time())
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # data.num_workers: auto, sized here once for every loader of the run
+        cfg, sizing = with_sized_workers(cfg, rank=self.rank, world_size=self.world_size)
+        self.cfg, self.device = cfg, device
+        if sizing is not None:
+            self.startup.lap("data_sizing")
         # Rank 0's bar and lines (tqdm.write) are this process's own: tqdm's default lock adds
         # a multiprocessing lock, a named semaphore that a rank killed with SIGKILL would leave
         # behind (the resource tracker removes it with a "leaked semaphore" warning).
         tqdm.set_lock(threading.RLock())
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        if sizing is not None:
+            self._say(sizing.line(workers_description(cfg)))
         self.global_batch = cfg.data.batch_size * self.world_size
         self.started = time.perf_counter()
         # Where training resumes is known before the model exists (the checkpoint's record),
@@ -225,13 +236,18 @@ class Trainer:
         self._window: list[tuple[torch.Tensor, bool, tuple[torch.Tensor, ...] | None]] = []
         self._has_clicks: bool | None = None  # known after the first step
         self._clock = IntervalClock(device)  # each log interval's training time, on the device
+        self._waits = LoaderWait()  # the host's waits for the training batches
+        self._sizing = sizing  # data.num_workers: auto's choice, for the loader-bound line
+        self._said_loader_bound = False
         self._train_seconds = 0.0
         # The last log point's values on their way to the host (published at the next): its step,
-        # steps, training time (IntervalClock's stretches, read then), metrics and learning rates.
-        self._pending_log: tuple[int, int, list, PendingMetrics, dict[str, float]] | None = None
+        # steps, training time (IntervalClock's stretches, read then), metrics, learning rates and
+        # the host's (waited, trained) seconds (LoaderWait).
+        self._pending_log: tuple[int, int, list, PendingMetrics, dict[str, float], tuple[float, float]] | None = None
         self.last_train: dict[str, float] = {}
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
+        self._eval_batches: Iterator[Batch] | None = None  # the next evaluation's, started early
 
     # ----------------------------------------------------------------- setup
     def _loader(self, position: TrainPosition) -> Iterable[Batch]:
@@ -271,7 +287,7 @@ class Trainer:
             if first is None:
                 return
             yield first
-        yield from it
+        yield from self._waits.timed(it)
 
     # ----------------------------------------------------------------- loop
     def fit(self) -> None:
@@ -280,6 +296,7 @@ class Trainer:
         try:
             self._fit()
         finally:
+            self._close_eval_batches()  # an evaluation's producers started for an evaluation that did not come
             self._watchdog.close()
 
     def _fit(self) -> None:
@@ -290,6 +307,9 @@ class Trainer:
         evaluated_at = saved_at = None
         while self.position.step < train.steps and self.position.epoch < train.epochs:
             wanted = self._segment_length(checkpointing)
+            end = self.position.step + wanted
+            if _due(end, train.eval_every) or end >= train.steps:
+                self._start_eval_batches()
             trained = self._train_segment(itertools.islice(batches, wanted))
             p = self.position
             self.position = TrainPosition(p.step + trained, p.epoch, p.batch + trained)
@@ -373,6 +393,7 @@ class Trainer:
         trained = 0
         last = time.perf_counter()
         self._clock.start()
+        self._waits.start()
         while True:
             self.rates.set_step(self.position.step + trained + 1)  # the rates of the batch this call trains
             try:
@@ -380,6 +401,7 @@ class Trainer:
             except StopIteration:
                 self._count_time(last, synchronize=True)
                 self._clock.stop()
+                self._waits.stop()
                 return trained
             trained += 1
             step = self.position.step + trained
@@ -392,9 +414,11 @@ class Trainer:
             last = self._count_time(last, synchronize=False)
             if step % self.cfg.train.log_every == 0:
                 self._clock.stop()
+                self._waits.stop()
                 self._log_train(step)
                 last = time.perf_counter()  # the metrics' work is not training time
                 self._clock.start()
+                self._waits.start()
 
     def _startup_step(self, step: int) -> None:
         """After each step until the start-up ends: the run's first step is ``first_step`` (its wait
@@ -533,7 +557,7 @@ class Trainer:
         # skip_step: the metrics must leave the skipped steps out, so wait for the check.
         self._check_nonfinite(step, wait=wait or self.cfg.train.on_nonfinite == "skip_step")
         kept = self._finite_window(step)
-        steps, stretches = len(self._window), self._clock.take()
+        steps, stretches, waits = len(self._window), self._clock.take(), self._waits.take()
         self._window.clear()
         if kept:  # else every step since the last log was skipped (agreed by all ranks)
             if self._has_clicks:
@@ -543,7 +567,7 @@ class Trainer:
             loss = self._mean_loss([loss for loss, padding, _ in kept if not padding])
             values = PendingMetrics({"loss": loss, **(self.train_metrics.compute_values() if self._has_clicks else {})})
             self._publish_log()
-            self._pending_log = (step, steps, stretches, values, self.rates.scalars(step))
+            self._pending_log = (step, steps, stretches, values, self.rates.scalars(step), waits)
         if wait:
             self._publish_log()
 
@@ -560,13 +584,15 @@ class Trainer:
         """TensorBoard scalars and the bar's figures of the last log point (waits for them)."""
         if self._pending_log is None:
             return
-        step, steps, stretches, values, rates = self._pending_log
+        step, steps, stretches, values, rates, (waited, trained) = self._pending_log
         self._pending_log = None
         metrics = values.result()  # waits for the metrics, queued after the interval's last step
         samples_per_s = steps * self.global_batch / max(seconds(stretches), 1e-9)
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
+        scalars["throughput/loader_wait_ms_per_step"] = 1e3 * waited / max(steps, 1)
+        self._say_if_loader_bound(waited, trained, steps)
         memory = _memory_scalars(self.device)
         self._write_scalars(step, {**scalars, **rates, **memory})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
@@ -576,6 +602,42 @@ class Trainer:
             self._say(f"step {step}/{self.cfg.train.steps}  {shown}  {samples_per_s:,.0f} samples/s  "
                       f"{_memory_line(memory)}")
 
+    def _say_if_loader_bound(self, waited: float, trained: float, steps: int) -> None:
+        """Once a run: the loader sets the pace when the host spent more than LOADER_BOUND of a
+        log interval's training time waiting for batches (rank 0's view)."""
+        if self._said_loader_bound or trained <= 0 or waited / trained <= LOADER_BOUND:
+            return
+        self._said_loader_bound = True
+        d = self.cfg.data
+        waiting = (f"the loader bounds training: {1e3 * waited / max(steps, 1):.2f} ms a step waiting for a batch "
+                   f"({waited / trained:.0%} of the interval)")
+        if d.factory is not None:
+            self._say(f"{waiting}; the batches are data.factory={d.factory!r}'s")
+            return
+        sized = f"auto chose {d.num_workers} on {self._sizing.cores} cores" if self._sizing is not None else "set"
+        self._say(f"{waiting}; data.num_workers {d.num_workers} ({sized}, {workers_description(self.cfg)}). More "
+                  "producers or cores per rank, or data that is cheaper to read (binary, criteo_npy: docs/data.md) "
+                  "feed it faster")
+
+    def _start_eval_batches(self) -> None:
+        """Start the eval split's producers with the training segment that ends in an evaluation:
+        they make its first batches (then wait, their slots full) while the segment trains, so
+        the evaluation does not wait for them to start. A loader that fails to start is left to
+        the evaluation, which reports its error."""
+        if not self.has_eval or self._eval_batches is not None:
+            return
+        try:
+            self._eval_batches = iter(make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size,
+                                                      split="eval"))
+        except (ValueError, OSError):
+            self._eval_batches = None
+
+    def _close_eval_batches(self) -> None:
+        batches, self._eval_batches = self._eval_batches, None
+        close = getattr(batches, "close", None)
+        if close is not None:
+            close()
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Collective. The click metrics (``METRICS``) on the eval split, through the pipeline's eval
@@ -584,7 +646,9 @@ class Trainer:
         forward (one host sync, the count's all-reduce)."""
         if not self.has_eval:
             return {}
-        loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
+        loader, self._eval_batches = self._eval_batches, None
+        if loader is None:
+            loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
         started = time.perf_counter()
         evaluated = samples = 0
         with (self._watchdog.during(f"the evaluation after step {self.position.step}"),
@@ -684,6 +748,9 @@ class Trainer:
             "speedups": self._speedups(),
             # steps after which the host waited for the device (pipeline.steps_ahead): device-bound steps
             "host_waits": getattr(self.pipeline, "host_waits", None),
+            # the host's time waiting for training batches (rank 0's), and the producers that made them
+            "loader_wait_s": round(self._waits.total, 3),
+            "num_workers": self.cfg.data.num_workers,
             "startup": self.startup.summary(),  # recpipe.train.startup
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "versions": {

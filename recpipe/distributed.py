@@ -7,7 +7,6 @@ with torch.multiprocessing (forkserver), which tests use as well.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import math
@@ -33,6 +32,7 @@ from recpipe.errors import LauncherFailed, job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
 from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
 from recpipe.stop_requests import REPEAT_WINDOW_S, SIGNALS, request
+from recpipe.system import ALLOC_CONF_ENV, die_with_parent
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -62,9 +62,6 @@ def backend_for(cfg: RecpipeConfig, device: torch.device) -> str:
     if cfg.distributed.backend != "auto":
         return cfg.distributed.backend
     return "nccl" if device.type == "cuda" else "gloo"
-
-
-ALLOC_CONF_ENV = "PYTORCH_CUDA_ALLOC_CONF"
 
 
 def apply_cuda_alloc_conf(cfg: RecpipeConfig) -> str | None:
@@ -186,25 +183,6 @@ def control_group() -> dist.ProcessGroup | None:
     if dist.get_backend() == "gloo":
         return dist.group.WORLD
     return dist.new_group(backend="gloo")
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Linux: have the kernel SIGKILL this process when its parent dies, however it
-    dies (torch's spawn asks for SIGINT, which a job started in the background
-    ignores, so the ranks of a killed launcher trained on as orphans). Call first
-    thing in the child; ``parent_pid`` is the parent's pid, read before the fork. The
-    kernel acts when the parent *thread* that forked this process ends: fork from
-    a thread that lives as long as the child should (the main thread)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the parent's own cleanup still applies
-        return
-    if os.getppid() != parent_pid:  # it died before the prctl took effect
-        os._exit(EXIT_WORKER_FAILED)
-
-
-_PR_SET_PDEATHSIG = 1
 
 
 def _child(

@@ -30,7 +30,7 @@ There:
   real-time signal nothing else sends): its handler removes the launcher's temporary
   directory, where multiprocessing put the server's socket and which a launcher killed
   with SIGKILL cannot remove, and exits; the kernel then ends the ranks
-  (``recpipe.distributed.die_with_parent``).
+  (``recpipe.system.die_with_parent``).
 * It must not initialize CUDA: a process forked from one that did cannot use it.
   fbgemm-gpu asks ``torch.cuda.is_available()`` when it is imported, which initializes
   the CUDA driver unless torch counts the devices through NVML
@@ -43,16 +43,16 @@ left to the rank, which then imports it itself and reports the error.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
+
+from recpipe.system import signal_when_parent_dies
 
 MODULES = ("torch", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recpipe.train.trainer")
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 SERVER_ENV = "RECPIPE_FORKSERVER_OF"
 DEATH_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)  # real-time signals: Linux
-_PR_SET_PDEATHSIG = 1
 
 
 def _serve_only_while_the_launcher_lives(launcher_pid: int, temp_dir: str) -> None:
@@ -65,9 +65,7 @@ def _serve_only_while_the_launcher_lives(launcher_pid: int, temp_dir: str) -> No
         os._exit(0)
 
     signal.signal(DEATH_SIGNAL, launcher_gone)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, DEATH_SIGNAL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the server ends when its "alive" pipe closes
+    if not signal_when_parent_dies(DEATH_SIGNAL):  # not Linux: the server ends when its "alive" pipe closes
         return
     if os.getppid() != launcher_pid:  # it died before the prctl took effect
         launcher_gone(DEATH_SIGNAL, None)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from recpipe.config import ConfigError, config_from_dict
-from recpipe.distributed import ALLOC_CONF_ENV, apply_cuda_alloc_conf
+from recpipe.distributed import apply_cuda_alloc_conf
+from recpipe.system import ALLOC_CONF_ENV
 
 
 def _cfg(conf):

@@ -19,7 +19,7 @@ from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_DOES_NOT_FIT
 from recpipe.config import load_config
 from recpipe.planner import check_fits, estimate_memory, inputs_from_config, plan_from_config
 from recpipe.preflight import Machine, check_memory
-from recpipe.distributed import ALLOC_CONF_ENV
+from recpipe.system import ALLOC_CONF_ENV
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, local_sparse_bytes, phase_items, rank_io
 from recpipe.planner.plan import TERM_DOC
 from recpipe.planner.spec import shards_from_plan

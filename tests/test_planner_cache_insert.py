@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from recpipe.config import load_config
-from recpipe.distributed import ALLOC_CONF_ENV
+from recpipe.system import ALLOC_CONF_ENV
 from recpipe.planner import estimate_memory, inputs_from_config
 from recpipe.planner.memory import ALLOCATOR_FRAGMENTATION, batch_bytes, phase_items, rank_io
 from recpipe.planner.inputs import expandable_segments

@@ -51,7 +51,7 @@ from recpipe.data.binary_format import (
     write_npy_header,
 )
 from recpipe.data.criteo import open_lines, parse_line
-from recpipe.distributed import die_with_parent
+from recpipe.system import die_with_parent
 from recpipe.errors import ConfigError, StopRequested, StorageError, storage_problem
 
 __all__ = ["ConvertReport", "convert"]

@@ -46,7 +46,7 @@ from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 from recpipe.data.workers import WorkersSizing, local_ranks, rank_cores, size_workers
-from recpipe.distributed import die_with_parent
+from recpipe.system import die_with_parent
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "with_sized_workers",

@@ -64,7 +64,7 @@ import torch
 from recpipe.data.batch import Batch
 from recpipe.data.flat import flatten_batch, unflatten_batch
 from recpipe.data.handoff import Failed, Production, put_unless_closed
-from recpipe.distributed import die_with_parent
+from recpipe.system import die_with_parent
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["ProducerDied", "Processes"]

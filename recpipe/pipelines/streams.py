@@ -221,9 +221,3 @@ class StepsAhead:
             self.waited_s += time.perf_counter() - started
         event.record(self._stream)
         self._next = (self._next + 1) % self.steps
-
-
-def host_wait(event: Event) -> None:
-    """Host sync: block the CPU until ``event`` has happened (used only for timing)."""
-    if event is not None:
-        event.synchronize()

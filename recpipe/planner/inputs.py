@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from recpipe.distributed import ALLOC_CONF_ENV
 from recpipe.embedding_tables import model_on_meta
 from recpipe.planner.model_spec import (builtin_dense_spec, builtin_tables, dense_spec, model_notes, pooling_factors,
                                         table_specs)
 from recpipe.planner.spec import GiB, PlannerInputs, ShardSpec, pipeline_spec, shards_for_tables
+from recpipe.system import ALLOC_CONF_ENV, may_have_gpu
 from recpipe.torchrec_args import check_tables, table_wise_ranks, validated_tables
 
 if TYPE_CHECKING:
@@ -46,7 +46,9 @@ def fbgemm_version() -> tuple[int, int]:
 
 
 def default_hbm_bytes() -> int:
-    """The GPU's own memory, or 80 GiB when planning without one."""
+    """The GPU's own memory, or 80 GiB when planning without one (then without importing torch)."""
+    if not may_have_gpu():
+        return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
     import torch
 
     if torch.cuda.is_available():
@@ -69,7 +71,6 @@ def expandable_segments(cfg: "RecpipeConfig") -> bool:
     settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
     ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
     import os
-
 
     settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cfg.train.cuda_alloc_conf
     pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)

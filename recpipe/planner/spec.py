@@ -84,11 +84,6 @@ class TableSpec:
     def ids_per_sample(self) -> float:
         return self.pooling_factor * self.num_features
 
-    @property
-    def has_id_weights(self) -> bool:
-        """Per-id fp32 weights reach the TBE (weighted input or a feature processor)."""
-        return self.weighted or self.feature_processed
-
 
 @dataclass(frozen=True)
 class ShardSpec:

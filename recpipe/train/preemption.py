@@ -47,7 +47,7 @@ whose terminal is gone): they drain, save and exit 129, and the other nodes' tor
 ends the job at once. Without the watch such a rank trained on with nobody to report to, and the other torchrun
 waited out its exit barrier and exited 0. Stopping together, rather than the kernel
 killing the rank as ``recpipe train``'s own launcher has it do
-(``recpipe.distributed.die_with_parent``), keeps the other ranks out of a collective
+(``recpipe.system.die_with_parent``), keeps the other ranks out of a collective
 with a dead peer (NCCL would wait for its timeout) and saves a checkpoint.
 """
 

@@ -1,0 +1,71 @@
+"""recpipe's layers: no module-level import cycle, and no folder-level cycle outside the
+allow-list below (``scripts/import_layers.py`` builds the graphs and prints both).
+
+A folder (``recpipe/<folder>/``) or a top-level module is a unit; a folder-level cycle is a
+set of units that import one another round a loop, module by module acyclic but not layered.
+Each allowed cycle says why it stays; a cycle that is gone must leave the list.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from scripts.import_layers import MODULES, cycles, folder_graph, imports, is_lazy, module_graph
+
+ALLOWED_FOLDER_CYCLES = {
+    # pipelines/ holds both the light declarations, which read the speed features' sections
+    # (pipelines/options.py: one section per feature of speedups/registry.py) and the config
+    # reads, and the engine, which the speed features' implementations wrap (speedups/*.py
+    # import pipelines/engine.py, sharded.py, streams.py); distributed.py, which the engine
+    # uses for its control group, types its functions by the config; the lazy names of
+    # recpipe/pipelines/__init__.py include builder.make_pipeline.
+    frozenset({"builder", "config", "distributed", "pipelines", "speedups"}):
+        "declarations below the config, engine and implementations above it, one folder each",
+    # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
+    # memory plan (planner/), the model against sharding (sharding/) and the checkpoints
+    # (train/checkpoint.py): each folder holds a command above preflight.py and a part below it.
+    frozenset({"planner", "preflight", "sharding", "train"}):
+        "the commands of planner/ and train/ sit above preflight.py, the rest of those folders below",
+}
+
+
+def test_no_module_level_import_cycles():
+    assert cycles(module_graph()) == [], "module-level import cycles (python scripts/import_layers.py)"
+
+
+def test_folder_cycles_are_the_allowed_ones():
+    found = {frozenset(c) for c in cycles(folder_graph(module_graph()))}
+    assert found - set(ALLOWED_FOLDER_CYCLES) == set(), "folder-level cycles outside the allow-list"
+    assert set(ALLOWED_FOLDER_CYCLES) - found == set(), "allowed folder-level cycles that are gone: remove them"
+
+
+def test_lazy_packages_import_nothing_eagerly():
+    """A package with ``_EXPORTS`` loads its names on first use, so importing one of its
+    modules runs no other: its ``__init__`` imports nothing of recpipe outside
+    ``if TYPE_CHECKING:`` (the checker then adds no edge for running it)."""
+    for name, path in MODULES.items():
+        if path.name == "__init__.py" and is_lazy(name):
+            eager = [ast.unparse(n) for n in ast.parse(path.read_text()).body if _imports_recpipe(n)]
+            assert eager == [], f"{name} imports eagerly: {eager}"
+
+
+def _imports_recpipe(node: ast.stmt) -> bool:
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").startswith("recpipe") or node.level > 0
+    return isinstance(node, ast.Import) and any(a.name.startswith("recpipe") for a in node.names)
+
+
+def test_the_checker_sees_cycles_and_hidden_loops_through_a_package(tmp_path):
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    assert folder_graph({"recpipe.x.m": {"recpipe.y.n"}, "recpipe.y.n": {"recpipe.top"}, "recpipe.top": set()}) == {
+        "x": {"y"}, "y": {"top"}, "top": set()}
+    # recpipe.planner.plan, imported from outside recpipe.planner, runs recpipe/planner/__init__.py first
+    MODULES["recpipe._probe"] = path = tmp_path / "probe.py"
+    path.write_text("from recpipe.planner.plan import check_fits\n")
+    try:
+        assert {"recpipe.planner.plan", "recpipe.planner"} <= imports("recpipe._probe")[0]
+        path.write_text("from recpipe.pipelines.schedule import Schedule\n")  # a lazy package: its __init__ runs nothing
+        assert imports("recpipe._probe")[0] == {"recpipe.pipelines.schedule"}
+    finally:
+        del MODULES["recpipe._probe"]

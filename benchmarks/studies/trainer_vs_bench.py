@@ -216,6 +216,31 @@ def host_parts(parts: dict[str, list[float]]) -> dict:
             for name, values in parts.items() if values}
 
 
+def run_cli(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
+    """``recpipe train`` as a user runs it (a new process: imports, launch and start-up included),
+    for ``--steps``: its summary.json's samples/s (the device's time over the log intervals), the
+    final evaluation's samples/s (``--set data.synthetic.num_eval_batches=N`` sizes it), the
+    start-up to the first timed step, the producers ``data.num_workers`` gave, and its lines
+    about the loader."""
+    run = out / "cli"
+    cmd = [sys.executable, "-m", "recpipe", "train", "--config", args.config]
+    for s in [*overrides, f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.dir=null",
+              f"logging.run_dir={run}", "train.progress=false"]:
+        cmd += ["--set", s]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "cli.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"recpipe train ended with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
+    summary = json.loads((run / "summary.json").read_text())
+    said = [line for line in done.stdout.splitlines() if line.startswith(("data.num_workers auto", "the loader bounds",
+                                                                          "start-up:"))]
+    return {"samples_per_s": summary["samples_per_s"], "eval_samples_per_s": summary["eval_samples_per_s"],
+            "startup_s": summary["startup"]["to_first_timed_step_s"], "startup": summary["startup"],
+            "num_workers": summary["num_workers"], "loader_wait_s": summary["loader_wait_s"],
+            "train_time_s": summary["train_time_s"], "steps": summary["steps"], "eval_auc": summary["eval_auc"],
+            "said": said}
+
+
 def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
     """``recpipe bench``, then the trainer, into ``out``: both rates and their ratio."""
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +255,38 @@ def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> d
     launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), args.sync_every, args.steady_from,
                  args.profile_steps)
     train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
-    return {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
+    pair = {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
+    if args.cli:
+        cli = run_cli(args, overrides, out)
+        pair.update(cli=cli, cli_ratio=cli["samples_per_s"] / bench["samples_per_s_wall"])
+    return pair
+
+
+def versions() -> str:
+    import fbgemm_gpu
+    import torchrec
+
+    return (f"torch {torch.__version__}, CUDA {torch.version.cuda}, fbgemm-gpu {getattr(fbgemm_gpu, '__version__', '?')}, "
+            f"torchrec {getattr(torchrec, '__version__', '?')}")
+
+
+def render(result: dict) -> str:
+    """The result as a markdown section: one row per pair."""
+    lines = [f"## {Path(result['config']).name}: `{' '.join(o for o in result['overrides'] if not o.startswith('pipeline.name'))}`",
+             "", f"{result['device']} ({result['cores']} cores), {result['versions']}. `{result['command']}`", "",
+             "| pair | bench samples/s (P50 step ms) | trainer, steady window | ratio | `recpipe train` samples/s | ratio "
+             "| its final eval samples/s | eval / train | start-up s | data.num_workers | waiting for batches s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k, pair in enumerate(result["pairs"], 1):
+        b, t, c = pair["bench"], pair["train"], pair.get("cli")
+        cells = [str(k), f"{b['samples_per_s_wall']:,.0f} ({b['step_ms_p50']:.2f})", f"{t['samples_per_s_wall']:,.0f}",
+                 f"{pair['ratio']:.3f}"]
+        cells += ([f"{c['samples_per_s']:,.0f}", f"{pair['cli_ratio']:.3f}", f"{c['eval_samples_per_s']:,.0f}",
+                   f"{c['eval_samples_per_s'] / c['samples_per_s']:.2f}", f"{c['startup_s']}", str(c["num_workers"]),
+                   f"{c['loader_wait_s']:.2f}"] if c else ["", "", "", "", "", "", ""])
+        lines.append("| " + " | ".join(cells) + " |")
+    said = [line for pair in result["pairs"] if "cli" in pair for line in pair["cli"]["said"]]
+    return "\n".join(lines + ([""] + [f"    {line}" for line in said] if said else [])) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the steady window, profile rank 0's host over this many more steps "
                              "(OUT/host_profile.txt: top functions by self CPU time, with Python stacks)")
+    parser.add_argument("--cli", action="store_true",
+                        help="also run `recpipe train` as a user does (start-up, evaluation and loader figures)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
@@ -262,10 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [measure_pair(args, overrides, out if args.pairs == 1 else out / f"pair{k}") for k in range(args.pairs)]
     result = {"config": args.config, "overrides": overrides, "pipeline": args.pipeline, "pairs": pairs,
               "ratio": statistics.median(pair["ratio"] for pair in pairs),
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+              "versions": versions(), "command": " ".join(["python3", "benchmarks/studies/trainer_vs_bench.py",
+                                                              *(argv if argv is not None else sys.argv[1:])])}
     if len(pairs) == 1:  # the fields of one pair at the top, as before --pairs
         result.update(bench=pairs[0]["bench"], train=pairs[0]["train"])
     (out / "trainer_vs_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "trainer_vs_bench.md").write_text(render(result))
     for k, pair in enumerate(pairs):
         bench, train = pair["bench"], pair["train"]
         tag = f"[pair {k + 1}/{len(pairs)}] " if len(pairs) > 1 else ""
@@ -278,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         parts = train["host_parts"]
         print(f"{tag}trainer host time per step, ms (P50 / P90 / max; total over the window): " + "; ".join(
             f"{name} {p['p50']:.2f} / {p['p90']:.2f} / {p['max']:.1f}; {p['total']:.0f}" for name, p in parts.items()))
+        if "cli" in pair:
+            cli = pair["cli"]
+            print(f"{tag}recpipe train: {cli['samples_per_s']:,.0f} samples/s ({pair['cli_ratio']:.3f} x the bench); final "
+                  f"evaluation {cli['eval_samples_per_s']:,.0f} samples/s "
+                  f"({cli['eval_samples_per_s'] / cli['samples_per_s']:.2f} x training); start-up {cli['startup_s']} s; "
+                  f"data.num_workers {cli['num_workers']}, {cli['loader_wait_s']:.2f} s waiting for batches")
+            print("\n".join(f"{tag}  said: {line}" for line in cli["said"]))
     first = max(pair["train"]["first_step_s"] for pair in pairs)
     what = "ratio" if len(pairs) == 1 else f"median ratio of {len(pairs)} interleaved pairs"
     print(f"{what} {result['ratio']:.3f} (target >= 0.95); first trained step within {first:.1f} s after the model "

@@ -22,7 +22,7 @@ def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path
              "data.synthetic.num_eval_batches=1"]
     cmd = [sys.executable, str(STUDIES / "trainer_vs_bench.py"), "--config", str(root / "configs" / "quickstart.yaml"),
            "--pipeline", "sparse_dist", "--steps", "20", "--steady-from", "5", "--bench-steps", "5", "--bench-warmup", "2",
-           "--pairs", "2", "--profile-steps", "3", "--out", str(out)]
+           "--pairs", "2", "--profile-steps", "3", "--cli", "--out", str(out)]
     for pair in small:
         cmd += ["--set", pair]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=600)
@@ -42,3 +42,12 @@ def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path
         assert pair["train"]["intra_op_threads"] >= 1  # recorded: the GPU trainer's rule sets it (train/trainer.py)
     assert "trainer host time per step" in done.stdout
     assert "median ratio of 2 interleaved pairs" in done.stdout
+    # --cli: recpipe train as a user runs it, beside each pair, and the markdown report
+    for pair in result["pairs"]:
+        cli = pair["cli"]
+        assert cli["steps"] == 20 and cli["samples_per_s"] > 0 and cli["eval_samples_per_s"] > 0
+        assert pair["cli_ratio"] == pytest.approx(cli["samples_per_s"] / pair["bench"]["samples_per_s_wall"])
+        assert cli["startup_s"] > 0 and cli["num_workers"] == 0  # quickstart's
+        assert any(line.startswith("start-up:") for line in cli["said"])
+    report = (out / "trainer_vs_bench.md").read_text()
+    assert report.count("\n| ") == 3 and "trainer_vs_bench.py" in report and result["versions"] in report

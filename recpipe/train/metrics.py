@@ -34,11 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from recpipe.lean_imports import torchmetrics_without_transformers
-
-torchmetrics_without_transformers()  # before torchrec.metrics, which imports it too
-from torchmetrics import Metric  # noqa: E402
+from torchmetrics import Metric
 
 __all__ = ["BinnedAUROC", "ClickMetrics", "HostCopy", "METRICS", "PendingMetrics", "all_reduce_as_gather", "click_outputs"]
 

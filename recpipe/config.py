@@ -16,6 +16,7 @@ torch: the ``pipeline`` section's variants come from the registry's light declar
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
@@ -924,6 +925,15 @@ def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
     return sorted(f.alias or n for n, f in model.model_fields.items()) if model is not None else []
 
 
+def _unknown_key_message(key: str, allowed: list[str]) -> str:
+    """``unknown key; did you mean 'steps'? allowed here: ...``: the closest allowed keys first."""
+    if not allowed:
+        return "unknown key"
+    close = difflib.get_close_matches(key, allowed, n=2)
+    hint = f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ";"
+    return f"unknown key{hint} allowed here: {', '.join(allowed)}"
+
+
 def _format_validation_error(err: ValidationError, source: str, raw: dict[str, Any]) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -933,8 +943,7 @@ def _format_validation_error(err: ValidationError, source: str, raw: dict[str, A
             lines.append(f"  {msg}")
             continue
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1], raw)
-            msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+            msg = _unknown_key_message(str(e["loc"][-1]), _allowed_keys(e["loc"][:-1], raw))
         value = e.get("input")
         shown = "" if e["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
         if loc:

@@ -45,8 +45,9 @@ HEADER = f"""\
 recpipe/config.py; do not edit by hand (tests/test_config_docs.py checks it). -->
 
 A run is described by one YAML file with the sections below; every section and key is
-optional and takes the default shown. Unknown keys are errors. `--set KEY=VALUE`
-overrides any key of the file, its value read as YAML:
+optional and takes the default shown. Unknown keys are errors that name the closest
+allowed keys (`train.stpes: unknown key; did you mean 'steps'? allowed here: ...`).
+`--set KEY=VALUE` overrides any key of the file, its value read as YAML:
 
     recpipe train --config configs/quickstart.yaml --set train.steps=500 \\
         --set 'sharding.tables={{t_cat_0: {{type: column_wise}}}}'

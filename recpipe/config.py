@@ -332,7 +332,11 @@ class ShardingConfig(Section):
     prefetch_min_pass_size: int = Field(6 * 1024 * 1024, gt=0)
     # UVM placements pin host memory instead of managed memory.
     uvm_host_mapped: bool = False
-    # GPU memory per rank the plan must fit (GiB); None = the GPU's own, or 80.
+    # GPU memory per rank the plan must fit, in GiB (2**30 bytes, as torch.cuda and
+    # nvidia-smi count). None (and no hbm_gb) = the GPU's own, or 80 GiB without one.
+    hbm_gib: float | None = Field(None, gt=0)
+    # The same in decimal GB (10**9 bytes: hbm_gb: 80 is 74.5 GiB); set hbm_gib or hbm_gb,
+    # not both.
     hbm_gb: float | None = Field(None, gt=0)
     # Which rank holds each shard: "config" = as written here (table_wise tables on
     # their `rank`, else the least-loaded rank); "planner" = torchrec's partitioner
@@ -366,6 +370,22 @@ class ShardingConfig(Section):
         if all(resolved[name] == spec for name, spec in self.tables.items()):
             return self
         return self.model_copy(update={"tables": resolved})
+
+    @model_validator(mode="after")
+    def _one_hbm_unit(self) -> "ShardingConfig":
+        if self.hbm_gib is not None and self.hbm_gb is not None:
+            raise ValueError(f"sharding.hbm_gib={self.hbm_gib:g} and sharding.hbm_gb={self.hbm_gb:g} both set the GPU "
+                             "memory per rank; keep one (hbm_gib: GiB, 2**30 bytes; hbm_gb: GB, 10**9 bytes)")
+        return self
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        """The GPU memory per rank that ``hbm_gib`` or ``hbm_gb`` sets, in bytes; None if neither."""
+        if self.hbm_gib is not None:
+            return int(self.hbm_gib * 2**30)
+        if self.hbm_gb is not None:
+            return int(self.hbm_gb * 10**9)
+        return None
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)

@@ -155,7 +155,7 @@ def test_machine_dependent_rules_exit_2_before_any_process(overrides, needle, ca
 def test_train_refuses_a_plan_that_does_not_fit_on_cuda(capsys):
     from recpipe.preflight import Machine, check_memory
 
-    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gb=0.5", "train.device=auto"])
+    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gib=0.5", "train.device=auto"])
     assert check_memory(cfg, Machine(cuda=True), world_size=2) == 3
     err = capsys.readouterr().err
     assert "does not fit" in err and "rank" in err

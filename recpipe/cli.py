@@ -1,4 +1,4 @@
-"""The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint, export.
+"""The ``recpipe`` command line: train, plan, schedule, bench, data, configs, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
@@ -15,7 +15,7 @@ import argparse
 import signal
 import sys
 
-from recpipe import exit_codes as codes
+from recpipe import exit_codes as codes, shipped_configs
 from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
@@ -54,7 +54,9 @@ def version() -> str:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument("--config", required=True, type=shipped_configs.resolve,
+                   help="YAML config file, or the name of a shipped config (`recpipe configs` lists them), e.g. "
+                        "quickstart")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -176,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_parser(sub, _add_config_args, parents=[common])
 
+    add_command(sub, "configs", help="list the shipped configs (--config takes them by name)",
+                description="List the configs that ship with recpipe, each with what it is for; --config takes "
+                "them by name (e.g. --config quickstart) where the working directory holds no such file.")
+
     checkpoint = add_command(
         sub,
         "checkpoint",
@@ -258,6 +264,9 @@ def _run(argv: list[str] | None) -> int:
             from recpipe.data.cli import main_data
 
             return main_data(args)
+        if args.command == "configs":
+            print(shipped_configs.listing())
+            return codes.EXIT_OK
         if args.command == "checkpoint":
             from recpipe.train.integrity import main_checkpoint
 

@@ -33,6 +33,7 @@ from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
+from recpipe.shipped_configs import missing_hint
 
 __all__ = [
     "ConfigError",
@@ -869,7 +870,7 @@ def _config_bytes(p: Path) -> bytes:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        raise ConfigError(f"config file {str(p)!r} does not exist ({missing_hint(str(p))})") from None
     except OSError as err:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {err.strerror or err}") from None
     if not stat.S_ISREG(st.st_mode):

@@ -1,4 +1,4 @@
-"""The ``recpipe`` command line: train, plan, schedule, bench, data, configs, checkpoint, export.
+"""The ``recpipe`` command line: train, plan, schedule, bench, data, configs, report, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
@@ -182,6 +182,14 @@ def build_parser() -> argparse.ArgumentParser:
                 description="List the configs that ship with recpipe, each with what it is for; --config takes "
                 "them by name (e.g. --config quickstart) where the working directory holds no such file.")
 
+    report = add_command(
+        sub, "report", parents=[common], help="plot a run: loss, eval AUC / NE, samples/s, memory (PNGs)",
+        description="Write PNG plots of a training run from the TensorBoard scalars in its logging.run_dir, against "
+        "the step: loss.png (training loss), eval.png (eval AUC and NE), throughput.png (samples/s) and "
+        "memory.png (rank 0's memory), each where the run recorded its scalars. Prints the files written.")
+    report.add_argument("run_dir", help="a run's logging.run_dir (its newest TensorBoard run is plotted)")
+    report.add_argument("--out", default=None, help="directory for the PNGs (default: the run directory)")
+
     checkpoint = add_command(
         sub,
         "checkpoint",
@@ -267,6 +275,10 @@ def _run(argv: list[str] | None) -> int:
         if args.command == "configs":
             print(shipped_configs.listing())
             return codes.EXIT_OK
+        if args.command == "report":
+            from recpipe.train.report import main_report
+
+            return main_report(args)
         if args.command == "checkpoint":
             from recpipe.train.integrity import main_checkpoint
 

@@ -20,6 +20,9 @@ from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
 
+# The commands that load torchrec and FBGEMM: the installed fbgemm-gpu build is checked first.
+NEEDS_FBGEMM = ("train", "bench", "export")
+
 # recpipe export --tables: recpipe.serving.export_program's tables.
 PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")
 
@@ -248,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in NEEDS_FBGEMM:
+            from recpipe.fbgemm_build import check_fbgemm_build
+
+            check_fbgemm_build()
         if args.command == "train":
             from recpipe.launch_preload import start_server, under_torchrun
 

@@ -3,6 +3,7 @@ with as extras and carries the shipped configs, which ``--config`` finds by name
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recpipe import shipped_configs
+from recpipe import fbgemm_build, shipped_configs
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 
@@ -91,3 +92,31 @@ def test_a_config_that_is_neither_a_file_nor_shipped_names_the_closest(capsys, t
     assert main(["plan", "--config", "quickstrat"]) == EXIT_BAD_CONFIG
     err = capsys.readouterr().err
     assert "'quickstrat' does not exist (did you mean 'quickstart'" in err and "recpipe configs" in err
+
+
+@pytest.mark.skipif(fbgemm_build.has_nvidia_driver(), reason="needs a machine without the NVIDIA driver")
+@pytest.mark.parametrize("command", [["train", "--config", "quickstart"], ["export", "--config", "quickstart",
+                                                                         "--checkpoint", "ckpt", "--out", "m.pt"]])
+def test_a_cuda_fbgemm_without_the_driver_is_one_line(tmp_path, command):
+    """PyPI's fbgemm-gpu is the CUDA build: where it cannot load, the command says what to install
+    before any process starts, instead of every process failing to load it."""
+    fake = tmp_path / "site" / "fbgemm_gpu"
+    (fake / "docs").mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise OSError('libnvidia-ml.so.1: cannot open shared object file')\n")
+    (fake / "docs" / "target.default.json.py").write_text('{"version": "1.8.0", "target": "default", '
+                                                         '"variant": "cuda"}\n')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), str(ROOT)])}
+    out = subprocess.run([sys.executable, "-m", "recpipe", *command], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == EXIT_BAD_CONFIG, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == [
+        f"recpipe {command[0]}: the installed fbgemm-gpu 1.8.0 is its CUDA build, which needs the NVIDIA driver "
+        "(libnvidia-ml.so.1 is not found); without a GPU install its CPU build: pip install 'recpipe[cpu]' "
+        "--extra-index-url https://download.pytorch.org/whl/cpu, or scripts/setup_env.sh (docs/install.md) "
+        f"[exit {EXIT_BAD_CONFIG}]"]
+
+
+def test_the_installed_cpu_build_passes_the_check():
+    target = fbgemm_build.fbgemm_target()
+    assert target.get("variant") in ("cpu", "cuda"), target  # the record fbgemm-gpu's own import reads
+    fbgemm_build.check_fbgemm_build()  # the stack the tests run on can train

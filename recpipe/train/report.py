@@ -46,6 +46,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     scalars = read_scalars(Path(run_dir))
     out = Path(out_dir) if out_dir is not None else Path(run_dir)
@@ -60,6 +61,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> list
             steps, values = zip(*scalars[tag])
             ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=tag)
         ax.set(xlabel="step", ylabel=ylabel, title=f"{title}: {run_dir}")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -1,4 +1,4 @@
-"""The ``recpipe`` command line: train, plan, schedule, bench, data, checkpoint, export.
+"""The ``recpipe`` command line: train, plan, schedule, bench, data, configs, report, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
 ``recpipe.planner.cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
@@ -15,10 +15,13 @@ import argparse
 import signal
 import sys
 
-from recpipe import exit_codes as codes
+from recpipe import exit_codes as codes, shipped_configs
 from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
+
+# The commands that load torchrec and FBGEMM: the installed fbgemm-gpu build is checked first.
+NEEDS_FBGEMM = ("train", "bench", "export")
 
 # recpipe export --tables: recpipe.serving.export_program's tables.
 PROGRAM_TABLES = ("fp32", "fp16", "int8", "int4")
@@ -54,7 +57,9 @@ def version() -> str:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", required=True, help="YAML config (see configs/)")
+    p.add_argument("--config", required=True, type=shipped_configs.resolve,
+                   help="YAML config file, or the name of a shipped config (`recpipe configs` lists them), e.g. "
+                        "quickstart")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -176,6 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_data_parser(sub, _add_config_args, parents=[common])
 
+    add_command(sub, "configs", help="list the shipped configs (--config takes them by name)",
+                description="List the configs that ship with recpipe, each with what it is for; --config takes "
+                "them by name (e.g. --config quickstart) where the working directory holds no such file.")
+
+    report = add_command(
+        sub, "report", parents=[common], help="plot a run: loss, eval AUC / NE, samples/s, memory (PNGs)",
+        description="Write PNG plots of a training run from the TensorBoard scalars in its logging.run_dir, against "
+        "the step: loss.png (training loss), eval.png (eval AUC and NE), throughput.png (samples/s) and "
+        "memory.png (rank 0's memory), each where the run recorded its scalars. Prints the files written.")
+    report.add_argument("run_dir", help="a run's logging.run_dir (its newest TensorBoard run is plotted)")
+    report.add_argument("--out", default=None, help="directory for the PNGs (default: the run directory)")
+
     checkpoint = add_command(
         sub,
         "checkpoint",
@@ -234,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command in NEEDS_FBGEMM:
+            from recpipe.fbgemm_build import check_fbgemm_build
+
+            check_fbgemm_build()
         if args.command == "train":
             from recpipe.launch_preload import start_server, under_torchrun
 
@@ -258,6 +279,13 @@ def _run(argv: list[str] | None) -> int:
             from recpipe.data.cli import main_data
 
             return main_data(args)
+        if args.command == "configs":
+            print(shipped_configs.listing())
+            return codes.EXIT_OK
+        if args.command == "report":
+            from recpipe.train.report import main_report
+
+            return main_report(args)
         if args.command == "checkpoint":
             from recpipe.train.integrity import main_checkpoint
 

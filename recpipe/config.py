@@ -16,6 +16,7 @@ torch: the ``pipeline`` section's variants come from the registry's light declar
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 import stat
@@ -32,6 +33,7 @@ from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines.options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
+from recpipe.shipped_configs import missing_hint
 
 __all__ = [
     "ConfigError",
@@ -332,7 +334,11 @@ class ShardingConfig(Section):
     prefetch_min_pass_size: int = Field(6 * 1024 * 1024, gt=0)
     # UVM placements pin host memory instead of managed memory.
     uvm_host_mapped: bool = False
-    # GPU memory per rank the plan must fit (GiB); None = the GPU's own, or 80.
+    # GPU memory per rank the plan must fit, in GiB (2**30 bytes, as torch.cuda and
+    # nvidia-smi count). None (and no hbm_gb) = the GPU's own, or 80 GiB without one.
+    hbm_gib: float | None = Field(None, gt=0)
+    # The same in decimal GB (10**9 bytes: hbm_gb: 80 is 74.5 GiB); set hbm_gib or hbm_gb,
+    # not both.
     hbm_gb: float | None = Field(None, gt=0)
     # Which rank holds each shard: "config" = as written here (table_wise tables on
     # their `rank`, else the least-loaded rank); "planner" = torchrec's partitioner
@@ -366,6 +372,22 @@ class ShardingConfig(Section):
         if all(resolved[name] == spec for name, spec in self.tables.items()):
             return self
         return self.model_copy(update={"tables": resolved})
+
+    @model_validator(mode="after")
+    def _one_hbm_unit(self) -> "ShardingConfig":
+        if self.hbm_gib is not None and self.hbm_gb is not None:
+            raise ValueError(f"sharding.hbm_gib={self.hbm_gib:g} and sharding.hbm_gb={self.hbm_gb:g} both set the GPU "
+                             "memory per rank; keep one (hbm_gib: GiB, 2**30 bytes; hbm_gb: GB, 10**9 bytes)")
+        return self
+
+    @property
+    def hbm_bytes(self) -> int | None:
+        """The GPU memory per rank that ``hbm_gib`` or ``hbm_gb`` sets, in bytes; None if neither."""
+        if self.hbm_gib is not None:
+            return int(self.hbm_gib * 2**30)
+        if self.hbm_gb is not None:
+            return int(self.hbm_gb * 10**9)
+        return None
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
@@ -849,7 +871,7 @@ def _config_bytes(p: Path) -> bytes:
     try:
         st = p.stat()
     except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist") from None
+        raise ConfigError(f"config file {str(p)!r} does not exist ({missing_hint(str(p))})") from None
     except OSError as err:
         raise ConfigError(f"config file {str(p)!r} cannot be read: {err.strerror or err}") from None
     if not stat.S_ISREG(st.st_mode):
@@ -925,6 +947,15 @@ def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
     return sorted(f.alias or n for n, f in model.model_fields.items()) if model is not None else []
 
 
+def _unknown_key_message(key: str, allowed: list[str]) -> str:
+    """``unknown key; did you mean 'steps'? allowed here: ...``: the closest allowed keys first."""
+    if not allowed:
+        return "unknown key"
+    close = difflib.get_close_matches(key, allowed, n=2)
+    hint = f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ";"
+    return f"unknown key{hint} allowed here: {', '.join(allowed)}"
+
+
 def _format_validation_error(err: ValidationError, source: str, raw: dict[str, Any]) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
@@ -934,8 +965,7 @@ def _format_validation_error(err: ValidationError, source: str, raw: dict[str, A
             lines.append(f"  {msg}")
             continue
         if e["type"] == "extra_forbidden":
-            allowed = _allowed_keys(e["loc"][:-1], raw)
-            msg = "unknown key" + (f"; allowed here: {', '.join(allowed)}" if allowed else "")
+            msg = _unknown_key_message(str(e["loc"][-1]), _allowed_keys(e["loc"][:-1], raw))
         value = e.get("input")
         shown = "" if e["type"] in ("missing",) or isinstance(value, dict) else f" (got {value!r})"
         if loc:

@@ -98,6 +98,29 @@ def test_unknown_key_in_yaml_file_exits_2(capsys, tmp_path):
     assert "train.eval_evry: unknown key" in err and str(path) in err
 
 
+def test_unknown_key_in_yaml_names_the_closest_allowed_key(capsys, tmp_path):
+    path = tmp_path / "typo.yaml"
+    path.write_text("# a config with a typo\ntrain:\n  stpes: 5\n")
+    code, err = _train(capsys, "--config", str(path))
+    assert code == EXIT_BAD_CONFIG
+    assert "train.stpes: unknown key; did you mean 'steps'? allowed here: " in err, err
+
+
+@pytest.mark.parametrize(
+    "pair, hint",
+    [
+        ("model.embeding_dim=8", "model.embeding_dim: unknown key; did you mean 'embedding_dim'?"),
+        ("train.evl_every=3", "train.evl_every: unknown key; did you mean 'eval_every' or 'log_every'?"),
+        ("train.zzzzz=1", "train.zzzzz: unknown key; allowed here: "),  # nothing close: no guess
+    ],
+)
+def test_unknown_key_in_set_names_the_closest_allowed_keys(capsys, pair, hint):
+    code, err = _train(capsys, "--config", QUICKSTART, "--set", pair)
+    assert code == EXIT_BAD_CONFIG
+    assert hint in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
 def test_missing_config_file_exits_2(capsys, tmp_path):
     code, err = _train(capsys, "--config", str(tmp_path / "nope.yaml"))
     assert code == EXIT_BAD_CONFIG
@@ -132,7 +155,7 @@ def test_machine_dependent_rules_exit_2_before_any_process(overrides, needle, ca
 def test_train_refuses_a_plan_that_does_not_fit_on_cuda(capsys):
     from recpipe.preflight import Machine, check_memory
 
-    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gb=0.5", "train.device=auto"])
+    cfg = load_config(ROOT_CONFIGS / "quickstart.yaml", ["sharding.hbm_gib=0.5", "train.device=auto"])
     assert check_memory(cfg, Machine(cuda=True), world_size=2) == 3
     err = capsys.readouterr().err
     assert "does not fit" in err and "rank" in err

@@ -42,7 +42,7 @@ def cached_cfg(pipeline="prefetch", passes=4, min_pass=1024, nproc=2, **kv):
         "model.num_embeddings_per_feature": [200_000] * 4 + [5000] * 4,
         "sharding.default": {"kernel": "fused_uvm_caching", "cache_load_factor": 0.1},
         "sharding.prefetch_passes": passes if prefetch else 1,
-        "sharding.prefetch_min_pass_size": min_pass, "pipeline": {"name": pipeline}, "sharding.hbm_gb": 80, **kv,
+        "sharding.prefetch_min_pass_size": min_pass, "pipeline": {"name": pipeline}, "sharding.hbm_gib": 80, **kv,
     })
 
 
@@ -356,7 +356,7 @@ def test_totals_are_sums_of_terms_and_plan_is_frozen():
 
 
 def test_does_not_fit_names_rank_capacity_and_largest_terms():
-    plan = plan_from_config(cached_cfg(**{"sharding.hbm_gb": 0.25}))
+    plan = plan_from_config(cached_cfg(**{"sharding.hbm_gib": 0.25}))
     assert not plan.fits
     msg = check_fits(plan)
     assert "rank 0" in msg and "256.0 MiB" in msg
@@ -364,15 +364,33 @@ def test_does_not_fit_names_rank_capacity_and_largest_terms():
     assert check_fits(plan_from_config(cached_cfg())) is None
 
 
+@pytest.mark.parametrize("key, value, capacity", [
+    ("sharding.hbm_gib", 80, 80 * 2**30),  # GiB, as torch.cuda and nvidia-smi count
+    ("sharding.hbm_gb", 80, 80 * 10**9),  # GB: 74.5 GiB
+    ("sharding.hbm_gib", 0.25, 2**28),
+    ("sharding.hbm_gb", 0.5, 5 * 10**8),
+])
+def test_hbm_keys_give_the_planner_their_bytes(key, value, capacity):
+    cfg = cfg_of(**{key: value})
+    assert cfg.sharding.hbm_bytes == capacity
+    assert inputs_from_config(cfg).hbm_capacity_bytes == capacity
+    assert {r.capacity_bytes for r in plan_from_config(cfg).ranks} == {capacity}
+
+
+def test_hbm_gib_and_hbm_gb_together_are_refused(tmp_path, capsys):
+    assert main(["plan", "--config", _write(tmp_path, {}), "--set", "sharding.hbm_gib=80", "--set", "sharding.hbm_gb=80"]) == EXIT_BAD_CONFIG
+    assert "sharding.hbm_gib=80 and sharding.hbm_gb=80 both set" in capsys.readouterr().err
+
+
 def test_preflight_for_the_trainer():
     lines: list[str] = []
     gpu = Machine(cuda=True)
     assert check_memory(cached_cfg(), gpu, log=lines.append, refusal=lines.append) is None and "fits" in lines[0]
     lines.clear()
-    assert check_memory(cached_cfg(**{"sharding.hbm_gb": 0.25}), gpu, log=lines.append,
+    assert check_memory(cached_cfg(**{"sharding.hbm_gib": 0.25}), gpu, log=lines.append,
                         refusal=lines.append) == EXIT_DOES_NOT_FIT
     assert "refusing to start" in lines[-1] and "rank 0" in lines[-1]
-    assert check_memory(cached_cfg(**{"sharding.hbm_gb": 0.25}), Machine(cuda=False)) is None  # host memory
+    assert check_memory(cached_cfg(**{"sharding.hbm_gib": 0.25}), Machine(cuda=False)) is None  # host memory
 
 
 def test_estimate_is_fast_without_gpu():
@@ -393,7 +411,7 @@ def test_cli_table(tmp_path, capsys):
     path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [100_000] * 4},
                              "data": {"batch_size": 2048, "synthetic": {"mean_pooling_factors": 4.0}},
                              "sharding": {"default": {"kernel": "fused_uvm_caching"},
-                                          "prefetch_passes": 4, "prefetch_min_pass_size": 256, "hbm_gb": 40},
+                                          "prefetch_passes": 4, "prefetch_min_pass_size": 256, "hbm_gib": 40},
                              "pipeline": {"name": "prefetch"}, "distributed": {"nproc": 2}})
     assert main(["plan", "--config", path]) == 0
     out = capsys.readouterr().out
@@ -417,12 +435,12 @@ def test_cli_json(tmp_path, capsys):
 
 
 def test_cli_does_not_fit_exits_3(tmp_path, capsys):
-    path = _write(tmp_path, {"sharding": {"default": {"kernel": "fused_uvm_caching"}, "hbm_gb": 0.5}})
+    path = _write(tmp_path, {"sharding": {"default": {"kernel": "fused_uvm_caching"}, "hbm_gib": 0.5}})
     assert main(["plan", "--config", path, "--format", "json"]) == EXIT_DOES_NOT_FIT
     captured = capsys.readouterr()
     assert json.loads(captured.out)["fits"] is False
     assert "rank 0" in captured.err and "512.0 MiB" in captured.err and "largest terms" in captured.err
-    assert main(["plan", "--config", path, "--set", "sharding.hbm_gb=-1"]) == EXIT_BAD_CONFIG
+    assert main(["plan", "--config", path, "--set", "sharding.hbm_gib=-1"]) == EXIT_BAD_CONFIG
 
 
 @pytest.mark.parametrize("placement", ["planner", "config"])
@@ -434,7 +452,7 @@ def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
     path = _write(tmp_path, {"model": {"num_embeddings_per_feature": [1_000_000, 900_000, 800_000, 10],
                                        "embedding_dim": 64, "dense_arch_layer_sizes": [64, 64]},
                              "data": {"batch_size": 512}, "distributed": {"nproc": 2},
-                             "sharding": {"placement": placement, "hbm_gb": 80}})
+                             "sharding": {"placement": placement, "hbm_gib": 80}})
     assert main(["plan", "--config", path]) == 0
     table = capsys.readouterr().out
     cfg = load_config(path)

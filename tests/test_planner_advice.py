@@ -22,7 +22,7 @@ from recpipe.planner.plan import fmt_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ROOT / "configs" / "dlrm_gpu.yaml"
-GPU = ["train.device=cuda", "sharding.hbm_gb=80", "sharding.tables={}", "distributed.nproc=8"]
+GPU = ["train.device=cuda", "sharding.hbm_gib=80", "sharding.tables={}", "distributed.nproc=8"]
 # A 200M-row table (95 GiB of fp32 weights) table_wise on one of 8 GPUs of 80 GiB.
 BIG = [*GPU, "model.num_embeddings_per_feature=[200000000, 5000000, 3000000, 1000000, 100000, 10000]"]
 # Twelve tables of 40M rows (19 GiB each) table_wise over 2 GPUs: six on each rank.
@@ -97,7 +97,7 @@ def test_more_ranks_and_the_fewest_tables_are_named(capsys):
 
 def test_a_plan_that_fits_gets_no_advice_and_one_nothing_helps_says_so(capsys):
     assert advise(load_config(BASE, GPU)) == []
-    tiny = [*BIG, "sharding.hbm_gb=1"]  # even the smallest share of every change is too big
+    tiny = [*BIG, "sharding.hbm_gib=1"]  # even the smallest share of every change is too big
     assert advise(load_config(BASE, tiny)) == []
     code, _, err = _plan(tiny, capsys)
     assert code == EXIT_DOES_NOT_FIT and "no single change recpipe tries makes it fit" in err

@@ -68,7 +68,7 @@ def _small(passes: int = 4, min_pass: int = 1024, **kv):
         "model.num_embeddings_per_feature": [200_000] * 4 + [5000] * 4,
         "sharding.default": {"kernel": "fused_uvm_caching", "cache_load_factor": 0.1},
         "sharding.prefetch_passes": passes,
-        "sharding.prefetch_min_pass_size": min_pass, "pipeline": {"name": "prefetch"}, "sharding.hbm_gb": 80, **kv}))
+        "sharding.prefetch_min_pass_size": min_pass, "pipeline": {"name": "prefetch"}, "sharding.hbm_gib": 80, **kv}))
 
 
 # ------------------------------------------------------------------ formulas

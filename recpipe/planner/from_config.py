@@ -25,7 +25,7 @@ def planner_inputs(
     fbgemm_version: tuple[int, int] | None = None,
 ) -> PlannerInputs:
     """The :class:`PlannerInputs` of the run ``cfg`` describes (world size:
-    ``distributed.nproc`` unless given; capacity: ``sharding.hbm_gb``, else the GPU's
+    ``distributed.nproc`` unless given; capacity: ``sharding.hbm_gib`` or ``hbm_gb``, else the GPU's
     own, else 80 GiB), with its shards where that run puts them: with
     ``sharding.placement: planner`` where torchrec's partitioner puts them on these
     estimates (``recpipe.sharding.build.planner_placement``), else by the config's

@@ -103,7 +103,7 @@ def inputs_from_config(
     if shards is None:
         shards = shards_for_tables(tables_t, W, tw)
     if hbm_capacity_bytes is None:
-        hbm_capacity_bytes = int(cfg.sharding.hbm_gb * GiB) if cfg.sharding.hbm_gb else default_hbm_bytes()
+        hbm_capacity_bytes = cfg.sharding.hbm_bytes or default_hbm_bytes()
     pipe = pipeline_spec(cfg.pipeline)
     return PlannerInputs(
         tables=tables_t,

@@ -317,7 +317,7 @@ def describe_does_not_fit(rank: RankMemory, n: int = 3) -> str:
     big = ", ".join(f"{t.name} {fmt_bytes(t.bytes)}" for t in rank.largest(n))
     return (
         f"rank {rank.rank} needs {fmt_bytes(rank.hbm_bytes)} of GPU memory but has "
-        f"{fmt_bytes(rank.capacity_bytes)} (sharding.hbm_gb); largest terms: {big}"
+        f"{fmt_bytes(rank.capacity_bytes)} (sharding.hbm_gib / hbm_gb); largest terms: {big}"
     )
 
 

@@ -1,4 +1,5 @@
-"""Rank 0's files in ``logging.run_dir``: ``config.yaml``, TensorBoard scalars, ``summary.json``.
+"""Rank 0's files in ``logging.run_dir``: ``config.yaml``, TensorBoard scalars (and the config
+as text), ``summary.json``.
 
 A rerun into a used ``logging.run_dir`` continues its TensorBoard run when it resumes from a
 checkpoint, else starts a new one beside it (:func:`tensorboard_dir`).
@@ -28,11 +29,18 @@ from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_CHECKPOINT, EXIT_DIR_IN_USE, EXIT_DOES_NOT_FIT,
                                 EXIT_LAUNCHER_FAILED, EXIT_NONFINITE_LOSS, EXIT_STALLED, EXIT_WORKER_FAILED)
 
-__all__ = ["RunDir", "read_summary", "settle_summary", "status_of_exit", "tensorboard_dir"]
+__all__ = ["RunDir", "read_summary", "settle_summary", "status_of_exit", "tensorboard_dir", "tensorboard_runs"]
 
 
 RERUN_PREFIX = "rerun_"
 EVENT_FILES = "events.out.tfevents.*"
+
+
+def tensorboard_runs(run_dir: Path) -> list[Path]:
+    """``run_dir`` and its ``rerun_<n>`` directories, oldest first: each holds one TensorBoard run."""
+    return [run_dir] + sorted((d for d in run_dir.glob(f"{RERUN_PREFIX}*")
+                               if d.is_dir() and d.name.removeprefix(RERUN_PREFIX).isdigit()),
+                              key=lambda d: int(d.name.removeprefix(RERUN_PREFIX)))
 
 
 def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None, str | None]:
@@ -44,9 +52,7 @@ def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None,
     process logged after its checkpoint is hidden, and the resumed steps are logged once. A
     fresh run into a ``run_dir`` that holds events of an earlier run starts a new TensorBoard
     run beside them, ``run_dir/rerun_<n>`` (``tensorboard --logdir`` shows each as a run)."""
-    runs = [run_dir] + sorted((d for d in run_dir.glob(f"{RERUN_PREFIX}*")
-                               if d.is_dir() and d.name.removeprefix(RERUN_PREFIX).isdigit()),
-                              key=lambda d: int(d.name.removeprefix(RERUN_PREFIX)))
+    runs = tensorboard_runs(run_dir)
     used = [d for d in runs if any(d.glob(EVENT_FILES))]
     if resumed_from > 0:
         newest = used[-1] if used else run_dir
@@ -56,6 +62,15 @@ def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None,
     fresh = run_dir / f"{RERUN_PREFIX}{int(runs[-1].name.removeprefix(RERUN_PREFIX)) + 1 if len(runs) > 1 else 1}"
     return fresh, None, (f"logging.run_dir={str(run_dir)!r} holds the TensorBoard events of an earlier run; this "
                          f"run's go to {fresh} (a TensorBoard run of its own)")
+
+
+# The resolved config (config.yaml's text), as TensorBoard text at the step the run starts from.
+CONFIG_TAG = "config"
+
+
+def _as_markdown_code(text: str) -> str:
+    """``text`` as one Markdown code block: TensorBoard renders text as Markdown."""
+    return "\n".join("    " + line for line in text.splitlines())
 
 
 SUMMARY_FILE = "summary.json"
@@ -150,6 +165,7 @@ class RunDir:
                     # before the writer starts: its thread's first write (the file's header) may fail
                     threading.excepthook = _writer_thread_errors_are_reported
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
+                    self.writer.add_text(CONFIG_TAG, _as_markdown_code(cfg.to_yaml()), global_step=resumed_from)
             except OSError as err:
                 problem = self._message(err, written)
         shared = [problem]

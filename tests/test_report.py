@@ -1,0 +1,66 @@
+"""``recpipe report RUN_DIR``: PNGs of a short CPU run, drawn from the TensorBoard scalars it wrote;
+the run's resolved config is in TensorBoard as text."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from recpipe.cli import main
+from recpipe.exit_codes import EXIT_BAD_CONFIG
+from recpipe.train.report import read_scalars
+
+SHORT = ["model.num_embeddings_per_feature=[500, 500, 200, 200]", "model.embedding_dim=8",
+         "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[16, 1]", "sharding.tables={}",
+         "data.batch_size=128", "data.synthetic.num_eval_batches=2", "distributed.nproc=1", "train.steps=20",
+         "train.log_every=5", "train.eval_every=10", "train.progress=false"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A 20-step run of the shipped quickstart config, named from a directory outside the checkout."""
+    work = tmp_path_factory.mktemp("work")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(work)
+        args = ["train", "--config", "quickstart", "--set", "logging.run_dir=run"]
+        for pair in SHORT:
+            args += ["--set", pair]
+        assert main(args) == 0
+    return work / "run"
+
+
+def test_report_writes_a_png_per_recorded_figure(run_dir, tmp_path, capsys):
+    capsys.readouterr()
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out.split()
+    names = {"loss.png", "eval.png", "throughput.png", "memory.png"}  # CPU: memory is rank 0's peak RSS
+    assert sorted(printed) == sorted(str(tmp_path / n) for n in names)
+    for name in names:
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, name
+
+
+def test_report_reads_what_the_run_logged(run_dir):
+    scalars = read_scalars(run_dir)
+    assert [s for s, _ in scalars["train/loss"]] == [5, 10, 15, 20]
+    assert [s for s, _ in scalars["eval/auc"]] == [10, 20]
+    assert all(0.0 < v < 1.0 for _, v in scalars["eval/auc"])
+
+
+def test_the_resolved_config_is_in_tensorboard_as_text(run_dir):
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0}).Reload()
+    (text,) = events.Tensors("config/text_summary")
+    shown = text.tensor_proto.string_val[0].decode()
+    assert yaml.safe_load("\n".join(line.removeprefix("    ") for line in shown.splitlines())) == \
+        yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert text.step == 0
+
+
+def test_report_of_a_directory_without_events_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == EXIT_BAD_CONFIG
+    err = capsys.readouterr().err
+    assert "holds no TensorBoard events" in err and str(tmp_path) in err
+    assert main(["report", str(tmp_path / "nope")]) == EXIT_BAD_CONFIG
+    assert "is not a directory" in capsys.readouterr().err

@@ -218,7 +218,8 @@ def host_parts(parts: dict[str, list[float]]) -> dict:
 
 def run_cli(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
     """``recpipe train`` as a user runs it (a new process: imports, launch and start-up included),
-    for ``--steps``: its summary.json's samples/s (the device's time over the log intervals), the
+    for ``--steps``: its summary.json's steady samples/s (the device's time over the log intervals
+    after the start-up; the figure over every step beside it), the
     final evaluation's samples/s (``--set data.synthetic.num_eval_batches=N`` sizes it), the
     start-up to the first timed step, the producers ``data.num_workers`` gave, and its lines
     about the loader."""
@@ -234,7 +235,8 @@ def run_cli(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     said = [line for line in done.stdout.splitlines() if line.startswith(("data.num_workers auto", "the loader bounds",
                                                                           "start-up:"))]
-    return {"samples_per_s": summary["samples_per_s"], "eval_samples_per_s": summary["eval_samples_per_s"],
+    return {"samples_per_s": summary["steady_samples_per_s"], "samples_per_s_with_startup": summary["samples_per_s"],
+            "eval_samples_per_s": summary["eval_samples_per_s"],
             "startup_s": summary["startup"]["to_first_timed_step_s"], "startup": summary["startup"],
             "num_workers": summary["num_workers"], "loader_wait_s": summary["loader_wait_s"],
             "train_time_s": summary["train_time_s"], "steps": summary["steps"], "eval_auc": summary["eval_auc"],
@@ -258,6 +260,8 @@ def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> d
     pair = {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
     if args.cli:
         cli = run_cli(args, overrides, out)
+        if cli["samples_per_s"] is None:  # no log interval after the start-up: train.log_every below --steps
+            raise SystemExit(f"recpipe train logged no interval after its start-up: set train.log_every below {args.steps}")
         pair.update(cli=cli, cli_ratio=cli["samples_per_s"] / bench["samples_per_s_wall"])
     return pair
 

@@ -240,6 +240,7 @@ class Trainer:
         self._sizing = sizing  # data.num_workers: auto's choice, for the loader-bound line
         self._said_loader_bound = False
         self._train_seconds = 0.0
+        self._steady = [0, 0.0]  # steps and device seconds of the log intervals after the start-up
         # The last log point's values on their way to the host (published at the next): its step,
         # steps, training time (IntervalClock's stretches, read then), metrics, learning rates and
         # the host's (waited, trained) seconds (LoaderWait).
@@ -587,7 +588,12 @@ class Trainer:
         step, steps, stretches, values, rates, (waited, trained) = self._pending_log
         self._pending_log = None
         metrics = values.result()  # waits for the metrics, queued after the interval's last step
-        samples_per_s = steps * self.global_batch / max(seconds(stretches), 1e-9)
+        interval_s = seconds(stretches)
+        samples_per_s = steps * self.global_batch / max(interval_s, 1e-9)
+        first_timed = self.startup.first_timed_step
+        if first_timed is not None and step - steps >= first_timed - 1:  # the interval has no start-up step
+            self._steady[0] += steps
+            self._steady[1] += interval_s
         self.last_train = metrics
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
@@ -742,6 +748,9 @@ class Trainer:
             "wall_time_s": round(time.perf_counter() - self.started, 3),
             "train_time_s": round(self._train_seconds, 3),
             "samples_per_s": trained_here / self._train_seconds if self._train_seconds else None,
+            # the log intervals after the start-up (no compile, capture or warm-up step in them), on
+            # the device's clock: the rate to hold beside recpipe bench's
+            "steady_samples_per_s": self._steady[0] * self.global_batch / self._steady[1] if self._steady[1] else None,
             "world_size": self.world_size,
             "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step

@@ -19,7 +19,7 @@ def test_trainer_vs_bench_interleaves_pairs_and_profiles_the_host(tmp_path: Path
     root = ROOT
     out = tmp_path / "tvb"
     small = ["distributed.nproc=1", "train.device=cpu", "distributed.backend=gloo", "data.batch_size=128",
-             "data.synthetic.num_eval_batches=1"]
+             "data.synthetic.num_eval_batches=1", "train.log_every=5"]
     cmd = [sys.executable, str(STUDIES / "trainer_vs_bench.py"), "--config", str(root / "configs" / "quickstart.yaml"),
            "--pipeline", "sparse_dist", "--steps", "20", "--steady-from", "5", "--bench-steps", "5", "--bench-warmup", "2",
            "--pairs", "2", "--profile-steps", "3", "--cli", "--out", str(out)]

@@ -101,7 +101,7 @@ def test_the_trainer_says_when_the_loader_bounds_it(tmp_path, capfd):
         return capfd.readouterr().out
 
     slow = train(tmp_path / "slow", "data.factory=slow_data:slow_train")
-    assert slow.count("the loader bounds training:") == 1, slow
+    assert slow.count("the loader bounded steps ") == 1, slow
     summary = json.loads((tmp_path / "slow" / "summary.json").read_text())
     assert summary["loader_wait_s"] >= 15 * 0.05  # every batch after the first, 50 ms late
     events = EventAccumulator(str(tmp_path / "slow")).Reload()
@@ -109,7 +109,7 @@ def test_the_trainer_says_when_the_loader_bounds_it(tmp_path, capfd):
     # one batch a step once the schedule is full; its first interval also fills it, its last drains it
     assert len(waits) == 4 and all(w >= 45 for w in waits[1:-1]), waits
     fast = train(tmp_path / "fast", "data.num_workers=0")
-    assert "the loader bounds training:" not in fast, fast
+    assert "the loader bounded steps " not in fast, fast
     assert json.loads((tmp_path / "fast" / "summary.json").read_text())["num_workers"] == 0
 
 

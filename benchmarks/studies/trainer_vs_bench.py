@@ -233,7 +233,7 @@ def run_cli(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
     if done.returncode != 0:
         raise SystemExit(f"recpipe train ended with {done.returncode}: {(done.stdout + done.stderr)[-2000:]}")
     summary = json.loads((run / "summary.json").read_text())
-    said = [line for line in done.stdout.splitlines() if line.startswith(("data.num_workers auto", "the loader bounds",
+    said = [line for line in done.stdout.splitlines() if line.startswith(("data.num_workers auto", "the loader bounded",
                                                                           "start-up:"))]
     return {"samples_per_s": summary["steady_samples_per_s"], "samples_per_s_with_startup": summary["samples_per_s"],
             "eval_samples_per_s": summary["eval_samples_per_s"],

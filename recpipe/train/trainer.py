@@ -598,7 +598,7 @@ class Trainer:
         scalars = {f"train/{name}": value for name, value in metrics.items()}
         scalars["throughput/samples_per_s"] = samples_per_s
         scalars["throughput/loader_wait_ms_per_step"] = 1e3 * waited / max(steps, 1)
-        self._say_if_loader_bound(waited, trained, steps)
+        self._say_if_loader_bound(waited, trained, step, steps)
         memory = _memory_scalars(self.device)
         self._write_scalars(step, {**scalars, **rates, **memory})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
@@ -608,15 +608,15 @@ class Trainer:
             self._say(f"step {step}/{self.cfg.train.steps}  {shown}  {samples_per_s:,.0f} samples/s  "
                       f"{_memory_line(memory)}")
 
-    def _say_if_loader_bound(self, waited: float, trained: float, steps: int) -> None:
-        """Once a run: the loader sets the pace when the host spent more than LOADER_BOUND of a
-        log interval's training time waiting for batches (rank 0's view)."""
+    def _say_if_loader_bound(self, waited: float, trained: float, step: int, steps: int) -> None:
+        """Once a run: the loader set the pace of the log interval that ended at ``step`` when the
+        host spent more than LOADER_BOUND of its training time waiting for batches (rank 0's view)."""
         if self._said_loader_bound or trained <= 0 or waited / trained <= LOADER_BOUND:
             return
         self._said_loader_bound = True
         d = self.cfg.data
-        waiting = (f"the loader bounds training: {1e3 * waited / max(steps, 1):.2f} ms a step waiting for a batch "
-                   f"({waited / trained:.0%} of the interval)")
+        waiting = (f"the loader bounded steps {step - steps + 1}-{step}: {1e3 * waited / max(steps, 1):.2f} ms a step "
+                   f"waiting for a batch ({waited / trained:.0%} of their time)")
         if d.factory is not None:
             self._say(f"{waiting}; the batches are data.factory={d.factory!r}'s")
             return

@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from pipeline_harness import build
 from recpipe.cli import main
 from recpipe.config import load_config
+from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
 from recpipe.models.dlrm import embedding_configs
 from recpipe.torchrec_args import embedding_fused_params
@@ -258,3 +259,56 @@ def test_converting_refuses_what_it_cannot_read_before_writing(tmp_path, one_ran
     assert convert("--to", "torchrec", str(ckpt), str(tmp_path / "out")) == EXIT_CHECKPOINT
     assert f"checkpoint {converted} is damaged: {data.name} differs from what was saved" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_checkpoint_of_the_fused_optimizer_alone_resumes_without_dense_state(tmp_path, one_rank):
+    dmp, optimizer = torchrec_dmp(seed=1)
+    for i in range(STEPS):
+        step(dmp, optimizer, i)
+    dcp.save({"model": dmp.state_dict(), "optimizer": dmp.fused_optimizer.state_dict()},
+             checkpoint_id=str(tmp_path / "torchrec"))
+    assert main(["checkpoint", "convert", "--from", "torchrec", str(tmp_path / "torchrec"), str(tmp_path / "ckpt")]) == 0
+    chosen = choose_checkpoint(CFG.checkpoint.model_copy(update={"dir": str(tmp_path / "ckpt")}))
+
+    model, adagrad = recpipe_model(seed=2)  # a dense optimizer whose state the checkpoint lacks
+    with pytest.raises(CheckpointError, match=r"Missing key in checkpoint state_dict: optimizer\.model\.dense_arch"):
+        load_chosen(chosen, model, adagrad)
+    sgd = CFG.model_copy(update={"optimizer": CFG.optimizer.model_copy(update={
+        "dense": CFG.optimizer.dense.model_copy(update={"name": "sgd"})})})
+    torch.manual_seed(2)
+    sm = build(sgd, CPU)
+    load_chosen(chosen, sm.model, sm.optimizer)
+    assert_equal(weights(sm.model), weights(dmp))
+    assert_equal(optimizer_states(sm.optimizer), optimizer_states(dmp.fused_optimizer))
+
+
+TRAIN = ["model.num_embeddings_per_feature=[40, 60, 30]", "model.embedding_dim=4", "model.num_dense_features=5",
+         "model.dense_arch_layer_sizes=[8, 4]", "model.over_arch_layer_sizes=[8, 1]", "sharding.tables={}",
+         "optimizer.dense.name=adagrad", "train.device=cpu", "distributed.backend=gloo", "distributed.nproc=1",
+         "train.eval_every=0", "train.progress=false", "data.batch_size=16", "data.synthetic.num_batches=4",
+         "data.synthetic.num_eval_batches=1"]
+
+
+@pytest.mark.slow
+def test_recpipe_train_resumes_a_converted_torchrec_checkpoint(tmp_path, capfd):
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dmp, optimizer = torchrec_dmp(seed=1)
+        for i in range(STEPS):
+            step(dmp, optimizer, i)
+        torchrec_save(dmp, optimizer, tmp_path / "torchrec")
+    finally:
+        dist.destroy_process_group()
+    ckpt = tmp_path / "ckpt"
+    assert main(["checkpoint", "convert", "--from", "torchrec", str(tmp_path / "torchrec"), str(ckpt),
+                 "--step", str(STEPS)]) == 0
+
+    def train(*overrides: str) -> int:
+        settings = [*TRAIN, f"checkpoint.dir={ckpt}", f"logging.run_dir={tmp_path / 'run'}", *overrides]
+        return main(["train", "--config", "quickstart", *[a for s in settings for a in ("--set", s)]])
+
+    assert train("model.num_embeddings_per_feature=[40, 61, 30]", f"train.steps={STEPS + 2}") == EXIT_BAD_CONFIG
+    assert "t_cat_1.weight: [60, 4] saved, [61, 4] in the config's model" in capfd.readouterr().err
+    assert train(f"train.steps={STEPS + 2}") == 0
+    assert f"resumed from {ckpt / f'step_{STEPS:08d}'}: step {STEPS}, epoch 0, batch 0" in capfd.readouterr().out
+    assert (ckpt / f"step_{STEPS + 2:08d}" / "metadata.json").is_file()

@@ -139,6 +139,24 @@ def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
     assert not different, different
 
 
+def assert_continues(loaded: tuple, saved: tuple) -> None:
+    """``loaded`` (model, optimizer) holds the weights and every optimizer state of ``saved``, and
+    one more step on each gives the same weights."""
+    assert_equal(weights(loaded[0]), weights(saved[0]))
+    states = optimizer_states(loaded[1])
+    assert sum(key.endswith("momentum1") for key in states) == 3 and any(key.endswith(".sum") for key in states)
+    assert_equal(states, optimizer_states(saved[1]))
+    step(*loaded, STEPS)
+    step(*saved, STEPS)
+    assert_equal(weights(loaded[0]), weights(saved[0]))
+
+
+def trained(dmp: DistributedModelParallel, optimizer: CombinedOptimizer) -> tuple:
+    for i in range(STEPS):
+        step(dmp, optimizer, i)
+    return dmp, optimizer
+
+
 def torchrec_save(dmp, optimizer, path: Path) -> None:
     dcp.save({"model": dmp.state_dict(), "optimizer": optimizer.state_dict()}, checkpoint_id=str(path))
 
@@ -154,8 +172,7 @@ def torchrec_load(dmp, optimizer, path: Path) -> None:
 def test_a_torchrec_checkpoint_resumes_in_recpipe(tmp_path, one_rank, capsys):
     dmp, optimizer = torchrec_dmp(seed=1)
     optimizer.save_param_groups(True)  # saved too: recpipe takes its hyperparameters from its config
-    for i in range(STEPS):
-        step(dmp, optimizer, i)
+    trained(dmp, optimizer)
     torchrec_save(dmp, optimizer, tmp_path / "torchrec")
     saved = read_metadata(tmp_path / "torchrec").state_dict_metadata
     assert any(key.startswith("optimizer.state.") for key in saved)
@@ -180,19 +197,11 @@ def test_a_torchrec_checkpoint_resumes_in_recpipe(tmp_path, one_rank, capsys):
         load_chosen(chosen, model, recpipe_optimizer)
     assert not [w for w in caught if "RNG" in str(w.message)]  # it has none to restore, and needs none
 
-    assert_equal(weights(model), weights(dmp))
-    states = optimizer_states(recpipe_optimizer)
-    assert sum(key.endswith("momentum1") for key in states) == 3 and any(key.endswith(".sum") for key in states)
-    assert_equal(states, optimizer_states(optimizer))
-    step(dmp, optimizer, STEPS)
-    step(model, recpipe_optimizer, STEPS)
-    assert_equal(weights(model), weights(dmp))
+    assert_continues((model, recpipe_optimizer), (dmp, optimizer))
 
 
 def test_a_recpipe_checkpoint_resumes_in_torchrec(tmp_path, one_rank, capsys):
-    model, optimizer = recpipe_model(seed=1)
-    for i in range(STEPS):
-        step(model, optimizer, i)
+    model, optimizer = trained(*recpipe_model(seed=1))
     cfg = CFG.checkpoint.model_copy(update={"dir": str(tmp_path / "ckpt")})
     saved = save_checkpoint(cfg, model, optimizer, TrainPosition(step=STEPS, epoch=0, batch=STEPS))
 
@@ -202,13 +211,7 @@ def test_a_recpipe_checkpoint_resumes_in_torchrec(tmp_path, one_rank, capsys):
     dmp, torchrec_optimizer = torchrec_dmp(seed=2)
     torchrec_load(dmp, torchrec_optimizer, out)
 
-    assert_equal(weights(dmp), weights(model))
-    states = optimizer_states(torchrec_optimizer)
-    assert sum(key.endswith("momentum1") for key in states) == 3 and any(key.endswith(".sum") for key in states)
-    assert_equal(states, optimizer_states(optimizer))
-    step(model, optimizer, STEPS)
-    step(dmp, torchrec_optimizer, STEPS)
-    assert_equal(weights(dmp), weights(model))
+    assert_continues((dmp, torchrec_optimizer), (model, optimizer))
 
 
 def test_converting_refuses_what_it_cannot_read_before_writing(tmp_path, one_rank, capsys):
@@ -262,12 +265,11 @@ def test_converting_refuses_what_it_cannot_read_before_writing(tmp_path, one_ran
 
 
 def test_a_checkpoint_of_the_fused_optimizer_alone_resumes_without_dense_state(tmp_path, one_rank):
-    dmp, optimizer = torchrec_dmp(seed=1)
-    for i in range(STEPS):
-        step(dmp, optimizer, i)
+    dmp, optimizer = trained(*torchrec_dmp(seed=1))
     dcp.save({"model": dmp.state_dict(), "optimizer": dmp.fused_optimizer.state_dict()},
              checkpoint_id=str(tmp_path / "torchrec"))
-    assert main(["checkpoint", "convert", "--from", "torchrec", str(tmp_path / "torchrec"), str(tmp_path / "ckpt")]) == 0
+    assert main(["checkpoint", "convert", "--from", "torchrec", str(tmp_path / "torchrec"),
+                 str(tmp_path / "ckpt")]) == 0
     chosen = choose_checkpoint(CFG.checkpoint.model_copy(update={"dir": str(tmp_path / "ckpt")}))
 
     model, adagrad = recpipe_model(seed=2)  # a dense optimizer whose state the checkpoint lacks
@@ -293,10 +295,7 @@ TRAIN = ["model.num_embeddings_per_feature=[40, 60, 30]", "model.embedding_dim=4
 def test_recpipe_train_resumes_a_converted_torchrec_checkpoint(tmp_path, capfd):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        dmp, optimizer = torchrec_dmp(seed=1)
-        for i in range(STEPS):
-            step(dmp, optimizer, i)
-        torchrec_save(dmp, optimizer, tmp_path / "torchrec")
+        torchrec_save(*trained(*torchrec_dmp(seed=1)), tmp_path / "torchrec")
     finally:
         dist.destroy_process_group()
     ckpt = tmp_path / "ckpt"

@@ -250,6 +250,8 @@ def test_converting_refuses_what_it_cannot_read_before_writing(tmp_path, one_ran
     assert convert("--from", "torchrec", str(src), str(ckpt)) == EXIT_CHECKPOINT
     assert "already holds checkpoints" in capsys.readouterr().err
     assert convert("--from", "torchrec", str(src), str(tmp_path / "c2"), "--step", "-1") == EXIT_BAD_CONFIG
+    assert convert("--to", "torchrec", str(ckpt), str(tmp_path / "c2"), "--step", "1") == EXIT_BAD_CONFIG
+    assert "--step goes with --from torchrec" in capsys.readouterr().err
 
     # --to torchrec verifies the recpipe checkpoint first, and never writes into a directory in use
     converted = ckpt / "step_00000002"

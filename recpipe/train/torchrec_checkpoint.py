@@ -173,12 +173,16 @@ def to_torchrec(src: str | Path, dst: str | Path) -> Path:
 def main_convert(args: argparse.Namespace) -> int:
     """``recpipe checkpoint convert (--from torchrec | --to torchrec) SRC DST``."""
     if args.from_format:
-        if not 0 <= args.step < INT64_MAX:
-            raise ConfigError(f"--step {args.step}: must be a count (0 .. 2^63 - 2)")
-        written = from_torchrec(args.src, args.dst, step=args.step)
-        print(f"{written}: TorchRec's checkpoint {args.src} as recpipe's, step {args.step}; resume it with "
+        step = 0 if args.step is None else args.step
+        if not 0 <= step < INT64_MAX:
+            raise ConfigError(f"--step {step}: must be a count (0 .. 2^63 - 2)")
+        written = from_torchrec(args.src, args.dst, step=step)
+        print(f"{written}: TorchRec's checkpoint {args.src} as recpipe's, step {step}; resume it with "
               f"--set checkpoint.dir={Path(args.dst)}")
     else:
+        if args.step is not None:
+            raise ConfigError("--step goes with --from torchrec: --to torchrec writes no step (TorchRec's checkpoint "
+                              "holds none)")
         chosen = to_torchrec(args.src, args.dst)
         print(f"{args.dst}: recpipe's checkpoint {chosen} as TorchRec's; load it with "
               f"torch.distributed.checkpoint.load({{'model': dmp.state_dict(), 'optimizer': optimizer.state_dict()}}, checkpoint_id={str(args.dst)!r})")

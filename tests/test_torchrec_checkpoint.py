@@ -242,6 +242,11 @@ def test_converting_refuses_what_it_cannot_read_before_writing(tmp_path, one_ran
     assert "it names posix.system, which no checkpoint holds" in capsys.readouterr().err
     assert not (tmp_path / "ran").exists() and not ckpt.exists()
 
+    # a DST that cannot be written: one line naming it, no traceback
+    (tmp_path / "file").write_text("")
+    assert convert("--from", "torchrec", str(src), str(tmp_path / "file" / "ckpt")) == EXIT_CHECKPOINT
+    assert f"({tmp_path / 'file' / 'ckpt' / 'step_00000000'}: Not a directory) [exit 6]" in capsys.readouterr().err
+
     # a recpipe checkpoint is not TorchRec's
     assert convert("--from", "torchrec", str(src), str(ckpt), "--step", "2") == 0
     assert convert("--from", "torchrec", str(ckpt / "step_00000002"), str(tmp_path / "again")) == EXIT_CHECKPOINT

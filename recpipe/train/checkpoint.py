@@ -67,6 +67,7 @@ from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE,
                                      written_by_recpipe)
 
 __all__ = [
+    "FORMAT_VERSION",
     "ChosenCheckpoint",
     "TrainPosition",
     "check_checkpoint_config",
@@ -81,7 +82,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_FORMAT_VERSION = 2  # 2: "files" holds every file's size and CRC-32
+FORMAT_VERSION = 2  # 2: "files" holds every file's size and CRC-32
 
 
 @dataclass(frozen=True)
@@ -258,7 +259,7 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     records: list[dict | None] = [None] * world_size
     dist.all_gather_object(records, file_records(path, rank, world_size))
     files = {name: record for part in records for name, record in (part or {}).items()}
-    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
+    meta = {"format": FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
             **({"settings": settings} if settings else {})}
     _agreed(cfg, path, lambda: _write_metadata(path, meta) if rank == 0 else None)
     if rank == 0:

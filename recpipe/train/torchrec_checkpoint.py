@@ -43,15 +43,15 @@ from pathlib import Path
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from recpipe.config import ConfigError
-from recpipe.errors import CheckpointError
+from recpipe.errors import CheckpointError, storage_problem
 from recpipe.sections import INT64_MAX
+from recpipe.train.checkpoint import FORMAT_VERSION
 from recpipe.train.checkpoint_reader import DCP_METADATA, read_metadata
 from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
                                      file_records)
 
 __all__ = ["from_torchrec", "main_convert", "to_torchrec"]
 
-_FORMAT_VERSION = 2  # recpipe.train.checkpoint's record format
 _STATE = "optimizer.state."  # a KeyedOptimizer's state under TorchRec's "optimizer"
 _OPTIMIZER = "optimizer."  # the same state in recpipe's layout
 
@@ -146,7 +146,7 @@ def from_torchrec(src: str | Path, dst_root: str | Path, step: int = 0) -> Path:
     (dst / MARKER_FILE).write_text(f"recpipe checkpoint of step {step} converted from TorchRec's {src}: "
                                    f"{METADATA_FILE} is written last, once it is complete\n")
     _write(src, dst, metadata, files)
-    record = {"format": _FORMAT_VERSION, "world_size": 1, "step": step, "epoch": 0, "batch": 0,
+    record = {"format": FORMAT_VERSION, "world_size": 1, "step": step, "epoch": 0, "batch": 0,
               "files": file_records(dst, 0, 1), CONVERTED_FROM: "torchrec"}
     (dst / (METADATA_FILE + ".tmp")).write_text(json.dumps(record, indent=2) + "\n")
     (dst / (METADATA_FILE + ".tmp")).rename(dst / METADATA_FILE)
@@ -171,7 +171,17 @@ def to_torchrec(src: str | Path, dst: str | Path) -> Path:
 
 
 def main_convert(args: argparse.Namespace) -> int:
-    """``recpipe checkpoint convert (--from torchrec | --to torchrec) SRC DST``."""
+    """``recpipe checkpoint convert (--from torchrec | --to torchrec) SRC DST``; a file that cannot
+    be read or written (read-only, full) is a ``CheckpointError`` naming it and why."""
+    try:
+        return _convert(args)
+    except OSError as err:
+        where = f"{err.filename}: " if err.filename else ""
+        raise CheckpointError(f"cannot convert {args.src} into {args.dst} ({where}"
+                              f"{storage_problem(err, args.dst)})") from None
+
+
+def _convert(args: argparse.Namespace) -> int:
     if args.from_format:
         step = 0 if args.step is None else args.step
         if not 0 <= step < INT64_MAX:

@@ -3,7 +3,8 @@
 TorchRec's side is TorchRec's own ``DistributedModelParallel`` of ``DLRMTrain`` with its fused
 embedding optimizer and a ``KeyedOptimizerWrapper`` over the dense parameters, saved and loaded
 with ``torch.distributed.checkpoint`` as TorchRec users do; recpipe's side is its sharded model
-and ``save_checkpoint`` / ``load_chosen``. One gloo rank on CPU, the two sides sharded differently.
+and ``save_checkpoint`` / ``load_chosen``. One gloo rank on CPU, the two sides sharded differently;
+``recpipe train`` resumes a one-rank TorchRec checkpoint on two ranks.
 """
 
 from __future__ import annotations
@@ -293,13 +294,13 @@ def test_a_checkpoint_of_the_fused_optimizer_alone_resumes_without_dense_state(t
 
 TRAIN = ["model.num_embeddings_per_feature=[40, 60, 30]", "model.embedding_dim=4", "model.num_dense_features=5",
          "model.dense_arch_layer_sizes=[8, 4]", "model.over_arch_layer_sizes=[8, 1]", "sharding.tables={}",
-         "optimizer.dense.name=adagrad", "train.device=cpu", "distributed.backend=gloo", "distributed.nproc=1",
+         "optimizer.dense.name=adagrad", "train.device=cpu", "distributed.backend=gloo", "distributed.nproc=2",
          "train.eval_every=0", "train.progress=false", "data.batch_size=16", "data.synthetic.num_batches=4",
          "data.synthetic.num_eval_batches=1"]
 
 
 @pytest.mark.slow
-def test_recpipe_train_resumes_a_converted_torchrec_checkpoint(tmp_path, capfd):
+def test_recpipe_train_resumes_a_converted_torchrec_checkpoint_on_two_ranks(tmp_path, capfd):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torchrec_save(*trained(*torchrec_dmp(seed=1)), tmp_path / "torchrec")

@@ -54,6 +54,7 @@ __all__ = ["from_torchrec", "main_convert", "to_torchrec"]
 
 _STATE = "optimizer.state."  # a KeyedOptimizer's state under TorchRec's "optimizer"
 _OPTIMIZER = "optimizer."  # the same state in recpipe's layout
+_PARAM_GROUPS = "optimizer.param_groups."  # a KeyedOptimizer's hyperparameters, when it saves them
 
 
 def _recpipe_name(fqn: str) -> str | None:
@@ -133,7 +134,7 @@ def from_torchrec(src: str | Path, dst_root: str | Path, step: int = 0) -> Path:
     if not any(fqn.startswith("model.") for fqn in source.state_dict_metadata):
         raise CheckpointError(f"{src} holds no 'model' state (TorchRec saves {{'model': dmp.state_dict(), "
                               "'optimizer': optimizer.state_dict()}})")
-    if any(fqn.startswith(_OPTIMIZER) and not fqn.startswith(_STATE) and not fqn.startswith("optimizer.param_groups.")
+    if any(fqn.startswith(_OPTIMIZER) and not fqn.startswith((_STATE, _PARAM_GROUPS))
            for fqn in source.state_dict_metadata):
         raise CheckpointError(f"{src}: its 'optimizer' is not a KeyedOptimizer's state_dict ({{'state': ..., "
                               "'param_groups': ...}}); is it a recpipe checkpoint already?")
@@ -146,6 +147,7 @@ def from_torchrec(src: str | Path, dst_root: str | Path, step: int = 0) -> Path:
     (dst / MARKER_FILE).write_text(f"recpipe checkpoint of step {step} converted from TorchRec's {src}: "
                                    f"{METADATA_FILE} is written last, once it is complete\n")
     _write(src, dst, metadata, files)
+    # world_size: a resume reads it only for RNG states and the number of ranks, which a converted one lacks
     record = {"format": FORMAT_VERSION, "world_size": 1, "step": step, "epoch": 0, "batch": 0,
               "files": file_records(dst, 0, 1), CONVERTED_FROM: "torchrec"}
     (dst / (METADATA_FILE + ".tmp")).write_text(json.dumps(record, indent=2) + "\n")
@@ -194,6 +196,7 @@ def _convert(args: argparse.Namespace) -> int:
             raise ConfigError("--step goes with --from torchrec: --to torchrec writes no step (TorchRec's checkpoint "
                               "holds none)")
         chosen = to_torchrec(args.src, args.dst)
-        print(f"{args.dst}: recpipe's checkpoint {chosen} as TorchRec's; load it with "
-              f"torch.distributed.checkpoint.load({{'model': dmp.state_dict(), 'optimizer': optimizer.state_dict()}}, checkpoint_id={str(args.dst)!r})")
+        print(f"{args.dst}: recpipe's checkpoint {chosen} as TorchRec's; load it with torch.distributed.checkpoint."
+              f"load({{'model': dmp.state_dict(), 'optimizer': optimizer.state_dict()}}, "
+              f"checkpoint_id={str(args.dst)!r})")
     return 0

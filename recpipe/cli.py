@@ -197,11 +197,36 @@ def build_parser() -> argparse.ArgumentParser:
         sub,
         "checkpoint",
         parents=[common],
-        help="check checkpoints",
-        description="Check a checkpoint directory by hand: every file's size and CRC-32 against metadata.json.",
+        help="check checkpoints; convert them to and from TorchRec's",
+        description="Check a checkpoint directory by hand, or convert a checkpoint between TorchRec's layout and "
+        "recpipe's (docs/fault_tolerance.md).",
     )
-    checkpoint.add_argument("action", choices=("verify",), help="verify: every file's size and checksum")
-    checkpoint.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
+    checkpoint_sub = checkpoint.add_subparsers(dest="action", required=True, metavar="ACTION")
+    # --debug after the action too; not given there, it leaves the one given before alone
+    action_common = argparse.ArgumentParser(add_help=False)
+    action_common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                               help="print the traceback of user errors too")
+    verify = add_command(checkpoint_sub, "verify", parents=[action_common], help="every file's size and checksum",
+                         description="Check every checkpoint in a directory: every file's size and CRC-32 against "
+                         "metadata.json, and that DCP's metadata reads as data.")
+    verify.add_argument("dir", help="a checkpoint.dir, or one step_* checkpoint in it")
+    convert = add_command(
+        checkpoint_sub, "convert", parents=[action_common], help="a TorchRec DCP checkpoint to recpipe's, or back",
+        description="Convert a torch.distributed.checkpoint of TorchRec's DistributedModelParallel ({'model': "
+        "dmp.state_dict(), 'optimizer': optimizer.state_dict()} of a KeyedOptimizer) into a recpipe checkpoint that "
+        "`recpipe train` resumes, or a recpipe checkpoint into one TorchRec loads. Weights and optimizer states are "
+        "copied bit for bit; needs no model and no process group.")
+    direction = convert.add_mutually_exclusive_group(required=True)
+    direction.add_argument("--from", dest="from_format", choices=("torchrec",),
+                           help="SRC is TorchRec's DCP directory; DST a checkpoint.dir that gets step_N/")
+    direction.add_argument("--to", dest="to_format", choices=("torchrec",),
+                           help="SRC is a recpipe checkpoint (or a checkpoint.dir: its newest), verified first; DST a "
+                                "new directory for TorchRec's dcp.load")
+    convert.add_argument("--step", type=int, default=None,
+                         help="--from torchrec: the step the converted checkpoint is at, where training and the "
+                              "learning-rate schedule continue (default: 0); the data starts at its first batch")
+    convert.add_argument("src", metavar="SRC", help="the checkpoint to convert")
+    convert.add_argument("dst", metavar="DST", help="where to write the converted checkpoint")
 
     export = add_command(
         sub, "export", parents=[common],
@@ -286,6 +311,10 @@ def _run(argv: list[str] | None) -> int:
             from recpipe.train.report import main_report
 
             return main_report(args)
+        if args.command == "checkpoint" and args.action == "convert":
+            from recpipe.train.torchrec_checkpoint import main_convert
+
+            return main_convert(args)
         if args.command == "checkpoint":
             from recpipe.train.integrity import main_checkpoint
 

@@ -73,18 +73,19 @@ class ExportReport:
         return out
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
+def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> Path:
     """``path`` if it is one complete checkpoint (``step_*`` with its metadata), else
-    the newest complete one in the ``checkpoint.dir`` ``path``; its files verified."""
+    the newest complete one in the ``checkpoint.dir`` ``path``; its files verified.
+    ``what``: the argument that named ``path``, for messages."""
     from recpipe.train.checkpoint import latest_checkpoint
     from recpipe.train.integrity import METADATA_FILE, verify_checkpoint
 
     root = Path(path)
     if not root.is_dir():
-        raise CheckpointError(f"--checkpoint {root}: no such directory")
+        raise CheckpointError(f"{what} {root}: no such directory")
     chosen = root if (root / METADATA_FILE).is_file() else latest_checkpoint(root)
     if chosen is None:
-        raise CheckpointError(f"--checkpoint {root}: no complete checkpoint in it (a checkpoint.dir holds step_* "
+        raise CheckpointError(f"{what} {root}: no complete checkpoint in it (a checkpoint.dir holds step_* "
                               f"directories, each complete once it has {METADATA_FILE})")
     problems = verify_checkpoint(chosen)
     if problems:

@@ -62,10 +62,12 @@ from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
 from recpipe.train.checkpoint_reader import (UnsafeCheckpointError, dcp_load, model_tensors, read_metadata,
                                              safe_torch_load, shape_differences)
-from recpipe.train.integrity import (MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs, file_records,
-                                     position_problems, record_problems, verify_checkpoint, written_by_recpipe)
+from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
+                                     file_records, position_problems, record_problems, verify_checkpoint,
+                                     written_by_recpipe)
 
 __all__ = [
+    "FORMAT_VERSION",
     "ChosenCheckpoint",
     "TrainPosition",
     "check_checkpoint_config",
@@ -80,7 +82,7 @@ __all__ = [
     "save_checkpoint",
 ]
 
-_FORMAT_VERSION = 2  # 2: "files" holds every file's size and CRC-32
+FORMAT_VERSION = 2  # 2: "files" holds every file's size and CRC-32
 
 
 @dataclass(frozen=True)
@@ -201,7 +203,9 @@ def check_resume(cfg: RecpipeConfig) -> None:
     if found is None:
         return
     path, meta = found
-    saved = meta.get("settings") or {"distributed.nproc": meta["world_size"]}
+    # A converted checkpoint (recpipe.train.torchrec_checkpoint) holds nothing of a number of ranks.
+    ranks = {} if meta.get(CONVERTED_FROM) else {"distributed.nproc": meta["world_size"]}
+    saved = meta.get("settings") or ranks
     now = resume_settings(cfg)
     differ = [f"{key}={saved[key]!r} (this run: {now[key]!r})" for key in now if key in saved and saved[key] != now[key]]
     if differ:
@@ -255,7 +259,7 @@ def save_checkpoint(cfg: CheckpointConfig, model: nn.Module, optimizer: Combined
     records: list[dict | None] = [None] * world_size
     dist.all_gather_object(records, file_records(path, rank, world_size))
     files = {name: record for part in records for name, record in (part or {}).items()}
-    meta = {"format": _FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
+    meta = {"format": FORMAT_VERSION, "world_size": world_size, **asdict(position), "files": files,
             **({"settings": settings} if settings else {})}
     _agreed(cfg, path, lambda: _write_metadata(path, meta) if rank == 0 else None)
     if rank == 0:
@@ -400,7 +404,8 @@ def load_chosen(chosen: ChosenCheckpoint, model: nn.Module, optimizer: CombinedO
     dcp_load(state, path)  # CheckpointError on every rank
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(optimizer_state)
-    _restore_rng(path, saved_world_size=meta["world_size"])
+    if not meta.get(CONVERTED_FROM):  # a converted checkpoint has no RNG state: each rank keeps its seeded RNG
+        _restore_rng(path, saved_world_size=meta["world_size"])
 
 
 def _choose_intact(cfg: CheckpointConfig) -> Path | None:

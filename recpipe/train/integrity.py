@@ -31,10 +31,12 @@ from pathlib import Path
 from recpipe.exit_codes import EXIT_CHECKPOINT
 from recpipe.sections import INT64_MAX
 
-__all__ = ["MARKER_FILE", "METADATA_FILE", "SAVED_FILES", "checkpoint_dirs", "checkpoint_step", "file_records",
-           "main_checkpoint", "verify_checkpoint", "written_by_recpipe"]
+__all__ = ["CONVERTED_FROM", "MARKER_FILE", "METADATA_FILE", "SAVED_FILES", "checkpoint_dirs", "checkpoint_step",
+           "file_records", "main_checkpoint", "verify_checkpoint", "written_by_recpipe"]
 
 METADATA_FILE = "metadata.json"
+# metadata.json of a checkpoint converted from another format (recpipe.train.torchrec_checkpoint): which
+CONVERTED_FROM = "converted_from"
 MARKER_FILE = ".recpipe_checkpoint"  # a save writes it first: recpipe started writing this directory
 # Every file a save writes (DCP's writes .metadata through .metadata.tmp, recpipe metadata.json
 # through metadata.json.tmp).

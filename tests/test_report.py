@@ -110,3 +110,20 @@ def test_row_norms_sample_at_most_max_rows_of_whole_rows():
     assert list(norms) == ["big"] and norms["big"].shape == (100,)
     assert torch.allclose(norms["big"][[0, -1]], weight[[0, -1]].norm(dim=1))  # evenly strided, both ends
     assert local_row_norms(tables)["big"].shape == (1000,)
+
+
+def test_row_norms_over_two_ranks_are_rank_0s_whole_rows(tmp_path):
+    """row_wise: rank 0's block of rows; column_wise (part of each row) left out; a table_wise
+    table in the histograms only when it is placed on rank 0."""
+    split = ["model.num_embeddings_per_feature=[500, 500, 200, 200]", "model.embedding_dim=8",
+             "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[16, 1]",
+             "sharding.tables={t_cat_0: {type: row_wise}, t_cat_1: {type: column_wise}}", "data.batch_size=64",
+             "data.synthetic.num_eval_batches=2", "distributed.nproc=2", "train.steps=4", "train.eval_every=4",
+             "train.log_every=2", "train.progress=false", f"logging.run_dir={tmp_path / 'run'}"]
+    assert main(["train", "--config", "quickstart", *[a for pair in split for a in ("--set", pair)]]) == 0
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"histograms": 0}).Reload()
+    rows = {tag.split("/")[1]: [h.histogram_value.num for h in events.Histograms(tag)]
+            for tag in events.Tags()["histograms"]}
+    assert rows.pop("t_cat_0") == [250]  # rank 0's half of 500 rows
+    assert "t_cat_1" not in rows
+    assert len(rows) == 1 and list(rows.values()) == [[200]]  # t_cat_2 or t_cat_3: the one rank 0 holds

@@ -32,7 +32,7 @@ def local_row_norms(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, tor
     out = {}
     for key, value in model.state_dict().items():
         found = _TABLE_KEY.search(key)
-        if found is None or not isinstance(value, torch.Tensor) or value.dim() != 2:
+        if found is None or not isinstance(value, torch.Tensor):
             continue
         blocks = [b for b in _whole_row_blocks(value) if b.numel() and b.is_floating_point()]
         if not blocks:
@@ -43,15 +43,19 @@ def local_row_norms(model: nn.Module, max_rows: int = MAX_ROWS) -> dict[str, tor
 
 
 def _whole_row_blocks(value: torch.Tensor) -> list[torch.Tensor]:
-    """This rank's blocks of ``value`` (a table's weight) that hold every column of their rows."""
-    width = value.size(1)
+    """This rank's blocks of ``value`` (a table's 2-d weight) that hold every column of
+    their rows. A ShardedTensor is read through its metadata and local shards: a torch
+    function called on it warns that ShardedTensor is deprecated."""
     if isinstance(value, ShardedTensor):
+        size = value.metadata().size
         blocks = [shard.tensor for shard in value.local_shards()]
     elif isinstance(value, DTensor):
-        blocks = [value.to_local()]
+        size, blocks = value.shape, [value.to_local()]
     else:
-        blocks = [value]
-    return [b for b in blocks if b.dim() == 2 and b.size(1) == width]
+        size, blocks = value.shape, [value]
+    if len(size) != 2:
+        return []
+    return [b for b in blocks if b.dim() == 2 and b.size(1) == size[1]]
 
 
 def _sampled_norms(rows: torch.Tensor, max_rows: int) -> torch.Tensor:

@@ -193,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", help="a run's logging.run_dir (its newest TensorBoard run is plotted)")
     report.add_argument("--out", default=None, help="directory for the PNGs (default: the run directory)")
 
+    torchrun = add_command(
+        sub, "torchrun", add_help=False,
+        help="torchrun, ending on a signal or a failed rank with one line and an exit code (no traceback)",
+        description="torchrun (torch.distributed.run) with its own arguments, e.g. recpipe torchrun --standalone "
+        "--nproc-per-node 2 -m recpipe train --config quickstart. torchrun's agent raises a traceback when it is "
+        "signalled (SignalException) or a rank fails (ChildFailedError); this says it in one line and exits "
+        "128 + signal, or the first failed rank's exit code (docs/fault_tolerance.md).")
+    torchrun.add_argument("torchrun_args", nargs=argparse.REMAINDER, help="torchrun's arguments (recpipe torchrun "
+                          "--help: torchrun's help)")
+
     checkpoint = add_command(
         sub,
         "checkpoint",
@@ -274,6 +284,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["torchrun"]:  # every argument is torchrun's (--help included)
+        from recpipe.torchrun import main_torchrun
+
+        return main_torchrun(raw[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.command in NEEDS_FBGEMM:

@@ -55,9 +55,16 @@ def _as_background_job() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def start(run: Path, *extra: str, torchrun: bool = False, background: bool = False,
+# torchrun's arguments for two ranks on this host; through torch, or through ``recpipe torchrun``.
+TORCHRUN_ARGS = ["--standalone", "--nproc-per-node", "2"]
+LAUNCHERS = {"torch": ["-m", "torch.distributed.run", *TORCHRUN_ARGS], "recpipe": ["-m", "recpipe", "torchrun", *TORCHRUN_ARGS]}
+
+
+def start(run: Path, *extra: str, torchrun: bool | str = False, background: bool = False,
           config: Path = CONFIG) -> subprocess.Popen:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"] if torchrun else [sys.executable]
+    """``torchrun``: True (or "torch") for torch's torchrun, "recpipe" for ``recpipe torchrun``."""
+    chosen = LAUNCHERS["torch" if torchrun is True else torchrun] if torchrun else []
+    launcher = [sys.executable, *chosen]
     cmd = [*launcher, "-m", "recpipe", "train", "--config", str(config), *overrides(run, *extra)]
     # The tests' own modules (fault_data's factories) importable by the run
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(TESTS)]))}

@@ -74,7 +74,7 @@ def test_a_table_too_big_for_a_gpu_gets_row_wise_fp16_and_a_cache_each_checked_b
 def test_more_ranks_and_the_fewest_tables_are_named(capsys):
     cfg = load_config(BASE, MANY)
     advice = {a.kind: a for a in advise(cfg)}
-    assert list(advice) == ["fp16", "uvm_cache", "more_ranks"]
+    assert list(advice) == ["fp16", "uvm_cache", "row_wise_ranks", "more_ranks"]
     # row_wise is not named: 228 GiB of tables over 2 ranks of 80 GiB do not fit however split
     all_row_wise = [f"sharding.tables.t_cat_{i}.type=row_wise" for i in range(12)]
     assert not plan_from_config(load_config(BASE, MANY + all_row_wise)).fits
@@ -91,7 +91,7 @@ def test_more_ranks_and_the_fewest_tables_are_named(capsys):
     code = main(["plan", "--config", str(BASE), "--format", "json", *[a for o in MANY for a in ("--set", o)]])
     doc = json.loads(capsys.readouterr().out)
     assert code == EXIT_DOES_NOT_FIT
-    assert [a["kind"] for a in doc["advice"]] == ["fp16", "uvm_cache", "more_ranks"]
+    assert [a["kind"] for a in doc["advice"]] == ["fp16", "uvm_cache", "row_wise_ranks", "more_ranks"]
     assert all(a["peak_hbm_bytes_after"] <= a["capacity_bytes"] < a["peak_hbm_bytes_before"] for a in doc["advice"])
 
 
@@ -118,3 +118,31 @@ def test_placement_planner_on_cpu_is_a_config_error_naming_the_key(tmp_path, cap
     assert code == EXIT_BAD_CONFIG, err
     assert "sharding.placement='planner' places shards by their GPU memory" in err
     assert "use sharding.placement=config" in err and "Traceback" not in err
+
+
+# One GPU of 80 GiB and a 400M-row table (191 GiB of fp32 weights): about 2.5 times what it holds.
+ONE = [*GPU, "distributed.nproc=1", "model.num_embeddings_per_feature=[400000000, 5000000, 3000000, 1000000, 100000, 10000]"]
+
+
+def test_a_table_too_big_for_one_gpu_gets_row_wise_over_the_fewest_gpus_that_fit(capsys):
+    cfg = load_config(BASE, ONE)
+    before = plan_from_config(cfg)
+    peak = max(r.hbm_bytes for r in before.ranks)
+    assert 2.3 < peak / before.ranks[0].capacity_bytes < 2.7
+    advice = {a.kind: a for a in advise(cfg)}
+    assert "row_wise" not in advice  # one rank: nothing to split over
+    spread = advice["row_wise_ranks"]
+    ranks = spread.overrides["distributed.nproc"]
+    assert spread.overrides == {"distributed.nproc": ranks, "sharding.tables.t_cat_0.type": "row_wise"}
+    split = [f"distributed.nproc={ranks}", "sharding.tables.t_cat_0.type=row_wise"]
+    assert plan_from_config(load_config(BASE, ONE + split)).fits  # the planner's own estimate at N ranks
+    fewer = [f"distributed.nproc={ranks - 1}", "sharding.tables.t_cat_0.type=row_wise"]
+    assert not plan_from_config(load_config(BASE, ONE + fewer)).fits  # and not at N - 1
+    assert ranks == 3
+    code, _, err = _plan(ONE + _sets(spread), capsys)
+    assert code == EXIT_OK, err
+    code, _, err = _plan(ONE, capsys)
+    assert code == EXIT_DOES_NOT_FIT
+    assert (f"row_wise over 3 GPUs (distributed.nproc 1 -> 3) for t_cat_0 (1 table): the most a rank needs drops "
+            f"from {fmt_bytes(peak)} to {fmt_bytes(spread.peak_after)}") in err
+    assert "--set distributed.nproc=3 --set sharding.tables.t_cat_0.type=row_wise" in err

@@ -64,3 +64,66 @@ def test_report_of_a_directory_without_events_exits_2(tmp_path, capsys):
     assert "holds no TensorBoard events" in err and str(tmp_path) in err
     assert main(["report", str(tmp_path / "nope")]) == EXIT_BAD_CONFIG
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_the_config_is_in_tensorboard_as_hparams_beside_the_eval_metrics(run_dir):
+    from tensorboard.plugins.hparams import metadata
+
+    events = EventAccumulator(str(run_dir), size_guidance={"tensors": 0}).Reload()
+    content = events.PluginTagToContent(metadata.PLUGIN_NAME)
+    experiment = metadata.parse_experiment_plugin_data(content[metadata.EXPERIMENT_TAG])
+    assert {m.name.tag for m in experiment.metric_infos} == {f"eval/{n}" for n in ("auc", "ne", "logloss", "calibration",
+                                                                                       "ctr", "accuracy")}
+    started = metadata.parse_session_start_info_plugin_data(content[metadata.SESSION_START_INFO_TAG]).hparams
+    assert started["train.steps"].number_value == 20
+    assert started["data.batch_size"].number_value == 128
+    assert started["model.embedding_dim"].number_value == 8
+    assert started["train.device"].string_value == "cpu"
+    assert "model.num_embeddings_per_feature" not in started  # a list: the config text has it
+    # the dashboard's metric values: the run's last eval scalars
+    assert [s for s, _ in read_scalars(run_dir)["eval/auc"]] == [10, 20]
+
+
+def test_each_evaluation_writes_a_histogram_of_each_tables_row_norms(run_dir):
+    events = EventAccumulator(str(run_dir), size_guidance={"histograms": 0}).Reload()
+    tags = sorted(events.Tags()["histograms"])
+    assert tags == [f"embedding_row_norms/t_cat_{i}" for i in range(4)]
+    rows = {"t_cat_0": 500, "t_cat_1": 500, "t_cat_2": 200, "t_cat_3": 200}
+    for tag in tags:
+        histograms = events.Histograms(tag)
+        assert [h.step for h in histograms] == [10, 20]  # at each evaluation
+        for h in histograms:
+            assert h.histogram_value.num == rows[tag.split("/")[1]]  # every row: one rank holds them all
+            assert 0 < h.histogram_value.min <= h.histogram_value.max
+
+
+def test_row_norms_sample_at_most_max_rows_of_whole_rows():
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    from recpipe.train.embedding_norms import local_row_norms
+
+    tables = EmbeddingBagCollection([EmbeddingBagConfig(name="big", embedding_dim=4, num_embeddings=1000,
+                                                        feature_names=["f"])], device=torch.device("cpu"))
+    weight = tables.state_dict()["embedding_bags.big.weight"]
+    norms = local_row_norms(tables, max_rows=100)
+    assert list(norms) == ["big"] and norms["big"].shape == (100,)
+    assert torch.allclose(norms["big"][[0, -1]], weight[[0, -1]].norm(dim=1))  # evenly strided, both ends
+    assert local_row_norms(tables)["big"].shape == (1000,)
+
+
+def test_row_norms_over_two_ranks_are_rank_0s_whole_rows(tmp_path):
+    """row_wise: rank 0's block of rows; column_wise (part of each row) left out; a table_wise
+    table in the histograms only when it is placed on rank 0."""
+    split = ["model.num_embeddings_per_feature=[500, 500, 200, 200]", "model.embedding_dim=8",
+             "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[16, 1]",
+             "sharding.tables={t_cat_0: {type: row_wise}, t_cat_1: {type: column_wise}}", "data.batch_size=64",
+             "data.synthetic.num_eval_batches=2", "distributed.nproc=2", "train.steps=4", "train.eval_every=4",
+             "train.log_every=2", "train.progress=false", f"logging.run_dir={tmp_path / 'run'}"]
+    assert main(["train", "--config", "quickstart", *[a for pair in split for a in ("--set", pair)]]) == 0
+    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"histograms": 0}).Reload()
+    rows = {tag.split("/")[1]: [h.histogram_value.num for h in events.Histograms(tag)]
+            for tag in events.Tags()["histograms"]}
+    assert rows.pop("t_cat_0") == [250]  # rank 0's half of 500 rows
+    assert "t_cat_1" not in rows
+    assert len(rows) == 1 and list(rows.values()) == [[200]]  # t_cat_2 or t_cat_3: the one rank 0 holds

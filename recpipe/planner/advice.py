@@ -19,7 +19,10 @@ The kinds of change, cheapest first (by what they cost the run, not by memory):
 4. ``uvm_cache``: the largest tables of those ranks in host memory with an HBM cache
    (kernel ``fused_uvm_caching``) at the largest load factor (to 0.01) that fits; every
    cache miss costs a copy over PCIe.
-5. ``more_ranks``: the fewest GPUs (``distributed.nproc``, up to 8 times as many) at which
+5. ``row_wise_ranks``: when row_wise over the ranks there are does not fit (one GPU
+   included), the fewest GPUs (``distributed.nproc``, up to 8 times as many) over which those
+   tables split by rows fit, each rank's share planned at that world size.
+6. ``more_ranks``: the fewest GPUs (``distributed.nproc``, up to 8 times as many) at which
    the same sharding fits.
 
 Within a kind the fewest tables that fit are named: the tables ordered by the bytes they
@@ -44,7 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Advice", "advice_lines", "advise"]
 
-KINDS = ("cache_load_factor", "prefetch_passes", "row_wise", "fp16", "uvm_cache", "more_ranks")
+KINDS = ("cache_load_factor", "prefetch_passes", "row_wise", "fp16", "uvm_cache", "row_wise_ranks", "more_ranks")
 MAX_RANK_FACTOR = 8  # more_ranks: up to this many times distributed.nproc
 
 
@@ -141,12 +144,13 @@ def advise(cfg: "RecpipeConfig", plan: MemoryPlan | None = None, inputs: "Planne
             out.append(Advice(kind, what, overrides, _peak(plan), _peak(after), capacity, after))
 
     out += _knobs(cfg, inputs, planner, plan, capacity)
+    movable = [n for n in biggest if tables[n].sharding_type in ("table_wise", "column_wise")]
+    row_wise_here = None
     if inputs.world_size > 1:
-        movable = [n for n in biggest if tables[n].sharding_type in ("table_wise", "column_wise")]
-        found = _fewest(movable, lambda names: {f"{key[n]}.type": "row_wise" for n in names}, planner)
-        if found:
-            keep("row_wise", f"row_wise over the {inputs.world_size} ranks for {_names(found)}",
-                 {f"{key[n]}.type": "row_wise" for n in found})
+        row_wise_here = _fewest(movable, lambda names: {f"{key[n]}.type": "row_wise" for n in names}, planner)
+        if row_wise_here:
+            keep("row_wise", f"row_wise over the {inputs.world_size} ranks for {_names(row_wise_here)}",
+                 {f"{key[n]}.type": "row_wise" for n in row_wise_here})
     halvable = [n for n in biggest if tables[n].weights_precision == "fp32" and tables[n].sharding_type != "data_parallel"]
     found = _fewest(halvable, lambda names: {f"{key[n]}.weights_precision": "fp16" for n in names}, planner)
     if found:
@@ -162,12 +166,32 @@ def advise(cfg: "RecpipeConfig", plan: MemoryPlan | None = None, inputs: "Planne
         load_factor = _largest_load_factor(lambda lf: cached(found, lf), planner)
         keep("uvm_cache", f"a UVM cache (kernel {CACHED}) at load factor {load_factor} for {_names(found)}",
              cached(found, load_factor))
+    if movable and not row_wise_here:
+        out += _row_wise_over_more_ranks(movable, key, inputs.world_size, planner, _peak(plan))
     for n in range(inputs.world_size + 1, MAX_RANK_FACTOR * inputs.world_size + 1):
         after = planner({"distributed.nproc": n})
         if after is not None and _fits(after):
             keep("more_ranks", f"{n} ranks instead of {inputs.world_size}", {"distributed.nproc": n})
             break
     return out
+
+
+def _row_wise_over_more_ranks(movable: list[str], key: dict[str, str], world_size: int, planner: "_Planner",
+                              peak_before: int) -> list[Advice]:
+    """``row_wise_ranks``: the fewest ranks (up to ``MAX_RANK_FACTOR`` times ``world_size``)
+    at which ``movable`` split by rows fit, planned at that world size, and the fewest of
+    those tables that fit there."""
+    def overrides(nproc: int, names: list[str]) -> dict[str, Any]:
+        return {"distributed.nproc": nproc, **{f"{key[n]}.type": "row_wise" for n in names}}
+
+    for nproc in range(world_size + 1, MAX_RANK_FACTOR * world_size + 1):
+        found = _fewest(movable, lambda names: overrides(nproc, names), planner)
+        if found:
+            changes = overrides(nproc, found)
+            after = planner(changes)
+            return [Advice("row_wise_ranks", f"row_wise over {nproc} GPUs (distributed.nproc {world_size} -> {nproc}) "
+                           f"for {_names(found)}", changes, peak_before, _peak(after), planner.capacity, after)]
+    return []
 
 
 def _names(names: list[str]) -> str:
@@ -239,7 +263,8 @@ def _knobs(cfg: "RecpipeConfig", inputs: "PlannerInputs", planner: _Planner, pla
 def advice_lines(advice: list[Advice]) -> str:
     """What ``recpipe plan`` and ``recpipe train``'s refusal say about :func:`advise`'s changes."""
     if not advice:
-        return ("no single change recpipe tries makes it fit (row_wise, fp16 weights, a UVM cache, up to "
+        return ("no single change recpipe tries makes it fit (row_wise, fp16 weights, a UVM cache, row_wise or "
+                "the same sharding over up to "
                 f"{MAX_RANK_FACTOR} times the ranks); lower data.batch_size or the table sizes")
     return "\n".join(["to fit, each checked by planning the changed config (cheapest first):"]
                      + [f"  {i}. {a.line()}" for i, a in enumerate(advice, 1)])

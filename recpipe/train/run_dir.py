@@ -1,5 +1,5 @@
 """Rank 0's files in ``logging.run_dir``: ``config.yaml``, TensorBoard scalars (and the config
-as text), ``summary.json``.
+as text and as hparams, and histograms of the embedding rows' norms), ``summary.json``.
 
 A rerun into a used ``logging.run_dir`` continues its TensorBoard run when it resumes from a
 checkpoint, else starts a new one beside it (:func:`tensorboard_dir`).
@@ -22,12 +22,16 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
 
 from recpipe.config import RecpipeConfig
 from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_CHECKPOINT, EXIT_DIR_IN_USE, EXIT_DOES_NOT_FIT,
                                 EXIT_LAUNCHER_FAILED, EXIT_NONFINITE_LOSS, EXIT_STALLED, EXIT_WORKER_FAILED)
+from recpipe.train.embedding_norms import local_row_norms
+from recpipe.train.metrics import METRICS
 
 __all__ = ["RunDir", "read_summary", "settle_summary", "status_of_exit", "tensorboard_dir", "tensorboard_runs"]
 
@@ -66,6 +70,27 @@ def tensorboard_dir(run_dir: Path, resumed_from: int) -> tuple[Path, int | None,
 
 # The resolved config (config.yaml's text), as TensorBoard text at the step the run starts from.
 CONFIG_TAG = "config"
+
+
+# Histograms of the L2 norms of each table's embedding rows: ROW_NORMS_TAG/<table>.
+ROW_NORMS_TAG = "embedding_row_norms"
+# The metrics of TensorBoard's HParams dashboard: the last value of each of these scalars.
+HPARAM_METRICS = tuple(f"eval/{name}" for name in METRICS)
+
+HParam = bool | int | float | str
+
+
+def flat_hparams(tree: dict[str, Any], prefix: str = "") -> dict[str, HParam]:
+    """The scalar values of a nested config dict, keyed by their dotted path
+    (``optimizer.dense.lr``); lists and nulls are left out (the config text has them)."""
+    out: dict[str, HParam] = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flat_hparams(value, f"{path}."))
+        elif isinstance(value, (bool, int, float, str)):
+            out[path] = value
+    return out
 
 
 def _as_markdown_code(text: str) -> str:
@@ -166,6 +191,7 @@ class RunDir:
                     threading.excepthook = _writer_thread_errors_are_reported
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
                     self.writer.add_text(CONFIG_TAG, _as_markdown_code(cfg.to_yaml()), global_step=resumed_from)
+                    self._write_hparams(cfg)
             except OSError as err:
                 problem = self._message(err, written)
         shared = [problem]
@@ -183,6 +209,26 @@ class RunDir:
         try:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, step)
+        except OSError as err:  # raised by the writer thread's failed write
+            raise StorageError(self._message(err, self.path / EVENT_FILES), every_rank=False) from err
+
+    def _write_hparams(self, cfg: RecpipeConfig) -> None:
+        """The config's scalar values as this TensorBoard run's hparams, beside the eval
+        metrics, whose values the HParams dashboard reads from the run's last eval scalars."""
+        assert self.writer is not None
+        experiment, session_start, _ = hparams(flat_hparams(cfg.model_dump(mode="json")),
+                                               dict.fromkeys(HPARAM_METRICS, 0.0))
+        self.writer.file_writer.add_summary(experiment)
+        self.writer.file_writer.add_summary(session_start)
+
+    def embedding_row_norms(self, step: int, model: nn.Module) -> None:
+        """A histogram of each table's row L2 norms, of the rows rank 0 holds (at most
+        ``embedding_norms.MAX_ROWS`` a table; column_wise tables are left out)."""
+        if self.writer is None:
+            return
+        try:
+            for table, norms in local_row_norms(model).items():
+                self.writer.add_histogram(f"{ROW_NORMS_TAG}/{table}", norms, step)
         except OSError as err:  # raised by the writer thread's failed write
             raise StorageError(self._message(err, self.path / EVENT_FILES), every_rank=False) from err
 

@@ -692,6 +692,7 @@ class Trainer:
         step = self.position.step
         self._write_scalars(step, {**{f"eval/{name}": value for name, value in metrics.items()},
                                    "eval/samples_per_s": samples_per_s})
+        self.run_dir.embedding_row_norms(step, self.sharded.model)
         shown = "  ".join(f"{name} {metrics[name]:.4f}" for name in METRICS)
         self._say(f"step {step}: eval {shown}  ({samples_per_s:,.0f} samples/s)")
         if not math.isfinite(metrics["logloss"]):  # the same on every rank (all-reduced metrics)

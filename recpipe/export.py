@@ -43,6 +43,7 @@ from torch import nn
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError, StorageError, storage_problem
 from recpipe.exit_codes import EXIT_OK
+from recpipe.train.checkpoint import resolve_checkpoint
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
@@ -71,26 +72,6 @@ class ExportReport:
                        f"torch.export.load(path).module()(dense_features, values, lengths){needs} -> click probability "
                        "(docs/export.md)")
         return out
-
-
-def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> Path:
-    """``path`` if it is one complete checkpoint (``step_*`` with its metadata), else
-    the newest complete one in the ``checkpoint.dir`` ``path``; its files verified.
-    ``what``: the argument that named ``path``, for messages."""
-    from recpipe.train.checkpoint import latest_checkpoint
-    from recpipe.train.integrity import METADATA_FILE, verify_checkpoint
-
-    root = Path(path)
-    if not root.is_dir():
-        raise CheckpointError(f"{what} {root}: no such directory")
-    chosen = root if (root / METADATA_FILE).is_file() else latest_checkpoint(root)
-    if chosen is None:
-        raise CheckpointError(f"{what} {root}: no complete checkpoint in it (a checkpoint.dir holds step_* "
-                              f"directories, each complete once it has {METADATA_FILE})")
-    problems = verify_checkpoint(chosen)
-    if problems:
-        raise CheckpointError(f"checkpoint {chosen} is damaged: {'; '.join(problems)}")
-    return chosen
 
 
 def table_keys(model: nn.Module) -> set[str]:

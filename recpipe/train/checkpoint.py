@@ -78,6 +78,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_chosen",
+    "resolve_checkpoint",
     "resume_settings",
     "save_checkpoint",
 ]
@@ -121,6 +122,23 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
     complete = complete_checkpoints(directory)
     return complete[-1] if complete else None
 
+
+
+def resolve_checkpoint(path: str | Path, what: str = "--checkpoint") -> Path:
+    """``path`` if it is one complete checkpoint (``step_*`` with its metadata), else
+    the newest complete one in the ``checkpoint.dir`` ``path``; its files verified.
+    ``what``: the argument that named ``path``, for messages."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{what} {root}: no such directory")
+    chosen = root if (root / METADATA_FILE).is_file() else latest_checkpoint(root)
+    if chosen is None:
+        raise CheckpointError(f"{what} {root}: no complete checkpoint in it (a checkpoint.dir holds step_* "
+                              f"directories, each complete once it has {METADATA_FILE})")
+    problems = verify_checkpoint(chosen)
+    if problems:
+        raise CheckpointError(f"checkpoint {chosen} is damaged: {'; '.join(problems)}")
+    return chosen
 
 def describe_newest(directory: str | None) -> str:
     """"newest checkpoint: PATH", or why there is none, for messages."""

@@ -159,7 +159,7 @@ def to_torchrec(src: str | Path, dst: str | Path) -> Path:
     """The recpipe checkpoint ``src`` (a checkpoint, or a ``checkpoint.dir``: its newest),
     verified, as a DCP checkpoint ``dst`` (new or empty) that TorchRec loads; returns ``src``'s
     checkpoint."""
-    from recpipe.export import resolve_checkpoint
+    from recpipe.train.checkpoint import resolve_checkpoint
 
     chosen = resolve_checkpoint(src, what="SRC")  # every file's size and CRC-32 against its record
     dst = Path(dst)

@@ -10,8 +10,8 @@ weights, whose inputs are plain tensors::
 
 and whose output is the click probability, float32 [B] (the sigmoid of the model's
 logit). ``values`` / ``lengths`` are a KeyedJaggedTensor's, in the model's feature
-order (``cat_0`` ... for the built-in model); the batch size and the id count are
-dynamic. The program loads with ``torch.export.load(path).module()``, without recpipe
+order (``cat_0`` ... for the built-in model); the batch size (1 to ``MAX_BATCH``) and
+the id count are dynamic. The program loads with ``torch.export.load(path).module()``, without recpipe
 or torchrec; with quantized tables it runs FBGEMM's inference kernels, so the process
 imports ``fbgemm_gpu`` first (which registers them).
 
@@ -128,11 +128,33 @@ def _quiet_export() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def _drop_unused_symbols(program: torch.export.ExportedProgram) -> None:
+    """Forget the range of every symbol that no node of ``program``'s graph uses.
+
+    TorchRec's quantized EmbeddingBagCollection splits its features by per-feature offsets
+    it computes as data-dependent sizes (``.tolist()``) and then does not use: the graph
+    loses them, their ranges stay, and loading the program logs "Symbol uN did not appear
+    in the graph" for each."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    used = set()
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        for value in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                used |= set(free_symbols(value))
+    ranges = program.range_constraints  # the program's own mapping: it has no setter
+    for expr in [expr for expr in ranges if not expr.free_symbols <= used]:
+        del ranges[expr]
+
+
 def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str | Path,
                    tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32",
                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the ``torch.export`` program of ``cfg``'s model with ``state`` to ``out``
     (written under a temporary name and renamed); returns its metadata."""
+    from torch.fx.experimental import _config as fx_config
+
     module = serving_module(cfg, state, tables)
     inputs = example_inputs(cfg)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
@@ -147,7 +169,14 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
         # export cannot trace); the traced calls find it made.
         module(*inputs)
-        program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+        # Size-oblivious reasoning for the batch: without it, torch.export's view of
+        # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
+        # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
+        # ``backed_size_oblivious`` is a private setting of torch's for export (in torch
+        # since 2.7; run here with torch 2.13): the program accepts batch 1 to MAX_BATCH.
+        with fx_config.patch(backed_size_oblivious=True):
+            program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    _drop_unused_symbols(program)
     meta = {
         "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],
                    "lengths": ["int32", [f"{cfg.model.num_sparse_features} * B"]]},

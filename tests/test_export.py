@@ -3,7 +3,8 @@ table, 1 and 2 Gloo ranks) -> one state_dict; the unsharded model built on CPU a
 loaded from it predicts exactly what the sharded model predicts on the same batch.
 ``--format program``: the servable torch.export program, loaded in a fresh process that
 imports neither recpipe nor torchrec, predicts the same bit for bit (fp32 tables) or within
-the stated tolerance (fp16, TorchRec's int8 / int4 tables)."""
+the stated tolerance (fp16, TorchRec's int8 / int4 tables), at any batch size from one sample,
+and loads without a line of output."""
 
 from __future__ import annotations
 
@@ -251,3 +252,61 @@ def test_servable_program_loads_without_recpipe_and_predicts_like_the_trained_mo
     meta = json.loads(extra["recpipe.json"])
     assert meta["features"] == cfg.model.feature_names and meta["tables"] == "int8" and meta["needs"] == ["torch", "fbgemm_gpu"]
     assert meta["inputs"]["lengths"] == ["int32", ["4 * B"]]
+
+
+# --------------------------------------------------- any batch size, a quiet load
+SIZES = ["model.num_embeddings_per_feature=[100000, 25000, 5000, 2000]", "model.embedding_dim=16",
+         "model.dense_arch_layer_sizes=[16, 16]", "model.over_arch_layer_sizes=[16, 1]"]
+FORMATS = ("fp32", "fp16", "int8", "int4")
+BATCHES = (1, 2, 8192)
+
+PREDICT_AT_EACH_BATCH = """
+import sys, torch
+import fbgemm_gpu  # registers FBGEMM's inference kernels, which the quantized programs call
+out = {}
+for tables in sys.argv[2:]:
+    program = torch.export.load(f"{sys.argv[1]}/{tables}.pt2").module()
+    for b in (1, 2, 8192):
+        out[tables, b] = program(*torch.load(f"{sys.argv[1]}/inputs_{b}.pt", weights_only=True))
+# int4 weights are torchrec's UInt4Tensor: loading them imports torchrec; nothing imports recpipe
+loaded = sorted(m for m in sys.modules if m.split(".")[0] == "recpipe")
+assert not loaded, loaded
+torch.save(out, f"{sys.argv[1]}/predicted.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """The programs of one model (random weights) in every format and the eager model's
+    probabilities at each of BATCHES."""
+    from recpipe.models import build_model
+    from recpipe.serving import example_inputs, export_program, serving_module
+
+    out = tmp_path_factory.mktemp("programs")
+    cfg = load_config(CONFIG, SIZES)
+    torch.manual_seed(0)
+    state = build_model(cfg.model, device=torch.device("cpu")).state_dict()
+    eager = serving_module(cfg, state)
+    expected = {}
+    for b in BATCHES:
+        inputs = example_inputs(cfg, b, seed=b)
+        torch.save(inputs, out / f"inputs_{b}.pt")
+        with torch.no_grad():
+            expected[b] = eager(*inputs)
+    for tables in FORMATS:
+        export_program(cfg, state, out / f"{tables}.pt2", tables)
+    return out, expected
+
+
+def test_program_serves_any_batch_size_and_loads_without_output(programs):
+    out, expected = programs
+    done = subprocess.run([sys.executable, "-c", PREDICT_AT_EACH_BATCH, str(out), *FORMATS], capture_output=True,
+                          text=True, timeout=300, cwd=out, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout, done.stderr) == ("", ""), "loading the programs printed"
+    predicted = torch.load(out / "predicted.pt", weights_only=True)
+    for b in BATCHES:
+        assert torch.equal(predicted["fp32", b], expected[b]), f"fp32 at batch {b}"
+        for tables, (max_diff, _) in TOLERANCE.items():
+            p = predicted[tables, b]
+            assert p.shape == (b,) and (p - expected[b]).abs().max().item() <= max_diff, (tables, b)

@@ -189,8 +189,9 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # Size-oblivious reasoning for the batch: without it, torch.export's view of
         # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
         # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
-        # ``backed_size_oblivious`` is a private setting of torch's for export (in torch
-        # since 2.7; run here with torch 2.13): the program accepts batch 1 to MAX_BATCH.
+        # ``backed_size_oblivious`` is a private setting of torch's for export (torch 2.7
+        # and later, so 2.11 too; tested with torch 2.13): the program accepts batch 1 to
+        # MAX_BATCH.
         with fx_config.patch(backed_size_oblivious=True):
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     _drop_unused_symbols(program)

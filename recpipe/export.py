@@ -65,9 +65,7 @@ class ExportReport:
                f"{self.checkpoint} ({self.bytes / _GIB:.3f} GiB)"] + [
             f"  {key}: {list(shape)} {str(dtype).removeprefix('torch.')}" for key, (shape, dtype) in self.tables.items()]
         if self.program is not None:
-            needs = {"int8": " after `import fbgemm_gpu`",
-                     "int4": " after `import fbgemm_gpu` (torchrec installed: its UInt4Tensor weights)"}.get(
-                         self.program_tables, "")
+            needs = " after `import fbgemm_gpu`" if self.program_tables in ("int8", "int4") else ""
             out.append(f"{self.program}: torch.export program, {self.program_tables} tables; "
                        f"torch.export.load(path).module()(dense_features, values, lengths){needs} -> click probability "
                        "(docs/export.md)")

@@ -10,8 +10,8 @@ weights, whose inputs are plain tensors::
 
 and whose output is the click probability, float32 [B] (the sigmoid of the model's
 logit). ``values`` / ``lengths`` are a KeyedJaggedTensor's, in the model's feature
-order (``cat_0`` ... for the built-in model); the batch size and the id count are
-dynamic. The program loads with ``torch.export.load(path).module()``, without recpipe
+order (``cat_0`` ... for the built-in model); the batch size (1 to ``MAX_BATCH``) and
+the id count are dynamic. The program loads with ``torch.export.load(path).module()``, without recpipe
 or torchrec; with quantized tables it runs FBGEMM's inference kernels, so the process
 imports ``fbgemm_gpu`` first (which registers them).
 
@@ -24,10 +24,11 @@ Tables (``tables``):
 * ``int8`` / ``int4``: TorchRec's quantized EmbeddingBagCollection
   (``torchrec.inference.modules.quantize_inference_model``: FBGEMM's
   ``IntNBitTableBatchedEmbeddingBagsCodegen``, row-wise with a float16 scale and bias
-  per row). Its FBGEMM module holds ``fbgemm::AtomicCounter`` objects, which
-  ``torch.export`` traces with torchrec's fake classes
-  (``torchrec.pt2.utils.register_fake_classes``). int4 weights are torchrec's
-  ``UInt4Tensor`` subclass: loading an int4 program imports torchrec (not recpipe).
+  per row, rows packed back to back: about 0.31 (int8) and 0.19 (int4) of the fp32
+  tables' bytes at dimension 16). Its FBGEMM module holds ``fbgemm::AtomicCounter``
+  objects, which ``torch.export`` traces with torchrec's fake classes
+  (``torchrec.pt2.utils.register_fake_classes``). The program holds FBGEMM's one packed
+  buffer of all the tables, not torchrec's per-table views of it.
 
 The program's metadata (inputs, feature order, tables, the checkpoint) is stored in the
 archive as ``extra/recpipe.json`` (``torch.export.load(path, extra_files={"recpipe.json": ""})``).
@@ -39,7 +40,6 @@ import contextlib
 import json
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -93,9 +93,29 @@ def serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
         model.model.sparse_arch.embedding_bag_collection.half()
     elif tables in _QUANT_DTYPES:
         from torchrec.inference.modules import quantize_inference_model
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
 
+        # Rows packed back to back: FBGEMM's CPU kernels need no alignment (TorchRec's
+        # default pads each row to 16 bytes for GPUs; the program runs on CPU).
+        quant_prep_customize_row_alignment(model.model, [EmbeddingBagCollection], 1)
         quantize_inference_model(model.model, quantization_dtype=_QUANT_DTYPES[tables])
+        _drop_table_mirrors(model.model.sparse_arch.embedding_bag_collection)
     return ServingModule(model, cfg.model.feature_names).eval()
+
+
+def _drop_table_mirrors(ebc: nn.Module) -> None:
+    """Remove the per-table buffers of TorchRec's quantized EmbeddingBagCollection.
+
+    Its lookups read FBGEMM's packed buffer (``tbes.0.weights_host``: every table's rows,
+    one after the other); ``embedding_bags.<table>.weight`` are views into that buffer,
+    kept only so that the module's ``state_dict`` names each table, and the program never
+    reads them. ``torch.export.save`` writes buffers and constants apart, so the views
+    would store the packed tables a second time, and int4's views (TorchRec's
+    ``UInt4Tensor``) are pickled one by one, each with the whole buffer."""
+    for table in ebc.embedding_bags.values():
+        for name, _ in list(table.named_buffers(recurse=False)):
+            delattr(table, name)
 
 
 def example_inputs(cfg: RecpipeConfig, batch_size: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -112,20 +132,37 @@ def example_inputs(cfg: RecpipeConfig, batch_size: int = 3, seed: int = 0) -> tu
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """Without what torch and torchrec log about their own tracing: torch.fx's
-    ``is_fx_tracing`` notice, torchrec's note that a KJT's ``to_dict`` is traced (on the root
-    logger), and torch.export's archive warning about the quantized tables' packed rows
-    ("No complete tensor found in the group"), none of which a user can act on."""
+    ``is_fx_tracing`` notice and torchrec's note that a KJT's ``to_dict`` is traced (on the
+    root logger), neither of which a user can act on."""
     loggers = [logging.getLogger("torch.fx._symbolic_trace"), logging.getLogger()]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="No complete tensor found in the group")
-            yield
+        yield
     finally:
         for logger, level in zip(loggers, levels):
             logger.setLevel(level)
+
+
+def _drop_unused_symbols(program: torch.export.ExportedProgram) -> None:
+    """Forget the range of every symbol that no node of ``program``'s graph uses.
+
+    TorchRec's quantized EmbeddingBagCollection splits its features by per-feature offsets
+    it computes as data-dependent sizes (``.tolist()``) and then does not use: the graph
+    loses them, their ranges stay, and loading the program logs "Symbol uN did not appear
+    in the graph" for each."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    used = set()
+    for node in program.graph.nodes:
+        val = node.meta.get("val")
+        for value in val if isinstance(val, (list, tuple)) else [val]:
+            if isinstance(value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+                used |= set(free_symbols(value))
+    ranges = program.range_constraints  # the program's own mapping: it has no setter
+    for expr in [expr for expr in ranges if not expr.free_symbols <= used]:
+        del ranges[expr]
 
 
 def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str | Path,
@@ -133,6 +170,8 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the ``torch.export`` program of ``cfg``'s model with ``state`` to ``out``
     (written under a temporary name and renamed); returns its metadata."""
+    from torch.fx.experimental import _config as fx_config
+
     module = serving_module(cfg, state, tables)
     inputs = example_inputs(cfg)
     batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
@@ -147,14 +186,22 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
         # export cannot trace); the traced calls find it made.
         module(*inputs)
-        program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+        # Size-oblivious reasoning for the batch: without it, torch.export's view of
+        # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
+        # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
+        # ``backed_size_oblivious`` is a private setting of torch's for export (torch 2.7
+        # and later, so 2.11 too; tested with torch 2.13): the program accepts batch 1 to
+        # MAX_BATCH.
+        with fx_config.patch(backed_size_oblivious=True):
+            program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
+    _drop_unused_symbols(program)
     meta = {
         "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],
                    "lengths": ["int32", [f"{cfg.model.num_sparse_features} * B"]]},
         "output": ["float32", ["B"], "click probability"],
         "features": cfg.model.feature_names,
         "tables": tables,
-        "needs": ["torch"] + (["fbgemm_gpu"] if tables in _QUANT_DTYPES else []) + (["torchrec"] if tables == "int4" else []),
+        "needs": ["torch"] + (["fbgemm_gpu"] if tables in _QUANT_DTYPES else []),
         "versions": {"torch": torch.__version__},
         **(metadata or {}),
     }
@@ -162,8 +209,7 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # torch.export.save wants its suffix
     try:
-        with _quiet_export():
-            torch.export.save(program, str(tmp), extra_files={"recpipe.json": json.dumps(meta, indent=2)})
+        torch.export.save(program, str(tmp), extra_files={"recpipe.json": json.dumps(meta, indent=2)})
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

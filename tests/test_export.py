@@ -3,7 +3,8 @@ table, 1 and 2 Gloo ranks) -> one state_dict; the unsharded model built on CPU a
 loaded from it predicts exactly what the sharded model predicts on the same batch.
 ``--format program``: the servable torch.export program, loaded in a fresh process that
 imports neither recpipe nor torchrec, predicts the same bit for bit (fp32 tables) or within
-the stated tolerance (fp16, TorchRec's int8 / int4 tables)."""
+the stated tolerance (fp16, TorchRec's int8 / int4 tables), at any batch size from one sample,
+loads without a line of output, and its quantized tables take their bits' share of the bytes."""
 
 from __future__ import annotations
 
@@ -182,9 +183,7 @@ if quantized:
 program = torch.export.load(sys.argv[1]).module()
 batches = torch.load(sys.argv[2], weights_only=True)
 out = [program(b["dense_features"], b["values"], b["lengths"]) for b in batches]
-# int4 weights are torchrec's UInt4Tensor: loading them imports torchrec; nothing imports recpipe
-unwanted = ("recpipe",) if sys.argv[3] == "int4" else ("recpipe", "torchrec")
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in unwanted)
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("recpipe", "torchrec"))
 assert not loaded, loaded
 torch.save(out, sys.argv[2] + "." + sys.argv[3] + ".out")
 """
@@ -231,7 +230,7 @@ def test_servable_program_loads_without_recpipe_and_predicts_like_the_trained_mo
                      str(out), "--format", "program", "--tables", tables]) == EXIT_OK
         assert f"{out.with_suffix('.pt2')}: torch.export program, {tables} tables" in capsys.readouterr().out
         assert out.exists()  # the state dict beside it
-        # a fresh process that imports neither recpipe nor (but for int4) torchrec
+        # a fresh process that imports neither recpipe nor torchrec
         done = subprocess.run([sys.executable, "-c", LOAD_AND_PREDICT, str(out.with_suffix(".pt2")), str(inputs), tables],
                               capture_output=True, text=True, timeout=300, cwd=tmp_path,
                               env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
@@ -251,3 +250,90 @@ def test_servable_program_loads_without_recpipe_and_predicts_like_the_trained_mo
     meta = json.loads(extra["recpipe.json"])
     assert meta["features"] == cfg.model.feature_names and meta["tables"] == "int8" and meta["needs"] == ["torch", "fbgemm_gpu"]
     assert meta["inputs"]["lengths"] == ["int32", ["4 * B"]]
+    torch.export.load(tmp_path / "model_int4.pt2", extra_files=extra)
+    assert json.loads(extra["recpipe.json"])["needs"] == ["torch", "fbgemm_gpu"]
+
+
+# -------------------------------------- any batch size, a quiet load, the archive's bytes
+# 132k rows of dimension 16: the tables (8.4 MB in fp32) outweigh the program's graph.
+SIZES = ["model.num_embeddings_per_feature=[100000, 25000, 5000, 2000]", "model.embedding_dim=16",
+         "model.dense_arch_layer_sizes=[16, 16]", "model.over_arch_layer_sizes=[16, 1]"]
+FORMATS = ("fp32", "fp16", "int8", "int4")
+BATCHES = (1, 2, 8192)
+# Bytes per table row against fp32's (4 bytes a weight): fp16 2 bytes a weight; int8 and int4
+# one byte and half a byte a weight plus the row's float16 scale and bias (4 bytes).
+TABLE_SHARE = {"fp16": 2 / 4, "int8": (16 + 4) / (16 * 4), "int4": (8 + 4) / (16 * 4)}
+
+PREDICT_AT_EACH_BATCH = """
+import sys, torch
+import fbgemm_gpu  # registers FBGEMM's inference kernels, which the quantized programs call
+out = {}
+for tables in sys.argv[2:]:
+    program = torch.export.load(f"{sys.argv[1]}/{tables}.pt2").module()
+    for b in (1, 2, 8192):
+        out[tables, b] = program(*torch.load(f"{sys.argv[1]}/inputs_{b}.pt", weights_only=True))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("recpipe", "torchrec"))
+assert not loaded, loaded
+torch.save(out, f"{sys.argv[1]}/predicted.pt")
+"""
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    """The programs of one model (random weights) in every format, the eager model's
+    probabilities at each of BATCHES, and the fp32 tables' bytes."""
+    import warnings
+
+    from recpipe.models import build_model
+    from recpipe.serving import example_inputs, export_program, serving_module
+
+    out = tmp_path_factory.mktemp("programs")
+    cfg = load_config(CONFIG, SIZES)
+    torch.manual_seed(0)
+    state = build_model(cfg.model, device=torch.device("cpu")).state_dict()
+    eager = serving_module(cfg, state)
+    expected = {}
+    for b in BATCHES:
+        inputs = example_inputs(cfg, b, seed=b)
+        torch.save(inputs, out / f"inputs_{b}.pt")
+        with torch.no_grad():
+            expected[b] = eager(*inputs)
+    for tables in FORMATS:
+        with warnings.catch_warnings():
+            # torch.export.save's word for tensors that share one storage, none of them whole
+            warnings.filterwarnings("error", message="No complete tensor found in the group")
+            export_program(cfg, state, out / f"{tables}.pt2", tables)
+    table_bytes = sum(rows * cfg.model.embedding_dim * 4 for rows in cfg.model.num_embeddings_per_feature)
+    return out, expected, table_bytes
+
+
+def test_program_serves_any_batch_size_and_loads_without_output(programs):
+    out, expected, _ = programs
+    done = subprocess.run([sys.executable, "-c", PREDICT_AT_EACH_BATCH, str(out), *FORMATS], capture_output=True,
+                          text=True, timeout=300, cwd=out, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (done.stdout, done.stderr) == ("", ""), "loading the programs printed"
+    predicted = torch.load(out / "predicted.pt", weights_only=True)
+    for b in BATCHES:
+        assert torch.equal(predicted["fp32", b], expected[b]), f"fp32 at batch {b}"
+        for tables, (max_diff, _) in TOLERANCE.items():
+            p = predicted[tables, b]
+            assert p.shape == (b,) and (p - expected[b]).abs().max().item() <= max_diff, (tables, b)
+
+
+def _tensor_bytes(archive: Path) -> int:
+    """The bytes of the tensors a ``.pt2`` archive (a zip) stores: its ``data/`` files."""
+    import zipfile
+
+    with zipfile.ZipFile(archive) as z:
+        return sum(i.file_size for i in z.infolist() if "/data/" in i.filename and not i.filename.endswith(".json"))
+
+
+def test_quantized_tables_take_their_bits_share_of_the_archive(programs):
+    out, _, fp32_tables = programs
+    stored = {tables: _tensor_bytes(out / f"{tables}.pt2") for tables in FORMATS}
+    dense = stored["fp32"] - fp32_tables  # the dense weights and the model's small buffers
+    assert 0 < dense < 0.05 * fp32_tables
+    for tables, share in TABLE_SHARE.items():
+        measured = (stored[tables] - dense) / fp32_tables
+        assert abs(measured - share) < 0.01, (tables, measured, share, stored)

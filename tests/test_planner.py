@@ -467,7 +467,7 @@ def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
 
 # ------------------------------------------------------------------ torchrec adapter, searches
 def test_torchrec_planner_places_shards_by_our_estimates():
-    from recpipe.planner.estimator import RecpipeStorageEstimator, plan_with_torchrec, shard_storage
+    from recpipe.planner.torchrec_planner import RecpipeStorageEstimator, plan_with_torchrec, shard_storage
 
     cfg = cfg_of(**MIXED)
     inputs = inputs_from_config(cfg)
@@ -488,7 +488,7 @@ def test_torchrec_planner_places_shards_by_our_estimates():
 
 
 def test_torchrec_estimate_for_comparison():
-    from recpipe.planner.estimator import torchrec_estimate
+    from recpipe.planner.torchrec_planner import torchrec_estimate
 
     cfg = cached_cfg(pipeline="prefetch", passes=4)
     inputs = inputs_from_config(cfg)

@@ -156,7 +156,7 @@ def _err(est: float, meas: float) -> float:
 def test_estimate_matches_measured(name, process_group, monkeypatch):
     from recpipe.system import ALLOC_CONF_ENV
     from recpipe.planner import plan_from_config
-    from recpipe.planner.estimator import torchrec_estimate
+    from recpipe.planner.torchrec_planner import torchrec_estimate
     from recpipe.planner.inputs import inputs_from_config
 
     cfg = _config(name)

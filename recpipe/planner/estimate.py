@@ -2,7 +2,7 @@
 :class:`~recpipe.planner.spec.PlannerInputs`. The per-rank terms come from
 :mod:`recpipe.planner.memory`; the plan adds what multi-pass prefetch saves against one
 pass and what the configured precisions save against fp32
-(:mod:`recpipe.planner.precision`)."""
+(:mod:`recpipe.planner.precision_savings`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import dataclasses
 
 from recpipe.planner.memory import estimate_ranks, plan_warnings
 from recpipe.planner.plan import MemoryPlan, PrefetchSavings
-from recpipe.planner.precision import precision_savings
+from recpipe.planner.precision_savings import precision_savings
 from recpipe.planner.spec import PlannerInputs
 
 __all__ = ["estimate_memory"]

@@ -32,7 +32,7 @@ def planner_inputs(
     rules. ``recpipe plan`` and ``recpipe train``'s pre-flight plan from these."""
     inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
     if cfg.sharding.placement == "planner":
-        from recpipe.planner.estimator import plan_with_torchrec
+        from recpipe.planner.torchrec_planner import plan_with_torchrec
         from recpipe.planner.spec import shards_from_plan
 
         inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))

@@ -293,7 +293,7 @@ def shards_for_tables(tables: tuple[TableSpec, ...], world_size: int, tw_ranks: 
 
 def shards_from_plan(plan, tables: tuple[TableSpec, ...]) -> tuple[ShardSpec, ...]:
     """Shards of a torchrec ``ShardingPlan`` (e.g. one made by torchrec's planner with
-    :mod:`recpipe.planner.estimator`), for the tables named in ``tables``."""
+    :mod:`recpipe.planner.torchrec_planner`), for the tables named in ``tables``."""
     by_name = {t.name: t for t in tables}
     out: list[ShardSpec] = []
     for module_plan in plan.plan.values():

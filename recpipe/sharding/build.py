@@ -83,7 +83,7 @@ def planner_placement(
 ) -> ShardingPlan:
     """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
     planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
-    from recpipe.planner.estimator import plan_with_torchrec
+    from recpipe.planner.torchrec_planner import plan_with_torchrec
     from recpipe.planner.inputs import inputs_from_config
 
     if device.type != "cuda":  # recpipe train refuses it before any process starts (recpipe.preflight.check_machine)

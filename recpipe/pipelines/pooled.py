@@ -18,11 +18,10 @@ anything else that needs the one tensor) concatenates on first use, exactly as t
 did, and from then on it is a plain KeyedTensor. Same numbers either way: only copies
 move (GPU and CPU tests: every pipeline trains bit-identically to the plain loop).
 
-Measured on one H100 (configs/bench/uvm_caching.yaml with every table in HBM, two of them
-column_wise, so the module has two groups and its keys are not in the DLRM's order; 32768
-samples, sparse_dist, 3 interleaved rounds): 15.70 ms a step against 16.35 ms
-concatenated and 16.35 ms for TorchRec's pipeline, so recpipe's pipelines always hand
-the model this grouped form.
+With two groups whose keys are not in the DLRM's order the grouped form steps faster
+than the concatenated one and than TorchRec's pipeline
+(benchmarks/results/h100x1/pooled_output.md), so recpipe's pipelines always hand the
+model this grouped form.
 Where the groups' keys already are in the model's order, recpipe's DLRM reads ``values()``
 and nothing changes. A module with one sharding type is torchrec's KeyedTensor as it was;
 on one GPU row_wise tables are placed table_wise, so HBM and UVM-cached tables there are one

@@ -86,10 +86,10 @@ class Streams:
         and ``reset_cache_states``, the prefetch pipeline's lock release. Inside a
         pass the schedule's fences order the side streams; but nothing on a side stream
         waits for that work, so without this fence the first prefetch of the pass could
-        run on the prefetch stream beside it, on the same cache state. Measured on one
-        H100: after flush + reset_cache_states, cache-line lock counters went negative
-        (-188553 summed), those slots were never evictable again, and the step took
-        20.1 instead of 17.0 ms (the step time of a fresh pipeline on the same model)."""
+        run on the prefetch stream beside it, on the same cache state: after flush +
+        reset_cache_states, cache-line lock counters went negative, those slots were never
+        evictable again, and every later step was slower than a fresh pipeline's on the
+        same model."""
         if self.compute is None:
             return
         current = torch.cuda.current_stream(self.compute.device)
@@ -194,10 +194,11 @@ class StepsAhead:
     ``steps`` back (host sync, on a step the device has usually long finished).
 
     Without a bound the host runs as far ahead as it can queue work: a step graph's step
-    is one launch and about 1.2 ms of host time where the device needs 1.6 ms (the
-    Criteo-sized DLRM on one H200), so the host reached the next point that waits for
-    the device (a log point, up to a log interval later) and every batch in between kept
-    its device and pinned host copies alive. Bounded, the batches alive are the
+    is one launch and less host time than the device needs (the step_graph rows of
+    benchmarks/results/h100x1/criteo_bf16_step_graph.md: host ms/call against P50), so
+    the host reached the next point that waits for the device (a log point, up to a log
+    interval later) and every batch in between kept its device and pinned host copies
+    alive. Bounded, the batches alive are the
     schedule's depth plus ``steps`` - 1 (the planner counts that many), and a clock on
     the host measures the device's pace within ``steps`` steps. A ring of ``steps``
     events, recorded again in turn: waiting on one waits for its latest record."""

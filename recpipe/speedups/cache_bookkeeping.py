@@ -14,10 +14,9 @@ Inside backward(i), before the TBE backward, it
    prefetch(i+1) may have inserted rows that batch i missed, and the backward must then
    update the cached copy, not the host row.
 
-2 and 3 are a dozen small kernels: 0.13 ms of compute-stream time a step on one H100 at
-32768 samples (configs/bench/uvm_caching.yaml, Zipf 0.6). Moved, the step took
-16.88-16.93 ms against 16.95-17.21 ms with FBGEMM's hook in five interleaved rounds: a
-gain of up to 0.1 ms, about the spread of identical runs, so it is not an option; the
+2 and 3 are a dozen small kernels, a small share of the compute stream's step. Moving
+them gains about the spread of identical runs (docs/pipelines.md, "FBGEMM's backward
+bookkeeping on the prefetch stream"), so it is not an option; the
 memory planner models this placement (its ``cache_bookkeeping`` phase on the prefetch
 stream). They read only the cache
 state after prefetch(i+1), batch i's inputs and batch i's locations, and they overwrite

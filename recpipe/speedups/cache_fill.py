@@ -5,12 +5,11 @@ FBGEMM's ``lru_cache_populate`` (fbgemm-gpu 1.6, 1.8) finds the rows of a batch 
 are not in the HBM cache, picks an LRU slot for each (with cache-line locking, never a
 slot a batch in flight holds), and in ``lru_cache_insert_kernel`` writes each evicted
 row back to host memory and reads the new one in: one warp per cache set, one
-512-byte PCIe round trip after another, on ``#SMs / 8`` blocks of 1024 threads. On one
-H100 at the prefetch bench's high-miss point (110k rows a step) that kernel runs about
-8.6 ms at 6.3 GB/s and holds 17 SMs all the while: the compute stream beside it is
-busy 18.9 ms a step, 16.5 beside this module's insert on 4 SMs (the same GEMMs ran
-13 % slower beside 17 idle 1024-thread blocks). Step time at 32768 samples, load
-factor 0.05, Zipf 0.6 (85 % misses): 17.07 ms against 19.21 with FBGEMM's insert.
+512-byte PCIe round trip after another, on ``#SMs / 8`` blocks of 1024 threads. Where
+most lookups miss, that kernel runs for a large share of the step and holds its SMs all
+the while, and the compute stream's GEMMs beside it run slower; this module's insert
+keeps to 4 SMs, and the step is shorter at the prefetch bench's high-miss point
+(benchmarks/results/h100x1/prefetch_32k_cache_fill.md; docs/pipelines.md).
 
 Here the same insert is three kernels and a sort, all on the prefetch stream, in the
 order FBGEMM's populate runs (so FBGEMM's own fences and its ``lxu_cache_lookup``
@@ -233,8 +232,8 @@ def move_reference(cache: Cache, insert: Insert) -> None:
 if triton is not None:
     # Triton compiles a kernel again for an int argument that is 1 or a multiple of 16
     # the first time it sees one: the step stamp and the row counts change every call,
-    # so such a compile (0.2-0.9 s) would land inside training steps (seen on one H100:
-    # a 907 ms step at stamp 16). They are passed unspecialized. So is the cache's set
+    # so such a compile (a fraction of a second) would land inside a training step (at
+    # stamp 16, say). They are passed unspecialized. So is the cache's set
     # count: a cache of one set (a small cache, or a table's share on several ranks)
     # would make it the constant 1, a Python int without the tensor methods the hash uses.
 

@@ -12,9 +12,8 @@ Why: on MLPerf's DLRM-DCNv2 shapes (configs/bench/mlperf_dcnv2.yaml: 8192 sample
 low-rank cross layers on ``[8192, 3456]``, bf16) a third of an eager step's GPU kernel
 time is elementwise glue: the bias, multiply, add, activation and dtype casts of the
 cross layers and MLPs, each a separate pass over memory. Inductor fuses each chain of
-them into one kernel (and into the GEMM epilogue where it picks a Triton template): on
-one H100 the elementwise share fell from 33 % to 20 % (0.83 ms), GPU busy time from 5.06
-to 4.08 ms and the step from 4.92 to 4.70 ms with CUDA graphs
+them into one kernel (and into the GEMM epilogue where it picks a Triton template),
+which lowers the elementwise share, the GPU busy time and, with CUDA graphs, the step
 (benchmarks/results/h100x1/mlperf_dcnv2.md).
 
 Numerics: compiled kernels round differently from eager ones (fused reductions,
@@ -28,8 +27,8 @@ kernel parameters by timing candidates on the GPU when it first runs a kernel (a
 reduction's block size and warp count, which set its summation order; GEMM templates and
 padding under max-autotune). Near-tied timings flip from one process to the next, so two
 compiles of the same model could round differently: a restarted run would not resume bit
-for bit, and on one H200 beside a busy second GPU a compiled run and its CUDA-graphed twin
-differed in a bias by 1.5e-8 after 8 steps. Inductor's deterministic mode
+for bit, and beside a busy second GPU a compiled run and its CUDA-graphed twin were seen
+to differ in the last bits of a bias after a few steps. Inductor's deterministic mode
 (``torch._inductor.config.deterministic``) makes those choices by heuristics instead;
 ``deterministic: false`` restores the timed choices.
 

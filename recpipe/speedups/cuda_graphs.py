@@ -7,11 +7,12 @@ as CUDA graphs, and the dense optimizer's step with a replay
 pipelines know nothing of it: a graphed module is called like any other.
 
 Why: at 8192 samples per GPU a step of a Criteo-sized DLRM is bound by the host: most
-of its ~10 ms go to launching the dense forward and its autograd backward, kernel by
-kernel, while the GPU needs ~3-5 ms. Replaying each dense module's forward and
-backward as one CUDA graph (``torch.cuda.make_graphed_callables``, the partial-network
-capture that NVIDIA's DLRM uses) removes that launch work; the sparse part (input
-dist, TBE lookups, all-to-alls), whose shapes change every batch, stays eager.
+of it goes to launching the dense forward and its autograd backward, kernel by kernel,
+while the GPU needs a fraction of that (benchmarks/results/h100x1/criteo_fp32_graphs.md:
+TorchRec's eager rows against recpipe's graphed ones). Replaying each dense module's
+forward and backward as one CUDA graph (``torch.cuda.make_graphed_callables``, the
+partial-network capture that NVIDIA's DLRM uses) removes that launch work; the sparse
+part (input dist, TBE lookups, all-to-alls), whose shapes change every batch, stays eager.
 
 Which modules: the config lists module paths (``pipeline.cuda_graphs.modules``), or the
 model says (``model.cuda_graph_modules()`` returns name -> module; recpipe's DLRM/DCNv2

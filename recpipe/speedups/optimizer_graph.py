@@ -2,10 +2,10 @@
 ``pipeline.cuda_graphs.optimizer``, the default).
 
 Why: at 8192 samples per GPU a step of a Criteo-sized DLRM is bound by the host, and
-``torch.optim.Adagrad``'s foreach step spends about 0.8 ms of host time per step
-(one H100, bf16, sparse_dist with the dense part graphed) launching a few kernels per
-tensor group. Replayed, it costs one copy of the gradients, one graph launch and, for
-Adagrad, one host-side add on the step counts.
+``torch.optim.Adagrad``'s foreach step spends host time launching a few kernels per
+tensor group (docs/pipelines.md, "CUDA graphs of the dense part"). Replayed, it
+costs one copy of the gradients, one graph launch and, for Adagrad, one host-side add
+on the step counts.
 
 What is replayed: every ``torch.optim`` optimizer inside the pipeline's optimizer
 (torchrec's ``CombinedOptimizer`` / ``KeyedOptimizerWrapper`` / ``OptimizerWrapper``,

@@ -7,9 +7,9 @@ done the lookup (TBE forward + output all-to-all) of i+1 reads exactly the weigh
 stream, right after backward(i) in stream order — TorchRec 1.8 runs it on a side
 stream without a fence, where it can race the update (see the reference notes, PR
 #4497). On the compute stream its outputs also stay in the compute stream's allocator
-pool: on one H100 at 65536 samples it stepped 4 % faster than on the input-dist stream
-(TorchRec's ``data_dist``) with 2 % less reserved memory; the bench gives TorchRec's
-pipeline the same stream.
+pool, which steps faster and reserves less memory than on the input-dist stream
+(TorchRec's ``data_dist``; docs/pipelines.md, "Cross-stream hand-offs"); the bench gives
+TorchRec's pipeline the same stream.
 
 The lookup comes before the dense optimizer step of batch i, unless the dense
 optimizer updates embedding tables (``data_parallel`` tables): then the lookup waits

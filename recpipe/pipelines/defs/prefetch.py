@@ -8,9 +8,8 @@ that order: forward(i) is queued, the host waits for batch i+1's splits while th
 GPU runs it (as in sparse_dist), launches i+1's tensors all-to-all, and queues the
 prefetch of i+1 on the prefetch stream; FBGEMM's backward hooks serialize the TBE
 backward(i) against it. TorchRec's order, with the host wait before forward(i), left
-the GPU idle while the host waited: on one H100 (configs/bench/uvm_caching.yaml,
-32768 samples) 1.10-1.17x its GPU busy time against 0.96-1.0x in this order, 2-3 ms a
-step (tests/schedule_variants.py keeps that order as a test schedule).
+the GPU idle while the host waited (docs/pipelines.md, "prefetch and FBGEMM's
+cache-line locking"; tests/schedule_variants.py keeps that order as a test schedule).
 
 Fixes of TorchRec's PrefetchTrainPipelineSparseDist by construction:
 * forward(i) waits for the prefetch of batch i itself (an event on the prefetch

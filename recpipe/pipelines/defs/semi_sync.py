@@ -66,7 +66,7 @@ _LOOKUP = Step("lookup", "compute", 1, waits=(("input_dist_wait", 0),))
 # backward(i), not two. The cost: backward(i) starts after that all-to-all is done.
 # (Waiting on the dist stream instead would keep compute free, but torchrec frees the
 # all-to-all's output buffer, allocated on compute, while dist still reads it: a race,
-# seen once on 2 x H200.)
+# seen on two GPUs.)
 _OUTPUT_WAIT = Step("output_dist_wait", "compute", 1, waits=(("lookup", 0),))
 _TAIL = (
     Step("input_dist_wait", "dist", 2),
@@ -173,9 +173,10 @@ class Options(PipelineOptions):
     # Where batch i+1's lookup is queued: "before_backward" (after forward(i), TorchRec's
     # order) or "before_update" (inside backward(i): after the dense and output all-to-all
     # backward, before the TBE backward that updates the tables). Same numbers; with
-    # before_update batch i+1's embeddings are not alive where backward(i) peaks: on 2 x H200
-    # step memory above the model 1.23 x sparse_dist's instead of 1.76 x, +0.9 % step time at
-    # 65536 samples, +11 % at a host-bound 8192.
+    # before_update batch i+1's embeddings are not alive where backward(i) peaks: less step
+    # memory above the model, for a longer step, most where the step is host-bound
+    # (benchmarks/results/h200x2/semi_sync_lookup_65536.md, semi_sync_lookup_8192.md,
+    # semi_sync_memory_65536.md).
     emb_lookup: Literal["before_backward", "before_update"] = "before_backward"
 
 

@@ -24,9 +24,8 @@ class CudaGraphsOptions(SwitchSection):
     modules: list[str] = Field(default_factory=list)
     # Also replay the dense torch.optim step, bit-identical to the eager step
     # (recpipe/speedups/optimizer_graph.py): SGD, and Adagrad with lr_decay 0. Other optimizers
-    # step eagerly with a warning. On one H100 (bf16, sparse_dist, dense part graphed) the eager
-    # Adagrad step costs about 0.8 ms of host time a step; false is for an optimizer whose
-    # capture fails.
+    # step eagerly with a warning. The eager step launches a few kernels per tensor group, host
+    # time a host-bound step pays; false is for an optimizer whose capture fails.
     optimizer: bool = True
 
 

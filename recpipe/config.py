@@ -462,9 +462,9 @@ class TrainConfig(Section):
     # the plain loop's metrics bit for bit. false: one batch at a time, the plain loop, for a
     # model whose eval forward cannot be pipelined. benchmarks/studies/eval_speed.py times both.
     eval_pipelined: bool = True
-    # Steps between log points. Each costs the training loop about 6 ms of host time (metrics
-    # update and all-reduce, TensorBoard, the bar): at 10, 5-6 % of a Criteo-sized 8192-sample
-    # step on one H100, at 100 about 0.6 % (benchmarks/results/h100x1/trainer_vs_bench.md).
+    # Steps between log points. Each costs the training loop host time (metrics update and
+    # all-reduce, TensorBoard, the bar): at short intervals, a visible share of a host-bound
+    # step (benchmarks/results/h100x1/trainer_vs_bench.md).
     log_every: int = Field(100, gt=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
@@ -478,9 +478,9 @@ class TrainConfig(Section):
     # FBGEMM's deterministic kernels (FBGEMM's embedding backward sums an id that occurs more
     # than 1024 times in a batch in one thread block instead of adding partial sums with
     # float atomics) and fixed cuBLAS workspaces. Off (torch's defaults), those atomics can
-    # round differently from run to run in large batches of skewed ids (65536 samples of the
-    # Criteo-sized synthetic log: from step 17 on). Its cost, one H200: the Criteo-sized DLRM's
-    # step graph at 8192 samples 1.56 -> 2.08 ms; at 65536 samples, eager, about 1.5x.
+    # round differently from run to run in large batches of skewed ids (the Criteo-sized
+    # synthetic log at 65536 samples). Its cost: slower steps, the deterministic kernels being
+    # slower (recpipe/deterministic.py).
     deterministic: bool = False
     # A loss that is NaN or inf (checked at log points and before every evaluation and
     # checkpoint, without a host sync per step): "error" stops the run naming the step
@@ -756,8 +756,8 @@ PLANNER_ON_CPU = ("sharding.placement='planner' places shards by their GPU memor
 # -------------------------------------------------------------- loading
 # The largest config file read. Shipped configs are under 3 KB and a config of a thousand
 # tables or features a few hundred KB; PyYAML's pure-Python parser (whose messages are the
-# ones quoted) reads 80-250 KB/s on one core of a busy 2-core machine, so the largest file
-# parses in seconds. Checked before the file is read.
+# ones quoted) is slow on a busy core, and this limit keeps the largest file to seconds of
+# parsing. Checked before the file is read.
 MAX_CONFIG_BYTES = 1 << 20
 # Deeper nesting than any config needs (pipeline.cuda_graphs.x is 3 levels): a limit, so
 # that a file of brackets is a one-line error, not a RecursionError of the parser.

@@ -14,10 +14,10 @@ a pipeline overlaps with the step) shares the GPU:
   (``:4096:8``, unless the user set it; read when CUDA starts, so it is set first).
 
 torch's other kernels with a deterministic variant use it, and torch warns once about any
-that has none (``warn_only``: the run goes on). Off by default: on one H200 it took the
-Criteo-sized DLRM's step graph from 1.56 to 2.08 ms a step at 8192 samples, and its eager
-65536-sample step about 1.5x as long; the runs it makes reproducible differ from run to run
-only in the last bits of the sums those atomics make. Memory that torch allocates without
+that has none (``warn_only``: the run goes on). Off by default: the deterministic kernels
+make a step of the Criteo-sized DLRM markedly longer, graphed or eager, and the runs it
+makes reproducible differ from run to run only in the last bits of the sums those atomics
+make. Memory that torch allocates without
 initializing is not filled (``torch.utils.deterministic.fill_uninitialized_memory`` off):
 nothing here reads memory before writing it, and the fill is a kernel per allocation.
 """

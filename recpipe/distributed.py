@@ -286,9 +286,9 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any, handles_signals
 
     Ranks are forked by multiprocessing's forkserver, a process started at this
     process's first launch that has imported what every rank needs
-    (``recpipe.launch_preload``): a launch costs about 0.03 s after the first instead
-    of every rank's imports (7.4 s a launch of 2 ranks on 2 cores with spawn), and a
-    machine's ranks import torchrec once, not once each. A rank gets this process's
+    (``recpipe.launch_preload``): a launch after the first costs a fork instead of every
+    rank's imports (seconds per rank with spawn), and a machine's ranks import torchrec
+    once, not once each. A rank gets this process's
     environment and ignored signals as they are at the launch (:class:`_Launcher`).
     The server never initializes CUDA, so forked ranks may (as spawned ones).
 

@@ -1,17 +1,15 @@
 """The forkserver of :func:`recpipe.distributed.launch_local`: :func:`start_server`, and what
 the server imports once, before it forks any rank (``set_forkserver_preload``): the modules
-every rank imports, so that a rank starts as a fork of a process that has them (about
-0.03 s) instead of importing them anew (about 6 s of CPU each: torch, fbgemm-gpu, torchrec,
-recpipe's trainer; 2 ranks on 2 cores, 7.4 s a launch).
+every rank imports, so that a rank starts as a fork of a process that has them (a fork
+is cheap) instead of importing them anew (seconds of CPU each: torch, fbgemm-gpu,
+torchrec, recpipe's trainer).
 
 ``recpipe train`` starts the server first thing (``recpipe.cli``, before it imports torch
 for its own checks), so the server's imports run while the launcher imports the same
-libraries and checks the config, instead of after. Measured on a 2-core machine (median of
-3, ``startup`` in summary.json): the ranks started 3.7 s after the checks, 0.06 s with the
-server started first, the launcher's own imports 4.0 s, then 4.4 s; configs/quickstart.yaml
-reached its first timed step after 8.5 s, then 5.0 s. Where other work keeps the cores busy
-(load 3-4 on the 2 cores) the two processes share them: the launcher's imports took 9.2 s
-instead of 4.3 s, and the first timed step came after 11.2 s instead of 11.7 s.
+libraries and checks the config, instead of after: the ranks start right after the
+checks, and the first timed step comes sooner, where the machine has cores to spare
+(``startup`` in summary.json times each phase). Where other work keeps the cores busy
+the two processes share them, and the launcher's own imports take longer.
 
 This module's top imports nothing heavy: the launcher imports it before torch.
 

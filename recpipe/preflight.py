@@ -198,18 +198,16 @@ def check_memory(cfg: RecpipeConfig, machine: Machine, *, world_size: int | None
 
 
 # What a CPU rank holds beyond its plan's tables, optimizer state and batches: its share of
-# the interpreter, torch, torchrec and FBGEMM, Gloo's buffers, the training loop. Measured
-# with configs/quickstart.yaml (train.device=cpu; torch 2.13 CPU, torchrec 1.8, fbgemm-gpu-cpu
-# 1.8, a 2-core x86 machine) by polling every process's /proc/PID/smaps_rollup every 0.2 s
-# through `recpipe train`, keeping each one's peak. A rank forked from the launcher's
-# preloaded server (recpipe.launch_preload) shares the server's imported pages: each peaked
-# at 0.39-0.53 GiB RSS (what `peak RSS` in the log says) but at 0.20-0.31 GiB of proportional
-# set size (PSS: its own pages, shared ones divided among their sharers), 0.24 GiB on average
-# over 64 ranks. The whole job's PSS peaked at 1.1 GiB with 2 ranks, 2.1 with 8, 4.0 with 16,
-# 7.6 with 32 and 15.4 GiB with 64 (MemAvailable fell by 15.0 GiB; the launcher and the server
-# held 0.7 GiB of it): 0.23 GiB more a rank, of which the plan's own terms are 8-18 MiB. A
-# rank under torchrun imports for itself (0.40-0.42 GiB PSS each, 2 ranks), most of it before
-# it runs this check, which then finds it in use already.
+# the interpreter, torch, torchrec and FBGEMM, Gloo's buffers, the training loop. A
+# calibration (torch 2.13 CPU, torchrec 1.8, fbgemm-gpu-cpu 1.8, x86): configs/quickstart.yaml
+# with train.device=cpu at 2 to 64 ranks through `recpipe train`, every process's
+# /proc/PID/smaps_rollup polled for its peak proportional set size (PSS: its own pages, shared
+# ones divided among their sharers). A rank forked from the launcher's preloaded server
+# (recpipe.launch_preload) shares the server's imported pages, so its PSS is well below the
+# RSS that `peak RSS` in the log says; the job's PSS grew by about this constant per rank,
+# nearly all of it beyond the plan's own terms. Measure again this way when those libraries
+# change. A rank under torchrun imports for itself, most of it before it runs this check,
+# which then finds it in use already.
 CPU_RANK_BYTES = 256 * 2**20
 # Plan terms that only a CUDA rank has.
 CUDA_ONLY_TERMS = ("cublas_workspace",)

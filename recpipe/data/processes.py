@@ -228,11 +228,11 @@ def _keep_freed_memory() -> None:
     """Make glibc keep a producer's freed memory for its next batch. A batch's arrays
     (megabytes each) are allocated and freed once per batch; with glibc's defaults
     (allocations of 128 KiB and more are mmapped, and a freed heap top of more than
-    twice that is trimmed back) most batches got fresh pages, and a page fault for
-    each one: 1,100 faults and 2 ms of CPU per 8192-sample ``criteo_npy`` batch where
-    the batch itself takes 1 ms (2-core VM; 4-25 faults once the memory is kept). A
-    producer's peak stays what one batch needs; this process only (not the training
-    process), and only where the C library is glibc."""
+    twice that is trimmed back) most batches got fresh pages, and a page fault for each
+    one, costing more CPU than making the batch (benchmarks/results/cpu/data_loader.md);
+    a handful of faults once the memory is kept. A producer's peak stays what one batch
+    needs; this process only (not the training process), and only where the C library
+    is glibc."""
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, _HEAP_BLOCK)

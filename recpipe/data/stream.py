@@ -1,23 +1,21 @@
 """Batches made ahead of the training loop, by producer processes (default) or threads.
 
-Why processes (``data.workers_kind: process``, ``recpipe.data.processes``): the
-training loop is host-bound Python (torchrec, FBGEMM: a 9.4 ms step of the
-Criteo-sized DLRM at 8192 samples on one H100), and so is making a batch (about
-6 ms of CPU per synthetic 8192-sample Criteo batch, in many small torch ops).
-Producer threads in the training process contend with the loop for the GIL: with
-threads ``recpipe train`` reached 0.72-0.76x the samples/s of ``recpipe bench``;
-with the loader's work out of the loop (batches made before training and cycled),
-0.98x. A forked producer process makes the batch under its own GIL and writes it
-into one of its shared-memory slots (made once, reused); a receiver thread of the
-training process copies it out in one memcpy (no GIL) and rebuilds the batch (about
-25 us of Python), so the training process does almost no per-batch work: on the
-2-core dev machine 0.6 ms of its CPU per synthetic batch, against 6.2 ms with a
-producer thread (``recpipe data bench``, benchmarks/results/cpu/data_loader.md). The earlier
-objection to worker processes was torch's DataLoader hand-off: a new shared-memory
-segment per tensor and an unpickle per batch in the trainer (1.3-1.8 ms), spawned
-workers that import torch, torchrec and fbgemm again (about 15 s, and a screen of
-fbgemm warnings each), and one more copy in the pin thread. The processes here
-are forked (no import), reuse their slots, and pickle no tensor data.
+Why processes (``data.workers_kind: process``, ``recpipe.data.processes``): the training
+loop is host-bound Python (torchrec, FBGEMM: the Criteo-sized DLRM at 8192 samples), and
+so is making a batch (many small torch ops). Producer threads in the training process
+contend with the loop for the GIL: with threads ``recpipe train`` fell well short of the
+samples/s of ``recpipe bench``, and with the loader's work out of the loop (batches made
+before training and cycled) it nearly matched it (benchmarks/results/cpu/data_loader.md,
+"Producer processes vs threads"). A forked producer process makes the batch under its
+own GIL and writes it into one of its shared-memory slots (made once, reused); a
+receiver thread of the training process copies it out in one memcpy (no GIL) and
+rebuilds the batch (a little Python), so the training process does almost no per-batch
+work, a fraction of what a producer thread costs it (``recpipe data bench``, the same
+report). torch's DataLoader hands batches off less cheaply: a new shared-memory segment
+per tensor and an unpickle per batch in the trainer, spawned workers that import torch,
+torchrec and fbgemm again (seconds, and a screen of fbgemm warnings each), and one more
+copy in the pin thread. The processes here are forked (no import), reuse their slots,
+and pickle no tensor data.
 
 Threads (``data.workers_kind: thread``) remain for machines without ``fork`` and
 ``memfd`` (not Linux; the stream falls back to them with a warning), and for

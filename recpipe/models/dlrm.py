@@ -29,8 +29,8 @@ def embedding_configs(cfg: ModelConfig) -> list[EmbeddingBagConfig]:
     (``reset_parameters``), table by table in config order. The second draw is what makes the
     initial weights independent of how TorchRec groups the tables into TBEs (one rank: a
     row_wise table placed table_wise trains bit for bit as row_wise, tests/test_pipelines.py),
-    so it stays; it costs one pass over the weights where they live (on one CPU thread, 0.9 s of
-    a 2.5 s ``shard_model`` of 1.3 GB of tables; on a GPU, one pass at its memory bandwidth)."""
+    so it stays; it costs one pass over the weights where they live (on CPU a sizeable share
+    of ``shard_model``; on a GPU, one pass at its memory bandwidth)."""
     return [
         EmbeddingBagConfig(
             name=table,
@@ -54,7 +54,7 @@ class DenseHead(nn.Module):
     interaction the upper-triangle gather is an ``index_select`` on the flattened
     products: the same values as torchrec's ``interactions[:, i, j]``, but its backward
     is an ``index_add`` (every index appears once, so it is exact) instead of the
-    sort-based ``index_put`` that cost 12 % of an 8192-sample step's GPU time.
+    sort-based ``index_put``, a visible share of an 8192-sample step's GPU time.
     """
 
     def __init__(self, inter_arch: nn.Module, over_arch: nn.Module, owner: nn.Module) -> None:

@@ -16,10 +16,9 @@ rank, or to some of them (a closed terminal sends SIGHUP, which asks the same). 
    also when only one rank got the signal. Exchanges are spaced to about
    ``EXCHANGE_EVERY_S`` of training: rank 0 measures the step time and proposes
    the number of steps to the exchange after next inside the same all-reduce, so
-   every rank learns the same spacing. An exchange costs ~0.1-0.3 ms of host time
-   on a loaded 2-core machine; once per step that was 1-2 % of a tiny CPU step.
-   So a signal stops training within about two spacings (~0.2 s, or two steps when
-   a step takes longer), plus the drain.
+   every rank learns the same spacing: an exchange costs host time, which once per
+   step would be a visible share of a small CPU step. So a signal stops training
+   within about two spacings (two steps when a step takes longer), plus the drain.
 3. ``gate()`` wraps the training batches: once stopping is agreed it hands out no
    more, so the pipeline's end-of-data agreement finds no rank with data and the
    pipeline drains, training the batches already in flight. The trainer then saves

@@ -69,9 +69,12 @@ MiB = 1 << 20
 # where 0.45 put every reserved row 2.7-10.6 % high; with expandable segments the same
 # rows' reserved memory is up to 0.2 GiB lower (docs/planner.md, "Allocator and runtime").
 ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
-CUDA_CONTEXT_BYTES = 1320 * MiB  # measured: H100, torch 2.11 + CUDA 13, fbgemm 1.6 kernels, 1-rank NCCL
+# Context, kernel images of torch and FBGEMM, a 1-rank NCCL communicator (torch 2.11 + CUDA 13,
+# fbgemm 1.6): tests/test_planner_gpu.py's "meas used" against "est total" measures it
+# (benchmarks/results/h100x1/planner.md).
+CUDA_CONTEXT_BYTES = 1320 * MiB
 NCCL_BYTES = 1024 * MiB  # calibrate: communicator buffers per rank when world size > 1 (not measured yet)
-CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each on sm90 (measured)
+CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each on sm90 (tests/test_planner_gpu.py)
 # pipeline.cuda_graphs: what one captured dense part's warm-up stream and graph pool reserve
 # beyond what they hold allocated (partly used 20 MiB pages of expandable segments, and the
 # blocks the warm-up and capture passes freed, which no other stream or pool can reuse).
@@ -411,8 +414,9 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
                               inputs.graphed_parts * CUDA_GRAPH_PART_SEGMENT_BYTES,
                               f"{inputs.graphed_parts} graphed parts' warm-up streams and pools (measured)"))
     # The passes' segments stay beside the cache bookkeeping's (its blocks, over all of a batch's
-    # indices at once, are larger than any a pass freed): measured on one H100, 12 passes,
-    # default segments, 1.285 GiB reserved against 1.082 with the two taken as one pool.
+    # indices at once, are larger than any a pass freed), so the two are not one pool;
+    # tests/test_planner_gpu.py's 12-pass row with default segments measures it
+    # (benchmarks/results/h200x4/planner.md).
     one_pass, passes = io.prefetch_scratch_one_pass, io.prefetch_scratch
     if inputs.pipeline.prefetch and one_pass > passes and not inputs.expandable_segments:
         # Measured (H100, fbgemm-gpu 1.6, FBGEMM's insert, PyTorch's default segments,

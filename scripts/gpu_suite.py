@@ -102,6 +102,12 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
     status, start = 0, time.monotonic()
     while pending or running:
         for k, part in list(pending):
+            if part.gpus > gpus:  # listed as not run, with why (render): never a skip for want of GPUs
+                (out / f"part{k}_gpus{part.gpus}.tests").write_text("".join(f"{t}\n" for t in part.tests))
+                (out / f"part{k}_gpus{part.gpus}.why").write_text(f"needs {part.gpus} GPUs; this machine has {gpus}\n")
+                print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPUs: not run ({gpus} here)", flush=True)
+                pending.remove((k, part))
+                continue
             take = min(part.gpus, gpus)
             devices = sorted(sorted(range(gpus), key=lambda g: -free[g])[:take])
             if any(free[g] == 0 for g in devices):
@@ -143,16 +149,23 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
 
 
 def render(commit: str, reports: list[Path], select: str = "") -> str:
-    """The record; a part whose pytest ended without its report (killed at the deadline) has its
-    tests listed as not run (its ``.tests`` file beside the missing ``.xml``)."""
+    """The record of ``reports`` (parts' JUnit XML files, from one or more output folders); a part
+    without its report has its tests listed as not run (its ``.tests`` file beside the missing
+    ``.xml``): one that needs more GPUs than the machine has (its ``.why`` says so), or whose
+    pytest was killed at the deadline."""
     rows, totals = [], collections.Counter()
     seconds, want = 0.0, 0
-    for listed in sorted({p.with_suffix(".tests") for p in reports} | set(
-            (reports[0].parent if reports else Path(".")).glob("part*_gpus*.tests"))):
+    parts = {p.with_suffix(".tests") for p in reports}
+    for folder in {p.parent for p in reports}:
+        parts |= set(folder.glob("part*_gpus*.tests"))
+    for listed in sorted(parts):
         if not listed.with_suffix(".xml").is_file() and listed.is_file():
+            why = listed.with_suffix(".why")
+            reason = why.read_text().strip() if why.is_file() else "its part ended without a report (killed at --deadline)"
+            gpus = re.search(r"_gpus(\d+)", listed.name)
             for name in listed.read_text().split():
                 totals["not run"] += 1
-                rows.append((name, "not run", "its part ended without a report (killed at --deadline)", "-", "-", "-"))
+                rows.append((name, "not run", reason, gpus.group(1) if gpus else "-", "-", "-"))
     for path in reports:
         suite = ElementTree.parse(path).getroot()
         for case in suite.iter("testcase"):

@@ -84,3 +84,27 @@ def test_a_part_that_ended_without_its_report_lists_its_tests_as_not_run(tmp_pat
     record = suite.render("abc1234", [xml])
     assert "passed 1, failed 0, skipped 0 (0 for want of GPUs), not run 2" in record
     assert "| `tests/test_a.py::test_y[2]` | not run | its part ended without a report" in record
+
+
+def test_parts_that_need_more_gpus_than_the_machine_has_are_not_run_and_say_why(tmp_path):
+    """On a machine with fewer GPUs than a part needs, the part is not started (no skip for want of
+    GPUs), and the record, rendered from the reports of two calls' folders, lists its tests as not
+    run with the reason."""
+    suite = _suite()
+    parts = [suite.Part(gpus=4, tests=["tests/test_a.py::test_x[4]"], seconds=1.0)]
+    assert suite.run(parts, gpus=1, out=tmp_path / "one", test_timeout=10, deadline=0) == 0
+    assert (tmp_path / "one" / "part1_gpus4.why").read_text().strip() == "needs 4 GPUs; this machine has 1"
+    assert not (tmp_path / "one" / "part1_gpus4.log").exists()  # nothing was started
+    other = tmp_path / "two"
+    other.mkdir()
+    xml = other / "part1_gpus1.xml"
+    xml.write_text('<testsuites><testsuite name="pytest"><testcase classname="tests.test_b" name="test_z" time="1.0"/>'
+                   '</testsuite></testsuites>')
+    (other / "part1_gpus1.tests").write_text("tests/test_b.py::test_z\n")
+    ran = tmp_path / "one" / "part2_gpus1.xml"  # the first folder's report of a part that ran
+    ran.write_text('<testsuites><testsuite name="pytest"><testcase classname="tests.test_c" name="test_w" time="1.0"/>'
+                   '</testsuite></testsuites>')
+    (tmp_path / "one" / "part2_gpus1.tests").write_text("tests/test_c.py::test_w\n")
+    record = suite.render("abc1234", [ran, xml])
+    assert "passed 2, failed 0, skipped 0 (0 for want of GPUs), not run 1" in record
+    assert "| `tests/test_a.py::test_x[4]` | not run | needs 4 GPUs; this machine has 1 | 4 |" in record

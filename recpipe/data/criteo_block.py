@@ -19,42 +19,45 @@ import numpy as np
 __all__ = ["parse_block"]
 
 _INT32_MAX = 2**31 - 1
-_BAD = 255  # a byte that is no digit of the base
-_HEX = np.full(256, _BAD, dtype=np.uint8)
-_HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
-_HEX[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
-_HEX[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
-_DEC = np.where(_HEX < 10, _HEX, _BAD).astype(np.uint8)
+_BAD = 0xFF  # a byte that is no digit
+
+# byte -> digit value. Tab and newline (never inside a field: a field shorter than the widest
+# reads the separator before it) and "-" (a count's sign: where else it is, is checked) are 0.
+_DIGITS = np.full(256, _BAD, dtype=np.uint8)
+_DIGITS[np.frombuffer(b"0123456789abcdefABCDEF\t\n-", np.uint8)] = [*range(16), *range(10, 16), 0, 0, 0]
 _HEX_WIDTH = 16  # digits of a uint64
 _DEC_WIDTH = 10  # digits of int32's largest value
 
 
-def _numbers(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, table: np.ndarray, width: int,
-             base: int) -> np.ndarray | None:
-    """The unsigned numbers in ``buf[starts:ends]`` (empty: 0) as uint64, or None if a field
-    is longer than ``width`` or holds a byte that is no digit of ``base``."""
-    lengths = ends - starts
-    longest = int(lengths.max(initial=0))
+def _numbers(digits: np.ndarray, starts: np.ndarray, ends: np.ndarray, width: int, base: int) -> np.ndarray | None:
+    """The unsigned numbers of the fields ``[starts, ends)`` of a block (empty: 0) as uint64,
+    from its bytes' ``_DIGITS``; None if a field is longer than ``width`` or holds a byte
+    that is no digit of ``base``."""
+    longest = int((ends - starts).max(initial=0))
     if longest > width:
         return None
     values = np.zeros(starts.shape, dtype=np.uint64)
-    for k in range(longest, 0, -1):  # the k-th byte from a field's end, most significant first
-        has = lengths >= k
-        digit = table[buf[np.where(has, ends - k, 0)]]
-        digit = np.where(has, digit, 0)
-        if (digit == _BAD).any():
-            return None
-        values = values * np.uint64(base) + digit
-    return values
+    largest = np.zeros(starts.shape, dtype=np.uint8)
+    padding, at, position = starts - 1, ends - longest, np.empty_like(ends)
+    for _ in range(longest):  # Horner's rule, the most significant column first
+        np.maximum(at, padding, out=position)
+        digit = digits[position]
+        np.maximum(largest, digit, out=largest)
+        values *= np.uint64(base)
+        values += digit
+        at += 1
+    return None if (largest >= base).any() else values
 
 
-def _dense(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+def _dense(buf: np.ndarray, digits: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
     """Decimal counts, a leading ``-`` allowed (a negative count is 0), or None."""
-    negative = (ends > starts) & (buf[np.minimum(starts, len(buf) - 1)] == ord("-"))
+    negative = (ends > starts) & (buf[starts] == ord("-"))
     digits_from = starts + negative
     if (negative & (digits_from == ends)).any():  # a lone "-"
         return None
-    values = _numbers(buf, digits_from, ends, _DEC, _DEC_WIDTH, 10)
+    if np.count_nonzero(buf == ord("-")) != np.count_nonzero(negative):  # a "-" elsewhere
+        return None
+    values = _numbers(digits, digits_from, ends, _DEC_WIDTH, 10)
     if values is None or (values[~negative] > _INT32_MAX).any():
         return None
     return np.where(negative, 0, values).astype(np.int64)
@@ -95,9 +98,10 @@ def parse_block(lines: list[bytes], rows: list[int], num_dense: int, hashing: st
     labels = buf[starts[:, 0]] - ord("0")
     if (ends[:, 0] - starts[:, 0] != 1).any() or (labels > 1).any():
         return None
-    dense = _dense(buf, starts[:, 1 : 1 + num_dense], ends[:, 1 : 1 + num_dense])
+    digits = _DIGITS.take(buf)
+    dense = _dense(buf, digits, starts[:, 1 : 1 + num_dense], ends[:, 1 : 1 + num_dense])
     cat_starts, cat_ends = starts[:, 1 + num_dense :], ends[:, 1 + num_dense :]
-    hexes = _numbers(buf, cat_starts, cat_ends, _HEX, _HEX_WIDTH, 16)
+    hexes = _numbers(digits, cat_starts, cat_ends, _HEX_WIDTH, 16)
     if dense is None or hexes is None:
         return None
     table = np.empty((n, columns), dtype=np.int64)

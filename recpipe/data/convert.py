@@ -3,9 +3,12 @@
 Each input file becomes one part (``binary_format``), converted by one process of a
 pool (``--workers``, default one per core); rows keep the order of the lines, and
 parts the order of the files on the command line, so the dataset's row stream is
-the TSV reader's line stream. Lines are parsed by the TSV reader's own
-``parse_line`` (same validation, same id hashing, or TorchRec's with
-``hashing="torchrec"``).
+the TSV reader's line stream. Lines are parsed 65536 at a time by
+``criteo_block.parse_block`` (numpy, one-hot features), which gives the values of the TSV
+reader's own ``parse_line`` (same id hashing, or TorchRec's with ``hashing="torchrec"``)
+and hands back any block it would not parse exactly as ``parse_line`` does; such a block
+(a malformed line, multi-hot fields, ...) is parsed line by line by ``parse_line``, so
+every error, every skipped line and every value is ``parse_line``'s.
 
 Restartable: the first run writes the manifest with the list of sources; each part's
 entry is added when the part is complete. A later run with the same files skips the

@@ -57,7 +57,9 @@ def test_parse_block_gives_parse_lines_values(hashing):
     lambda f: f.insert(5, "1"),  # a column too many
     lambda f: f.pop(5),  # one too few
     lambda f: f.__setitem__(17, f[17] + "\r"),  # CRLF
-])
+], ids=["label 2", "no label", "+5", "space", "underscore", "lone minus", "minus after", "two minus",
+        "beyond int32", "eleven digits", "not hex", "minus in id", "17 hex digits", "column too many",
+        "column too few", "CRLF"])
 def test_parse_block_hands_back_what_it_does_not_parse_as_parse_line(change):
     lines = random_lines(20, 3)
     fields = lines[11].rstrip("\n").split("\t")

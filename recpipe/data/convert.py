@@ -3,9 +3,12 @@
 Each input file becomes one part (``binary_format``), converted by one process of a
 pool (``--workers``, default one per core); rows keep the order of the lines, and
 parts the order of the files on the command line, so the dataset's row stream is
-the TSV reader's line stream. Lines are parsed by the TSV reader's own
-``parse_line`` (same validation, same id hashing, or TorchRec's with
-``hashing="torchrec"``).
+the TSV reader's line stream. Lines are parsed 65536 at a time by
+``criteo_block.parse_block`` (numpy, one-hot features), which gives the values of the TSV
+reader's own ``parse_line`` (same id hashing, or TorchRec's with ``hashing="torchrec"``)
+and hands back any block it would not parse exactly as ``parse_line`` does; such a block
+(a malformed line, multi-hot fields, ...) is parsed line by line by ``parse_line``, so
+every error, every skipped line and every value is ``parse_line``'s.
 
 Restartable: the first run writes the manifest with the list of sources; each part's
 entry is added when the part is complete. A later run with the same files skips the
@@ -32,6 +35,7 @@ import queue
 import signal
 import warnings
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any, Callable
 
@@ -51,13 +55,14 @@ from recpipe.data.binary_format import (
     write_npy_header,
 )
 from recpipe.data.criteo import open_lines, parse_line
+from recpipe.data.criteo_block import parse_block
 from recpipe.system import die_with_parent
 from recpipe.errors import ConfigError, StopRequested, StorageError, storage_problem
 
 __all__ = ["ConvertReport", "convert"]
 
 _INT32_MAX = 2**31 - 1
-_CHUNK_ROWS = 1 << 16  # rows parsed before they are written out
+_CHUNK_ROWS = 1 << 16  # lines parsed at once, then written out
 _EXAMPLES = 5  # skipped lines listed per file
 
 
@@ -164,32 +169,52 @@ class _Task:
     skip_malformed: int
 
 
+class _Skips:
+    """The malformed lines of one file skipped so far (``--skip-malformed``)."""
+
+    def __init__(self, task: _Task) -> None:
+        self.task, self.count, self.examples = task, 0, []
+
+    def add(self, err: ValueError) -> None:
+        limit, source = self.task.skip_malformed, self.task.source
+        if self.count >= limit:
+            if limit:
+                raise ValueError(f"{err} (more than --skip-malformed={limit} malformed lines in {source})") from None
+            raise err
+        self.count += 1
+        if len(self.examples) < _EXAMPLES:
+            self.examples.append(str(err))
+
+
+def _parse_lines(lines: list[bytes], first: int, task: _Task, skips: _Skips) -> np.ndarray:
+    """int64 rows of ``lines`` (line numbers from ``first``): a block at once where
+    ``parse_block`` can, else line by line (its errors, its skipped lines)."""
+    layout, hashing = task.manifest.layout, task.manifest.hashing
+    if all(h == 1 for h in layout.hotness):
+        table = parse_block(lines, list(layout.table_sizes), layout.num_dense, hashing)
+        if table is not None:
+            return table
+    rows = []
+    for lineno, line in enumerate(lines, start=first):
+        try:
+            rows.append(_parse(line, layout, f"{task.source}:{lineno}", hashing))
+        except ValueError as err:
+            skips.add(err)
+    return np.array(rows, dtype=np.int64).reshape(len(rows), 1 + layout.num_dense + sum(layout.hotness))
+
+
 def convert_file(task: _Task, on_bytes: Callable[[int], None]) -> dict[str, Any]:
     """Convert one TSV file into one finished part; returns its manifest entry."""
     stat = os.stat(task.source)
     raw = _HashingReader(task.source, on_bytes)
     writer = _PartWriter(task.manifest, task.part)
-    layout, hashing = task.manifest.layout, task.manifest.hashing
-    skipped, examples, rows = 0, [], []
+    skips = _Skips(task)
     try:
         with open_lines(task.source, raw) as lines:
-            for lineno, line in enumerate(lines, start=1):
-                try:
-                    rows.append(_parse(line, layout, f"{task.source}:{lineno}", hashing))
-                except ValueError as err:
-                    if skipped >= task.skip_malformed:
-                        if task.skip_malformed:
-                            raise ValueError(f"{err} (more than --skip-malformed={task.skip_malformed} "
-                                             f"malformed lines in {task.source})") from None
-                        raise
-                    skipped += 1
-                    if len(examples) < _EXAMPLES:
-                        examples.append(str(err))
-                if len(rows) == _CHUNK_ROWS:
-                    writer.write(np.array(rows, dtype=np.int64))
-                    rows = []
-        if rows:
-            writer.write(np.array(rows, dtype=np.int64))
+            first, stream = 1, iter(lines)
+            while chunk := list(islice(stream, _CHUNK_ROWS)):
+                writer.write(_parse_lines(chunk, first, task, skips))
+                first += len(chunk)
         files = writer.commit()
     except BaseException:
         writer.abort()
@@ -198,8 +223,8 @@ def convert_file(task: _Task, on_bytes: Callable[[int], None]) -> dict[str, Any]
         "rows": writer.rows,
         "source": {"path": task.source, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                    "sha256": raw.sha256.hexdigest()},
-        "skipped_malformed": skipped,
-        "skipped_examples": examples,
+        "skipped_malformed": skips.count,
+        "skipped_examples": skips.examples,
         "files": files,
     }
 

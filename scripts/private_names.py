@@ -90,6 +90,7 @@ class _Scan(ast.NodeVisitor):
         self.bound: dict[str, str] = {}  # local name -> the dotted path it was imported as
         self.classes: list[tuple[set[str], str | None] | None] = []  # (own names, library bases' source) or None
         self.uses: list[tuple[int, str]] = []
+        self.defined: set[str] = set()  # private names this module's classes define, not a library base's
 
     def _add(self, node: ast.AST, text: str) -> None:
         self.uses.append((node.lineno, text))
@@ -109,6 +110,11 @@ class _Scan(ast.NodeVisitor):
 
     def visit_ClassDef(self, node: ast.ClassDef) -> None:
         self.classes.append(self._library_class(node))
+        names = _class_names(node)
+        if self.classes[-1] is not None:  # a library subclass: its base's names stay the library's
+            source = self.classes[-1][1]
+            names = {n for n in names if source is not None and not re.search(rf"\b{n}\b", source)}
+        self.defined |= names
         self.generic_visit(node)
         self.classes.pop()
 
@@ -130,6 +136,8 @@ class _Scan(ast.NodeVisitor):
 
     def _library_object(self, node: ast.AST) -> bool | None:
         """True: the library's; False: recpipe's or the standard library's; None: unknown."""
+        if isinstance(node, ast.Name) and node.id in ("self", "cls"):
+            return False if not self.classes or self.classes[-1] is None else None
         while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
             if isinstance(node, ast.Call):  # getattr(obj, ...) is obj's; f(...) is f's module's
                 accessor = isinstance(node.func, ast.Name) and node.func.id in _ACCESSORS and node.args
@@ -138,8 +146,8 @@ class _Scan(ast.NodeVisitor):
                 node = node.value
         if not isinstance(node, ast.Name):
             return None
-        if node.id in ("self", "cls"):
-            return False if not self.classes or self.classes[-1] is None else None
+        if node.id in ("self", "cls"):  # self.x._y: whatever self.x holds
+            return None
         origin = self.bound.get(node.id)
         if origin is None:
             return None
@@ -149,7 +157,7 @@ class _Scan(ast.NodeVisitor):
         if not is_private(name):
             return
         library = self._library_object(obj)
-        if library is None and isinstance(obj, ast.Name) and obj.id in ("self", "cls"):
+        if library is None and isinstance(obj, ast.Name) and obj.id in ("self", "cls") and self.classes:
             names, source = self.classes[-1]  # self in a subclass of a library class
             library = name not in names or source is None or re.search(rf"\b{name}\b", source) is not None
         if library or (library is None and name not in self.own):
@@ -199,7 +207,11 @@ def _docstrings(tree: ast.Module) -> set[int]:
 def scan(root: Path = ROOT) -> dict[str, list[tuple[int, str]]]:
     """``{path relative to the repository: [(line, use), ...]}`` for every file with a use."""
     trees = {p: ast.parse(p.read_text(), str(p)) for p in sorted(root.rglob("*.py"))}
-    own = set().union(*(_class_names(c) for t in trees.values() for c in ast.walk(t) if isinstance(c, ast.ClassDef)))
+    own: set[str] = set()
+    for tree in trees.values():  # first pass: what recpipe's classes define
+        first = _Scan(set())
+        first.visit(tree)
+        own |= first.defined
     out: dict[str, list[tuple[int, str]]] = {}
     for path, tree in trees.items():
         scanner = _Scan(own)

@@ -31,12 +31,13 @@ this module does not reach.
 
 from __future__ import annotations
 
-import types
 from typing import Any, Optional
 
 import torch
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
 from torchrec.sparse.jagged_tensor import KeyedTensor
+
+from recpipe.compat.torchrec import ebc_awaitable_parts, keyed_tensor_key_index, replace_wait
 
 
 class GroupedKeyedTensor(KeyedTensor):
@@ -78,7 +79,7 @@ class GroupedKeyedTensor(KeyedTensor):
         out: dict[str, torch.Tensor] = {}
         first = 0
         for group, n in zip(self._groups, self._keys_per_group):
-            keys, lengths = self._keys[first:first + n], self._length_per_key[first:first + n]
+            keys, lengths = self.keys()[first:first + n], self.length_per_key()[first:first + n]
             out.update(zip(keys, group.split(lengths, dim=1)))
             first += n
         return out
@@ -86,12 +87,12 @@ class GroupedKeyedTensor(KeyedTensor):
     def __getitem__(self, key: str) -> torch.Tensor:
         if self._groups is None:
             return super().__getitem__(key)
-        index = self._key_indices()[key]
+        index = keyed_tensor_key_index(self)[key]
         first = 0
         for group, n in zip(self._groups, self._keys_per_group):
             if index < first + n:
-                start = sum(self._length_per_key[first:index])
-                return group.narrow(1, start, self._length_per_key[index])
+                start = sum(self.length_per_key()[first:index])
+                return group.narrow(1, start, self.length_per_key()[index])
             first += n
         raise KeyError(key)  # pragma: no cover - _key_indices() already raised
 
@@ -128,10 +129,11 @@ def _wait_grouped(self: EmbeddingBagCollectionAwaitable) -> KeyedTensor:
     """torchrec's ``EmbeddingBagCollectionAwaitable._wait_impl`` (1.6.1 to 1.8.0), with
     :class:`GroupedKeyedTensor` for its ``construct_output_kt`` (without torchrec's
     profiler annotations of each group's wait)."""
-    embeddings = [w.wait() for w in self._awaitables]
-    for awaitable in self._resize_awaitables or ():  # torchrec frees memory and resizes here
+    parts = ebc_awaitable_parts(self)
+    embeddings = [w.wait() for w in parts.awaitables]
+    for awaitable in parts.resize_awaitables:  # torchrec frees memory and resizes here
         awaitable.wait()
-    names, dims = list(self._embedding_names), list(self._embedding_dims)
+    names, dims = parts.names, parts.dims
     per_group = _keys_per_group(embeddings, dims)
     if per_group is None:  # torchrec's own concatenation
         return KeyedTensor(keys=names, length_per_key=dims, values=torch.cat(embeddings, dim=1), key_dim=1)
@@ -141,6 +143,6 @@ def _wait_grouped(self: EmbeddingBagCollectionAwaitable) -> KeyedTensor:
 def grouped(result: Any) -> Any:
     """``compute_and_output_dist``'s result, with its wait giving a :class:`GroupedKeyedTensor`
     when torchrec would concatenate several groups; anything else unchanged."""
-    if type(result) is EmbeddingBagCollectionAwaitable and len(result._awaitables) > 1:
-        result._wait_impl = types.MethodType(_wait_grouped, result)
+    if type(result) is EmbeddingBagCollectionAwaitable and len(ebc_awaitable_parts(result).awaitables) > 1:
+        replace_wait(result, _wait_grouped)
     return result

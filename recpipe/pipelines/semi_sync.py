@@ -16,6 +16,7 @@ from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torchrec.distributed.types import LazyAwaitable
 
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
 from recpipe.pipelines.context import InFlight, StepContext
@@ -132,8 +133,7 @@ class SemiSyncPipeline(Pipeline):
         self._capture = _Capture()
         if emb_lookup == "before_update":
             no_lookups = [fqn for fqn, m in self.context.modules.items()
-                          if not (isinstance(getattr(m, "_lookups", None), (list, nn.ModuleList)) and m._lookups
-                                  and all(isinstance(lk, nn.Module) for lk in m._lookups))]
+                          if compat_torchrec.lookups(m) is None]
             if no_lookups:
                 raise PipelineError(
                     f"semi_sync emb_lookup=before_update stops the backward at the outputs of torchrec's lookup modules "
@@ -147,7 +147,7 @@ class SemiSyncPipeline(Pipeline):
 
     def _install_lookup_hooks(self) -> None:
         self._lookup_hooks = [lookup.register_forward_hook(self._capture.hook_for(fqn))
-                              for fqn, module in self.context.modules.items() for lookup in module._lookups]
+                              for fqn, module in self.context.modules.items() for lookup in compat_torchrec.lookups(module)]
 
     def attach(self) -> None:
         was = self.attached

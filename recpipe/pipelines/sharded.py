@@ -29,6 +29,7 @@ from torchrec.distributed.model_parallel import get_unwrapped_module
 from torchrec.distributed.types import Awaitable, ShardedModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
 from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
 
@@ -52,11 +53,8 @@ def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
 
 def shardings(module: ShardedModule) -> list[tuple[str, Any]]:
     """(sharding type, torchrec's sharding object) of each sharding group of ``module``:
-    ShardedEmbeddingBagCollection lists them (``_sharding_types``, ``_embedding_shardings``),
-    ShardedEmbeddingCollection maps them (``_sharding_type_to_sharding``), in torchrec 1.6.1 to 1.8."""
-    if hasattr(module, "_embedding_shardings"):
-        return list(zip(module._sharding_types, module._embedding_shardings))
-    return list(getattr(module, "_sharding_type_to_sharding", {}).items())
+    the list of a ShardedEmbeddingBagCollection, the map of a ShardedEmbeddingCollection."""
+    return compat_torchrec.sharding_groups(module)
 
 
 def all_modules(model: nn.Module) -> list[nn.Module]:
@@ -70,7 +68,7 @@ def all_modules(model: nn.Module) -> list[nn.Module]:
             continue
         seen.add(id(module))
         found.append(module)
-        todo.extend(m for m in module._modules.values() if m is not None)
+        todo.extend(compat_torchrec.module_children(module))
         for value in vars(module).values():
             if isinstance(value, (list, tuple)):
                 todo.extend(v for v in value if isinstance(v, nn.Module))
@@ -86,7 +84,7 @@ def cached_tbes(model: torch.nn.Module, locked: bool = True) -> list:
 
 
 def has_feature_processor(module: ShardedModule) -> bool:
-    return "FeatureProcessed" in type(module).__name__ or hasattr(module, "_feature_processor")
+    return compat_torchrec.has_feature_processor(module)
 
 
 def dense_optimized_tables(modules: dict[str, ShardedModule], optimizer: Any) -> list[str]:
@@ -216,10 +214,8 @@ class SplitsOnlyForward:
     """
 
     def __init__(self, kjt_dist: KJTAllToAll, host_pg: dist.ProcessGroup | None = None) -> None:
-        self.pg = kjt_dist._pg
+        self.pg, self.splits, self.stagger = compat_torchrec.all_to_all_layout(kjt_dist)
         self.host_pg = host_pg  # splits_exchange="host": the splits stay on the host, exchanged over it
-        self.splits = kjt_dist._splits
-        self.stagger = kjt_dist._stagger
         cumsum = [0, *itertools.accumulate(self.splits)]
         rank = dist.get_rank(self.pg)  # fixed for the group's life: looked up once, not per batch
         self._world = self.pg.size()
@@ -265,10 +261,10 @@ def kjt_all_to_alls(modules: dict[str, ShardedModule]) -> list[KJTAllToAll]:
     torchrec creates them on the first input_dist call)."""
     found = []
     for module in modules.values():
-        if getattr(module, "_has_uninitialized_input_dist", False):
+        dists = compat_torchrec.input_dist_all_to_alls(module)
+        if dists is None:
             return []
-        for input_dist in getattr(module, "_input_dists", []):
-            kjt_dist = getattr(input_dist, "_dist", None)
+        for kjt_dist in dists:
             if isinstance(kjt_dist, KJTAllToAll):
                 found.append(kjt_dist)
     return found
@@ -307,9 +303,10 @@ def install_splits_only(modules: dict[str, ShardedModule], host: bool = False) -
     read its result back (a host sync per step)."""
     targets = kjt_all_to_alls(modules)
     for kjt_dist in targets:
-        if kjt_dist._pg.size() > 1:
+        pg = compat_torchrec.all_to_all_layout(kjt_dist).pg
+        if pg.size() > 1:
             kjt_dist.forward = SplitsOnlyForward(  # type: ignore[method-assign]
-                kjt_dist, host_group(kjt_dist._pg) if host else None)
+                kjt_dist, host_group(pg) if host else None)
     return bool(targets)
 
 
@@ -331,22 +328,21 @@ class FusedSplits(FusedKJTListSplitsAwaitable):
 
     def __init__(self, requests: list[Any], contexts: list[Any], pg: dist.ProcessGroup | None) -> None:
         Awaitable.__init__(self)
-        self._contexts = contexts
-        self._awaitables = [awaitable for request in requests for awaitable in request.awaitables]
-        self._output_lengths = [len(request.awaitables) for request in requests]
-        metas = [a for a in self._awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
+        awaitables = [awaitable for request in requests for awaitable in request.awaitables]
+        output_lengths = [len(request.awaitables) for request in requests]
+        metas = [a for a in awaitables if isinstance(a, KJTSplitsAllToAllMeta)]
         on_host = [m for m in metas if hasattr(m, "host_rows")]
         if on_host:  # splits_exchange="host": every KJT all-to-all of the pipeline has its rows here
             assert len(on_host) == len(metas), "all KJT all-to-alls of a pipeline exchange their splits alike"
-            self._lengths = [len(getattr(a, "host_rows", ())) for a in self._awaitables]
+            lengths = [len(getattr(a, "host_rows", ())) for a in awaitables]
             rows = [row for m in on_host for row in m.host_rows]
-            self._splits_awaitable = HostSplitsExchange(rows, on_host[0].host_pg)
-            return
-        self._lengths = [len(a.splits_tensors) if isinstance(a, KJTSplitsAllToAllMeta) else 0
-                         for a in self._awaitables]
-        splits_tensors = [t for m in metas for t in m.splits_tensors]
-        self._splits_awaitable = (SplitsAllToAllAwaitable(input_tensors=splits_tensors, pg=pg)
-                                  if splits_tensors and pg is not None else None)
+            splits = HostSplitsExchange(rows, on_host[0].host_pg)
+        else:
+            lengths = [len(a.splits_tensors) if isinstance(a, KJTSplitsAllToAllMeta) else 0 for a in awaitables]
+            splits_tensors = [t for m in metas for t in m.splits_tensors]
+            splits = (SplitsAllToAllAwaitable(input_tensors=splits_tensors, pg=pg)
+                      if splits_tensors and pg is not None else None)
+        compat_torchrec.init_fused_splits(self, contexts, awaitables, output_lengths, lengths, splits)
 
 
 class HostSplitsExchange(Awaitable):

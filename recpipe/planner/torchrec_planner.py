@@ -27,6 +27,7 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
+from recpipe.compat.torchrec import reserved_hbm
 from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.memory import LOCATION_BYTES, module_received_kjt_bytes
 from recpipe.planner.inputs import inputs_from_config
@@ -251,8 +252,7 @@ def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_awa
     options = {so.name: so for so in enumerator.enumerate(model, sharders)}
     reservation = HeuristicalStorageReservation(percentage=0.15)
     reservation.reserve(topology, inputs.batch_size, model, sharders, constraints)
-    dense = reservation._dense_storage.hbm if reservation._dense_storage else 0
-    kjt = reservation._kjt_storage.hbm if reservation._kjt_storage else 0
+    dense, kjt = reserved_hbm(reservation)
     tw = dict(inputs.tw_ranks)
     out = [{"rank": r, "shards_hbm": 0, "shards_ddr": 0, "dense_reservation": dense, "kjt_reservation": kjt}
            for r in range(inputs.world_size)]

@@ -39,6 +39,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from recpipe.compat.fbgemm import tbe_last_batch
+from recpipe.compat.torch import backward_pre_hooks
 from recpipe.pipelines.sharded import cached_tbes
 from recpipe.pipelines.streams import hand_off, record_event
 
@@ -71,7 +73,7 @@ def install(tbe: torch.nn.Module) -> bool:
     has no such hook (no ``prefetch_pipeline``, or a FBGEMM that names it otherwise)."""
     if getattr(tbe, _ATTR, None) is not None:
         return True
-    hooks = tbe._backward_pre_hooks
+    hooks = backward_pre_hooks(tbe)
     key = next((k for k, h in hooks.items()
                 if getattr(h, "__self__", None) is tbe and getattr(h, "__name__", "") == FBGEMM_HOOK), None)
     if key is None:
@@ -86,8 +88,7 @@ def install(tbe: torch.nn.Module) -> bool:
 def _after_forward(state: _State, tbe: torch.nn.Module, args: Any, output: Any) -> None:
     if not (torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad):
         return  # no backward will follow: FBGEMM's hook will not run either
-    state.pending = _Batch(record_event(_current_stream(output)), tbe.lxu_cache_locations, tbe._indices,
-                           tbe._offsets, tbe._vbe_B_offsets, tbe._vbe_max_B)
+    state.pending = _Batch(record_event(_current_stream(output)), tbe.lxu_cache_locations, *tbe_last_batch(tbe))
 
 
 def _current_stream(t: torch.Tensor) -> Any:

@@ -35,6 +35,7 @@ from torchrec.distributed.dist_data import KJTAllToAll, KJTAllToAllTensorsAwaita
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded
 
@@ -85,7 +86,7 @@ def row_buckets(modules: dict[str, Any]) -> dict[str, Buckets]:
             count = getattr(sharding, group).size()
             if count == 1:
                 continue
-            for name, rows in zip(sharding.feature_names(), sharding._get_feature_hash_sizes()):
+            for name, rows in zip(sharding.feature_names(), compat_torchrec.feature_hash_sizes(sharding)):
                 b = Buckets.of_table(int(rows), count)
                 if found.setdefault(name, b) != b:
                     raise PipelineError(f"pipeline.step_graph: feature {name!r} feeds two row-wise tables of "
@@ -121,8 +122,7 @@ class FixedBuckets:
                                     f"row buckets, but its padded capacity has {None if cap is None else len(cap)}")
             per_key.append(cap)
         lengths = [per_key[k][r] for r in range(num_buckets) for k in range(len(per_key))]
-        out._length_per_key = lengths
-        out._offset_per_key = [0, *itertools.accumulate(lengths)]
+        compat_torchrec.set_length_per_key(out, lengths)
         return out, unbucketize
 
     @contextlib.contextmanager
@@ -142,13 +142,13 @@ class _FixedSplits(Awaitable):
 
     def __init__(self, kjt_dist: KJTAllToAll, kjt: KeyedJaggedTensor) -> None:
         super().__init__()
-        pg = kjt_dist._pg
+        pg, splits, stagger = compat_torchrec.all_to_all_layout(kjt_dist)
         rank, world = dist.get_rank(pg), pg.size()
-        cumsum = [0, *itertools.accumulate(kjt_dist._splits)]
+        cumsum = [0, *itertools.accumulate(splits)]
         self._args = dict(
-            pg=pg, input=kjt, splits=kjt_dist._splits, input_splits=kjt.dist_splits(kjt_dist._splits),
+            pg=pg, input=kjt, splits=splits, input_splits=kjt.dist_splits(splits),
             labels=kjt.dist_labels(), keys=kjt.keys()[cumsum[rank]:cumsum[rank + 1]], device=kjt.device(),
-            stagger=kjt_dist._stagger, stride_per_rank=[kjt.stride()] * world, input_tensors=kjt.dist_tensors())
+            stagger=stagger, stride_per_rank=[kjt.stride()] * world, input_tensors=kjt.dist_tensors())
         self._args["output_splits"] = [[row[rank]] * world for row in self._args["input_splits"]]
 
     def _wait_impl(self) -> "_FixedTensors":
@@ -176,8 +176,7 @@ class _FixedTensors(Awaitable):
             kjt = self._tensors.wait()
         finally:
             KeyedJaggedTensor.sync = sync
-        kjt._length_per_key = self._length_per_key
-        kjt._offset_per_key = [0, *itertools.accumulate(self._length_per_key)]
+        compat_torchrec.set_length_per_key(kjt, self._length_per_key)
         return kjt
 
 
@@ -205,7 +204,7 @@ class FixedSplitsForward:
 def fixed_splits_installed(modules: dict[str, Any], buckets: FixedBuckets | None) -> Iterator[bool]:
     """Every KJT all-to-all of several ranks in ``modules`` with fixed splits (and the
     row buckets' counts from ``buckets``) inside the block; yields whether there was one."""
-    targets = [d for d in sharded.kjt_all_to_alls(modules) if d._pg.size() > 1]
+    targets = [d for d in sharded.kjt_all_to_alls(modules) if compat_torchrec.all_to_all_layout(d).pg.size() > 1]
     for d in targets:
         d.forward = FixedSplitsForward(d)
     try:

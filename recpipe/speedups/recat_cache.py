@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from recpipe.compat.torchrec import recat_function, recat_replaced
+
 __all__ = ["RecatCache", "RecatCacheHandle", "apply"]
 
 
@@ -34,10 +36,7 @@ class RecatCache:
     LAYOUTS = 64
 
     def __init__(self) -> None:
-        from torchrec.distributed import dist_data
-
-        self._module = dist_data
-        self._original = dist_data._get_recat
+        self._original = recat_function()
         self._made: dict[tuple, Any] = {}
         self._pinned: list[torch.Tensor] = []
         self.made = 0  # recat tensors made
@@ -69,11 +68,8 @@ class RecatCache:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        previous, self._module._get_recat = self._module._get_recat, self
-        try:
+        with recat_replaced(self):
             yield
-        finally:
-            self._module._get_recat = previous
 
 
 class RecatCacheHandle:

@@ -466,6 +466,14 @@ class TrainConfig(Section):
     # all-reduce, TensorBoard, the bar): at short intervals, a visible share of a host-bound
     # step (benchmarks/results/h100x1/trainer_vs_bench.md).
     log_every: int = Field(100, gt=0)
+    # Gradient accumulation (recpipe/pipelines/accumulation.py): each optimizer step trains
+    # this many micro-batches of data.batch_size, the dense gradients summed (loss / N) and
+    # the dense optimizer stepped once: the dense part trains as one batch of N x
+    # data.batch_size. Fused-optimizer tables update inside each micro-batch's backward.
+    # train.steps, eval_every, log_every, checkpoint.every and the learning-rate schedules
+    # count optimizer steps.
+    accumulate_steps: int = Field(1, ge=1, description="micro-batches of data.batch_size per optimizer step "
+                                  "(gradient accumulation); 1 = none")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32
@@ -652,6 +660,25 @@ class RecpipeConfig(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def _accumulation_problems(cfg: RecpipeConfig) -> list[str]:
+    """What ``train.accumulate_steps`` > 1 cannot run with (recpipe/pipelines/accumulation.py)."""
+    steps = cfg.train.accumulate_steps
+    if steps == 1:
+        return []
+    key = f"train.accumulate_steps={steps}"
+    problems = []
+    if cfg.pipeline.name == "semi_sync":
+        problems.append(f"{key}: pipeline.name='semi_sync' splits a batch's backward and steps the dense optimizer "
+                        "on the previous batch's gradient; use sparse_dist, fused_sparse_dist or prefetch")
+    if cfg.pipeline.step_graph.enabled:
+        problems.append(f"{key}: pipeline.step_graph replays zero_grad, backward and both optimizers of a batch as "
+                        "one CUDA graph, which cannot skip the dense step; set pipeline.step_graph=false")
+    if cfg.train.on_nonfinite == "skip_step":
+        problems.append(f"{key}: train.on_nonfinite=skip_step skips one batch's update, not an optimizer step of "
+                        "several micro-batches; use train.on_nonfinite=error")
+    return problems
+
+
 def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     problems: list[str] = []
     sh = cfg.sharding
@@ -694,6 +721,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.type='column_wise' splits model.embedding_dim={cfg.model.embedding_dim} "
                 f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"
             )
+    problems += _accumulation_problems(cfg)
     cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
     if sh.prefetch_passes > 1 and not cfg.cache_line_locking:
         problems.append(

@@ -452,7 +452,8 @@ MIN_STEP_TIMEOUT_S = 1.0
 
 
 class TrainConfig(Section):
-    steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
+    steps: int = Field(200, gt=0, description="training steps at most: optimizer steps, each one batch per rank "
+                       "(train.accumulate_steps micro-batches with accumulation)")
     epochs: int = Field(1, gt=0)
     # torch.manual_seed takes 64 bits; numpy's generators (data shuffling) take non-negative seeds.
     seed: int = Field(0, ge=0, lt=2**63)
@@ -466,14 +467,16 @@ class TrainConfig(Section):
     # all-reduce, TensorBoard, the bar): at short intervals, a visible share of a host-bound
     # step (benchmarks/results/h100x1/trainer_vs_bench.md).
     log_every: int = Field(100, gt=0)
-    # Gradient accumulation (recpipe/pipelines/accumulation.py): each optimizer step trains
-    # this many micro-batches of data.batch_size, the dense gradients summed (loss / N) and
-    # the dense optimizer stepped once: the dense part trains as one batch of N x
-    # data.batch_size. Fused-optimizer tables update inside each micro-batch's backward.
+    # Gradient accumulation (recpipe/pipelines/accumulation.py, docs/pipelines.md): each
+    # optimizer step trains this many micro-batches of data.batch_size, the dense gradients
+    # summed (backward of loss / N) and the dense optimizer stepped once, so the dense part
+    # and data_parallel tables train as one batch of N x data.batch_size (up to float
+    # summation order). Fused-optimizer tables update inside each micro-batch's backward.
     # train.steps, eval_every, log_every, checkpoint.every and the learning-rate schedules
-    # count optimizer steps.
-    accumulate_steps: int = Field(1, ge=1, description="micro-batches of data.batch_size per optimizer step "
-                                  "(gradient accumulation); 1 = none")
+    # count optimizer steps; an epoch's data that ends inside a step ends it on the mean
+    # gradient of its micro-batches. Not with pipeline.name=semi_sync, pipeline.step_graph
+    # or train.on_nonfinite=skip_step (exit 2).
+    accumulate_steps: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32

@@ -119,7 +119,8 @@ class GradientAccumulation:
     def _short_step(self, trained: int) -> None:
         """The data ended after ``trained`` < ``steps`` micro-batches (every rank agrees: the
         pipeline's end of data is agreed): the dense optimizer steps on their mean gradient,
-        as on a last batch of ``trained`` x ``data.batch_size`` samples."""
+        as on a last batch of ``trained`` x ``data.batch_size`` samples. (The pipeline has
+        released that batch's device copy by then: ``after_optimizer_step`` gets None.)"""
         fn, ctx, b = self._held
         self._held = None
         grads = [p.grad for p in dense_params(ctx.optimizer) if p.grad is not None]

@@ -207,6 +207,7 @@ def test_train_counts_optimizer_steps_and_resumes_exactly(tmp_path, capfd):
     assert _run(tmp_path, "straight", total, 0) == 0
     summary = json.loads((tmp_path / "straight" / "summary.json").read_text())
     assert (summary["steps"], summary["epoch"]) == (total, 2)
+    assert summary["samples"] == total * 2 * 64 * 2  # steps x micro-batches x data.batch_size x ranks
     assert _run(tmp_path, "resumed", 4, 4) == 0  # step 4: epoch 1 after 2 batches
     meta = json.loads((tmp_path / "resumed" / "ckpt" / "step_00000004" / METADATA_FILE).read_text())
     assert (meta["step"], meta["epoch"], meta["batch"]) == (4, 1, 2)

@@ -452,7 +452,8 @@ MIN_STEP_TIMEOUT_S = 1.0
 
 
 class TrainConfig(Section):
-    steps: int = Field(200, gt=0, description="training steps (batches per rank) at most")
+    steps: int = Field(200, gt=0, description="training steps at most: optimizer steps, each one batch per rank "
+                       "(train.accumulate_steps micro-batches with accumulation)")
     epochs: int = Field(1, gt=0)
     # torch.manual_seed takes 64 bits; numpy's generators (data shuffling) take non-negative seeds.
     seed: int = Field(0, ge=0, lt=2**63)
@@ -466,6 +467,16 @@ class TrainConfig(Section):
     # all-reduce, TensorBoard, the bar): at short intervals, a visible share of a host-bound
     # step (benchmarks/results/h100x1/trainer_vs_bench.md).
     log_every: int = Field(100, gt=0)
+    # Gradient accumulation (recpipe/pipelines/accumulation.py, docs/pipelines.md): each
+    # optimizer step trains this many micro-batches of data.batch_size, the dense gradients
+    # summed (backward of loss / N) and the dense optimizer stepped once, so the dense part
+    # and data_parallel tables train as one batch of N x data.batch_size (up to float
+    # summation order). Fused-optimizer tables update inside each micro-batch's backward.
+    # train.steps, eval_every, log_every, checkpoint.every and the learning-rate schedules
+    # count optimizer steps; an epoch's data that ends inside a step ends it on the mean
+    # gradient of its micro-batches. Not with pipeline.name=semi_sync, pipeline.step_graph
+    # or train.on_nonfinite=skip_step (exit 2).
+    accumulate_steps: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
     # Numerics of the dense part (recpipe/models/precision.py). fp32: float32. tf32: float32
@@ -652,6 +663,25 @@ class RecpipeConfig(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+def _accumulation_problems(cfg: RecpipeConfig) -> list[str]:
+    """What ``train.accumulate_steps`` > 1 cannot run with (recpipe/pipelines/accumulation.py)."""
+    steps = cfg.train.accumulate_steps
+    if steps == 1:
+        return []
+    key = f"train.accumulate_steps={steps}"
+    problems = []
+    if cfg.pipeline.name == "semi_sync":
+        problems.append(f"{key}: pipeline.name='semi_sync' splits a batch's backward and steps the dense optimizer "
+                        "on the previous batch's gradient; use sparse_dist, fused_sparse_dist or prefetch")
+    if cfg.pipeline.step_graph.enabled:
+        problems.append(f"{key}: pipeline.step_graph replays zero_grad, backward and both optimizers of a batch as "
+                        "one CUDA graph, which cannot skip the dense step; set pipeline.step_graph=false")
+    if cfg.train.on_nonfinite == "skip_step":
+        problems.append(f"{key}: train.on_nonfinite=skip_step skips one batch's update, not an optimizer step of "
+                        "several micro-batches; use train.on_nonfinite=error")
+    return problems
+
+
 def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
     problems: list[str] = []
     sh = cfg.sharding
@@ -694,6 +724,7 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
                 f"{key}.type='column_wise' splits model.embedding_dim={cfg.model.embedding_dim} "
                 f"over distributed.nproc={cfg.distributed.nproc} ranks; it must divide evenly"
             )
+    problems += _accumulation_problems(cfg)
     cached = [n for n, t in cfg.table_sharding().items() if t.kernel == "fused_uvm_caching"]
     if sh.prefetch_passes > 1 and not cfg.cache_line_locking:
         problems.append(

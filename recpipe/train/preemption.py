@@ -185,12 +185,16 @@ class Preemption:
             self._work.wait()
             self._work = None
 
-    def gate(self, batches: Iterable[T]) -> Iterator[T]:
-        """``batches`` until stopping is agreed (checked before each batch is read)."""
+    def gate(self, batches: Iterable[T], every: int = 1) -> Iterator[T]:
+        """``batches`` until stopping is agreed (checked before each batch is read), in
+        whole groups of ``every`` (train.accumulate_steps: an optimizer step's micro-batches,
+        so a stop never ends a step early)."""
         it = iter(batches)
-        while self.signum is None:
+        read = 0
+        while self.signum is None or read % every:
             try:
                 batch = next(it)
             except StopIteration:
                 return
+            read += 1
             yield batch

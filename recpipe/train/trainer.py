@@ -63,6 +63,7 @@ from recpipe.distributed import control_group, init_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.models import make_model
 from recpipe.builder import make_pipeline
+from recpipe.pipelines.accumulation import GradientAccumulation
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.clock import IntervalClock, LoaderWait, seconds
@@ -172,7 +173,8 @@ class Trainer:
         tqdm.set_lock(threading.RLock())
         if sizing is not None:
             self._say(sizing.line(workers_description(cfg)))
-        self.global_batch = cfg.data.batch_size * self.world_size
+        # Samples per optimizer step, over all ranks (train.accumulate_steps micro-batches each).
+        self.global_batch = cfg.data.batch_size * self.world_size * cfg.train.accumulate_steps
         self.started = time.perf_counter()
         # Where training resumes is known before the model exists (the checkpoint's record),
         # so the training batches' producers start first and make the first batches while
@@ -195,6 +197,9 @@ class Trainer:
                       f"batch {chosen.position.batch}")
             self.startup.lap("checkpoint_load")
         self.pipeline = make_pipeline(cfg, self.sharded.model, self.sharded.optimizer, device, cls=pipeline_class)
+        # train.accumulate_steps > 1: each step trains that many micro-batches (recpipe.pipelines.accumulation)
+        self.accumulation = (GradientAccumulation(self.pipeline, cfg.train.accumulate_steps)
+                             if cfg.train.accumulate_steps > 1 else None)
         self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
         if not self.rates.constant:
             self._say(repr(self.rates))
@@ -209,7 +214,8 @@ class Trainer:
         self.startup.lap("pipeline")
         # Training: TorchRec's window values over one log interval (train/<name>) and lifetime ones
         # (train/<name>_lifetime); evaluation: over the whole eval split.
-        self.train_metrics = ClickMetrics(device, window_samples=cfg.train.log_every * cfg.data.batch_size)
+        self.train_metrics = ClickMetrics(
+            device, window_samples=cfg.train.log_every * cfg.data.batch_size * cfg.train.accumulate_steps)
         self.eval_metrics = ClickMetrics(device)
         self.evaluation = Evaluation(self.pipeline, pipelined=cfg.train.eval_pipelined)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
@@ -232,8 +238,10 @@ class Trainer:
         )
         # Steps since the last log: the loss of each non-padding step, and for models whose
         # output follows the metrics contract (docs/models.md) its logits, labels, weights.
-        # One entry per step: (loss, is_padding, (logits, labels, weights) or None).
+        # One entry per batch (train.accumulate_steps per step): (loss, is_padding, (logits, labels,
+        # weights) or None); and the optimizer steps they make.
         self._window: list[tuple[torch.Tensor, bool, tuple[torch.Tensor, ...] | None]] = []
+        self._window_steps = 0
         self._has_clicks: bool | None = None  # known after the first step
         self._clock = IntervalClock(device)  # each log interval's training time, on the device
         self._waits = LoaderWait()  # the host's waits for the training batches
@@ -276,7 +284,7 @@ class Trainer:
         trainer was built, then a new loader per epoch."""
         started, self._started_batches = self._started_batches, None
         batches = started if started is not None else self._loader(position)
-        return self._preemption.gate(data_errors(self._first_batch_timed(batches)))
+        return self._preemption.gate(data_errors(self._first_batch_timed(batches)), every=self.cfg.train.accumulate_steps)
 
     def _first_batch_timed(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """``batches``; until the start-up ends, the wait for the first is the start-up's ``first_batch``."""
@@ -311,12 +319,13 @@ class Trainer:
             end = self.position.step + wanted
             if _due(end, train.eval_every) or end >= train.steps:
                 self._start_eval_batches()
-            trained = self._train_segment(itertools.islice(batches, wanted))
+            micro = self.cfg.train.accumulate_steps
+            trained, batches_trained = self._train_segment(itertools.islice(batches, wanted * micro))
             p = self.position
-            self.position = TrainPosition(p.step + trained, p.epoch, p.batch + trained)
+            self.position = TrainPosition(p.step + trained, p.epoch, p.batch + batches_trained)
             if self._preemption.signum is not None:  # stays in this epoch: a resume past its end starts the next
                 self._stop_preempted(saved_at)
-            if trained < wanted:  # this epoch's data has ended
+            if batches_trained < wanted * micro:  # this epoch's data has ended
                 if trained == 0 and p.batch == 0:  # agreed by all ranks: the epoch had no batch at all
                     self._no_training_data(p.epoch)
                 self.position = TrainPosition(self.position.step, p.epoch + 1, 0)
@@ -380,8 +389,9 @@ class Trainer:
         ends += [(step // every + 1) * every for every in intervals if every > 0]
         return min(ends) - step
 
-    def _train_segment(self, batches: Iterator[Batch]) -> int:
-        """Train every batch of ``batches``; returns the number of steps (agreed by all ranks)."""
+    def _train_segment(self, batches: Iterator[Batch]) -> tuple[int, int]:
+        """Train every batch of ``batches``; returns the number of optimizer steps and of
+        batches (agreed by all ranks)."""
         if not self.startup.finished and self.position.step > self.start_step:
             self.startup.lap("segment_ends")  # evaluations and checkpoints before the first timed step
         self._watchdog.arm()
@@ -390,27 +400,31 @@ class Trainer:
         finally:
             self._watchdog.disarm()
 
-    def _train_steps(self, batches: Iterator[Batch]) -> int:
-        trained = 0
+    def _train_steps(self, batches: Iterator[Batch]) -> tuple[int, int]:
+        trained = batches_trained = 0
         last = time.perf_counter()
         self._clock.start()
         self._waits.start()
         while True:
-            self.rates.set_step(self.position.step + trained + 1)  # the rates of the batch this call trains
+            self.rates.set_step(self.position.step + trained + 1)  # the rates of the step this call trains
             try:
-                output = self.pipeline.progress(batches)
+                micro_batches = self._optimizer_step(batches)
             except StopIteration:
                 self._count_time(last, synchronize=True)
                 self._clock.stop()
                 self._waits.stop()
-                return trained
+                return trained, batches_trained
             trained += 1
+            batches_trained += len(micro_batches)
             step = self.position.step + trained
             if not self.startup.finished:
                 self._startup_step(step)
             self._watchdog.stepped(step)
-            self._record_step(output)
-            self._after_step(self.pipeline.last_loss)
+            for output, loss, padding in micro_batches:
+                self._record_step(output, loss, padding)
+            self._window_steps += 1
+            losses = [loss for _, loss, _ in micro_batches]
+            self._after_step(losses[0] if len(losses) == 1 else torch.stack(losses).sum())
             self.bar.update(1)
             last = self._count_time(last, synchronize=False)
             if step % self.cfg.train.log_every == 0:
@@ -420,6 +434,14 @@ class Trainer:
                 last = time.perf_counter()  # the metrics' work is not training time
                 self._clock.start()
                 self._waits.start()
+
+    def _optimizer_step(self, batches: Iterator[Batch]) -> list[tuple[object, torch.Tensor, bool]]:
+        """Train one optimizer step: a batch, or train.accumulate_steps micro-batches; each
+        as (output, loss, is_padding). StopIteration when the data has none left."""
+        if self.accumulation is not None:
+            return self.accumulation.step(batches)
+        output = self.pipeline.progress(batches)
+        return [(output, self.pipeline.last_loss, self.pipeline.last_is_padding)]
 
     def _startup_step(self, step: int) -> None:
         """After each step until the start-up ends: the run's first step is ``first_step`` (its wait
@@ -437,20 +459,19 @@ class Trainer:
         self.startup.done(step + 1)
         self._say(self.startup.line())
 
-    def _record_step(self, output: object) -> None:
-        """Keep what the next log needs of this step (device tensors: no host sync)."""
+    def _record_step(self, output: object, loss: torch.Tensor, padding: bool) -> None:
+        """Keep what the next log needs of this batch (device tensors: no host sync)."""
         if self._has_clicks is None:
             self._has_clicks = click_outputs(output) is not None
             if getattr(self.pipeline, "intercepts", True):  # base runs the model's own forward: nothing to say
                 self._say(self.pipeline.describe())
             if not self._has_clicks:
                 self._say("the model's output has no logits and labels (docs/models.md, 'Metrics'): only the loss is logged")
-        padding = self.pipeline.last_is_padding
         clicks = click_outputs(output) if self._has_clicks else None
         if clicks is not None and clicks[2] is None:  # padding samples must not count
             logits, labels, _ = clicks
             clicks = (logits, labels, torch.full_like(labels, 0.0 if padding else 1.0, dtype=torch.float32))
-        self._window.append((self.pipeline.last_loss, padding, clicks))
+        self._window.append((loss, padding, clicks))
 
     def _count_time(self, since: float, synchronize: bool) -> float:
         """Add the time since ``since`` to the run's training time (summary.json). At segment
@@ -518,7 +539,8 @@ class Trainer:
             self.run_dir.write_summary(finite_json({**self.summary(), "status": "stalled", "stalled": message or None}))
 
     def _finite_window(self, step: int) -> list:
-        """The logged steps' outputs without the skipped steps (the window ends at ``step``)."""
+        """The logged steps' outputs without the skipped steps (the window ends at ``step``;
+        skip_step trains one batch a step: train.accumulate_steps 1)."""
         skipped = set(self._nonfinite.skipped)
         first = step - len(self._window) + 1
         return [entry for i, entry in enumerate(self._window) if first + i not in skipped]
@@ -558,8 +580,9 @@ class Trainer:
         # skip_step: the metrics must leave the skipped steps out, so wait for the check.
         self._check_nonfinite(step, wait=wait or self.cfg.train.on_nonfinite == "skip_step")
         kept = self._finite_window(step)
-        steps, stretches, waits = len(self._window), self._clock.take(), self._waits.take()
+        steps, stretches, waits = self._window_steps, self._clock.take(), self._waits.take()
         self._window.clear()
+        self._window_steps = 0
         if kept:  # else every step since the last log was skipped (agreed by all ranks)
             if self._has_clicks:
                 logits, labels, weights = (torch.cat(parts) for parts in zip(*(clicks for _, _, clicks in kept)))

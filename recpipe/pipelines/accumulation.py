@@ -123,7 +123,7 @@ class GradientAccumulation:
         released that batch's device copy by then: ``after_optimizer_step`` gets None.)"""
         fn, ctx, b = self._held
         self._held = None
-        grads = [p.grad for p in dense_params(ctx.optimizer) if p.grad is not None]
-        if grads:
-            torch._foreach_mul_(grads, self.steps / trained)
+        for p in dense_params(ctx.optimizer):
+            if p.grad is not None:  # once, at the end of data: a loop of in-place products
+                p.grad.mul_(self.steps / trained)
         fn(ctx, b)

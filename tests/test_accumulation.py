@@ -58,11 +58,15 @@ def concat(batches: list[Batch]) -> Batch:
                  torch.cat([b.labels for b in batches]), torch.cat([b.weights for b in batches]))
 
 
-def accumulated(cfg, name: str, batches: list[Batch], steps: int = N, segments: list[int] | None = None) -> RunResult:
+def accumulated(cfg, name: str, batches: list[Batch], steps: int = N, segments: list[int] | None = None,
+                device: torch.device = torch.device("cpu"), **options) -> RunResult:
     """Train ``batches`` through pipeline ``name`` with ``steps`` micro-batches per optimizer
-    step; ``segments``: micro-batches per pass (each ends in a drain), as the trainer's."""
-    sm = build(cfg, torch.device("cpu"))
-    acc = GradientAccumulation(make(name, sm, torch.device("cpu")), steps)
+    step; ``segments``: micro-batches per pass (each ends in a drain), as the trainer's;
+    ``options``: the harness's speed features (``cuda_graphs=True``)."""
+    sm = build(cfg, device)
+    if device.type == "cuda":
+        batches = [b.pin_memory() for b in batches]
+    acc = GradientAccumulation(make(name, sm, device, **options), steps)
     losses, it = [], iter(batches)
     for size in segments or [len(batches)]:
         seg = itertools.islice(it, size)
@@ -72,8 +76,10 @@ def accumulated(cfg, name: str, batches: list[Batch], steps: int = N, segments: 
             except StopIteration:
                 break
             losses.append(torch.stack([loss for _, loss, _ in trained]).mean())
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     dist.barrier()
-    return RunResult(losses, [], local_state(sm.model))
+    return RunResult([x.cpu() for x in losses], [], {k: v.cpu() for k, v in local_state(sm.model).items()})
 
 
 def compare(a: RunResult, b: RunResult, part: tuple[str, ...]) -> float:

@@ -10,6 +10,7 @@ from torchmetrics.functional import auroc
 from recpipe.config import load_config, parse_overrides
 from recpipe.data import Batch, make_dataloader, num_batches
 from recpipe.data.synthetic import SyntheticClickLog
+from recpipe.data.spec import DataSpec
 
 ROWS = [50, 1000, 7, 20000]
 
@@ -84,7 +85,7 @@ def test_synthetic_determinism_per_seed_rank_epoch_split():
 def test_synthetic_batch_k_direct_equals_iteration():
     cfg = small_cfg()
     full = batches(cfg, epoch=2)
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     assert same(log.batch(rank=0, split="train", epoch=2, index=3), full[3])
     assert same_seq(batches(cfg, epoch=2, start_batch=3), full[3:])
     assert batches(cfg, start_batch=9) == []
@@ -124,7 +125,7 @@ def test_synthetic_batch_counts_per_rank_and_eval():
 
 def _id_counts(alpha: float, rows: int = 10000) -> torch.Tensor:
     cfg = small_cfg(f"data.synthetic.zipf_alpha={alpha}", "data.batch_size=4096", rows=[rows])
-    b = SyntheticClickLog(cfg).batch(rank=0, split="train", epoch=0, index=0)
+    b = SyntheticClickLog(DataSpec.from_config(cfg)).batch(rank=0, split="train", epoch=0, index=0)
     return torch.bincount(b.sparse_features.values(), minlength=rows)
 
 
@@ -144,18 +145,18 @@ def test_zipf_skew_and_uniform():
 def test_mean_pooling_factors():
     factors = [1.0, 2.5, 5.0, 1.5]
     cfg = small_cfg(f"data.synthetic.mean_pooling_factors={factors}", "data.batch_size=2048")
-    lengths = SyntheticClickLog(cfg).batch(rank=0, split="train", epoch=0, index=0).sparse_features.lengths()
+    lengths = SyntheticClickLog(DataSpec.from_config(cfg)).batch(rank=0, split="train", epoch=0, index=0).sparse_features.lengths()
     means = lengths.view(4, -1).float().mean(dim=1)
     assert torch.allclose(means, torch.tensor(factors), atol=0.15)
     assert (lengths.view(4, -1)[0] == 1).all()
-    one_hot = SyntheticClickLog(small_cfg("data.synthetic.mean_pooling_factors=1.0")).batch(
+    one_hot = SyntheticClickLog(DataSpec.from_config(small_cfg("data.synthetic.mean_pooling_factors=1.0"))).batch(
         rank=0, split="train", epoch=0, index=0).sparse_features
     assert one_hot._length_per_key == [64] * 4 == one_hot.lengths().view(4, -1).sum(dim=1).tolist()
 
 
 def test_planted_model_positive_rate_and_auc():
     cfg = small_cfg("data.batch_size=1024", "data.synthetic.num_eval_batches=4")
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     evals = batches(cfg, split="eval")
     labels = torch.cat([b.labels for b in evals])
     logits = torch.cat([log.planted_logits(b.dense_features, b.sparse_features) for b in evals])

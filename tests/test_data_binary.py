@@ -21,6 +21,7 @@ from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.data import make_dataloader, num_batches
 from recpipe.data.binary_format import BinaryDataError, Layout, column_path, npy_header, read_manifest
+from recpipe.data.spec import DataSpec
 from recpipe.data.convert import convert
 from recpipe.errors import DataError, data_errors, exit_code_of
 from recpipe.exit_codes import EXIT_BAD_DATA, EXIT_OK
@@ -90,7 +91,7 @@ def tsv_files(tmp_path):
 
 def converted(tmp_path, files, hot=False, **kwargs):
     out = tmp_path / "bin"
-    layout = Layout.from_config(config("criteo_tsv", files=files, hot=hot))
+    layout = Layout.from_spec(DataSpec.from_config(config("criteo_tsv", files=files, hot=hot)))
     report = convert(layout, [str(f) for f in files], out, progress=False, **kwargs)
     return out, report
 
@@ -185,7 +186,7 @@ def test_malformed_line_is_an_error_or_skipped_and_reported(tmp_path, capsys):
 def test_interrupted_convert_resumes_and_leaves_nothing_that_looks_finished(tmp_path, tsv_files, monkeypatch):
     import recpipe.data.convert as conv
 
-    layout = Layout.from_config(config("criteo_tsv", files=tsv_files))
+    layout = Layout.from_spec(DataSpec.from_config(config("criteo_tsv", files=tsv_files)))
     sources = [str(f) for f in tsv_files]
     clean, _ = converted(tmp_path / "clean", tsv_files, workers=1)
     real = conv.convert_file
@@ -531,7 +532,7 @@ def test_no_eval_data_names_the_key_of_the_configured_source(tmp_path, tsv_files
     for cfg, why in ((no_dir, "data.binary.eval_dir is not set"), (no_rows, f"data.binary.eval_dir={str(empty)!r} holds no rows"),
                      (tsv, "data.criteo.eval_files is empty")):
         assert num_batches(cfg, rank=0, world_size=1, split="eval") == 0
-        assert no_eval_data(cfg) == why
+        assert no_eval_data(cfg.data) == why
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import pytest
 
 from recpipe.data import convert as convert_module
 from recpipe.data.binary_format import Layout, read_manifest
+from recpipe.data.spec import DataSpec
 from recpipe.data.convert import convert
 from recpipe.data.criteo import parse_line
 from recpipe.data.criteo_block import parse_block
@@ -85,7 +86,7 @@ def test_convert_writes_parse_lines_arrays_across_blocks(tmp_path, monkeypatch, 
     fields[2] = "+3"
     lines[40] = "\t".join(fields)
     path = write(tmp_path / f"day{suffix}", lines)
-    layout = Layout.from_config(config("criteo_tsv", files=[path]))
+    layout = Layout.from_spec(DataSpec.from_config(config("criteo_tsv", files=[path])))
     out = tmp_path / "bin"
     convert(layout, [str(path)], out, workers=1, progress=False)
     expected = parsed_by_line([s.encode() for s in lines], "recpipe")

@@ -273,7 +273,7 @@ def test_config_rules_and_no_eval_message(days):
         load_config(None, ["data.source=criteo_npy", "data.npy.train=[x]", "data.npy.sparse_suffix=_sparse.bin"])
     cfg = config(days["prefixes"])
     assert num_batches(cfg, rank=0, world_size=1, split="eval") == 0
-    assert no_eval_data(cfg) == "data.npy.eval is empty"
+    assert no_eval_data(cfg.data) == "data.npy.eval is empty"
 
 
 @pytest.mark.gpu

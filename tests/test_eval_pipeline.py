@@ -30,8 +30,9 @@ def batches_of(cfg, n: int, rank: int, seed: int, zipf: bool = False) -> list:
     if not zipf:
         return make_batches(cfg, n, rank, seed=seed)
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
 
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     return [log.batch(rank=rank, split="train", epoch=seed, index=i) for i in range(n)]
 
 

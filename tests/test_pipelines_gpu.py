@@ -62,8 +62,9 @@ CACHED_ROWS = [2000, 3000, 4000, 5000]
 def _zipf_batches(cfg, n, rank):
     """Zipf-distributed ids over tables far larger than the cache (forces evictions)."""
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
 
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     return [log.batch(rank=rank, split="train", epoch=0, index=i) for i in range(n)]
 
 

@@ -108,13 +108,14 @@ def _allocator(expandable: bool) -> None:
 
 def _measure(cfg, name: str = "", expandable: bool = True) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
     from recpipe.models.dlrm import build_model
     from recpipe.pipelines import make_pipeline
     from recpipe.sharding.build import shard_model
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     batches = [log.batch(rank=0, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.empty_cache()
     _allocator(expandable)

@@ -162,10 +162,11 @@ def _measure(cfg, rank: int, schedule=None) -> list[dict[str, int]]:
     from torch.profiler import ProfilerActivity, profile
 
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
     from recpipe.models import make_model
     from recpipe.sharding import shard_model
 
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     batches = [log.batch(rank=rank, split="train", epoch=0, index=i) for i in range(STEPS + 2)]
     torch.manual_seed(cfg.train.seed)
     sharded = shard_model(make_model(cfg), cfg, torch.device("cpu"))

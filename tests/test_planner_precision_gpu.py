@@ -55,11 +55,12 @@ def _config(name: str, world_size: int):
 
 def _measure(cfg, device: torch.device, rank: int) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
     from recpipe.models import build_model
     from recpipe.pipelines import make_pipeline
     from recpipe.sharding import shard_model
 
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     batches = [log.batch(rank=rank, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -66,6 +66,7 @@ def _measure_rank(cfg, case: str, out: str) -> None:
     import torch.distributed as dist
 
     from recpipe.data.synthetic import SyntheticClickLog
+    from recpipe.data.spec import DataSpec
     from recpipe.distributed import init_process_group, shutdown_process_group
     from recpipe.models.dlrm import build_model
     from recpipe.pipelines import make_pipeline
@@ -73,7 +74,7 @@ def _measure_rank(cfg, case: str, out: str) -> None:
 
     device = init_process_group(cfg)  # the config's allocator settings, before CUDA starts
     rank = dist.get_rank()
-    log = SyntheticClickLog(cfg)
+    log = SyntheticClickLog(DataSpec.from_config(cfg))
     batches = [log.batch(rank=rank, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.reset_peak_memory_stats(device)
     sharded = shard_model(build_model(cfg.model), cfg, device)

@@ -30,6 +30,7 @@ if __package__ in (None, ""):  # run as a script: the repository's packages firs
 from recpipe.config import load_config  # noqa: E402
 from recpipe.data.binary_format import Layout  # noqa: E402
 from recpipe.data.convert import convert  # noqa: E402
+from recpipe.data.spec import DataSpec  # noqa: E402
 
 
 def _cpu_seconds() -> float:
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", default=None, help="where the datasets are written (default: beside FILE)")
     parser.add_argument("files", nargs="+", metavar="FILE")
     args = parser.parse_args(argv)
-    layout = Layout.from_config(load_config(args.config, args.overrides))
+    layout = Layout.from_spec(DataSpec.from_config(load_config(args.config, args.overrides)))
     work = Path(args.work_dir or Path(args.files[0]).resolve().parent)
     best_wall = best_cpu = 0.0
     for i in range(args.repeat):

@@ -64,6 +64,7 @@ from recpipe.distributed import launch_local, shutdown_process_group  # noqa: E4
 def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
     """Synthetic TSV -> binary dataset in OUT/data; returns the --set overrides that use it."""
     from recpipe.data.binary_format import Layout
+    from recpipe.data.spec import DataSpec
     from recpipe.data.convert import convert
 
     files = os.cpu_count() or 1
@@ -73,7 +74,7 @@ def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:
                     "--lines", str(args.binary_rows), "--files", str(files)], check=True)
     cfg = load_config(args.config, args.overrides)
     started = time.perf_counter()
-    report = convert(Layout.from_config(cfg), [str(tsv / f"day_{i}.tsv") for i in range(files)], out / "data",
+    report = convert(Layout.from_spec(DataSpec.from_config(cfg)), [str(tsv / f"day_{i}.tsv") for i in range(files)], out / "data",
                      progress=False)
     print("\n".join(report.lines()) + f" ({time.perf_counter() - started:.1f} s)", flush=True)
     return ["data.source=binary", f"data.binary.train_dir={out / 'data'}", "data.shuffle=true"]

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from recpipe.data.spec import DataSpec
 from recpipe.errors import DataError
 
 __all__ = [
@@ -126,11 +127,9 @@ class Layout:
         return cls(int(raw["num_dense"]), tuple(int(x) for x in raw["table_sizes"]), tuple(int(x) for x in raw["hotness"]))
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "Layout":
-        from recpipe.data.criteo import hotness_of
-
-        m = cfg.model
-        return cls(m.num_dense_features, tuple(m.num_embeddings_per_feature), tuple(hotness_of(cfg)))
+    def from_spec(cls, spec: DataSpec) -> "Layout":
+        """The layout a config's data has (``DataSpec.from_config(cfg)``)."""
+        return cls(spec.num_dense, tuple(spec.table_sizes), tuple(spec.hotness))
 
     def differences(self, other: "Layout") -> list[str]:
         """What differs between a dataset's layout (self) and the config's (other)."""

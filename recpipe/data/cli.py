@@ -104,6 +104,7 @@ def _config(args: argparse.Namespace) -> RecpipeConfig:
 def _convert(args: argparse.Namespace) -> int:
     from recpipe.data.binary_format import Layout
     from recpipe.data.convert import convert
+    from recpipe.data.spec import DataSpec
 
     cfg = _config(args)
     if args.workers is not None and args.workers < 1:
@@ -113,7 +114,7 @@ def _convert(args: argparse.Namespace) -> int:
     missing = [f for f in args.files if not os.path.isfile(f)]
     if missing:
         raise ConfigError(f"input files not found: {missing}")
-    report = convert(Layout.from_config(cfg), args.files, args.out, workers=args.workers,
+    report = convert(Layout.from_spec(DataSpec.from_config(cfg)), args.files, args.out, workers=args.workers,
                      skip_malformed=args.skip_malformed, progress=args.progress, hashing=args.hashing)
     print("\n".join(report.lines()))
     return EXIT_OK

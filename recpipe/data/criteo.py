@@ -42,11 +42,11 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from recpipe.config import RecpipeConfig
 from recpipe.data.batch import Batch
 from recpipe.data.columns import ColumnLayout
+from recpipe.data.spec import DataSpec
 
-__all__ = ["CriteoTsvReader", "Lines", "hotness_of", "open_lines", "parse_line"]
+__all__ = ["CriteoTsvReader", "Lines", "open_lines", "parse_line"]
 
 _Line = tuple[str, int, bytes]  # (file, 1-based line number, raw line)
 _HEX_DIGITS = b"0123456789abcdefABCDEF"
@@ -99,12 +99,6 @@ def open_lines(path: str, raw: io.RawIOBase | None = None) -> Lines:
     if gzipped:
         stream = gzip.GzipFile(fileobj=io.BufferedReader(stream, 1 << 20), mode="rb")
     return Lines(path, io.BufferedReader(stream, 1 << 20))
-
-
-def hotness_of(cfg: RecpipeConfig) -> list[int]:
-    """Ids per sample of each sparse feature (``data.multi_hot_sizes``, else all 1)."""
-    hot = cfg.data.multi_hot_sizes
-    return list(hot) if hot is not None else [1] * cfg.model.num_sparse_features
 
 
 _SHOWN = 40  # characters of a bad field an error message shows
@@ -208,15 +202,15 @@ class _LineCursor:
 class CriteoTsvReader:
     """Rank ``rank``'s batches of ``files``; see the module docstring for the split."""
 
-    def __init__(self, cfg: RecpipeConfig, files: list[str], *, rank: int, world_size: int) -> None:
+    def __init__(self, spec: DataSpec, files: list[str], *, rank: int, world_size: int) -> None:
         self.files = list(files)
         self.rank = rank
         self.world_size = world_size
-        self.batch_size = cfg.data.batch_size
-        self.rows = list(cfg.model.num_embeddings_per_feature)
-        self.num_dense = cfg.model.num_dense_features
-        self.hotness = hotness_of(cfg)
-        self.layout = ColumnLayout(cfg.model.feature_names, self.hotness, self.num_dense)
+        self.batch_size = spec.batch_size
+        self.rows = list(spec.table_sizes)
+        self.num_dense = spec.num_dense
+        self.hotness = spec.hotness
+        self.layout = ColumnLayout(spec.feature_names, self.hotness, self.num_dense)
 
     def batches(self, indices: Iterable[int]) -> Iterator[Batch]:
         """Batches at increasing ``indices``; stops at the first index past the data."""

@@ -36,13 +36,14 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from recpipe.callables import load_callable
-from recpipe.config import ConfigError, RecpipeConfig
+from recpipe.config import ConfigError, DataConfig, RecpipeConfig
 from recpipe.errors import DataError, job_warning
 from recpipe.data.batch import Batch
 from recpipe.data.binary import BinaryDataset
 from recpipe.data.binary_format import BinaryDataError, Layout, Manifest, read_manifest, unverified
-from recpipe.data.criteo import CriteoTsvReader, hotness_of, open_lines
+from recpipe.data.criteo import CriteoTsvReader, open_lines
 from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
+from recpipe.data.spec import DataSpec
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
 from recpipe.data.workers import WorkersSizing, local_ranks, rank_cores, size_workers
@@ -53,25 +54,25 @@ __all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data"
            "workers_description", "workers_kind_of"]
 
 
-def _check(cfg: RecpipeConfig, rank: int, world_size: int, split: str) -> None:
+def _check(rank: int, world_size: int, split: str) -> None:
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1} (world_size={world_size})")
 
 
-def _tsv_files(cfg: RecpipeConfig, split: str) -> list[str]:
-    crit = cfg.data.criteo
+def _tsv_files(d: DataConfig, split: str) -> list[str]:
+    crit = d.criteo
     return list(crit.train_files if split == "train" else crit.eval_files)
 
 
-def _binary_dir(cfg: RecpipeConfig, split: str) -> str | None:
-    b = cfg.data.binary
+def _binary_dir(d: DataConfig, split: str) -> str | None:
+    b = d.binary
     return b.train_dir if split == "train" else b.eval_dir
 
 
-def _npy_days(cfg: RecpipeConfig, split: str) -> list[str]:
-    return list(cfg.data.npy.train if split == "train" else cfg.data.npy.eval)
+def _npy_days(d: DataConfig, split: str) -> list[str]:
+    return list(d.npy.train if split == "train" else d.npy.eval)
 
 
 def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> int | None:
@@ -79,34 +80,36 @@ def num_batches(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -
 
     A TSV or binary split without data has 0 batches; all TSV and binary ranks have
     equal counts."""
-    _check(cfg, rank, world_size, split)
-    if cfg.data.factory is not None:
+    _check(rank, world_size, split)
+    d = cfg.data
+    if d.factory is not None:
         return None
-    if cfg.data.source == "synthetic":
-        return num_synthetic_batches(cfg, rank=rank, split=split)
-    if cfg.data.source == "binary":
-        directory = _binary_dir(cfg, split)
+    if d.source == "synthetic":
+        return num_synthetic_batches(d.synthetic, rank=rank, split=split)
+    if d.source == "binary":
+        directory = _binary_dir(d, split)
         if directory is None:
             return 0
         rows = read_manifest(directory).num_rows
-        return -(-rows // (world_size * cfg.data.batch_size))
-    if cfg.data.source == "criteo_npy":
-        rows = sum(part.rows for part in _open_npy_days(cfg, split))  # headers only
-        return -(-rows // (world_size * cfg.data.batch_size))
-    return None if _tsv_files(cfg, split) else 0
+        return -(-rows // (world_size * d.batch_size))
+    if d.source == "criteo_npy":
+        rows = sum(part.rows for part in _open_npy_days(d, DataSpec.from_config(cfg), split))  # headers only
+        return -(-rows // (world_size * d.batch_size))
+    return None if _tsv_files(d, split) else 0
 
 
-def no_eval_data(cfg: RecpipeConfig) -> str:
-    """Why the configured source has no eval batches, naming its config key (for the
-    message that evaluation is skipped; call it when ``num_batches`` of "eval" is 0)."""
-    if cfg.data.source == "binary":
-        eval_dir = cfg.data.binary.eval_dir
+def no_eval_data(d: DataConfig) -> str:
+    """Why the configured source (``d``: the ``data`` section) has no eval batches, naming
+    its config key (for the message that evaluation is skipped; call it when
+    ``num_batches`` of "eval" is 0)."""
+    if d.source == "binary":
+        eval_dir = d.binary.eval_dir
         return "data.binary.eval_dir is not set" if eval_dir is None else f"data.binary.eval_dir={eval_dir!r} holds no rows"
-    if cfg.data.source == "criteo_tsv":
+    if d.source == "criteo_tsv":
         return "data.criteo.eval_files is empty"
-    if cfg.data.source == "criteo_npy":
-        return "data.npy.eval is empty" if not cfg.data.npy.eval else f"data.npy.eval={cfg.data.npy.eval} holds no rows"
-    return f"data.synthetic.num_eval_batches={cfg.data.synthetic.num_eval_batches}"
+    if d.source == "criteo_npy":
+        return "data.npy.eval is empty" if not d.npy.eval else f"data.npy.eval={d.npy.eval} holds no rows"
+    return f"data.synthetic.num_eval_batches={d.synthetic.num_eval_batches}"
 
 
 def check_data(cfg: RecpipeConfig) -> None:
@@ -118,10 +121,11 @@ def check_data(cfg: RecpipeConfig) -> None:
     ``BinaryDataError`` naming the file or directory (exit 5; ``ConfigError`` for
     missing TSV files). A ``data.factory`` is only known by what it yields: the
     trainer stops with a ``DataError`` when an epoch of it has no batch on any rank."""
-    if cfg.data.factory is not None:
+    d, spec = cfg.data, DataSpec.from_config(cfg)
+    if d.factory is not None:
         return
-    if cfg.data.source == "criteo_tsv":
-        crit = cfg.data.criteo
+    if d.source == "criteo_tsv":
+        crit = d.criteo
         for key, files in (("train_files", crit.train_files), ("eval_files", crit.eval_files)):
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
@@ -131,26 +135,26 @@ def check_data(cfg: RecpipeConfig) -> None:
             shown = ", ".join(crit.train_files)
             raise DataError(f"data.criteo.train_files: {shown} hold{'s' if len(crit.train_files) == 1 else ''} no line: "
                             "no training data")
-    if cfg.data.source == "binary":
+    if d.source == "binary":
         hashing = {}
         for split in ("train", "eval"):
-            if _binary_dir(cfg, split) is not None:
-                dataset = _binary_dataset(cfg, rank=0, world_size=1, split=split)
+            if _binary_dir(d, split) is not None:
+                dataset = _binary_dataset(d, spec, rank=0, world_size=1, split=split)
                 if split == "train" and dataset.num_rows == 0:
-                    raise BinaryDataError(f"data.binary.train_dir={_binary_dir(cfg, split)!r} holds no rows: no "
+                    raise BinaryDataError(f"data.binary.train_dir={_binary_dir(d, split)!r} holds no rows: no "
                                           "training data")
-                manifest = read_manifest(_binary_dir(cfg, split))
+                manifest = read_manifest(_binary_dir(d, split))
                 hashing[split] = manifest.hashing
                 _hint_unverified(manifest, f"data.binary.{split}_dir")
         if len(set(hashing.values())) > 1:
             raise BinaryDataError(f"data.binary.train_dir holds ids hashed by {hashing['train']}'s rule, "
                                   f"data.binary.eval_dir by {hashing['eval']}'s: convert both with the same "
                                   "`recpipe data convert --hashing`")
-    if cfg.data.source == "criteo_npy":
+    if d.source == "criteo_npy":
         for split in ("train", "eval"):
-            days = _open_npy_days(cfg, split)
+            days = _open_npy_days(d, spec, split)
             if split == "train" and not sum(day.rows for day in days):
-                raise BinaryDataError(f"data.npy.train={cfg.data.npy.train} holds no rows: no training data")
+                raise BinaryDataError(f"data.npy.train={d.npy.train} holds no rows: no training data")
 
 
 def _hint_unverified(manifest: Manifest, key: str) -> None:
@@ -164,21 +168,19 @@ def _hint_unverified(manifest: Manifest, key: str) -> None:
                     "manifest (a changed value within its range trains silently otherwise)", stacklevel=3)
 
 
-def _open_npy_days(cfg: RecpipeConfig, split: str) -> list:
-    d = cfg.data
-    return open_days(_npy_days(cfg, split), num_dense=cfg.model.num_dense_features, hotness=hotness_of(cfg),
+def _open_npy_days(d: DataConfig, spec: DataSpec, split: str) -> list:
+    return open_days(_npy_days(d, split), num_dense=spec.num_dense, hotness=spec.hotness,
                      suffix=sparse_suffix(d.npy.sparse_suffix, d.multi_hot_sizes is not None), key=f"data.npy.{split}")
 
 
-def _npy_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> CriteoNpyDataset:
-    d = cfg.data
+def _npy_dataset(d: DataConfig, spec: DataSpec, *, rank: int, world_size: int, split: str) -> CriteoNpyDataset:
     return CriteoNpyDataset(
-        _npy_days(cfg, split),
+        _npy_days(d, split),
         key=f"data.npy.{split}",
-        keys=cfg.model.feature_names,
-        table_sizes=list(cfg.model.num_embeddings_per_feature),
-        num_dense=cfg.model.num_dense_features,
-        hotness=hotness_of(cfg),
+        keys=list(spec.feature_names),
+        table_sizes=list(spec.table_sizes),
+        num_dense=spec.num_dense,
+        hotness=spec.hotness,
         sparse_suffix=sparse_suffix(d.npy.sparse_suffix, d.multi_hot_sizes is not None),
         ids=d.npy.ids,
         batch_size=d.batch_size,
@@ -186,7 +188,7 @@ def _npy_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) 
         world_size=world_size,
         shuffle=d.shuffle and split == "train",
         block_rows=d.shuffle_block_rows,
-        seed=cfg.train.seed,
+        seed=spec.seed,
     )
 
 
@@ -198,21 +200,21 @@ def _has_a_line(path: str) -> bool:
             raise DataError(f"data.criteo: {err}") from None
 
 
-def _binary_dataset(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str) -> BinaryDataset:
-    directory = _binary_dir(cfg, split)
+def _binary_dataset(d: DataConfig, spec: DataSpec, *, rank: int, world_size: int, split: str) -> BinaryDataset:
+    directory = _binary_dir(d, split)
     assert directory is not None
     if not Path(directory).is_dir():
         raise BinaryDataError(f"data.binary.{split}_dir={directory!r} is not a directory")
     return BinaryDataset(
         directory,
-        Layout.from_config(cfg),
-        cfg.model.feature_names,
-        batch_size=cfg.data.batch_size,
+        Layout.from_spec(spec),
+        list(spec.feature_names),
+        batch_size=spec.batch_size,
         rank=rank,
         world_size=world_size,
-        shuffle=cfg.data.shuffle and split == "train",
-        block_rows=cfg.data.shuffle_block_rows,
-        seed=cfg.train.seed,
+        shuffle=d.shuffle and split == "train",
+        block_rows=d.shuffle_block_rows,
+        seed=spec.seed,
     )
 
 
@@ -286,8 +288,8 @@ class TsvDataLoader(DataLoader):
 class _SyntheticBatch:
     """``index -> batch`` of one rank's synthetic split (pinned when ``pin``)."""
 
-    def __init__(self, cfg: RecpipeConfig, rank: int, split: str, epoch: int, pin: bool) -> None:
-        self.log, self.rank, self.split, self.epoch, self.pin = SyntheticClickLog(cfg), rank, split, epoch, pin
+    def __init__(self, spec: DataSpec, rank: int, split: str, epoch: int, pin: bool) -> None:
+        self.log, self.rank, self.split, self.epoch, self.pin = SyntheticClickLog(spec), rank, split, epoch, pin
 
     def __call__(self, index: int) -> Batch:
         batch = self.log.batch(rank=self.rank, split=self.split, epoch=self.epoch, index=index)
@@ -335,15 +337,16 @@ def workers_description(cfg: RecpipeConfig) -> str:
     return {"process": "producer processes", "thread": "producer threads"}[workers_kind_of(cfg)]
 
 
-def _on_cpu(cfg: RecpipeConfig) -> bool:
-    return cfg.train.device == "cpu" or (cfg.train.device == "auto" and not torch.cuda.is_available())
+def _on_cpu(device: str) -> bool:
+    """Whether ``train.device`` (``device``) trains on the CPU here."""
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
 def size_loader(cfg: RecpipeConfig, *, rank: int, world_size: int) -> WorkersSizing:
     """``data.num_workers: auto`` for ``rank``: the time to make a batch of its training split,
     measured here (the second and third batch of a loader without producers: the first
     pays the source's start), and the cores it has (``recpipe.data.workers``)."""
-    cores, on_cpu = rank_cores(local_ranks(world_size)), _on_cpu(cfg)
+    cores, on_cpu = rank_cores(local_ranks(world_size)), _on_cpu(cfg.train.device)
     if cfg.data.factory is not None:  # a user's batches: data.num_workers does not apply
         return WorkersSizing(workers=0, cores=cores, batch_seconds=None, needed=0)
     one = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 0, "pin_memory": False})})
@@ -378,33 +381,34 @@ def make_dataloader(
 ) -> Iterable[Any]:
     """An iterable over ``rank``'s ``split`` batches from index ``start_batch`` on
     (with ``data.factory``: whatever the user's function returns for the same arguments)."""
-    _check(cfg, rank, world_size, split)
+    _check(rank, world_size, split)
     if start_batch < 0:
         raise ValueError(f"start_batch must be >= 0, got {start_batch}")
     if cfg.data.factory is not None:
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
     cfg = with_sized_workers(cfg, rank=rank, world_size=world_size)[0]
-    pin = cfg.data.pin_memory and torch.cuda.is_available()
+    d, spec = cfg.data, DataSpec.from_config(cfg)
+    pin = d.pin_memory and torch.cuda.is_available()
     pin_device = torch.device("cuda", torch.cuda.current_device()) if pin else None
-    workers, kind = cfg.data.num_workers, workers_kind_of(cfg)
+    workers, kind = d.num_workers, workers_kind_of(cfg)
     # Producer processes must not touch CUDA: their batches are pinned when they arrive.
     pin_made = pin and not (workers > 0 and kind == "process")
-    if cfg.data.source == "synthetic":
-        stop = num_synthetic_batches(cfg, rank=rank, split=split)
-        make = _SyntheticBatch(cfg, rank, split, epoch, pin_made)
+    if d.source == "synthetic":
+        stop = num_synthetic_batches(d.synthetic, rank=rank, split=split)
+        make = _SyntheticBatch(spec, rank, split, epoch, pin_made)
         return BatchStream(make, start_batch, stop, workers, pin_device, kind)
-    if cfg.data.source in ("binary", "criteo_npy"):
-        if cfg.data.source == "binary" and _binary_dir(cfg, split) is None:
+    if d.source in ("binary", "criteo_npy"):
+        if d.source == "binary" and _binary_dir(d, split) is None:
             return []
-        if cfg.data.source == "criteo_npy" and not _npy_days(cfg, split):
+        if d.source == "criteo_npy" and not _npy_days(d, split):
             return []
-        dataset = (_binary_dataset if cfg.data.source == "binary" else _npy_dataset)(
-            cfg, rank=rank, world_size=world_size, split=split)
+        dataset = (_binary_dataset if d.source == "binary" else _npy_dataset)(
+            d, spec, rank=rank, world_size=world_size, split=split)
         order = dataset.block_order(epoch)
         make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
         make_into = lambda i, empty: dataset.batch(i, order, epoch, empty=empty)  # noqa: E731
         return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind, make_into)
-    reader = CriteoTsvReader(cfg, _tsv_files(cfg, split), rank=rank, world_size=world_size)
+    reader = CriteoTsvReader(spec, _tsv_files(d, split), rank=rank, world_size=world_size)
     # Spawned workers where tables are in UVM: a fork of this process would copy their
     # pinned host memory into every worker (see workers_kind_of).
     context = None if "fork" not in multiprocessing.get_all_start_methods() else "spawn" if host_memory_tables(cfg) else "fork"

@@ -1,7 +1,7 @@
 """Synthetic click log with the Criteo layout and a planted, learnable label model.
 
 Contract: :meth:`SyntheticClickLog.batch` is a pure function of
-``(train.seed, rank, split, epoch, index)`` and the config. Each batch draws from its
+``(train.seed, rank, split, epoch, index)`` and the :class:`DataSpec`. Each batch draws from its
 own ``torch.Generator`` seeded by a hash of those five values, so batch ``k`` is made
 without making batches ``0..k-1`` (exact checkpoint resume, DataLoader workers that
 each make every n-th batch). The eval split ignores ``epoch``: it is one fixed set,
@@ -37,8 +37,9 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.config import RecpipeConfig
+from recpipe.config import SyntheticConfig
 from recpipe.data.batch import Batch
+from recpipe.data.spec import DataSpec
 
 __all__ = ["SyntheticClickLog", "num_synthetic_batches"]
 
@@ -46,9 +47,8 @@ _TARGET_POSITIVE_RATE = 0.30
 _CALIBRATION_SAMPLES = 16384
 
 
-def num_synthetic_batches(cfg: RecpipeConfig, *, rank: int, split: str) -> int:
-    """Batches of ``split`` that ``rank`` has per epoch."""
-    syn = cfg.data.synthetic
+def num_synthetic_batches(syn: SyntheticConfig, *, rank: int, split: str) -> int:
+    """Batches of ``split`` that ``rank`` has per epoch (``syn``: ``data.synthetic``)."""
     if split == "eval":
         return syn.num_eval_batches
     if syn.num_batches_per_rank is None:
@@ -170,22 +170,21 @@ def _same_on_every_path(fn, values: torch.Tensor) -> torch.Tensor | None:
 
 
 class SyntheticClickLog:
-    """Deterministic batch factory for one config; cheap to pickle into workers."""
+    """Deterministic batch factory for one :class:`DataSpec`; cheap to pickle into workers."""
 
-    def __init__(self, cfg: RecpipeConfig) -> None:
-        model, syn = cfg.model, cfg.data.synthetic
-        seed = cfg.train.seed
+    def __init__(self, spec: DataSpec) -> None:
+        syn, seed = spec.synthetic, spec.seed
         self.seed = seed
-        self.batch_size = cfg.data.batch_size
-        self.keys = model.feature_names
+        self.batch_size = spec.batch_size
+        self.keys = list(spec.feature_names)
         self.alpha = syn.zipf_alpha
-        rows = model.num_embeddings_per_feature
+        rows = list(spec.table_sizes)
         if max(rows) ** 2 >= 2**63:
             raise ValueError(f"tables of {max(rows)} rows overflow the int64 id permutation")
         num_features = len(rows)
-        pooling = syn.mean_pooling_factors if cfg.data.multi_hot_sizes is None else list(cfg.data.multi_hot_sizes)
-        self.fixed_lengths = (None if cfg.data.multi_hot_sizes is None
-                              else torch.tensor(cfg.data.multi_hot_sizes, dtype=torch.int32))
+        hot = spec.multi_hot_sizes
+        pooling = syn.mean_pooling_factors if hot is None else list(hot)
+        self.fixed_lengths = None if hot is None else torch.tensor(hot, dtype=torch.int32)
         self.mean_pooling = torch.tensor(
             pooling if isinstance(pooling, list) else [pooling] * num_features, dtype=torch.float64
         )
@@ -213,7 +212,7 @@ class SyntheticClickLog:
         self.drawn = (self.mean_pooling > 1.0).nonzero().flatten()
 
         g = torch.Generator().manual_seed(_seed("dense", seed))
-        num_dense = model.num_dense_features
+        num_dense = spec.num_dense
         self.dense_mu = torch.rand(num_dense, generator=g) * 3.0
         self.dense_sigma = 0.5 + torch.rand(num_dense, generator=g) * 1.5
         self.dense_w = torch.randn(num_dense, generator=g, dtype=torch.float64)

@@ -220,7 +220,7 @@ class Trainer:
         self.evaluation = Evaluation(self.pipeline, pipelined=cfg.train.eval_pipelined)
         self.has_eval = num_batches(cfg, rank=self.rank, world_size=self.world_size, split="eval") != 0
         if not self.has_eval:
-            self._say(f"no eval data ({no_eval_data(cfg)}): evaluation is skipped")
+            self._say(f"no eval data ({no_eval_data(cfg.data)}): evaluation is skipped")
         # collective: StorageError (exit 6) on every rank if it cannot be written
         self.run_dir = RunDir(cfg, self.rank, resumed_from=self.start_step)
         if self.run_dir.note:

@@ -107,6 +107,10 @@ class EvalPipeline(Pipeline):
                          splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule),
                          intercepts=intercepts, sources=train.context.sources if intercepts else None)
         self.name = f"{train.name} eval"
+        if schedule is not PLAIN_SCHEDULE:  # the speed features that run in an evaluation (wrap_eval_step)
+            for name, wrappers in train.eval_wrappers.items():
+                for wrapper in wrappers:
+                    self.wrap_step(name, wrapper)
         last = train.last_fetched
         self.padding_template = last if last is not None else train.padding_template
 

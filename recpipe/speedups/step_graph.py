@@ -312,6 +312,7 @@ class StepGraph:
     _warned: bool = False
     _captured_lrs: tuple = ()  # the embedding rates the graph holds
     _previous_lrs: tuple | None = None  # the embedding rates of the previous step
+    evaluation: Any = None  # the evaluations' captured forward (recpipe.speedups.eval_graph.EvalGraph)
 
     def __repr__(self) -> str:
         state = "captured" if self._replay is not None else "not captured yet"
@@ -327,7 +328,8 @@ class StepGraph:
 
     def summary(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
-                "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key()}
+                "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key(),
+                **({"eval": self.evaluation.summary()} if self.evaluation is not None else {})}
 
     def _capacity_by_key(self) -> dict[str, int | list[int]]:
         """Ids per batch of each feature; a list (ids per rank's bucket) for a row-wise one."""
@@ -354,29 +356,31 @@ class StepGraph:
     def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
         """Whether batch ``b`` may replay, decided here, with the batch still on the host,
         by every rank at once (the step's one agreement, a Gloo all-reduce; the rest of
-        the decision at ``train_step`` is the same on every rank): on each rank it pads
-        to the capacity (padding mode; else it has the measured ids per feature), is no
-        zero-loss padding batch and has the shapes of the first such batch (a last,
-        smaller one has not). Every rank pads it, or none does: torchrec's pooled
-        all-to-all needs the same batch size on every rank."""
-        padded, ok = None, not b.zero_loss
-        if ok and self.padded:
-            padded = pad_features(kjt, self.capacity, self._bucketing())
-            ok = padded is not None
-        elif ok:
-            ok = kjt.length_per_key() == [c[0] for c in self.capacity]
-        host = b.host if padded is None else _replace_kjt(b.host, kjt, padded)
+        the decision at ``train_step`` is the same on every rank): on each rank it fits
+        the captured step (:meth:`fitted`), is no zero-loss padding batch and has the
+        shapes of the first such batch (a last, smaller one has not). Every rank pads it,
+        or none does: torchrec's pooled all-to-all needs the same batch size on every rank."""
+        fitted = None if b.zero_loss else self.fitted(kjt)
+        host, ok = b.host, fitted is not None
         if ok:
+            host = with_features(b.host, kjt, fitted)
             shapes = signature(host)
             self._shapes = self._shapes or shapes
             ok = shapes == self._shapes
         if not _agree(ok):
             return
-        if padded is not None:
-            if kjt.values().is_pinned():  # as the loader pinned it: else the copy blocks the host
-                host = _replace_kjt(b.host, kjt, padded.pin_memory())
-            b.host = host
+        b.host = with_features(b.host, kjt, fitted, pin=True)
         self._admitted.add(b.index)
+
+    def fitted(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor | None:
+        """``kjt`` (a host batch's features, the capacity known) as a captured step takes it:
+        padded to the capacity (padding mode; the padded stride of the training batches,
+        which the :class:`DropPaddingBag` wrappers drop), or as it is where it has the
+        measured ids per feature; None if it does not fit."""
+        if self.padded:
+            padded = pad_features(kjt, self.capacity, self._bucketing())
+            return padded if padded is not None and padded.stride() == self.padded_stride else None
+        return kjt if kjt.length_per_key() == [c[0] for c in self.capacity] else None
 
     def _see(self, ctx: Any, kjt: KeyedJaggedTensor) -> None:
         if self.capacity is not None:
@@ -481,7 +485,7 @@ class StepGraph:
                       "pipeline.step_graph.capacity or headroom", stacklevel=3)
 
     @contextlib.contextmanager
-    def _fixed_layout(self, ctx: Any) -> Iterator[None]:
+    def fixed_layout(self, ctx: Any) -> Iterator[None]:
         """The model's input dists with their splits known on the host (several ranks:
         :mod:`recpipe.speedups.fixed_splits`) and torchrec's recat indices made once."""
         rows = {k: c for k, c in zip(self.keys, self.capacity or []) if k in self.buckets}
@@ -504,7 +508,7 @@ class StepGraph:
         counts = _host_step_counts(optimizer)
         before = [t.clone() for t in counts]
         try:
-            with self._fixed_layout(ctx):
+            with self.fixed_layout(ctx):
                 replay = self.capture(step)
         except Exception as err:
             for t, value in zip(counts, before):
@@ -518,14 +522,17 @@ class StepGraph:
         # After k replays the step counts are where k eager steps leave them: a capture runs the
         # step's host part once (+1, the first replay's), a replay none.
         self._host_counts, self._host_next = counts, [t + 1 for t in before]
-        self._replay = replay if self.capture is capture_with_torch else self._stand_in(replay, ctx)
+        self._replay = self.replay_of(replay, ctx)
 
-    def _stand_in(self, replay: Callable[[], None], ctx: Any) -> Callable[[], None]:
-        """A stand-in capture that re-runs the step in Python (CPU tests) must see the
-        fixed layout too; a real replay calls no Python and needs none."""
+    def replay_of(self, replay: Callable[[], None], ctx: Any) -> Callable[[], None]:
+        """What replays a capture by ``self.capture``: a real graph's replay calls no Python and
+        needs nothing else; a stand-in capture that re-runs the step in Python (CPU tests) must
+        see the fixed layout too."""
+        if self.capture is capture_with_torch:
+            return replay
 
         def run() -> None:
-            with self._fixed_layout(ctx):
+            with self.fixed_layout(ctx):
                 replay()
 
         return run
@@ -560,6 +567,16 @@ def _agree(fits: bool) -> bool:
     if group is None or dist.get_world_size(group) == 1:
         return fits
     return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
+
+
+def with_features(batch: Any, kjt: KeyedJaggedTensor, fitted: KeyedJaggedTensor, pin: bool = False) -> Any:
+    """Host ``batch`` with its features ``kjt`` replaced by ``fitted`` (:meth:`StepGraph.fitted`);
+    ``pin``: a padded KJT pinned where the loader pinned the batch (else its copy blocks the host)."""
+    if fitted is kjt:
+        return batch
+    if pin and kjt.values().is_pinned():
+        fitted = fitted.pin_memory()
+    return _replace_kjt(batch, kjt, fitted)
 
 
 def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> Any:
@@ -611,6 +628,9 @@ def apply_step_graph(ctx: "StepContext", options: StepGraphOptions, capture: Cap
     graph = StepGraph(options, capture, buckets=row_buckets(modules))
     ctx.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
     ctx.wrap_step("h2d", graph.h2d)
+    from recpipe.speedups.eval_graph import apply_eval_graph  # it builds on this module
+
+    graph.evaluation = apply_eval_graph(ctx, graph)
     return graph
 
 

@@ -1,4 +1,4 @@
-"""The evaluation's captured forward of ``pipeline.step_graph`` (recpipe.speedups.eval_graph)
+"""The evaluation's captured forward of ``pipeline.step_graph`` (recpipe.speedups.step_graph.EvalGraph)
 on CPU: everything but the CUDA graph itself.
 
 The stand-in capture of tests/test_step_graph.py (``_no_graph``) returns the forward un-run,
@@ -16,7 +16,7 @@ from pipeline_harness import RunResult, assert_same, build, local_state, make_ba
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.pipelines.evaluation import Evaluation
-from recpipe.speedups import eval_graph
+from recpipe.speedups import step_graph
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph
 from test_eval_pipeline import PARTIAL, assert_same_outputs, clicks_of, reference_eval, train_steps
 from test_step_graph import ROW_TABLES, TABLES, _fixed_batches, _no_graph, row_features
@@ -67,12 +67,12 @@ def _worker(cfg, name: str, capture=_no_graph) -> None:
         passes = []
         for _ in range(2 if graphed else 1):
             agreements = []
-            agree = eval_graph._agree
-            eval_graph._agree = lambda ok: agreements.append(ok) or agree(ok)
+            agree = step_graph._agree
+            step_graph._agree = lambda ok: agreements.append(ok) or agree(ok)
             try:
                 passes.append(list(Evaluation(pipe, pipelined=graphed).run(evals)))
             finally:
-                eval_graph._agree = agree
+                step_graph._agree = agree
             assert len(agreements) == (total if graphed else 0), agreements  # one a batch, at its fetch
         train_steps(pipe, after, losses)
         runs[graphed] = (ref, passes, RunResult(losses, [], local_state(sm.model)), graph)

@@ -232,7 +232,7 @@ class Pipeline:
     def wrap_eval_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
         """Run step ``name`` of this pipeline's evaluations through its eval schedule
         (``recpipe.pipelines.evaluation``) as ``wrapper(fn)(ctx, batch)``: a speed feature that
-        speeds up the eval forward too (``recpipe.speedups.eval_graph``). The plain loop runs none."""
+        speeds up the eval forward too (``recpipe.speedups.step_graph.EvalGraph``). The plain loop runs none."""
         self.eval_wrappers.setdefault(name, []).append(wrapper)
 
     def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[[StepContext, InFlight], None]],

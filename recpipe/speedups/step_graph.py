@@ -49,6 +49,29 @@ Life of a pipeline with a step graph:
    and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
    while the batch is still on the host (one Gloo all-reduce a step, at its fetch), so all take the same path.
 
+Evaluation: a step-graph pipeline evaluates with ``base``'s eval schedule
+(``recpipe.pipelines.evaluation``), whose eager forward is the host's time as the eager
+step is (torchrec's input dist, the TBE lookups, the dense forward). :class:`EvalGraph`
+wraps its two steps (``Pipeline.wrap_eval_step``; the plain loop,
+``train.eval_pipelined=false``, runs none):
+
+* ``h2d``, on the host at fetch: the batch fitted as a training batch is
+  (:meth:`StepGraph.fitted`: padded to the capacity, with the padding bag that
+  :class:`DropPaddingBag` drops), and whether it replays, agreed by every rank at once (one
+  Gloo all-reduce a batch): it fits on every rank and has the shapes of the first that did.
+* ``forward_eval``: such a batch is copied into the graph's static input buffers and the
+  captured forward (the model in eval mode, under ``torch.no_grad()``) replayed; what the
+  model returned is copied out of the graph's buffers for the metrics. The first such batch
+  runs eagerly, padded, in the captured layout (the warm-up), the second is captured; the
+  graph serves every later evaluation.
+
+A batch that does not fit (over capacity; other shapes: a partial last batch, an uneven
+rank's padding batch), and every batch before the training step is captured, runs eagerly,
+unpadded: counted in ``eager``, and those that do not fit in ``over_capacity``
+(``speedups.step_graph.eval`` in the trainer's summary.json). A pooled embedding is a sum per
+bag, so a padded batch's real bags are the unpadded batch's: a replayed eval batch gives the
+eager forward's outputs bit for bit (tests/test_eval_graph.py, tests/test_eval_graph_gpu.py).
+
 Learning rates (``optimizer.*.schedule``): the dense optimizer reads a scheduled rate
 from a device tensor (``recpipe.train.learning_rates``), so replays follow it. FBGEMM's
 TBE backward reads the embedding rate on the host (``learning_rate_tensor.item()``), so
@@ -81,6 +104,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -103,7 +127,7 @@ from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch
 if TYPE_CHECKING:
     from recpipe.pipelines.context import StepContext
 
-__all__ = ["DropPaddingBag", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
+__all__ = ["DropPaddingBag", "EvalGraph", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
 
 # Eager steps before the capture: the first creates what first calls create lazily (torchrec's
 # input dists, cuBLAS workspaces), the second runs with all of it in place, as the capture will.
@@ -312,7 +336,7 @@ class StepGraph:
     _warned: bool = False
     _captured_lrs: tuple = ()  # the embedding rates the graph holds
     _previous_lrs: tuple | None = None  # the embedding rates of the previous step
-    evaluation: Any = None  # the evaluations' captured forward (recpipe.speedups.eval_graph.EvalGraph)
+    evaluation: "EvalGraph | None" = None  # the evaluations' captured forward
 
     def __repr__(self) -> str:
         state = "captured" if self._replay is not None else "not captured yet"
@@ -597,6 +621,99 @@ def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> 
     return batch
 
 
+@dataclass(eq=False)
+class EvalGraph:
+    """The wrapped ``h2d`` and ``forward_eval`` of a step-graph pipeline's evaluations (see the
+    module docstring); its counts are for all evaluations of the pipeline."""
+
+    graph: "StepGraph"  # the training step's: its capacity, padding and fixed layout
+    train_ctx: Any  # the training pipeline's step context (its model)
+    replays: int = 0
+    eager: int = 0  # eval batches run eagerly: before the training step's capture, not fitting, the warm-up
+    over_capacity: int = 0  # ... of them, those that did not fit the captured forward
+    _replay: Callable[[], None] | None = None
+    _warm: bool = False  # the warm-up batch ran
+    _static: Any = None
+    _shapes: tuple | None = None  # the signature of the first admitted eval batch: what replays hold
+    _outputs: dict[str, Any] = field(default_factory=dict)
+    _admitted: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # in-flight batches every rank admitted
+
+    def __repr__(self) -> str:
+        state = "captured" if self._replay is not None else "not captured yet"
+        return f"EvalGraph({state}; {self.replays} replays, {self.eager} eager, {self.over_capacity} over capacity)"
+
+    def summary(self) -> dict[str, int]:
+        return {"replays": self.replays, "eager": self.eager, "over_capacity": self.over_capacity}
+
+    # ------------------------------------------------ on the host, at fetch
+    def h2d(self, fn: Callable) -> Callable:
+        def h2d(ctx: Any, b: Any) -> None:
+            kjts = _kjts(b.host)
+            if kjts and self.graph.ready:  # the same on every rank: the training step was captured at the same step
+                self._admit(b, kjts[0])
+            fn(ctx, b)
+
+        return h2d
+
+    def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
+        fitted = self.graph.fitted(kjt)
+        ok = fitted is not None
+        if ok:
+            shapes = signature(with_features(b.host, kjt, fitted))
+            ok = self._shapes is None or shapes == self._shapes
+        if not _agree(ok):
+            return
+        self._shapes = self._shapes or shapes
+        b.host = with_features(b.host, kjt, fitted, pin=True)
+        self._admitted.add(b)
+
+    # ------------------------------------------------ on the compute stream
+    def forward_eval(self, fn: Callable) -> Callable:
+        def forward_eval(ctx: Any, b: Any) -> None:
+            if b not in self._admitted:
+                self.eager += 1
+                self.over_capacity += self.graph.ready
+                fn(ctx, b)
+                return
+            self._admitted.discard(b)
+            if not self._warm:  # what the capture runs, eagerly: lazy first calls happen outside it
+                self._warm = True
+                self.eager += 1
+                with self.graph.fixed_layout(self.train_ctx):
+                    fn(ctx, b)
+                return
+            if self._replay is None:
+                self._capture(b)
+            else:
+                for dst, src in zip(_tensors(self._static), _tensors(b.device)):
+                    dst.copy_(src, non_blocking=True)
+            self._replay()
+            self.replays += 1
+            b.output = _clone(self._outputs["output"])
+            b.forwarded = True
+
+        return forward_eval
+
+    def _capture(self, b: Any) -> None:
+        model, outputs = self.train_ctx.model, self._outputs
+        self._static = _clone(b.device)
+
+        def forward() -> None:
+            with torch.no_grad():
+                outputs["output"] = model(self._static)
+
+        try:
+            with self.graph.fixed_layout(self.train_ctx):
+                replay = self.graph.capture(forward)  # the training step's: a CUDA graph, or a stand-in
+        except Exception as err:
+            raise PipelineError(
+                f"pipeline.step_graph: cannot capture the evaluation's forward ({type(err).__name__}: {err}). A "
+                "captured forward must not synchronize with the host (.item(), .tolist(), data-dependent shapes) "
+                "in eval mode; set pipeline.step_graph=false"
+            ) from err
+        self._replay = self.graph.replay_of(replay, self.train_ctx)
+
+
 _HOOKS = ("before_forward", "after_backward", "after_optimizer_step")
 
 
@@ -628,9 +745,9 @@ def apply_step_graph(ctx: "StepContext", options: StepGraphOptions, capture: Cap
     graph = StepGraph(options, capture, buckets=row_buckets(modules))
     ctx.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
     ctx.wrap_step("h2d", graph.h2d)
-    from recpipe.speedups.eval_graph import apply_eval_graph  # it builds on this module
-
-    graph.evaluation = apply_eval_graph(ctx, graph)
+    graph.evaluation = evaluation = EvalGraph(graph, ctx)  # the eval schedule's forward, captured alike
+    ctx.wrap_eval_step("h2d", evaluation.h2d)
+    ctx.wrap_eval_step("forward_eval", evaluation.forward_eval)
     return graph
 
 

@@ -148,8 +148,9 @@ def test_pipelined_eval_equals_the_plain_loop_for_every_pipeline(nproc):
 def _step_graph_worker(cfg) -> None:
     """A step graph (stand-in capture, as in tests/test_step_graph.py) in padding mode: its
     schedule intercepts no module, so the evaluation runs base's eval schedule on the model's
-    own forward (step graph's padding-bag forward installed); nothing of the captured step
-    runs in it, and training continues as after the plain loop."""
+    own forward (step graph's padding-bag forward installed; the pipelined one through the
+    eval graph, tests/test_eval_graph.py); nothing of the captured training step runs in it,
+    and training continues as after the plain loop."""
     from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph
 
     device = init_process_group(cfg)

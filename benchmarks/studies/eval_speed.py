@@ -18,6 +18,13 @@ last forward (a device synchronize on CUDA), the trainer's eval samples/s. Repor
 round and as P50 over the rounds, with the ratio pipelined / plain; the metrics of every
 pass of a pipeline must be equal (exit 1 otherwise), as the trainer's are with either way.
 
+With the whole-step CUDA graph (``--set pipeline.step_graph=true --pipelines sparse_dist,base``,
+CUDA only) each such pipeline first trains ``--train-steps`` batches of the train split
+untimed (its step is captured), then ``--train-steps`` timed ones: its training samples/s,
+against which both ways of its evaluation are reported (eval / train). The pipelined way
+then replays the captured eval forward (``recpipe.speedups.step_graph.EvalGraph``; its replays and
+eager batches are recorded), the plain loop runs the forward eagerly.
+
 Pipelines share one model where their sharding is the same (the prefetch pipeline's
 cache-line locking builds another). Writes OUT/eval_speed.json (the resolved config,
 versions, GPU, every pass) and OUT/eval_speed.md.
@@ -58,6 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="eval batches per rank (default 300; 16 with --device cpu)")
     p.add_argument("--warmup-batches", type=int, default=10, help="batches of each untimed first pass (default 10)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (default 3)")
+    p.add_argument("--train-steps", type=int, default=50,
+                   help="with pipeline.step_graph: untimed, then timed training steps before the evaluations "
+                        "(default 50)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cuda (default): the config as it is; cpu: a tiny model on one Gloo rank (overrides "
                         "the config's model and data sizes: the script's path, not a measurement)")
@@ -66,7 +76,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.command = command("eval_speed", argv)
     if args.eval_batches is None:
         args.eval_batches = 16 if args.device == "cpu" else 300
-    for name in ("eval_batches", "warmup_batches", "rounds"):
+    for name in ("eval_batches", "warmup_batches", "rounds", "train_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args
@@ -94,6 +104,28 @@ def eval_pass(pipe: Any, pipelined: bool, batches: list, device: torch.device) -
     synchronize(device)  # host sync: the last forward and metrics update are done
     seconds = time.perf_counter() - started
     return {"seconds": seconds, "samples": samples, "metrics": metrics.compute()}
+
+
+def train_pass(pipe: Any, batches: list, device: torch.device) -> float:
+    """Seconds to train ``batches`` through ``pipe``, from the first fetch to the end of the last step."""
+    from recpipe.bench.measure import synchronize
+    from recpipe.bench.run import fresh_batches
+
+    it = fresh_batches(batches, device)
+    synchronize(device)
+    started = time.perf_counter()
+    while True:
+        try:
+            pipe.progress(it)
+        except StopIteration:
+            break
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def step_graph_of(pipe: Any) -> Any:
+    """The pipeline's step graph (``pipeline.step_graph``), or None."""
+    return next((a for a in pipe.applied if getattr(a, "evaluation", None) is not None), None)
 
 
 def _groups(cfg: Any, names: list[str]) -> tuple[list[tuple[Any, list[tuple[str, Any]]]], dict[str, str]]:
@@ -138,6 +170,8 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     made_s = time.perf_counter() - started
     groups, skipped = _groups(cfg, [n for n in args.pipelines.split(",") if n])
     passes: list[dict[str, Any]] = []
+    training: dict[str, dict[str, Any]] = {}
+    train_batches: list = []
     schedules: dict[str, dict[str, str]] = {}
     builds: list[dict[str, Any]] = []
     for group_cfg, members in groups:
@@ -151,6 +185,10 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
             pipe.detach()  # attached again by each evaluation (a model has one pipeline attached at a time)
             pipes[name] = pipe
             schedules[name] = {"plain": Evaluation(pipe, False).schedule.name, "pipelined": Evaluation(pipe).schedule.name}
+            if step_graph_of(pipe) is not None:
+                train_batches = train_batches or list(itertools.islice(
+                    iter(make_dataloader(cfg, rank=rank, world_size=world, split="train")), 2 * args.train_steps))
+                training[name] = train_rate(pipe, train_batches, device, rank)
 
         def timed(name: str, pipelined: bool, rnd: int, warm: bool = False) -> None:
             pipe = pipes[name]
@@ -173,10 +211,14 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
         for name in pipes:
             for pipelined in (False, True):
                 timed(name, pipelined, -1, warm=True)
+        for name in training:  # the eval graph captured in the warm-up pass: the timed passes replay it
+            training[name]["eval_graph_before_timing"] = step_graph_of(pipes[name]).evaluation.summary()
         for rnd in range(args.rounds):
             for name in pipes:
                 for pipelined in ((False, True) if rnd % 2 == 0 else (True, False)):
                     timed(name, pipelined, rnd)
+        for name in training:
+            training[name]["eval_graph"] = step_graph_of(pipes[name]).evaluation.summary()
         del pipes, sharded
         gc.collect()
         if device.type == "cuda":
@@ -189,16 +231,39 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
         "options": {k: v for k, v in vars(args).items() if k != "command"},
         "eval_batches_per_rank": len(batches), "batch_size": cfg.data.batch_size, "batches_made_s": made_s,
         "model_builds": builds, "wall_s": time.perf_counter() - started,
-        "schedules": schedules, "skipped": skipped, "passes": passes, "summary": summarize(passes),
+        "schedules": schedules, "skipped": skipped, "passes": passes, "training": training,
+        "summary": summarize(passes, training),
     }
     if rank == 0:
         write(Path(args.out), record)
     return record
 
 
-def summarize(passes: list[dict[str, Any]]) -> dict[str, Any]:
+def train_rate(pipe: Any, batches: list, device: torch.device, rank: int) -> dict[str, Any]:
+    """Train the first half of ``batches`` untimed (a step graph captures its step), then time the
+    second half: samples/s over every rank and ms a step."""
+    from recpipe.bench.run import gather
+
+    half = len(batches) // 2
+    pipe.attach()
+    try:
+        train_pass(pipe, batches[:half], device)
+        seconds = max(gather(train_pass(pipe, batches[half:], device)))
+    finally:
+        pipe.detach()
+    samples = sum(gather(sum(b.labels.numel() for b in batches[half:])))
+    graph = step_graph_of(pipe)
+    if rank == 0:
+        print(f"eval_speed: {pipe.name} training: {samples / seconds:,.0f} samples/s "
+              f"({1e3 * seconds / (len(batches) - half):.2f} ms a step); {graph}", flush=True)
+    return {"samples_per_s": samples / seconds, "step_ms": 1e3 * seconds / (len(batches) - half),
+            "step_graph": graph.summary()}
+
+
+def summarize(passes: list[dict[str, Any]], training: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
     """Per pipeline: each way's samples/s by round and P50, the ratio of the P50s and of each
-    round, and whether every pass gave the same metrics."""
+    round, and whether every pass gave the same metrics; where it trained first (a step
+    graph), each way's P50 over its training samples/s."""
     from recpipe.bench.measure import percentile
 
     out: dict[str, Any] = {}
@@ -215,6 +280,8 @@ def summarize(passes: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio_by_round": [b / a for a, b in zip(rates["plain"], rates["pipelined"])],
             "metrics_equal": all(p["metrics"] == first for p in mine), "metrics": first,
         }
+        if name in (training or {}):
+            out[name]["eval_over_train"] = {way: r / training[name]["samples_per_s"] for way, r in p50.items()}
     return out
 
 
@@ -231,6 +298,7 @@ def write(out: Path, record: dict[str, Any]) -> None:
         "| pipeline | eval schedule | plain samples/s | pipelined samples/s | pipelined / plain | by round | metrics equal |",
         "|---|---|---|---|---|---|---|",
     ]
+    rows = len(lines)
     for name, s in summary.items():
         rounds = ", ".join(f"{r:.3f}" for r in s["ratio_by_round"])
         lines.append(f"| {name} | {record['schedules'][name]['pipelined']} | {s['samples_per_s_p50']['plain']:,.0f} | "
@@ -238,8 +306,16 @@ def write(out: Path, record: dict[str, Any]) -> None:
                      f"{'yes' if s['metrics_equal'] else 'NO'} |")
     for name, why in record["skipped"].items():
         lines.append(f"| {name} | skipped: {why} | | | | | |")
+    if record.get("training"):
+        lines += ["", "| pipeline | training samples/s | ms a step | plain / training | pipelined / training | "
+                  "eval graph (timed passes) |", "|---|---|---|---|---|---|"]
+        for name, t in record["training"].items():
+            ratio = summary[name]["eval_over_train"]
+            timed = {k: t["eval_graph"][k] - t["eval_graph_before_timing"][k] for k in t["eval_graph"]}
+            lines.append(f"| {name} | {t['samples_per_s']:,.0f} | {t['step_ms']:.2f} | {ratio['plain']:.3f} | "
+                         f"{ratio['pipelined']:.3f} | {timed['replays']} replays, {timed['eager']} eager |")
     write_report(out, "eval_speed", record, lines)
-    print("\n".join(lines[-len(summary) - len(record["skipped"]):]))
+    print("\n".join(lines[rows:]))
     print(f"wrote {out / 'eval_speed.json'} and {out / 'eval_speed.md'}")
 
 

@@ -75,7 +75,7 @@ class StepContext:
 
     Methods: ``recent(index)`` (a batch still in flight or just trained, by index),
     ``ahead(slot)`` (the batch ``slot`` places ahead of the one being trained),
-    ``step_stream(batch, name)``; for speed features, ``wrap_step``, ``replace_schedule`` and
+    ``step_stream(batch, name)``; for speed features, ``wrap_step``, ``wrap_eval_step``, ``replace_schedule`` and
     ``on_detached`` (see ``recpipe.pipelines.engine.Pipeline``).
     """
 
@@ -113,6 +113,10 @@ class StepContext:
     def wrap_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
         """``Pipeline.wrap_step``."""
         self.pipeline.wrap_step(name, wrapper)
+
+    def wrap_eval_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+        """``Pipeline.wrap_eval_step``."""
+        self.pipeline.wrap_eval_step(name, wrapper)
 
     def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[[StepContext, InFlight], None]],
                          *, intercepts: bool) -> None:

@@ -178,6 +178,8 @@ class Pipeline:
         self.applied: list[Any] = []
         # Step functions wrapped by speed features or studies (wrap_step), in the order applied.
         self._wrappers: dict[str, list[Callable[[Callable], Callable]]] = {}
+        # Step functions of its evaluations' eval schedule wrapped by speed features (wrap_eval_step).
+        self.eval_wrappers: dict[str, list[Callable[[Callable], Callable]]] = {}
         self._extra_steps: dict[str, Callable[[StepContext, InFlight], None]] = {}  # replace_schedule's
         self._on_detached: list[Callable[[], None]] = []  # speed features' (on_detached)
         self._slots: list[InFlight | None] = [None] * self.schedule.depth
@@ -226,6 +228,12 @@ class Pipeline:
         self._check_idle("wrap a step")
         self._wrappers.setdefault(name, []).append(wrapper)
         self._plans.clear()
+
+    def wrap_eval_step(self, name: str, wrapper: Callable[[Callable], Callable]) -> None:
+        """Run step ``name`` of this pipeline's evaluations through its eval schedule
+        (``recpipe.pipelines.evaluation``) as ``wrapper(fn)(ctx, batch)``: a speed feature that
+        speeds up the eval forward too (``recpipe.speedups.step_graph.EvalGraph``). The plain loop runs none."""
+        self.eval_wrappers.setdefault(name, []).append(wrapper)
 
     def replace_schedule(self, schedule: Schedule, functions: Mapping[str, Callable[[StepContext, InFlight], None]],
                          *, intercepts: bool) -> None:

@@ -22,11 +22,18 @@ the input sources the training pipeline learned on its first batch (else it lear
 them on its first eval batch, as training does).
 
 What does not run in an evaluation: the user's hooks (``before_forward``, ...), the
-speed features' step wrappers (the prefetch step runs FBGEMM's cache insert), CUDA
+speed features' training step wrappers (the prefetch step runs FBGEMM's cache insert), CUDA
 graphs and compiled modules (they run their module's own forward in eval mode or under
 no_grad: nothing captured for training is replayed). A pipeline whose model runs its own
 sharded forward (``base``; a step graph, whose schedule hands the modules nothing)
 evaluates with ``base``'s eval schedule: the next batch's copy overlaps the forward.
+
+What a speed feature wraps for evaluations (``Pipeline.wrap_eval_step``) runs in the eval
+schedule (not in the plain loop): a step graph's :class:`recpipe.speedups.step_graph.EvalGraph`
+pads each eval batch at its fetch as training batches are, the ranks agree per batch, and
+replays one captured forward (eval mode, no_grad) for every batch that fits; the others run
+eagerly. Its metrics are the eager evaluation's bit for bit (tests/test_eval_graph.py,
+tests/test_eval_graph_gpu.py).
 
 Uneven data: the training pipeline's ``uneven_data`` rule, agreed per batch over all
 ranks as in training: a rank whose eval data ran out feeds padding batches (its last
@@ -107,6 +114,10 @@ class EvalPipeline(Pipeline):
                          splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule),
                          intercepts=intercepts, sources=train.context.sources if intercepts else None)
         self.name = f"{train.name} eval"
+        if schedule is not PLAIN_SCHEDULE:  # the speed features that run in an evaluation (wrap_eval_step)
+            for name, wrappers in train.eval_wrappers.items():
+                for wrapper in wrappers:
+                    self.wrap_step(name, wrapper)
         last = train.last_fetched
         self.padding_template = last if last is not None else train.padding_template
 

@@ -49,6 +49,29 @@ Life of a pipeline with a step graph:
    and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
    while the batch is still on the host (one Gloo all-reduce a step, at its fetch), so all take the same path.
 
+Evaluation: a step-graph pipeline evaluates with ``base``'s eval schedule
+(``recpipe.pipelines.evaluation``), whose eager forward is the host's time as the eager
+step is (torchrec's input dist, the TBE lookups, the dense forward). :class:`EvalGraph`
+wraps its two steps (``Pipeline.wrap_eval_step``; the plain loop,
+``train.eval_pipelined=false``, runs none):
+
+* ``h2d``, on the host at fetch: the batch fitted as a training batch is
+  (:meth:`StepGraph.fitted`: padded to the capacity, with the padding bag that
+  :class:`DropPaddingBag` drops), and whether it replays, agreed by every rank at once (one
+  Gloo all-reduce a batch): it fits on every rank and has the shapes of the first that did.
+* ``forward_eval``: such a batch is copied into the graph's static input buffers and the
+  captured forward (the model in eval mode, under ``torch.no_grad()``) replayed; what the
+  model returned is copied out of the graph's buffers for the metrics. The first such batch
+  runs eagerly, padded, in the captured layout (the warm-up), the second is captured; the
+  graph serves every later evaluation.
+
+A batch that does not fit (over capacity; other shapes: a partial last batch, an uneven
+rank's padding batch), and every batch before the training step is captured, runs eagerly,
+unpadded: counted in ``eager``, and those that do not fit in ``over_capacity``
+(``speedups.step_graph.eval`` in the trainer's summary.json). A pooled embedding is a sum per
+bag, so a padded batch's real bags are the unpadded batch's: a replayed eval batch gives the
+eager forward's outputs bit for bit (tests/test_eval_graph.py, tests/test_eval_graph_gpu.py).
+
 Learning rates (``optimizer.*.schedule``): the dense optimizer reads a scheduled rate
 from a device tensor (``recpipe.train.learning_rates``), so replays follow it. FBGEMM's
 TBE backward reads the embedding rate on the host (``learning_rate_tensor.item()``), so
@@ -81,6 +104,7 @@ import contextlib
 import dataclasses
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
@@ -103,7 +127,7 @@ from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch
 if TYPE_CHECKING:
     from recpipe.pipelines.context import StepContext
 
-__all__ = ["DropPaddingBag", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
+__all__ = ["DropPaddingBag", "EvalGraph", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
 
 # Eager steps before the capture: the first creates what first calls create lazily (torchrec's
 # input dists, cuBLAS workspaces), the second runs with all of it in place, as the capture will.
@@ -312,6 +336,7 @@ class StepGraph:
     _warned: bool = False
     _captured_lrs: tuple = ()  # the embedding rates the graph holds
     _previous_lrs: tuple | None = None  # the embedding rates of the previous step
+    evaluation: "EvalGraph | None" = None  # the evaluations' captured forward
 
     def __repr__(self) -> str:
         state = "captured" if self._replay is not None else "not captured yet"
@@ -327,7 +352,8 @@ class StepGraph:
 
     def summary(self) -> dict[str, Any]:
         return {"replays": self.replays, "eager_steps": self.eager_steps, "over_capacity": self.over_capacity,
-                "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key()}
+                "lr_steps": self.lr_steps, "padded": self.padded, "capacity": self._capacity_by_key(),
+                **({"eval": self.evaluation.summary()} if self.evaluation is not None else {})}
 
     def _capacity_by_key(self) -> dict[str, int | list[int]]:
         """Ids per batch of each feature; a list (ids per rank's bucket) for a row-wise one."""
@@ -354,29 +380,31 @@ class StepGraph:
     def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
         """Whether batch ``b`` may replay, decided here, with the batch still on the host,
         by every rank at once (the step's one agreement, a Gloo all-reduce; the rest of
-        the decision at ``train_step`` is the same on every rank): on each rank it pads
-        to the capacity (padding mode; else it has the measured ids per feature), is no
-        zero-loss padding batch and has the shapes of the first such batch (a last,
-        smaller one has not). Every rank pads it, or none does: torchrec's pooled
-        all-to-all needs the same batch size on every rank."""
-        padded, ok = None, not b.zero_loss
-        if ok and self.padded:
-            padded = pad_features(kjt, self.capacity, self._bucketing())
-            ok = padded is not None
-        elif ok:
-            ok = kjt.length_per_key() == [c[0] for c in self.capacity]
-        host = b.host if padded is None else _replace_kjt(b.host, kjt, padded)
+        the decision at ``train_step`` is the same on every rank): on each rank it fits
+        the captured step (:meth:`fitted`), is no zero-loss padding batch and has the
+        shapes of the first such batch (a last, smaller one has not). Every rank pads it,
+        or none does: torchrec's pooled all-to-all needs the same batch size on every rank."""
+        fitted = None if b.zero_loss else self.fitted(kjt)
+        host, ok = b.host, fitted is not None
         if ok:
+            host = with_features(b.host, kjt, fitted)
             shapes = signature(host)
             self._shapes = self._shapes or shapes
             ok = shapes == self._shapes
         if not _agree(ok):
             return
-        if padded is not None:
-            if kjt.values().is_pinned():  # as the loader pinned it: else the copy blocks the host
-                host = _replace_kjt(b.host, kjt, padded.pin_memory())
-            b.host = host
+        b.host = with_features(b.host, kjt, fitted, pin=True)
         self._admitted.add(b.index)
+
+    def fitted(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor | None:
+        """``kjt`` (a host batch's features, the capacity known) as a captured step takes it:
+        padded to the capacity (padding mode; the padded stride of the training batches,
+        which the :class:`DropPaddingBag` wrappers drop), or as it is where it has the
+        measured ids per feature; None if it does not fit."""
+        if self.padded:
+            padded = pad_features(kjt, self.capacity, self._bucketing())
+            return padded if padded is not None and padded.stride() == self.padded_stride else None
+        return kjt if kjt.length_per_key() == [c[0] for c in self.capacity] else None
 
     def _see(self, ctx: Any, kjt: KeyedJaggedTensor) -> None:
         if self.capacity is not None:
@@ -481,7 +509,7 @@ class StepGraph:
                       "pipeline.step_graph.capacity or headroom", stacklevel=3)
 
     @contextlib.contextmanager
-    def _fixed_layout(self, ctx: Any) -> Iterator[None]:
+    def fixed_layout(self, ctx: Any) -> Iterator[None]:
         """The model's input dists with their splits known on the host (several ranks:
         :mod:`recpipe.speedups.fixed_splits`) and torchrec's recat indices made once."""
         rows = {k: c for k, c in zip(self.keys, self.capacity or []) if k in self.buckets}
@@ -504,7 +532,7 @@ class StepGraph:
         counts = _host_step_counts(optimizer)
         before = [t.clone() for t in counts]
         try:
-            with self._fixed_layout(ctx):
+            with self.fixed_layout(ctx):
                 replay = self.capture(step)
         except Exception as err:
             for t, value in zip(counts, before):
@@ -518,14 +546,17 @@ class StepGraph:
         # After k replays the step counts are where k eager steps leave them: a capture runs the
         # step's host part once (+1, the first replay's), a replay none.
         self._host_counts, self._host_next = counts, [t + 1 for t in before]
-        self._replay = replay if self.capture is capture_with_torch else self._stand_in(replay, ctx)
+        self._replay = self.replay_of(replay, ctx)
 
-    def _stand_in(self, replay: Callable[[], None], ctx: Any) -> Callable[[], None]:
-        """A stand-in capture that re-runs the step in Python (CPU tests) must see the
-        fixed layout too; a real replay calls no Python and needs none."""
+    def replay_of(self, replay: Callable[[], None], ctx: Any) -> Callable[[], None]:
+        """What replays a capture by ``self.capture``: a real graph's replay calls no Python and
+        needs nothing else; a stand-in capture that re-runs the step in Python (CPU tests) must
+        see the fixed layout too."""
+        if self.capture is capture_with_torch:
+            return replay
 
         def run() -> None:
-            with self._fixed_layout(ctx):
+            with self.fixed_layout(ctx):
                 replay()
 
         return run
@@ -562,6 +593,16 @@ def _agree(fits: bool) -> bool:
     return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
 
 
+def with_features(batch: Any, kjt: KeyedJaggedTensor, fitted: KeyedJaggedTensor, pin: bool = False) -> Any:
+    """Host ``batch`` with its features ``kjt`` replaced by ``fitted`` (:meth:`StepGraph.fitted`);
+    ``pin``: a padded KJT pinned where the loader pinned the batch (else its copy blocks the host)."""
+    if fitted is kjt:
+        return batch
+    if pin and kjt.values().is_pinned():
+        fitted = fitted.pin_memory()
+    return _replace_kjt(batch, kjt, fitted)
+
+
 def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> Any:
     """``batch`` with ``old`` (its first KJT) replaced by ``new`` (a shallow copy)."""
     if batch is old:
@@ -578,6 +619,99 @@ def _replace_kjt(batch: Any, old: KeyedJaggedTensor, new: KeyedJaggedTensor) -> 
         copy.__dict__.update({k: _replace_kjt(v, old, new) for k, v in vars(batch).items()})
         return copy
     return batch
+
+
+@dataclass(eq=False)
+class EvalGraph:
+    """The wrapped ``h2d`` and ``forward_eval`` of a step-graph pipeline's evaluations (see the
+    module docstring); its counts are for all evaluations of the pipeline."""
+
+    graph: "StepGraph"  # the training step's: its capacity, padding and fixed layout
+    train_ctx: Any  # the training pipeline's step context (its model)
+    replays: int = 0
+    eager: int = 0  # eval batches run eagerly: before the training step's capture, not fitting, the warm-up
+    over_capacity: int = 0  # ... of them, those that did not fit the captured forward
+    _replay: Callable[[], None] | None = None
+    _warm: bool = False  # the warm-up batch ran
+    _static: Any = None
+    _shapes: tuple | None = None  # the signature of the first admitted eval batch: what replays hold
+    _outputs: dict[str, Any] = field(default_factory=dict)
+    _admitted: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # in-flight batches every rank admitted
+
+    def __repr__(self) -> str:
+        state = "captured" if self._replay is not None else "not captured yet"
+        return f"EvalGraph({state}; {self.replays} replays, {self.eager} eager, {self.over_capacity} over capacity)"
+
+    def summary(self) -> dict[str, int]:
+        return {"replays": self.replays, "eager": self.eager, "over_capacity": self.over_capacity}
+
+    # ------------------------------------------------ on the host, at fetch
+    def h2d(self, fn: Callable) -> Callable:
+        def h2d(ctx: Any, b: Any) -> None:
+            kjts = _kjts(b.host)
+            if kjts and self.graph.ready:  # the same on every rank: the training step was captured at the same step
+                self._admit(b, kjts[0])
+            fn(ctx, b)
+
+        return h2d
+
+    def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
+        fitted = self.graph.fitted(kjt)
+        ok = fitted is not None
+        if ok:
+            shapes = signature(with_features(b.host, kjt, fitted))
+            ok = self._shapes is None or shapes == self._shapes
+        if not _agree(ok):
+            return
+        self._shapes = self._shapes or shapes
+        b.host = with_features(b.host, kjt, fitted, pin=True)
+        self._admitted.add(b)
+
+    # ------------------------------------------------ on the compute stream
+    def forward_eval(self, fn: Callable) -> Callable:
+        def forward_eval(ctx: Any, b: Any) -> None:
+            if b not in self._admitted:
+                self.eager += 1
+                self.over_capacity += self.graph.ready
+                fn(ctx, b)
+                return
+            self._admitted.discard(b)
+            if not self._warm:  # what the capture runs, eagerly: lazy first calls happen outside it
+                self._warm = True
+                self.eager += 1
+                with self.graph.fixed_layout(self.train_ctx):
+                    fn(ctx, b)
+                return
+            if self._replay is None:
+                self._capture(b)
+            else:
+                for dst, src in zip(_tensors(self._static), _tensors(b.device)):
+                    dst.copy_(src, non_blocking=True)
+            self._replay()
+            self.replays += 1
+            b.output = _clone(self._outputs["output"])
+            b.forwarded = True
+
+        return forward_eval
+
+    def _capture(self, b: Any) -> None:
+        model, outputs = self.train_ctx.model, self._outputs
+        self._static = _clone(b.device)
+
+        def forward() -> None:
+            with torch.no_grad():
+                outputs["output"] = model(self._static)
+
+        try:
+            with self.graph.fixed_layout(self.train_ctx):
+                replay = self.graph.capture(forward)  # the training step's: a CUDA graph, or a stand-in
+        except Exception as err:
+            raise PipelineError(
+                f"pipeline.step_graph: cannot capture the evaluation's forward ({type(err).__name__}: {err}). A "
+                "captured forward must not synchronize with the host (.item(), .tolist(), data-dependent shapes) "
+                "in eval mode; set pipeline.step_graph=false"
+            ) from err
+        self._replay = self.graph.replay_of(replay, self.train_ctx)
 
 
 _HOOKS = ("before_forward", "after_backward", "after_optimizer_step")
@@ -611,6 +745,9 @@ def apply_step_graph(ctx: "StepContext", options: StepGraphOptions, capture: Cap
     graph = StepGraph(options, capture, buckets=row_buckets(modules))
     ctx.replace_schedule(SCHEDULE, {"train_step": graph.train_step}, intercepts=False)
     ctx.wrap_step("h2d", graph.h2d)
+    graph.evaluation = evaluation = EvalGraph(graph, ctx)  # the eval schedule's forward, captured alike
+    ctx.wrap_eval_step("h2d", evaluation.h2d)
+    ctx.wrap_eval_step("forward_eval", evaluation.forward_eval)
     return graph
 
 

@@ -35,3 +35,28 @@ def test_eval_speed_times_both_ways_on_cpu(tmp_path: Path):
     assert md[0] == "# Evaluation speed: plain loop against the pipeline's eval schedule"
     assert record["command"] in md[3]
     assert any(line.startswith("| sparse_dist | sparse_dist_eval | ") and line.endswith(" | yes |") for line in md)
+
+
+def test_eval_speed_times_a_step_graph_against_its_training(tmp_path: Path, monkeypatch):
+    """With pipeline.step_graph (a stand-in capture on CPU, tests/test_step_graph.py's) each
+    pipeline trains first; its training rate is recorded and each way's eval rate set against it;
+    the timed pipelined passes replay the eval graph."""
+    from recpipe.speedups import step_graph
+
+    monkeypatch.setattr(step_graph, "apply", lambda ctx, options: step_graph.apply_step_graph(ctx, options,
+                                                                                          capture=lambda step: step))
+    out = tmp_path / "eval"
+    argv = ["--device", "cpu", "--eval-batches", "4", "--warmup-batches", "3", "--rounds", "1", "--train-steps", "4",
+            "--pipelines", "sparse_dist", "--set", "pipeline.step_graph=true", "--out", str(out)]
+    assert main(argv) == 0
+    record = json.loads((out / "eval_speed.json").read_text())
+    trained = record["training"]["sparse_dist"]
+    assert trained["step_graph"]["replays"] > 0 and trained["samples_per_s"] > 0 and trained["step_ms"] > 0
+    # the warm-up pass: a warm-up batch and the capture; the timed pass replays every batch
+    assert trained["eval_graph"]["replays"] - trained["eval_graph_before_timing"]["replays"] == 4, trained
+    s = record["summary"]["sparse_dist"]
+    assert s["metrics_equal"]
+    assert s["eval_over_train"]["pipelined"] == pytest.approx(s["samples_per_s_p50"]["pipelined"]
+                                                              / trained["samples_per_s"])
+    md = (out / "eval_speed.md").read_text()
+    assert "| sparse_dist | " in md and "4 replays, 0 eager |" in md

@@ -256,9 +256,11 @@ def _user_trace_spec(cfg: RecpipeConfig, module: UserServing) -> tuple[list[str]
 def _user_meta(cfg: RecpipeConfig, module: UserServing, program: torch.export.ExportedProgram,
                names: list[str]) -> dict[str, Any]:
     """The program's inputs (name: dtype, shape; a dynamic size by its symbol) and output."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
     def spec(node: torch.fx.Node) -> list:
         val = node.meta["val"]
-        return [str(val.dtype).removeprefix("torch."), [d if isinstance(d, int) else str(d) for d in val.shape]]
+        return [str(val.dtype).removeprefix("torch."), [int(d) if is_concrete_int(d) else str(d) for d in val.shape]]
 
     nodes = program.graph.nodes
     user = set(program.graph_signature.user_inputs)

@@ -1,6 +1,6 @@
 """User models for ``recpipe export --format program`` (``model.factory``): a two-tower
-ranker whose serving forward differs from the built-in model's, and one torch.export
-cannot trace (Python control flow on the values of its input)."""
+ranker whose serving forward differs from the built-in model's, one torch.export cannot
+trace (Python control flow on the values of a tensor), and one without a serving forward."""
 
 from __future__ import annotations
 
@@ -85,3 +85,15 @@ def build_two_tower(cfg: Any) -> TwoTowerRanker:
 
 def build_branchy(cfg: Any) -> BranchyRanker:
     return BranchyRanker(torch.device("meta"))
+
+
+class TrainOnly(nn.Module):
+    """Trains (``forward(batch)``) but says nothing of how to serve it."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.ebc = _ebc(USER, device)
+
+
+def build_without_serve(cfg: Any) -> TrainOnly:
+    return TrainOnly(torch.device("meta"))

@@ -243,7 +243,7 @@ def _user_trace_spec(cfg: RecpipeConfig, module: UserServing) -> tuple[list[str]
     """A ``model.factory`` model's example inputs (``serving_inputs``) and their dynamic
     shapes: every dimension is ``Dim.AUTO``, dynamic unless the trace fixes it (a weight's
     size) or ties it to another input's."""
-    with _user_errors(cfg, module, tracing=False):
+    with _user_errors(cfg, module, "serving_inputs"):
         named = module.model.serving_inputs(3)
     if not (isinstance(named, dict) and named and all(isinstance(t, torch.Tensor) for t in named.values())):
         raise ConfigError(f"{_model_name(cfg, module.model)}: serving_inputs(3) returned {type(named).__name__}; it "
@@ -274,8 +274,8 @@ def _user_meta(cfg: RecpipeConfig, module: UserServing, program: torch.export.Ex
 
 
 @contextlib.contextmanager
-def _user_errors(cfg: RecpipeConfig, module: nn.Module, tracing: bool) -> Iterator[None]:
-    """A ``model.factory`` model's failure to run or to be traced -> ConfigError (exit 2)
+def _user_errors(cfg: RecpipeConfig, module: nn.Module, call: str, tracing: bool = False) -> Iterator[None]:
+    """A ``model.factory`` model's ``call`` failing to run or to be traced -> ConfigError (exit 2)
     naming the model, the submodule and the line of the user's code, and the reason.
     What torch.export prints on a failed trace (the partial graph, on stderr) is left
     out: the error names the line."""
@@ -293,7 +293,7 @@ def _user_errors(cfg: RecpipeConfig, module: nn.Module, tracing: bool) -> Iterat
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         what = "torch.export cannot trace" if tracing else f"{type(err).__name__} in"
         raise ConfigError(
-            f"{_model_name(cfg, module.model)}: {what} its serve{where}: {reason}; serve must run on the tensors "
+            f"{_model_name(cfg, module.model)}: {what} its {call}{where}: {reason}; serve must run on the tensors "
             "of serving_inputs and be traceable by torch.export (no Python branch or loop on a tensor's values: "
             "use torch.where or torch.cond; docs/export.md, \"Your own model\"), or export the state dict only "
             "(--format state_dict)") from err
@@ -350,7 +350,7 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
         # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
         # export cannot trace); the traced calls find it made.
-        with _user_errors(cfg, module, tracing=False):
+        with _user_errors(cfg, module, "serve"):
             module(*inputs)
         # Size-oblivious reasoning for the batch: without it, torch.export's view of
         # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
@@ -358,7 +358,7 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # ``backed_size_oblivious`` is a private setting of torch's for export (torch 2.7
         # and later, so 2.11 too; tested with torch 2.13): the program accepts batch 1 to
         # MAX_BATCH.
-        with fx_config.patch(backed_size_oblivious=True), _user_errors(cfg, module, tracing=True):
+        with fx_config.patch(backed_size_oblivious=True), _user_errors(cfg, module, "serve", tracing=True):
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     _drop_unused_symbols(program)
     if isinstance(module, UserServing):

@@ -319,10 +319,12 @@ def _where(model: nn.Module, err: BaseException) -> str:
 
 
 def _library_file(filename: str) -> bool:
-    """A file of torch, torchrec, fbgemm or recpipe (not the user's model)."""
+    """A file of torch, torchrec, recpipe or Python's standard library (not the user's model)."""
+    import torchrec
+
     import recpipe
 
-    roots = [Path(torch.__file__).parent.parent, Path(recpipe.__file__).parent]
+    roots = [Path(m.__file__).parent for m in (torch, torchrec, recpipe, os)]
     return filename.startswith("<") or any(Path(filename).is_relative_to(root) for root in roots)
 
 

@@ -254,9 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "model's dtype, float32 for the built-in model)")
     export.add_argument("--format", choices=("state_dict", "program"), default="state_dict",
                         help="state_dict: the state dict only; program: also a servable torch.export program of the "
-                             "model beside it, FILE with the suffix .pt2, whose inputs are plain tensors (dense "
-                             "features, KJT values and lengths) and which loads without recpipe (default: "
-                             "%(default)s)")
+                             "model beside it, FILE with the suffix .pt2, whose inputs are plain tensors (the built-in "
+                             "model: dense features, KJT values and lengths; a model.factory model: its serve "
+                             "method's) and which loads without recpipe (default: %(default)s)")
     export.add_argument("--tables", choices=PROGRAM_TABLES, default="fp32",
                         help="--format program: the program's tables: fp32, fp16, or TorchRec's quantized int8 / int4 "
                              "(FBGEMM's inference kernels; load after `import fbgemm_gpu`) (default: %(default)s)")

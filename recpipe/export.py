@@ -59,6 +59,7 @@ class ExportReport:
     bytes: int = 0
     program: Path | None = None  # the servable program, with --format program
     program_tables: str = "fp32"
+    program_inputs: list[str] = field(default_factory=list)  # the program's arguments, in order
 
     def lines(self) -> list[str]:
         out = [f"{self.out}: {len(self.tables)} embedding tables and {self.dense} dense tensors from "
@@ -67,7 +68,7 @@ class ExportReport:
         if self.program is not None:
             needs = " after `import fbgemm_gpu`" if self.program_tables in ("int8", "int4") else ""
             out.append(f"{self.program}: torch.export program, {self.program_tables} tables; "
-                       f"torch.export.load(path).module()(dense_features, values, lengths){needs} -> click probability "
+                       f"torch.export.load(path).module()({', '.join(self.program_inputs)}){needs} -> prediction "
                        "(docs/export.md)")
         return out
 
@@ -130,12 +131,12 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
         report.tables[key] = (tuple(state[key].shape), want)
     ordered = {key: state[key] for key in target}  # the model's own order
     report.bytes = sum(t.numel() * t.element_size() for t in ordered.values())
-    _save_atomic(ordered, report.out)
-    if program is not None:
+    if program is not None:  # first: a model that cannot be traced leaves neither file
         from recpipe.serving import export_program
 
-        export_program(cfg, ordered, program, program_tables, metadata={"checkpoint": str(path)})
-        report.program, report.program_tables = Path(program), program_tables
+        meta = export_program(cfg, ordered, program, program_tables, metadata={"checkpoint": str(path)})
+        report.program, report.program_tables, report.program_inputs = Path(program), program_tables, list(meta["inputs"])
+    _save_atomic(ordered, report.out)
     return report
 
 

@@ -30,6 +30,15 @@ Tables (``tables``):
   (``torchrec.pt2.utils.register_fake_classes``). The program holds FBGEMM's one packed
   buffer of all the tables, not torchrec's per-table views of it.
 
+A ``model.factory`` model is served through two methods of its own: ``serve(*tensors)``,
+its prediction on plain tensors (it builds its KeyedJaggedTensors inside), and
+``serving_inputs(batch_size) -> {name: tensor}``, example inputs of that form, in
+``serve``'s order. Every dimension of every input is dynamic where the trace leaves it
+free (``torch.export.Dim.AUTO``); the tables are converted as above in every torchrec
+``EmbeddingBagCollection`` of the model. A ``serve`` that torch.export cannot trace is a
+:class:`~recpipe.errors.ConfigError` (exit 2) naming the model, the submodule and the line
+it failed at, and torch.export's reason.
+
 The program's metadata (inputs, feature order, tables, the checkpoint) is stored in the
 archive as ``extra/recpipe.json`` (``torch.export.load(path, extra_files={"recpipe.json": ""})``).
 """
@@ -37,9 +46,12 @@ archive as ``extra/recpipe.json`` (``torch.export.load(path, extra_files={"recpi
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import os
+import sys
+import traceback
 from pathlib import Path
 from typing import Any, Iterator, Literal
 
@@ -52,7 +64,8 @@ from recpipe.errors import ConfigError
 from recpipe.models.dlrm import RecModel, build_model, sparse_arch_forward
 from recpipe.models.precision import precision_context
 
-__all__ = ["ServingModule", "example_inputs", "export_program", "serving_module"]
+__all__ = ["ServingModule", "UserServing", "example_inputs", "export_program", "serving_module",
+           "user_serving_module"]
 
 _QUANT_DTYPES = {"int8": torch.qint8, "int4": torch.quint4x2}
 MAX_BATCH = 1 << 20  # the largest batch the program's dynamic batch dimension admits
@@ -79,29 +92,89 @@ class ServingModule(nn.Module):
 
 
 def serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
-                   tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> ServingModule:
+                   tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> nn.Module:
     """The unsharded model on CPU with ``state`` (the exported state dict), its tables as
-    ``tables`` says, in eval mode, wrapped for serving."""
+    ``tables`` says, in eval mode, wrapped for serving (a ``model.factory`` model:
+    :func:`user_serving_module`)."""
     if cfg.model.factory is not None:
-        raise ConfigError(f"recpipe export --format program serves the built-in model (model.arch), not "
-                          f"model.factory={cfg.model.factory!r}: export the state dict and torch.export your "
-                          "model's own forward")
+        return user_serving_module(cfg, state, tables)
     model = build_model(cfg.model, device=torch.device("cpu"), precision=cfg.train.precision)
     model.load_state_dict(state)
     model.eval()
     if tables == "fp16":
         model.model.sparse_arch.embedding_bag_collection.half()
     elif tables in _QUANT_DTYPES:
-        from torchrec.inference.modules import quantize_inference_model
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
-        from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
-
-        # Rows packed back to back: FBGEMM's CPU kernels need no alignment (TorchRec's
-        # default pads each row to 16 bytes for GPUs; the program runs on CPU).
-        quant_prep_customize_row_alignment(model.model, [EmbeddingBagCollection], 1)
-        quantize_inference_model(model.model, quantization_dtype=_QUANT_DTYPES[tables])
-        _drop_table_mirrors(model.model.sparse_arch.embedding_bag_collection)
+        _quantize(model.model, tables)
     return ServingModule(model, cfg.model.feature_names).eval()
+
+
+class UserServing(nn.Module):
+    """``(*inputs) -> model.serve(*inputs)``: a ``model.factory`` model's serving forward
+    as the module torch.export traces."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        return self.model.serve(*inputs)
+
+
+def _model_name(cfg: RecpipeConfig, model: nn.Module) -> str:
+    return f"model.factory={cfg.model.factory!r} ({type(model).__module__}.{type(model).__qualname__})"
+
+
+def user_serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
+                        tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> UserServing:
+    """The ``model.factory`` model on CPU with ``state``, its EmbeddingBagCollections'
+    tables as ``tables`` says, in eval mode, wrapped for serving."""
+    from recpipe.models import make_model
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    model = make_model(cfg)
+    missing = [m for m in ("serve", "serving_inputs") if not callable(getattr(model, m, None))]
+    if missing:
+        raise ConfigError(f"{_model_name(cfg, model)} has no {' or '.join(missing)}: --format program traces "
+                          "model.serve(*tensors) -> prediction on example inputs model.serving_inputs(batch_size) -> "
+                          "{name: tensor} (docs/export.md, \"Your own model\")")
+    model.load_state_dict(state, assign=True)  # the tables built on meta take the exported tensors
+    on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if on_meta:
+        raise ConfigError(f"{_model_name(cfg, model)}: {on_meta[:5]} are on the meta device and not in its state "
+                          "dict; build them on CPU in the factory (only the state dict's tensors are loaded)")
+    model.eval()
+    bags = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+    if tables == "fp16":
+        for ebc in bags:
+            ebc.half()
+            ebc.register_forward_hook(_pooled_as_float)
+    elif tables in _QUANT_DTYPES:
+        _quantize(model, tables)
+    return UserServing(model).eval()
+
+
+def _pooled_as_float(module: nn.Module, inputs: Any, kt: Any) -> Any:
+    """The float16 tables' pooled embeddings, cast to float32 where they meet the dense part."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    return KeyedTensor(keys=kt.keys(), length_per_key=kt.length_per_key(), values=kt.values().float(),
+                       key_dim=kt.key_dim())
+
+
+def _quantize(model: nn.Module, tables: str) -> None:
+    """Every EmbeddingBagCollection of ``model`` -> TorchRec's quantized one, in place."""
+    from torchrec.inference.modules import quantize_inference_model
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+    from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
+
+    # Rows packed back to back: FBGEMM's CPU kernels need no alignment (TorchRec's
+    # default pads each row to 16 bytes for GPUs; the program runs on CPU).
+    quant_prep_customize_row_alignment(model, [EmbeddingBagCollection], 1)
+    quantize_inference_model(model, quantization_dtype=_QUANT_DTYPES[tables])
+    for ebc in model.modules():
+        if isinstance(ebc, QuantEmbeddingBagCollection):
+            _drop_table_mirrors(ebc)
 
 
 def _drop_table_mirrors(ebc: nn.Module) -> None:
@@ -132,9 +205,10 @@ def example_inputs(cfg: RecpipeConfig, batch_size: int = 3, seed: int = 0) -> tu
 @contextlib.contextmanager
 def _quiet_export() -> Iterator[None]:
     """Without what torch and torchrec log about their own tracing: torch.fx's
-    ``is_fx_tracing`` notice and torchrec's note that a KJT's ``to_dict`` is traced (on the
-    root logger), neither of which a user can act on."""
-    loggers = [logging.getLogger("torch.fx._symbolic_trace"), logging.getLogger()]
+    ``is_fx_tracing`` notice, torchrec's note that a KJT's ``to_dict`` is traced (on the
+    root logger), neither of which a user can act on, and the partial graph torch logs
+    when a trace fails (the error that follows names the reason and the line)."""
+    loggers = [logging.getLogger(name) for name in ("torch.fx._symbolic_trace", "", "torch.fx.experimental.symbolic_shapes")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
@@ -165,6 +239,95 @@ def _drop_unused_symbols(program: torch.export.ExportedProgram) -> None:
         del ranges[expr]
 
 
+def _user_trace_spec(cfg: RecpipeConfig, module: UserServing) -> tuple[list[str], tuple[torch.Tensor, ...], dict]:
+    """A ``model.factory`` model's example inputs (``serving_inputs``) and their dynamic
+    shapes: every dimension is ``Dim.AUTO``, dynamic unless the trace fixes it (a weight's
+    size) or ties it to another input's."""
+    with _user_errors(cfg, module, "serving_inputs"):
+        named = module.model.serving_inputs(3)
+    if not (isinstance(named, dict) and named and all(isinstance(t, torch.Tensor) for t in named.values())):
+        raise ConfigError(f"{_model_name(cfg, module.model)}: serving_inputs(3) returned {type(named).__name__}; it "
+                          "must return {name: tensor}, in the order of serve's arguments")
+    inputs = tuple(named.values())
+    auto = torch.export.Dim.AUTO
+    return list(named), inputs, {"inputs": tuple({d: auto for d in range(t.dim())} for t in inputs)}
+
+
+def _user_meta(cfg: RecpipeConfig, module: UserServing, program: torch.export.ExportedProgram,
+               names: list[str]) -> dict[str, Any]:
+    """The program's inputs (name: dtype, shape; a dynamic size by its symbol) and output."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    def spec(node: torch.fx.Node) -> list:
+        val = node.meta["val"]
+        return [str(val.dtype).removeprefix("torch."), [int(d) if is_concrete_int(d) else str(d) for d in val.shape]]
+
+    nodes = program.graph.nodes
+    user = set(program.graph_signature.user_inputs)
+    user_inputs = [n for n in nodes if n.op == "placeholder" and n.name in user]
+    output = [n for n in nodes if n.op == "output"][0].args[0]
+    outputs = [spec(o) for o in output if isinstance(o, torch.fx.Node)]
+    return {"model": f"{type(module.model).__module__}.{type(module.model).__qualname__}",
+            "factory": cfg.model.factory,
+            "inputs": {name: spec(node) for name, node in zip(names, user_inputs)},
+            "output": outputs[0] if len(outputs) == 1 else outputs}
+
+
+@contextlib.contextmanager
+def _user_errors(cfg: RecpipeConfig, module: nn.Module, call: str, tracing: bool = False) -> Iterator[None]:
+    """A ``model.factory`` model's ``call`` failing to run or to be traced -> ConfigError (exit 2)
+    naming the model, the submodule and the line of the user's code, and the reason.
+    What torch.export prints on a failed trace (the partial graph, on stderr) is left
+    out: the error names the line."""
+    if not isinstance(module, UserServing):
+        yield
+        return
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    except ConfigError:
+        raise
+    except Exception as err:  # the user's code, or torch.export on it
+        where = _where(module.model, err)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        what = "torch.export cannot trace" if tracing else f"{type(err).__name__} in"
+        raise ConfigError(
+            f"{_model_name(cfg, module.model)}: {what} its {call}{where}: {reason}; serve must run on the tensors "
+            "of serving_inputs and be traceable by torch.export (no Python branch or loop on a tensor's values: "
+            "use torch.where or torch.cond; docs/export.md, \"Your own model\"), or export the state dict only "
+            "(--format state_dict)") from err
+    sys.stderr.write(printed.getvalue())
+
+
+def _where(model: nn.Module, err: BaseException) -> str:
+    """`` at FILE:LINE in module PATH (CLASS)``: the innermost frame of the user's code in
+    ``err``'s traceback and the innermost of ``model``'s modules running there."""
+    paths = {id(m): name for name, m in model.named_modules()}
+    frame_line, module = None, None
+    for frame, line in traceback.walk_tb(err.__traceback__):
+        owner = frame.f_locals.get("self")
+        if id(owner) in paths:
+            module = owner
+        if not _library_file(frame.f_code.co_filename):
+            frame_line = f"{frame.f_code.co_filename}:{line}"
+    if frame_line is None:
+        return ""
+    path = paths.get(id(module), "")
+    name = f"{type(module).__module__}.{type(module).__qualname__}"
+    return f" at {frame_line} in module {path} ({name})" if path else f" at {frame_line}"
+
+
+def _library_file(filename: str) -> bool:
+    """A file of torch, torchrec, recpipe or Python's standard library (not the user's model)."""
+    import torchrec
+
+    import recpipe
+
+    roots = [Path(m.__file__).parent for m in (torch, torchrec, recpipe, os)]
+    return filename.startswith("<") or any(Path(filename).is_relative_to(root) for root in roots)
+
+
 def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str | Path,
                    tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32",
                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -173,10 +336,14 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
     from torch.fx.experimental import _config as fx_config
 
     module = serving_module(cfg, state, tables)
-    inputs = example_inputs(cfg)
-    batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
-    ids = torch.export.Dim("ids", min=1)
-    dynamic = {"dense_features": {0: batch}, "values": {0: ids}, "lengths": {0: cfg.model.num_sparse_features * batch}}
+    if isinstance(module, UserServing):
+        names, inputs, dynamic = _user_trace_spec(cfg, module)
+    else:
+        names, inputs = [], example_inputs(cfg)
+        batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
+        ids = torch.export.Dim("ids", min=1)
+        dynamic = {"dense_features": {0: batch}, "values": {0: ids},
+                   "lengths": {0: cfg.model.num_sparse_features * batch}}
     if tables in _QUANT_DTYPES:
         from torchrec.pt2.utils import register_fake_classes
 
@@ -185,26 +352,32 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
         # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
         # export cannot trace); the traced calls find it made.
-        module(*inputs)
+        with _user_errors(cfg, module, "serve"):
+            module(*inputs)
         # Size-oblivious reasoning for the batch: without it, torch.export's view of
         # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
         # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
         # ``backed_size_oblivious`` is a private setting of torch's for export (torch 2.7
         # and later, so 2.11 too; tested with torch 2.13): the program accepts batch 1 to
         # MAX_BATCH.
-        with fx_config.patch(backed_size_oblivious=True):
+        with fx_config.patch(backed_size_oblivious=True), _user_errors(cfg, module, "serve", tracing=True):
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     _drop_unused_symbols(program)
-    meta = {
-        "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],
-                   "lengths": ["int32", [f"{cfg.model.num_sparse_features} * B"]]},
-        "output": ["float32", ["B"], "click probability"],
-        "features": cfg.model.feature_names,
+    if isinstance(module, UserServing):
+        meta = _user_meta(cfg, module, program, names)
+    else:
+        meta = {
+            "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],
+                       "lengths": ["int32", [f"{cfg.model.num_sparse_features} * B"]]},
+            "output": ["float32", ["B"], "click probability"],
+            "features": cfg.model.feature_names,
+        }
+    meta.update({
         "tables": tables,
         "needs": ["torch"] + (["fbgemm_gpu"] if tables in _QUANT_DTYPES else []),
         "versions": {"torch": torch.__version__},
         **(metadata or {}),
-    }
+    })
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")  # torch.export.save wants its suffix

@@ -4,7 +4,9 @@ loaded from it predicts exactly what the sharded model predicts on the same batc
 ``--format program``: the servable torch.export program, loaded in a fresh process that
 imports neither recpipe nor torchrec, predicts the same bit for bit (fp32 tables) or within
 the stated tolerance (fp16, TorchRec's int8 / int4 tables), at any batch size from one sample,
-loads without a line of output, and its quantized tables take their bits' share of the bytes."""
+loads without a line of output, and its quantized tables take their bits' share of the bytes.
+A model.factory model (tests/serving_models.py) is served the same way through its ``serve``;
+one that torch.export cannot trace is one line naming the module and the line (exit 2)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from recpipe.config import load_config
 from recpipe.data import make_dataloader
 from recpipe.distributed import launch_local
 from recpipe.errors import CheckpointError
-from recpipe.exit_codes import EXIT_CHECKPOINT, EXIT_OK
+from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT, EXIT_OK
 
 CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 TINY = [
@@ -265,14 +267,16 @@ BATCHES = (1, 2, 8192)
 TABLE_SHARE = {"fp16": 2 / 4, "int8": (16 + 4) / (16 * 4), "int4": (8 + 4) / (16 * 4)}
 
 PREDICT_AT_EACH_BATCH = """
-import sys, torch
+import sys
+sys.modules.update(dict.fromkeys(("recpipe", "torchrec", "serving_models"), None))  # none of them importable
+import torch
 import fbgemm_gpu  # registers FBGEMM's inference kernels, which the quantized programs call
 out = {}
 for tables in sys.argv[2:]:
     program = torch.export.load(f"{sys.argv[1]}/{tables}.pt2").module()
     for b in (1, 2, 8192):
         out[tables, b] = program(*torch.load(f"{sys.argv[1]}/inputs_{b}.pt", weights_only=True))
-loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("recpipe", "torchrec"))
+loaded = sorted(m for m, module in sys.modules.items() if module and m.split(".")[0] in ("recpipe", "torchrec"))
 assert not loaded, loaded
 torch.save(out, f"{sys.argv[1]}/predicted.pt")
 """
@@ -282,10 +286,8 @@ torch.save(out, f"{sys.argv[1]}/predicted.pt")
 def programs(tmp_path_factory):
     """The programs of one model (random weights) in every format, the eager model's
     probabilities at each of BATCHES, and the fp32 tables' bytes."""
-    import warnings
-
     from recpipe.models import build_model
-    from recpipe.serving import example_inputs, export_program, serving_module
+    from recpipe.serving import example_inputs, serving_module
 
     out = tmp_path_factory.mktemp("programs")
     cfg = load_config(CONFIG, SIZES)
@@ -298,27 +300,48 @@ def programs(tmp_path_factory):
         torch.save(inputs, out / f"inputs_{b}.pt")
         with torch.no_grad():
             expected[b] = eager(*inputs)
-    for tables in FORMATS:
-        with warnings.catch_warnings():
-            # torch.export.save's word for tensors that share one storage, none of them whole
-            warnings.filterwarnings("error", message="No complete tensor found in the group")
-            export_program(cfg, state, out / f"{tables}.pt2", tables)
+    _export_each_format(cfg, state, out)
     table_bytes = sum(rows * cfg.model.embedding_dim * 4 for rows in cfg.model.num_embeddings_per_feature)
     return out, expected, table_bytes
 
 
-def test_program_serves_any_batch_size_and_loads_without_output(programs):
-    out, expected, _ = programs
+def _export_each_format(cfg, state: dict, out: Path) -> dict[str, dict]:
+    """``out/<tables>.pt2`` for each of FORMATS; their metadata."""
+    import warnings
+
+    from recpipe.serving import export_program
+
+    metas = {}
+    for tables in FORMATS:
+        with warnings.catch_warnings():
+            # torch.export.save's word for tensors that share one storage, none of them whole
+            warnings.filterwarnings("error", message="No complete tensor found in the group")
+            metas[tables] = export_program(cfg, state, out / f"{tables}.pt2", tables)
+    return metas
+
+
+def _predict_at_each_batch_in_a_fresh_process(out: Path, expected: dict) -> dict:
+    """Each program of ``out`` at each of BATCHES, loaded in a process that cannot import recpipe
+    or torchrec and prints nothing: fp32 bit for bit ``expected``, the others within TOLERANCE;
+    returns max |p - expected| per (tables, batch)."""
     done = subprocess.run([sys.executable, "-c", PREDICT_AT_EACH_BATCH, str(out), *FORMATS], capture_output=True,
                           text=True, timeout=300, cwd=out, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (done.stdout, done.stderr) == ("", ""), "loading the programs printed"
     predicted = torch.load(out / "predicted.pt", weights_only=True)
+    measured = {}
     for b in BATCHES:
         assert torch.equal(predicted["fp32", b], expected[b]), f"fp32 at batch {b}"
         for tables, (max_diff, _) in TOLERANCE.items():
             p = predicted[tables, b]
-            assert p.shape == (b,) and (p - expected[b]).abs().max().item() <= max_diff, (tables, b)
+            measured[tables, b] = (p - expected[b]).abs().max().item()
+            assert p.shape == (b,) and measured[tables, b] <= max_diff, (tables, b, measured[tables, b])
+    return measured
+
+
+def test_program_serves_any_batch_size_and_loads_without_output(programs):
+    out, expected, _ = programs
+    _predict_at_each_batch_in_a_fresh_process(out, expected)
 
 
 def _tensor_bytes(archive: Path) -> int:
@@ -337,3 +360,88 @@ def test_quantized_tables_take_their_bits_share_of_the_archive(programs):
     for tables, share in TABLE_SHARE.items():
         measured = (stored[tables] - dense) / fp32_tables
         assert abs(measured - share) < 0.01, (tables, measured, share, stored)
+
+
+# ------------------------------------------------------- a model.factory model
+USER_MODEL = ["model.factory=serving_models:build_two_tower"]
+
+
+@pytest.fixture(scope="module")
+def user_programs(tmp_path_factory):
+    """The programs of a model.factory model (random weights) in every format, the eager
+    model's ``serve`` at each of BATCHES, and the programs' metadata."""
+    from serving_models import TwoTowerRanker
+
+    out = tmp_path_factory.mktemp("user_programs")
+    torch.manual_seed(0)
+    model = TwoTowerRanker(torch.device("cpu")).eval()
+    expected = {}
+    for b in BATCHES:
+        inputs = tuple(model.serving_inputs(b, seed=b).values())
+        torch.save(inputs, out / f"inputs_{b}.pt")
+        with torch.no_grad():
+            expected[b] = model.serve(*inputs)
+    return out, expected, _export_each_format(load_config(CONFIG, USER_MODEL), model.state_dict(), out)
+
+
+def test_user_model_program_serves_any_batch_size_without_recpipe(user_programs):
+    out, expected, metas = user_programs
+    measured = _predict_at_each_batch_in_a_fresh_process(out, expected)
+    assert all(diff > 0 for diff in measured.values()), measured  # the tables did change
+    print(f"user model's program vs its eager serve, max |p - p_eager|: {measured}")
+    assert list(metas["int8"]["inputs"]) == ["user_values", "user_lengths", "item_values", "item_lengths", "item_dense"]
+    assert metas["int8"]["model"] == "serving_models.TwoTowerRanker" and metas["int8"]["needs"] == ["torch", "fbgemm_gpu"]
+    assert metas["fp32"]["inputs"]["item_dense"][0] == "float32" and metas["fp32"]["inputs"]["item_dense"][1][1] == 3
+
+
+def _user_checkpoint(tmp_path: Path, build) -> Path:
+    from test_checkpoint import dcp_checkpoint
+
+    torch.manual_seed(0)
+    return dcp_checkpoint(tmp_path / "ckpt", 3, {"model": build(torch.device("cpu")).state_dict()})
+
+
+def test_recpipe_export_writes_a_user_models_program(tmp_path, capsys):
+    from serving_models import TwoTowerRanker
+
+    ckpt = _user_checkpoint(tmp_path, TwoTowerRanker)
+    out = tmp_path / "model.pt"
+    assert main(["export", "--config", str(CONFIG), "--set", USER_MODEL[0], "--checkpoint", str(ckpt), "--out", str(out),
+                 "--format", "program", "--tables", "int4"]) == EXIT_OK
+    printed = capsys.readouterr().out
+    assert (f"{out.with_suffix('.pt2')}: torch.export program, int4 tables; torch.export.load(path).module()(user_values, "
+            "user_lengths, item_values, item_lengths, item_dense) after `import fbgemm_gpu`") in printed
+    assert out.exists() and out.with_suffix(".pt2").exists()
+
+
+def test_a_user_model_torch_export_cannot_trace_is_one_line_naming_module_line_and_reason(tmp_path, capsys):
+    import inspect
+
+    from serving_models import BranchyRanker, Gate
+
+    ckpt = _user_checkpoint(tmp_path, BranchyRanker)
+    out = tmp_path / "model.pt"
+    assert main(["export", "--config", str(CONFIG), "--set", "model.factory=serving_models:build_branchy", "--checkpoint",
+                 str(ckpt), "--out", str(out), "--format", "program"]) == EXIT_BAD_CONFIG
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and not captured.out, captured
+    source, first = inspect.getsourcelines(Gate.forward)
+    branch = first + next(i for i, line in enumerate(source) if "if x.max() > 0" in line)
+    assert lines[0].startswith("recpipe export: model.factory='serving_models:build_branchy' "
+                               "(serving_models.BranchyRanker): torch.export cannot trace its serve at "
+                               f"{inspect.getsourcefile(Gate)}:{branch} in module item_tower.1 (serving_models.Gate): "
+                               "Could not guard on data-dependent expression"), lines[0]
+    assert "torch.where or torch.cond" in lines[0] and lines[0].endswith(f"[exit {EXIT_BAD_CONFIG}]")
+    assert not out.exists() and not out.with_suffix(".pt2").exists()
+
+
+def test_a_user_model_without_serve_is_an_error_saying_what_to_add(tmp_path):
+    from recpipe.errors import ConfigError
+    from recpipe.serving import export_program
+
+    cfg = load_config(CONFIG, ["model.factory=serving_models:build_without_serve"])
+    with pytest.raises(ConfigError, match=r"\(serving_models.TrainOnly\) has no serve or serving_inputs: --format "
+                                          r"program traces model.serve\(\*tensors\)"):
+        export_program(cfg, {}, tmp_path / "x.pt2")
+    assert not (tmp_path / "x.pt2").exists()

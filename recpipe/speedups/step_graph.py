@@ -102,6 +102,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import math
 import warnings
 import weakref
@@ -202,6 +204,85 @@ def _clone(obj: Any) -> Any:
 
 
 # ----------------------------------------------------------------- padding
+@dataclass(frozen=True)
+class _Segments:
+    """What :func:`pad_features` needs of its capacities and buckets, made once per layout:
+    each key's segments (its buckets, or the key itself), in key order."""
+
+    block: torch.Tensor  # per key: a bucket's rows (bucketed keys), else a bound no id reaches
+    count: torch.Tensor  # per key: its segments (buckets; 1 if not bucketed)
+    first: torch.Tensor  # per key: its first segment
+    key: torch.Tensor  # per segment: its key
+    capacity: torch.Tensor  # per segment: the ids a padded batch holds there
+    fill: torch.Tensor  # per segment: the padding id where it has no ids (the bucket's first row, or row 0)
+
+
+@functools.lru_cache(maxsize=8)
+def _segments(capacity: tuple[tuple[int, ...], ...], buckets: tuple[Buckets | None, ...]) -> _Segments:
+    block, count, caps, fill = [], [], [], []
+    for cap, b in zip(capacity, buckets):
+        if b is None:
+            block, count, caps, fill = block + [2**62], count + [1], caps + [sum(cap)], fill + [0]
+            continue
+        rowless = [r for r, c in enumerate(cap) if c and b.first_row(r) is None]
+        if len(cap) != b.count or rowless:
+            raise ValueError(f"pad_features: capacities {list(cap)} for {b}: one per bucket, 0 for a bucket "
+                             "without table rows")
+        block.append(b.block)
+        count.append(b.count)
+        caps += cap
+        fill += [b.first_row(r) or 0 for r in range(b.count)]  # a bucket without rows: capacity 0, never filled
+    first = [0, *itertools.accumulate(count)][:-1]
+    key = [k for k, n in enumerate(count) for _ in range(n)]
+    return _Segments(*(torch.tensor(x, dtype=torch.int64) for x in (block, count, first, key, caps, fill)))
+
+
+def _by_segment(values: torch.Tensor, counts: list[int], plan: _Segments) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The positions of ``values`` grouped by segment, each segment's in their order (None
+    where each key is one segment: ``values`` are grouped already), and each segment's ids."""
+    lengths = torch.tensor(counts)
+    if len(plan.key) == len(counts):
+        return None, lengths
+    if len(set(counts)) == 1:  # as many ids per key: a (key, id) view, the per-key values broadcast
+        ids = values.long().view(len(counts), -1)
+        block, count, first = plan.block.view(-1, 1), plan.count.view(-1, 1), plan.first.view(-1, 1)
+    else:
+        ids = values.long()
+        block, count, first = (torch.repeat_interleave(t, lengths, output_size=len(values))
+                               for t in (plan.block, plan.count, plan.first))
+    # each id's segment: its key's first + its bucket (FBGEMM's block bucketization)
+    bucket = ids // block
+    beyond = bucket >= count  # ids past the table's blocks go to id % count (no valid id does)
+    if bool(beyond.any()):
+        bucket = torch.where(beyond, ids % count, bucket)
+    # a stable sort of small integers: the narrowest type that holds them sorts fastest
+    narrow = torch.uint8 if len(plan.key) <= 256 else torch.int16 if len(plan.key) <= 2**15 else torch.int64
+    segment = bucket.add_(first).view(-1).to(narrow)
+    return torch.sort(segment, stable=True).indices, torch.bincount(segment, minlength=len(plan.key))
+
+
+def _padding(values: torch.Tensor, order: torch.Tensor | None, held: torch.Tensor, missing: torch.Tensor,
+             fill: torch.Tensor) -> torch.Tensor:
+    """Each segment's padding ids, segment after segment: its j-th is the (j mod n)-th of
+    its n ids (``values[order]``, grouped by segment), its fill id where it has none."""
+    n, m = held.tolist(), missing.tolist()
+    if all(a <= b for a, b in zip(m, n)):  # each segment's first ids (every batch near its capacity)
+        first = [(order if order is not None else values)[s:s + a] for s, a in zip(itertools.accumulate([0, *n]), m)]
+        return torch.cat(first) if order is None else values[torch.cat(first)]
+    of_pad = torch.repeat_interleave(torch.arange(len(m)), missing)
+    j = torch.arange(len(of_pad)) - (torch.cumsum(missing, 0) - missing)[of_pad]
+    pads = fill.to(values.dtype)[of_pad]
+    if not len(values):
+        return pads
+    own = held[of_pad]
+    at = ((torch.cumsum(held, 0) - held)[of_pad] + j % own.clamp(min=1)).clamp(max=len(values) - 1)
+    return torch.where(own > 0, values[at if order is None else order[at]], pads)
+
+
+def _interleave(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t for pair in zip(a, b) for t in pair])
+
+
 def pad_features(kjt: KeyedJaggedTensor, capacity: list[int | list[int]],
                  buckets: list[Buckets | None] | None = None) -> KeyedJaggedTensor | None:
     """``kjt`` (on the host) with each key's ids padded to ``capacity`` in one extra bag
@@ -210,47 +291,27 @@ def pad_features(kjt: KeyedJaggedTensor, capacity: list[int | list[int]],
     bucket is padded to its own. The padding ids are copies of the key's own ids (of
     the bucket's, for a bucketed key; its first row where the bucket has none; row 0 for
     a key without ids), so no row is touched that the batch does not touch, but for
-    such a first row, which gets a zero gradient; their per-id weights are 0."""
-    counts = kjt.length_per_key()
-    buckets = buckets or [None] * len(counts)
-    stride = kjt.stride()
-    w = kjt.weights_or_none()
-    values, weights, pads = [], [], []
-    for key_values, key_weights, cap, b in zip(kjt.values().split(counts),
-                                              w.split(counts) if w is not None else [None] * len(counts),
-                                              capacity, buckets):
-        extra = _padding(key_values, cap, b)
-        if extra is None:
-            return None
-        values += [key_values, extra]
-        pads.append(extra.numel())
-        if key_weights is not None:
-            weights += [key_weights, torch.zeros(extra.numel(), dtype=key_weights.dtype)]
-    lengths = kjt.lengths().view(len(counts), stride)
-    new_lengths = torch.cat([lengths, torch.tensor(pads, dtype=lengths.dtype).view(-1, 1)], dim=1).view(-1)
-    return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=new_lengths,
-                             weights=torch.cat(weights) if w is not None else None, stride=stride + 1,
-                             length_per_key=[n + p for n, p in zip(counts, pads)])
+    such a first row, which gets a zero gradient; their per-id weights are 0.
 
-
-def _padding(ids: torch.Tensor, cap: int | list[int], b: Buckets | None) -> torch.Tensor | None:
-    """The ids that fill one key up to ``cap`` (per bucket of ``b``); None if over it."""
-    if b is None:
-        cap = cap if isinstance(cap, int) else sum(cap)
-        if ids.numel() >= cap:  # full (a one-hot feature: every batch), or over
-            return ids[:0] if ids.numel() == cap else None
-        source = ids if ids.numel() else torch.zeros(1, dtype=ids.dtype)
-        return source[torch.arange(cap - ids.numel()) % source.numel()]
-    bucket = b.of(ids)
-    counts = torch.bincount(bucket, minlength=b.count).tolist()
-    if any(n > c for n, c in zip(counts, cap)):
+    Every key and bucket (a segment) at once: the host pads a batch each step, in a few
+    tensor ops whatever its keys and buckets."""
+    counts, stride, values = kjt.length_per_key(), kjt.stride(), kjt.values()
+    plan = _segments(tuple((c,) if isinstance(c, int) else tuple(c) for c in capacity),
+                     tuple(buckets or [None] * len(counts)))
+    order, held = _by_segment(values, counts, plan)
+    missing = plan.capacity - held
+    if bool((missing < 0).any()):
         return None
-    out = []
-    for r, (n, c) in enumerate(zip(counts, cap)):
-        if c > n:
-            source = ids[bucket == r] if n else torch.tensor([b.first_row(r)], dtype=ids.dtype)
-            out.append(source[torch.arange(c - n) % source.numel()])
-    return torch.cat(out) if out else ids[:0]
+    pads = _padding(values, order, held, missing, plan.fill)
+    per_key = torch.zeros(len(counts), dtype=torch.int64).index_add_(0, plan.key, missing)
+    pad_counts = per_key.tolist()
+    w = kjt.weights_or_none()
+    lengths = kjt.lengths().view(len(counts), stride)
+    return KeyedJaggedTensor(
+        keys=kjt.keys(), values=_interleave(values.split(counts), pads.split(pad_counts)),
+        lengths=torch.cat([lengths, per_key.to(lengths.dtype).view(-1, 1)], dim=1).view(-1),
+        weights=None if w is None else _interleave(w.split(counts), w.new_zeros(len(pads)).split(pad_counts)),
+        stride=stride + 1, length_per_key=[n + p for n, p in zip(counts, pad_counts)])
 
 
 class DropPaddingBag:

@@ -59,6 +59,7 @@ import torch
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.errors import ConfigError
 from recpipe.models.dlrm import RecModel, build_model, sparse_arch_forward
@@ -208,7 +209,7 @@ def _quiet_export() -> Iterator[None]:
     ``is_fx_tracing`` notice, torchrec's note that a KJT's ``to_dict`` is traced (on the
     root logger), neither of which a user can act on, and the partial graph torch logs
     when a trace fails (the error that follows names the reason and the line)."""
-    loggers = [logging.getLogger(name) for name in ("torch.fx._symbolic_trace", "", "torch.fx.experimental.symbolic_shapes")]
+    loggers = [compat_torch.fx_trace_logger(), logging.getLogger(), logging.getLogger("torch.fx.experimental.symbolic_shapes")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.ERROR)
@@ -333,8 +334,6 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
                    metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write the ``torch.export`` program of ``cfg``'s model with ``state`` to ``out``
     (written under a temporary name and renamed); returns its metadata."""
-    from torch.fx.experimental import _config as fx_config
-
     module = serving_module(cfg, state, tables)
     if isinstance(module, UserServing):
         names, inputs, dynamic = _user_trace_spec(cfg, module)
@@ -357,10 +356,8 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # Size-oblivious reasoning for the batch: without it, torch.export's view of
         # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
         # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
-        # ``backed_size_oblivious`` is a private setting of torch's for export (torch 2.7
-        # and later, so 2.11 too; tested with torch 2.13): the program accepts batch 1 to
-        # MAX_BATCH.
-        with fx_config.patch(backed_size_oblivious=True), _user_errors(cfg, module, "serve", tracing=True):
+        # With it the program accepts batch 1 to MAX_BATCH.
+        with compat_torch.backed_size_oblivious(), _user_errors(cfg, module, "serve", tracing=True):
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     _drop_unused_symbols(program)
     if isinstance(module, UserServing):

@@ -50,3 +50,11 @@ def may_have_gpu() -> bool:
     if sys.platform != "linux":
         return True
     return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd") or os.path.exists("/dev/dxg")
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks on this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, ``recpipe train``)
+    when it divides ``world_size``, else every rank on one host (``recpipe plan``, which
+    plans one host)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+    return local if 0 < local <= world_size and world_size % local == 0 else world_size

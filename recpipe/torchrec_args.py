@@ -15,11 +15,11 @@ cheap to import.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from recpipe.embedding_tables import (EBC, EC, FPEBC, MODULE_TYPES, check_table_names, model_on_meta, model_tables,
                                        unsupported_modules)
+from recpipe.system import local_world_size
 
 if TYPE_CHECKING:
     from torch import nn
@@ -401,13 +401,6 @@ def _with_kernel(generator: Callable, kernel: str) -> Callable:
         return sharding
 
     return with_kernel
-
-
-def local_world_size(world_size: int) -> int:
-    """Ranks per host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, ``recpipe train``), else
-    every rank on one host (``recpipe plan``, which plans one host)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-    return local if 0 < local <= world_size and world_size % local == 0 else world_size
 
 
 def table_row_wise_hosts(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:

@@ -239,7 +239,8 @@ def test_torchrecs_compiled_pipeline_is_a_row_only_with_compile_on():
     with --with-torchrec; TorchRec 1.6 and 1.8 take (model, optimizer, device, compile_configs)."""
     import torch
 
-    from recpipe.bench.run import build_torchrec_pipeline, dynamo_config_kept
+    from recpipe.bench.run import build_torchrec_pipeline
+    from recpipe.compat.torch import dynamo_config_kept
 
     cfg = load_config(SMOKE)
     assert not cfg.pipeline.compile.enabled  # pipeline.compile off by default

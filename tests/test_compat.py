@@ -141,3 +141,169 @@ def test_tbe_batch_fields():
     source = inspect.getsource(SplitTableBatchedEmbeddingBagsCodegen)
     missing = [f for f in compat_fbgemm.TBE_BATCH_FIELDS if not re.search(rf"self\.{f}\s*=", source)]
     assert missing == [], f"FBGEMM's TBE no longer sets {missing}"
+
+
+def test_module_hooks_and_batch_norms():
+    linear = nn.Linear(1, 1)
+    assert not compat_torch.has_module_hooks(linear)
+    for register in (linear.register_forward_hook, linear.register_forward_pre_hook, linear.register_full_backward_hook):
+        handle = register(lambda *args: None)
+        assert compat_torch.has_module_hooks(linear), register.__name__
+        handle.remove()
+    assert not compat_torch.has_module_hooks(linear)
+    norms = [nn.BatchNorm1d(2), nn.BatchNorm2d(2), nn.BatchNorm3d(2), nn.SyncBatchNorm(2), nn.LazyBatchNorm1d()]
+    assert all(compat_torch.is_batch_norm(m) for m in norms)
+    assert not any(compat_torch.is_batch_norm(m) for m in (nn.LayerNorm(2), nn.InstanceNorm1d(2), linear))
+
+
+def test_optimizer_step_hooks_own_and_global():
+    opt = torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    assert not compat_torch.has_optimizer_step_hooks(opt)
+    handle = opt.register_step_pre_hook(lambda *args: None)
+    assert compat_torch.has_optimizer_step_hooks(opt)
+    handle.remove()
+    handle = opt.register_step_post_hook(lambda *args: None)
+    assert compat_torch.has_optimizer_step_hooks(opt)
+    handle.remove()
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(lambda *args: None)
+    try:
+        assert compat_torch.has_optimizer_step_hooks(opt)
+    finally:
+        handle.remove()
+    assert not compat_torch.has_optimizer_step_hooks(opt)
+
+
+def test_foreach_ops_and_tree_map():
+    dst, src = [torch.zeros(2), torch.zeros(3)], [torch.ones(2), torch.full((3,), 2.0)]
+    compat_torch.foreach_copy_(dst, src)
+    assert [d.tolist() for d in dst] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
+    compat_torch.foreach_add_(dst, torch.tensor(1.0), alpha=2.0)
+    compat_torch.foreach_add_(dst, 1.0)
+    assert [d.tolist() for d in dst] == [[4.0, 4.0], [5.0, 5.0, 5.0]]
+    t = torch.ones(1)
+    out = compat_torch.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, {"a": (t, 1), "b": [t]})
+    assert out["a"][1] == 1 and out["a"][0] is not t and torch.equal(out["b"][0], t)
+
+
+def test_backward_callback_runs_after_the_backward():
+    w = torch.ones(2, requires_grad=True)
+    seen = []
+    w.register_post_accumulate_grad_hook(lambda p: compat_torch.queue_backward_callback(lambda: seen.append(p.grad.sum().item())))
+    (w * 3).sum().backward()
+    assert seen == [6.0]
+
+
+def test_profiler_flag_follows_the_profiler():
+    assert not compat_torch.profiler_enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert compat_torch.profiler_enabled()
+    assert not compat_torch.profiler_enabled()
+
+
+def test_sharded_tensor_is_torchrecs():
+    from torchrec.distributed.types import ShardedTensor
+
+    # an instance without a process group (its constructor needs one)
+    assert compat_torch.is_sharded_tensor(torch.Tensor._make_subclass(ShardedTensor, torch.empty(0)))
+    assert not compat_torch.is_sharded_tensor(torch.zeros(1))
+
+
+def test_ddp_start_up_sync_on_one_rank():
+    import torch.distributed as dist
+    from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
+
+    assert list(inspect.signature(_sync_module_states).parameters) == [
+        "module", "process_group", "broadcast_bucket_size", "src", "params_and_buffers_to_ignore", "broadcast_buffers"]
+    assert list(inspect.signature(_verify_param_shape_across_processes).parameters)[:2] == ["process_group", "tensors"]
+    if dist.is_initialized():
+        pytest.skip("a process group of another test is up")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = nn.Linear(2, 1)
+        before = model.weight.detach().clone()
+        compat_torch.verify_param_shapes(dist.group.WORLD, list(model.parameters()))
+        compat_torch.broadcast_parameters(model, dist.group.WORLD, 1 << 20, 0, {"bias"})
+        assert torch.equal(model.weight, before)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dcp_set_element_and_pickled_globals():
+    root: dict = {}
+    compat_torch.dcp_set_element(root, ("a", "b", 0), 7)
+    assert root == {"a": {"b": [7]}}
+    names = {(g.__module__, g.__qualname__) for g in compat_torch.dcp_metadata_private_globals()}
+    assert names == {("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                     ("torch.serialization", "_get_layout")}
+    layout = torch.sparse_coo
+    assert torch.serialization._get_layout(str(layout)) is layout  # how a layout pickles
+
+
+def test_dynamo_config_kept_and_counters():
+    import torch._dynamo
+
+    before = torch._dynamo.config.cache_size_limit
+    with compat_torch.dynamo_config_kept():
+        torch._dynamo.config.cache_size_limit = before + 1
+    assert torch._dynamo.config.cache_size_limit == before
+    counters = compat_torch.dynamo_counters(if_loaded=True)  # imported above
+    assert counters is compat_torch.dynamo_counters() and isinstance(counters["stats"]["unique_graphs"], int)
+
+
+def test_inductor_modes_fx_logger_and_size_oblivious():
+    assert compat_torch.inductor_mode_options("max-autotune")["max_autotune"] is True
+    import torch.fx._symbolic_trace as symbolic_trace
+    from torch.fx.experimental import _config as fx_config
+
+    assert compat_torch.fx_trace_logger() is symbolic_trace.log
+    assert fx_config.backed_size_oblivious is False
+    with compat_torch.backed_size_oblivious():
+        assert fx_config.backed_size_oblivious is True
+    assert fx_config.backed_size_oblivious is False
+
+
+def test_optimizer_wrappers_keep_the_wrapped_optimizer():
+    from torchrec.optim.keyed import KeyedOptimizerWrapper, OptimizerWrapper
+
+    params = {"w": nn.Parameter(torch.ones(1))}
+    keyed = KeyedOptimizerWrapper(params, lambda p: torch.optim.SGD(p, lr=0.1))
+    assert isinstance(compat_torchrec.wrapped_optimizer(keyed), torch.optim.SGD)
+    assert compat_torchrec.wrapped_optimizer(OptimizerWrapper(keyed)) is keyed
+
+
+def test_sharded_parameter_names_of_an_unsharded_model():
+    from torchrec.distributed import DistributedModelParallel
+
+    assert "_sharded_parameter_names" in vars(DistributedModelParallel)
+    assert compat_torchrec.sharded_parameter_names(nn.Sequential(nn.Linear(1, 1))) == []
+
+
+def test_pipelined_modules_field():
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    _sets(TrainPipelineSparseDist, "_pipelined_modules")
+    assert compat_torchrec.pipelined_modules(object()) is None
+
+
+def test_kjt_fields_are_its_constructor_arguments():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recpipe.data.flat import KJT_FIELDS
+
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.arange(3), lengths=torch.tensor([1, 1, 1, 0]))
+    fields = dict(zip(KJT_FIELDS, compat_torchrec.kjt_fields(kjt, KJT_FIELDS)))
+    assert fields["keys"] == ["a", "b"] and torch.equal(fields["values"], torch.arange(3))
+    assert fields["offsets"] is None  # not computed yet
+    assert torch.equal(KeyedJaggedTensor(**fields).lengths(), kjt.lengths())
+
+
+def test_metric_computations_field():
+    from torchrec.metrics.ctr import CTRMetric
+    from torchrec.metrics.metrics_config import RecTaskInfo
+
+    task = RecTaskInfo(name="t", label_name="label", prediction_name="prediction", weight_name="weight")
+    metric = CTRMetric(world_size=1, my_rank=0, batch_size=1, tasks=[task])
+    assert [type(c).__name__ for c in compat_torchrec.metric_computations(metric)] == ["CTRMetricComputation"]

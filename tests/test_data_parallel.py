@@ -69,8 +69,7 @@ def _wrap_worker(cfg) -> None:
     inner.register_buffer("local", torch.tensor([float(rank)]))
     with torch.no_grad():
         inner[0].weight.fill_(rank + 1.0)
-    holder = nn.Module()
-    holder._dmp_wrapped_module = inner
+    holder = SimpleNamespace(module=inner)  # what wrap reads of DistributedModelParallel
     DataParallelAcrossRanks("all_reduce").wrap(holder, SimpleNamespace(world_size=2, process_group=dist.group.WORLD),
                                                torch.device("cpu"))
     assert torch.all(inner[0].weight == 1.0) and inner.local.item() == rank

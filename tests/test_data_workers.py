@@ -13,7 +13,8 @@ import torch
 from recpipe.config import load_config
 from recpipe.data import make_dataloader
 from recpipe.data.loader import with_sized_workers
-from recpipe.data.workers import TARGET_SAMPLES_PER_S, local_ranks, rank_cores, size_workers
+from recpipe.data.workers import TARGET_SAMPLES_PER_S, rank_cores, size_workers
+from recpipe.system import local_world_size
 from recpipe.train.clock import LoaderWait
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +40,21 @@ def test_producers_are_sized_by_cores_and_batch_cost(cores, seconds, batch, on_c
 def test_a_rank_gets_its_share_of_the_cores(monkeypatch):
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)), raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert local_ranks(8) == 4 and rank_cores(local_ranks(8)) == 4
+    assert local_world_size(8) == 4 and rank_cores(local_world_size(8)) == 4
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert local_ranks(2) == 2 and rank_cores(local_ranks(2)) == 8
+    assert local_world_size(2) == 2 and rank_cores(local_world_size(2)) == 8
+
+
+@pytest.mark.parametrize("env, world, local", [
+    ("4", 8, 4),  # two hosts of four
+    ("", 8, 8),  # unset: every rank on one host
+    ("3", 8, 8),  # does not divide the world: one host
+    ("16", 8, 8),  # more than the world: one host
+    ("0", 8, 8),
+])
+def test_local_world_size_is_the_launchers_when_it_divides_the_world(monkeypatch, env, world, local):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", env)
+    assert local_world_size(world) == local
 
 
 def _cfg(**sets):

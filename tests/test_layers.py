@@ -71,17 +71,9 @@ def test_the_checker_sees_cycles_and_hidden_loops_through_a_package(tmp_path):
         del MODULES["recpipe._probe"]
 
 
-# Uses of torch's, torchrec's and fbgemm-gpu's private names outside recpipe/compat/, per file,
-# that have no accessor there yet (python scripts/private_names.py --list): a count may only
-# go down; a file that reaches 0 leaves the list.
-PRIVATE_NAMES_OUTSIDE_COMPAT = {
-    "recpipe/speedups/optimizer_graph.py": 7, "recpipe/sharding/data_parallel.py": 6, "recpipe/bench/run.py": 5,
-    "recpipe/speedups/cuda_graphs.py": 5, "recpipe/train/checkpoint_reader.py": 4, "recpipe/speedups/step_graph.py": 3,
-    "recpipe/serving.py": 2, "recpipe/train/startup.py": 2, "recpipe/bench/runner.py": 1, "recpipe/data/flat.py": 1,
-    "recpipe/pipelines/engine.py": 1, "recpipe/pipelines/steps.py": 1, "recpipe/speedups/cache_fill.py": 1,
-    "recpipe/speedups/compile.py": 1, "recpipe/speedups/defs/compile.py": 1, "recpipe/train/embedding_norms.py": 1,
-    "recpipe/train/metrics.py": 1, "recpipe/train/nonfinite.py": 1, "recpipe/train/trainer.py": 1,
-}
+# Uses of torch's, torchrec's and fbgemm-gpu's private names outside recpipe/compat/, per file
+# (python scripts/private_names.py --list): none; every one goes through an accessor there.
+PRIVATE_NAMES_OUTSIDE_COMPAT: dict[str, int] = {}
 
 
 def test_private_library_names_stay_in_compat():

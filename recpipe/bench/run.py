@@ -8,7 +8,6 @@ import copy
 import itertools
 import time
 import traceback
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Iterator
 
@@ -23,6 +22,8 @@ from recpipe.bench.measure import (MemorySnapshot, StepClock, cache_metrics, cac
 from recpipe.bench.report import Row
 from recpipe.bench.trace import combine_ranks, profile_progress
 from recpipe.builder import make_pipeline
+from recpipe.compat import torch as compat_torch
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.data import Batch
 from recpipe.deterministic import apply_deterministic
@@ -36,7 +37,7 @@ from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
 
 __all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
-           "config_for_pipeline", "dynamo_config_kept", "fed_as_trained", "fresh_batches", "gather", "measure_steps", "pipeline_options",
+           "config_for_pipeline", "fed_as_trained", "fresh_batches", "gather", "measure_steps", "pipeline_options",
            "run_local", "split_variant", "Steps", "untimed_steps"]
 
 DRAIN = 3  # untimed batches after the timed (and traced) ones: TorchRec's SemiSync fetches three ahead
@@ -205,21 +206,6 @@ def build_torchrec_pipeline(cfg: RecpipeConfig, model: torch.nn.Module, optimize
     return getattr(train_pipelines, name)(model, optimizer, device, **kwargs), kwargs, notes
 
 
-@contextlib.contextmanager
-def dynamo_config_kept() -> Iterator[None]:
-    """``torch._dynamo.config`` as it was before, and dynamo's caches dropped, after the block."""
-    import torch._dynamo
-
-    saved = torch._dynamo.config.save_config()
-    try:
-        yield
-    finally:
-        with warnings.catch_warnings():  # the saved config names deprecated keys too
-            warnings.simplefilter("ignore", FutureWarning)
-            torch._dynamo.config.load_config(saved)
-        torch._dynamo.reset()
-
-
 class Steps:
     """``pipe.progress(it)``, keeping every step's loss (recpipe's pipelines: ``last_loss``, a device
     tensor read after the run); in ``lockstep`` the host then waits for the device, so that no step
@@ -296,8 +282,8 @@ def measure_steps(model: Any, pipe: Any, cfg: RecpipeConfig, batches: list[Batch
     memory.phase_done("warmup")
     if result.pipeline_class.startswith("torchrec."):
         # The sharded modules TorchRec's FX trace of the first batch could pipeline (it only logs one it
-        # cannot; 0: no overlap). A private attribute, present in 1.6.1 and 1.8.0; None: it rewrites none.
-        modules = getattr(pipe, "_pipelined_modules", None)
+        # cannot; 0: no overlap); None: it rewrites none.
+        modules = compat_torchrec.pipelined_modules(pipe)
         result.pipelined = None if modules is None else len(modules)
     counters = read_counters(model) if cached_tables(cfg) and device.type == "cuda" else None
     if counters is None and cfg.pipeline.name == "prefetch":
@@ -337,7 +323,7 @@ def run_local(cfg: RecpipeConfig, impl: str, batches: list[Batch], opts: BenchOp
     free_device_memory(device)
     memory = MemorySnapshot.begin(device)
     try:
-        with dynamo_config_kept() if impl == "torchrec_pt2" else contextlib.nullcontext():
+        with compat_torch.dynamo_config_kept() if impl == "torchrec_pt2" else contextlib.nullcontext():
             built = time.perf_counter()
             sharded, pipe = build_run(cfg, impl, device, result, build)
             if pipe is None:

@@ -28,6 +28,7 @@ from recpipe.bench.measure import StepClock
 from recpipe.bench.report import Row, environment, format_table, gpu_time_table, rows_md, write_outputs, write_plots
 from recpipe.bench.run import (DRAIN, BenchOptions, combine, config_for_pipeline, gather, pipeline_options, run_local,
                                split_variant)
+from recpipe.compat import torch as compat_torch
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.preflight import check_rules
 from recpipe.data import Batch, make_dataloader, num_batches
@@ -160,7 +161,7 @@ def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None
     """One rank of ``recpipe bench`` (module-level: ``launch_local`` pickles it). Every rank
     returns the same rows; rank 0 prints and writes them, with ``sections``' results."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    compat_torch.fx_trace_logger().setLevel(logging.ERROR)
     device = init_process_group(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     gpu_names = gather(torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")

@@ -155,3 +155,40 @@ def module_children(module: nn.Module) -> list[nn.Module]:
     """A module's registered children, with the ``None`` slots left out (``_modules``; the
     walk of pipelines/sharded.py ``all_modules`` also reads plain lists torchrec keeps)."""
     return [m for m in module._modules.values() if m is not None]
+
+
+def wrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside torchrec's ``OptimizerWrapper`` or ``KeyedOptimizerWrapper``
+    (``_optimizer``): speedups/optimizer_graph.py captures the ``torch.optim`` step itself.
+    The wrappers keep it with no public accessor."""
+    return optimizer._optimizer
+
+
+def sharded_parameter_names(module: nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that sharded modules own (its embedding tables):
+    what torchrec's DDP wrapper leaves out of data parallelism. A static method of
+    ``DistributedModelParallel`` (``_sharded_parameter_names``)."""
+    from torchrec.distributed import DistributedModelParallel
+
+    return list(DistributedModelParallel._sharded_parameter_names(module))
+
+
+def pipelined_modules(pipe: Any) -> list[Any] | None:
+    """The sharded modules a torchrec ``TrainPipelineSparseDist`` rewrote to start their
+    input dists a batch ahead (``_pipelined_modules``, set by its FX trace of the first
+    batch); None for a pipeline that rewrites none."""
+    return getattr(pipe, "_pipelined_modules", None)
+
+
+def kjt_fields(kjt: Any, names: tuple[str, ...]) -> list[Any]:
+    """The KeyedJaggedTensor's fields named after its constructor's arguments, as it keeps
+    them (``_values``, ``_lengths``, ``_offsets``, ``_stride_per_key_per_rank``, ...: None
+    for those not computed yet), to rebuild it without computing any (data/flat.py). The
+    public accessors compute the missing ones."""
+    return [getattr(kjt, "_" + name) for name in names]
+
+
+def metric_computations(metric: Any) -> list[Any]:
+    """The per-task computations (``RecMetricComputation`` modules) of a torchrec ``RecMetric``
+    (``_metrics_computations``), whose update train/metrics.py adapts; no public accessor."""
+    return list(metric._metrics_computations)

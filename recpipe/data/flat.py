@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.data.batch import Batch
 
 __all__ = ["KJT_FIELDS", "flatten_batch", "unflatten_batch"]
@@ -35,7 +36,7 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         tensors.append(value)
         return (_TENSOR,)
     if isinstance(value, KeyedJaggedTensor):
-        return (_KJT, tuple(_encode(getattr(value, "_" + name), tensors) for name in KJT_FIELDS))
+        return (_KJT, tuple(_encode(v, tensors) for v in compat_torchrec.kjt_fields(value, KJT_FIELDS)))
     if type(value) is tuple:  # inverse_indices: (keys, tensor)
         return (_TUPLE, tuple(_encode(v, tensors) for v in value))
     return (_PLAIN, value)

@@ -46,8 +46,8 @@ from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.spec import DataSpec
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
-from recpipe.data.workers import WorkersSizing, local_ranks, rank_cores, size_workers
-from recpipe.system import die_with_parent
+from recpipe.data.workers import WorkersSizing, rank_cores, size_workers
+from recpipe.system import die_with_parent, local_world_size
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
 __all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "with_sized_workers",
@@ -346,7 +346,7 @@ def size_loader(cfg: RecpipeConfig, *, rank: int, world_size: int) -> WorkersSiz
     """``data.num_workers: auto`` for ``rank``: the time to make a batch of its training split,
     measured here (the second and third batch of a loader without producers: the first
     pays the source's start), and the cores it has (``recpipe.data.workers``)."""
-    cores, on_cpu = rank_cores(local_ranks(world_size)), _on_cpu(cfg.train.device)
+    cores, on_cpu = rank_cores(local_world_size(world_size)), _on_cpu(cfg.train.device)
     if cfg.data.factory is not None:  # a user's batches: data.num_workers does not apply
         return WorkersSizing(workers=0, cores=cores, batch_seconds=None, needed=0)
     one = cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_workers": 0, "pin_memory": False})})

@@ -47,11 +47,6 @@ def rank_cores(local_ranks: int) -> int:
     return max(1, cores // max(1, local_ranks))
 
 
-def local_ranks(world_size: int) -> int:
-    """Ranks on this host: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun, ``recpipe train``)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
-
-
 def size_workers(*, cores: int, batch_seconds: float | None, batch_size: int, on_cpu: bool) -> WorkersSizing:
     """Producers for a rank with ``cores`` whose batches of ``batch_size`` take ``batch_seconds``
     to make (None: unknown, as many as the cores allow)."""

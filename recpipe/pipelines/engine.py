@@ -58,10 +58,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
-import torch.autograd.profiler as _profiler
 import torch.distributed as dist
 from torch import nn
 
+from recpipe.compat import torch as compat_torch
 from recpipe.distributed import control_group
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
@@ -535,7 +535,7 @@ class Pipeline:
         ctx.stream = stream  # the current stream while the step runs (steps skip switching to it)
         # Under torch.profiler each step is a named range ("recpipe.input_dist", ...), so a
         # trace shows host time per phase; otherwise not even the range object is made.
-        ranged = _profiler._is_profiler_enabled
+        ranged = compat_torch.profiler_enabled()
         if ranged:
             scope = torch.profiler.record_function(op.label)
             scope.__enter__()

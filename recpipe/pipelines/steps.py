@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
+from recpipe.compat import torch as compat_torch
 from recpipe.pipelines.inputs import BatchPath
 from recpipe.pipelines.pooled import GroupedKeyedTensor, grouped
 from recpipe.errors import PipelineError
@@ -214,9 +215,7 @@ def sharded_forward(ctx: "StepContext", b: "InFlight", fqn: str, module: Any) ->
 def dense_params(optimizer: Any) -> list[torch.Tensor]:
     """The parameters whose gradient the dense optimizer applies (not the fused
     embedding optimizer's sharded tables, which TBE backward updates in place)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    return [p for g in optimizer.param_groups for p in g["params"] if not isinstance(p, ShardedTensor)]
+    return [p for g in optimizer.param_groups for p in g["params"] if not compat_torch.is_sharded_tensor(p)]
 
 
 def detach_pooled(b: "InFlight", pooled: Any) -> Any:

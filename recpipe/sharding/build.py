@@ -28,10 +28,10 @@ from recpipe.config import DenseOptimizerConfig, RecpipeConfig
 from recpipe.embedding_tables import TableInfo, find_embedding_modules
 from recpipe.torchrec_args import validated_tables
 from recpipe.sharding.data_parallel import DataParallelAcrossRanks
+from recpipe.system import local_world_size
 from recpipe.torchrec_args import (
     apply_weights_precision,
     cache_params,
-    local_world_size,
     make_sharders,
     parameter_sharding_generator,
     precision_warnings,

@@ -40,9 +40,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper, DefaultDataParallelWrapper
+
+from recpipe.compat import torch as compat_torch
+from recpipe.compat import torchrec as compat_torchrec
 
 DENSE_GRADIENTS = ("all_reduce", "ddp")
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024  # DDP's default for its initial broadcast
@@ -82,7 +84,7 @@ class GradientAllReduce:
 
     def _arrive(self, param: torch.Tensor) -> None:
         if not self._arrived:
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+            compat_torch.queue_backward_callback(self._reduce)
         self._arrived.append(self._index[id(param)])
 
     def _reduce(self) -> None:
@@ -94,7 +96,7 @@ class GradientAllReduce:
                 grads.append(g)
                 views.append(v)
         if views:
-            torch._foreach_copy_(views, grads)
+            compat_torch.foreach_copy_(views, grads)
         if len(arrived) == len(self.params):
             for flat in self.flat.values():
                 flat.mul_(self.scale)
@@ -122,19 +124,19 @@ class DataParallelAcrossRanks(DataParallelWrapper):
         self.dense_gradients = dense_gradients
 
     def wrap(self, dmp: DistributedModelParallel, env, device: torch.device) -> None:
-        module = dmp._dmp_wrapped_module
+        module = dmp.module  # the user's model: DMP has not wrapped it yet
         if env.world_size > 1 and self.dense_gradients == "ddp":
             DefaultDataParallelWrapper().wrap(dmp, env, device)
             return
         module.to(device)  # what DefaultDataParallelWrapper does before DDP
         if env.world_size == 1:
             return
-        ignore = set(DistributedModelParallel._sharded_parameter_names(module))
+        ignore = set(compat_torchrec.sharded_parameter_names(module))
         params = [(n, p) for n, p in module.named_parameters() if n not in ignore and p.requires_grad]
         if not params:
             return
         # As DDP's construction in torchrec's wrapper (broadcast_buffers=False): the same
         # shapes on every rank, then rank 0's parameters everywhere; buffers stay as they are.
-        _verify_param_shape_across_processes(env.process_group, [p for _, p in params])
-        _sync_module_states(module, env.process_group, BROADCAST_BUCKET_BYTES, 0, ignore, broadcast_buffers=False)
+        compat_torch.verify_param_shapes(env.process_group, [p for _, p in params])
+        compat_torch.broadcast_parameters(module, env.process_group, BROADCAST_BUCKET_BYTES, 0, ignore)
         dmp.gradient_all_reduce = GradientAllReduce(params, env.process_group)

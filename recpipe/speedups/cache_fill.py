@@ -48,8 +48,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
-import torch.autograd.profiler as _profiler
 
+from recpipe.compat import torch as compat_torch
 from recpipe.errors import job_warning
 from recpipe.pipelines.sharded import cached_tbes
 from recpipe.speedups.defs.cache_fill import CacheFillOptions
@@ -356,7 +356,7 @@ def populate(weights, cache_hash_size_cumsum, total_cache_hash_size, cache_index
     reference implementation, for CPU tests)."""
     if linear_cache_indices.numel() == 0:
         return
-    ranged = _profiler._is_profiler_enabled  # a named range for the bench's cache-work accounting
+    ranged = compat_torch.profiler_enabled()  # a named range for the bench's cache-work accounting
     if ranged:
         scope = torch.profiler.record_function("recpipe::lru_cache_populate")
         scope.__enter__()

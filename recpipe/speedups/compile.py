@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from recpipe.compat import torch as compat_torch
 from recpipe.errors import PipelineError
 from recpipe.speedups.defs.compile import CompileOptions
 from recpipe.speedups.modules import dense_modules
@@ -60,9 +61,7 @@ __all__ = ["CompileOptions", "Compiled", "CompiledForward", "apply_compile", "gr
 
 def graph_count() -> int:
     """Graphs compiled by dynamo in this process so far (all modules)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
+    return int(compat_torch.dynamo_counters()["stats"]["unique_graphs"])
 
 
 def _signature(args: tuple, kwargs: dict) -> tuple:

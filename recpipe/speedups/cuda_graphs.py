@@ -42,6 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from recpipe.compat import torch as compat_torch
 from recpipe.errors import PipelineError, job_warning
 from recpipe.speedups import optimizer_graph
 from recpipe.speedups.defs.cuda_graphs import CudaGraphsOptions
@@ -90,9 +91,9 @@ class GraphedPart:
     None for the module's own; eager calls run it and the capture records it."""
 
     def __init__(self, name: str, module: nn.Module, capture: Capture = capture_with_torch) -> None:
-        if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        if compat_torch.has_module_hooks(module):
             raise PipelineError(f"pipeline.cuda_graphs: module {name!r} has module hooks; CUDA graph capture needs none")
-        stats = [n for n, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        stats = [n for n, m in module.named_modules() if compat_torch.is_batch_norm(m)]
         if stats:
             job_warning(
                 f"pipeline.cuda_graphs: {name!r} has BatchNorm modules {stats}: capture's warm-up passes update "
@@ -167,7 +168,7 @@ class GraphedPart:
         self.replays += 1
         out = self._graphed(*args)
         # The graph's outputs live in its static buffers, which the next replay overwrites.
-        return torch.utils._pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
+        return compat_torch.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, out)
 
 
 def graph_parts(model: nn.Module, paths: list[str], capture: Capture = capture_with_torch) -> list[GraphedPart]:

@@ -65,8 +65,9 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
+from recpipe.compat import torch as compat_torch
+from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError, job_warning
 
 WARMUP_CALLS = 2  # eager calls with the same bindings before a capture
@@ -100,7 +101,7 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     if isinstance(optimizer, CombinedOptimizer):
         return [inner for _, opt in optimizer.optimizers for inner in torch_optimizers(opt)]
     if isinstance(optimizer, (KeyedOptimizerWrapper, OptimizerWrapper)):
-        return torch_optimizers(optimizer._optimizer)
+        return torch_optimizers(compat_torchrec.wrapped_optimizer(optimizer))
     if isinstance(optimizer, FusedOptimizer) or not isinstance(optimizer, torch.optim.Optimizer):
         return []
     return [optimizer]
@@ -148,11 +149,6 @@ def unsupported(opt: torch.optim.Optimizer) -> str | None:
     return None
 
 
-def _has_hooks(opt: torch.optim.Optimizer) -> bool:
-    return bool(opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks
-                or _global_optimizer_pre_hooks or _global_optimizer_post_hooks)
-
-
 class GraphedOptimizerStep:
     """Stands in for one torch optimizer's ``step`` while the pipeline is attached."""
 
@@ -183,7 +179,7 @@ class GraphedOptimizerStep:
 
     def __call__(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.optimizer
-        if (closure is not None or self.disabled or _has_hooks(opt)
+        if (closure is not None or self.disabled or compat_torch.has_optimizer_step_hooks(opt)
                 or getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None):
             return self._eager(closure)
         with_grad = [p for group in opt.param_groups for p in group["params"] if p.grad is not None]
@@ -192,10 +188,10 @@ class GraphedOptimizerStep:
             return self._eager(None)
         bindings, tensors = self._bindings(with_grad)
         if self._replay is not None and bindings == self._bound:
-            torch._foreach_copy_(self._static_grads, grads)
+            compat_torch.foreach_copy_(self._static_grads, grads)
             self._replay()
             if self._host:  # what Adagrad's step does on the host: step += 1 (float, as it adds 1.0)
-                torch._foreach_add_(self._host, self._one, alpha=1.0)
+                compat_torch.foreach_add_(self._host, self._one, alpha=1.0)
             self.replays += 1
             return None
         if bindings != self._seen:

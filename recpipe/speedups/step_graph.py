@@ -116,6 +116,7 @@ from torchrec.distributed.types import Awaitable, LazyAwaitable
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.capabilities import ONE_BATCH_PER_STEP
+from recpipe.compat import torch as compat_torch
 from recpipe.distributed import control_group, graph_holds_collectives
 from recpipe.errors import PipelineError
 from recpipe.pipelines import sharded, steps
@@ -538,9 +539,9 @@ class StepGraph:
         self._replay()
         self.replays += 1
         if self._host_counts:  # after k replays: the values k eager steps leave (two calls, whatever the count)
-            torch._foreach_copy_(self._host_counts, self._host_next)
-            torch._foreach_add_(self._host_next, 1.0)
-        loss, output = torch.utils._pytree.tree_map(
+            compat_torch.foreach_copy_(self._host_counts, self._host_next)
+            compat_torch.foreach_add_(self._host_next, 1.0)
+        loss, output = compat_torch.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (self._outputs["loss"], self._outputs["output"]))
         b.loss_value, b.output = loss.detach(), output
 

@@ -33,10 +33,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint import metadata as dcp_metadata
-from torch.distributed.checkpoint._traverse import set_element  # what DefaultLoadPlanner.load_bytes uses
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # FileSystemWriter's storage_data entries
 from torch.distributed.checkpoint.planner import ReadItem
 
+from recpipe.compat import torch as compat_torch
 from recpipe.errors import CheckpointError
 
 __all__ = ["MODEL_PREFIX", "CheckpointLoadPlanner", "CheckpointReader", "UnsafeCheckpointError", "dcp_load",
@@ -46,14 +45,13 @@ DCP_METADATA = ".metadata"  # DCP's index of every stored tensor, written by ran
 
 _DCP_CLASSES = (dcp_metadata.Metadata, dcp_metadata.TensorStorageMetadata, dcp_metadata.BytesStorageMetadata,
                 dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties, dcp_metadata.MetadataIndex,
-                dcp_metadata.StorageMeta, dcp_metadata._MEM_FORMAT_ENCODING, _StorageInfo)
+                dcp_metadata.StorageMeta, *compat_torch.dcp_metadata_private_globals())
 # Every global a ``.metadata`` of DCP's FileSystemWriter names, by the (module, name) the
 # pickle records; each is safe to call with any arguments (a dataclass, an Enum, torch.Size,
 # a path, torch's lookup of a layout by name) or is a constant (a dtype).
 _METADATA_GLOBALS: dict[tuple[str, str], Any] = {
     **{(cls.__module__, cls.__qualname__): cls for cls in _DCP_CLASSES},
     ("torch", "Size"): torch.Size,
-    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # how torch.layout pickles
     **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
     # StorageMeta.checkpoint_id: the directory DCP saved to, as a path
     **{(cls.__module__, cls.__qualname__): cls for cls in (pathlib.PosixPath, pathlib.PurePosixPath)},
@@ -150,7 +148,7 @@ class CheckpointLoadPlanner(DefaultLoadPlanner):
         fqn = read_item.dest_index.fqn
         loaded = safe_torch_load(value, f"{self.path} (the value of {fqn})")
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+            compat_torch.dcp_set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
 

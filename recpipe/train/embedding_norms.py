@@ -15,8 +15,9 @@ import re
 
 import torch
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
+
+from recpipe.compat import torch as compat_torch
 
 __all__ = ["MAX_ROWS", "local_row_norms"]
 
@@ -46,7 +47,7 @@ def _whole_row_blocks(value: torch.Tensor) -> list[torch.Tensor]:
     """This rank's blocks of ``value`` (a table's 2-d weight) that hold every column of
     their rows. A ShardedTensor is read through its metadata and local shards: a torch
     function called on it warns that ShardedTensor is deprecated."""
-    if isinstance(value, ShardedTensor):
+    if compat_torch.is_sharded_tensor(value):
         size = value.metadata().size
         blocks = [shard.tensor for shard in value.local_shards()]
     elif isinstance(value, DTensor):

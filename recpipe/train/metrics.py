@@ -36,6 +36,8 @@ import torch
 import torch.distributed as dist
 from torchmetrics import Metric
 
+from recpipe.compat import torchrec as compat_torchrec
+
 __all__ = ["BinnedAUROC", "ClickMetrics", "HostCopy", "METRICS", "PendingMetrics", "all_reduce_as_gather", "click_outputs"]
 
 
@@ -176,7 +178,7 @@ class ClickMetrics:
                          AccuracyMetric(**common)]
         for metric in self.torchrec:
             metric.to(device)
-            for computation in metric._metrics_computations:
+            for computation in compat_torchrec.metric_computations(metric):
                 _compute_unsqueezed(computation)
         self.auc = BinnedAUROC(_AUC_BINS, **options).to(device)
         self.window_auc = BinnedAUROC(_AUC_BINS, **options).to(device) if self.windowed else None

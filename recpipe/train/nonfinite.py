@@ -41,12 +41,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.distributed.types import Awaitable
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
+from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.errors import NonFiniteLossError
 from recpipe.pipelines.sharded import find_sharded_modules
@@ -134,7 +134,7 @@ def _local_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every floating-point weight this rank holds: the model's
     state_dict, with the local shards of sharded tables (ShardedTensor)."""
     for name, value in model.state_dict().items():
-        if isinstance(value, ShardedTensor):
+        if compat_torch.is_sharded_tensor(value):
             for shard in value.local_shards():
                 yield name, shard.tensor
         elif isinstance(value, DTensor):

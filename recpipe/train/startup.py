@@ -56,12 +56,11 @@ def process_start_time() -> float:
 def compile_cache_counts() -> dict[str, int]:
     """Inductor's FX graph cache and AOTAutograd's cache: hits and misses in this process so far
     (torch's ``counters``), without importing the compiler where nothing was compiled."""
-    import sys
+    from recpipe.compat import torch as compat_torch
 
-    if "torch._dynamo" not in sys.modules:
+    counters = compat_torch.dynamo_counters(if_loaded=True)
+    if counters is None:
         return {}
-    from torch._dynamo.utils import counters
-
     found = {f"fx_graph_{k.removeprefix('fxgraph_cache_')}": v for k, v in counters["inductor"].items()
              if k in ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")}
     found |= {f"aot_autograd_{k.removeprefix('autograd_cache_')}": v for k, v in counters["aot_autograd"].items()

@@ -56,6 +56,7 @@ import torch.distributed as dist
 import torchrec
 from tqdm import tqdm
 
+from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
 from recpipe.data.loader import with_sized_workers, workers_description
@@ -149,7 +150,7 @@ def _quiet_library_deprecations() -> None:
     is_fx_tracing checks): nothing a user of recpipe can act on, and it buries the
     metrics."""
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch")
-    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
+    compat_torch.fx_trace_logger().setLevel(logging.ERROR)
 
 
 class Trainer:

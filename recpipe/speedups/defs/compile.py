@@ -45,9 +45,9 @@ class CompileOptions(SwitchSection):
     def inductor_options(self) -> dict[str, Any]:
         """``torch.compile``'s ``options`` for this section: the mode's inductor settings and
         the deterministic mode (inductor is imported here, when a model is compiled)."""
-        from torch import _inductor
+        from recpipe.compat import torch as compat_torch
 
-        return {**_inductor.list_mode_options(self.mode), "deterministic": self.deterministic}
+        return {**compat_torch.inductor_mode_options(self.mode), "deterministic": self.deterministic}
 
 
 FEATURE = SpeedupDef(

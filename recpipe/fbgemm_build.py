@@ -41,7 +41,11 @@ def check_fbgemm_build() -> None:
     target = fbgemm_target()
     if target.get("variant") != "cuda" or has_nvidia_driver():
         return
+    version = target.get("version", "")
+    # From PyPI alone the CPU build is fbgemm-gpu-cpu, which installs the same fbgemm_gpu module.
+    cpu_build = f"fbgemm-gpu-cpu=={version}" if version else "fbgemm-gpu-cpu"
     raise ConfigError(
-        f"the installed fbgemm-gpu {target.get('version', '')} is its CUDA build, which needs the NVIDIA driver "
+        f"the installed fbgemm-gpu {version} is its CUDA build, which needs the NVIDIA driver "
         f"({DRIVER_LIBRARY} is not found); without a GPU install its CPU build: pip install 'recpipe[cpu]' "
-        "--extra-index-url https://download.pytorch.org/whl/cpu, or scripts/setup_env.sh (docs/install.md)")
+        "--extra-index-url https://download.pytorch.org/whl/cpu, or from PyPI alone: "
+        f"pip uninstall -y fbgemm-gpu && pip install {cpu_build} (docs/install.md)")

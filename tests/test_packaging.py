@@ -3,6 +3,7 @@ with as extras and carries the shipped configs, which ``--config`` finds by name
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -12,12 +13,17 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from recpipe import fbgemm_build, shipped_configs
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
+# The GPU machines' stack (docs/install.md); the CPU one is scripts/versions.env.
+GPU_STACK = {"torch": "2.11.0", "fbgemm-gpu": "1.6.0", "torchrec": "1.6.1"}
+# Import names that differ from the distribution that provides them.
+DISTRIBUTION_OF = {"yaml": "pyyaml", "fbgemm_gpu": "fbgemm-gpu"}
 CHECKOUT_CONFIGS = sorted(p.relative_to(ROOT / "configs").as_posix() for p in (ROOT / "configs").rglob("*.yaml"))
 
 
@@ -48,6 +54,59 @@ def test_wheel_declares_the_cpu_and_gpu_stacks_as_extras(wheel):
         # the GPU machines' stack (torch 2.11, fbgemm-gpu 1.6.0, torchrec 1.6.1) and the CPU one
         # (scripts/versions.env: 2.13.0, 1.8.0, 1.8.0) both fall in these ranges
         assert {"torch<2.14,>=2.11", "fbgemm-gpu<1.9,>=1.6.0", "torchrec<1.9,>=1.6.1"} <= stack, (extra, stack)
+
+
+def _versions_env() -> dict[str, str]:
+    pairs = (line.split("=", 1) for line in (ROOT / "scripts" / "versions.env").read_text().splitlines()
+             if "=" in line and not line.startswith("#"))
+    return {key: value.strip('"') for key, value in pairs}
+
+
+def _requirements(wheel: Path, extra: str | None) -> dict[str, Requirement]:
+    reqs = (Requirement(line) for line in _metadata(wheel).get_all("Requires-Dist"))
+    env = {"extra": extra or ""}
+    return {r.name: r for r in reqs if (r.marker is None and extra is None)
+            or (r.marker is not None and extra is not None and r.marker.evaluate(env))}
+
+
+@pytest.mark.parametrize("extra", ["cpu", "gpu"])
+def test_the_extras_admit_the_tested_stacks(wheel, extra):
+    """Both stacks recpipe is tested with fall in each extra's ranges, so a fresh install resolves
+    to a tested stack and an existing tested one is kept."""
+    pinned = _versions_env()
+    cpu_stack = {"torch": pinned["TORCH_VERSION"], "fbgemm-gpu": pinned["FBGEMM_VERSION"],
+                 "torchrec": pinned["TORCHREC_VERSION"]}
+    needs = _requirements(wheel, extra)
+    for stack in (cpu_stack, GPU_STACK):
+        for name, version in stack.items():
+            assert name in needs, (extra, name, sorted(needs))
+            assert needs[name].specifier.contains(version), (extra, name, version, str(needs[name].specifier))
+
+
+def _module_level_imports(tree: ast.Module):
+    """Top-level names imported when a module loads (imports inside functions and try blocks are
+    optional features: wandb, triton)."""
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            yield from ((a.name.split(".")[0], node.lineno) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            yield node.module.split(".")[0], node.lineno
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            yield from _module_level_imports(ast.Module(body=node.body + node.orelse, type_ignores=[]))
+
+
+def test_every_module_level_import_is_a_declared_need(wheel):
+    """What the package imports on load is installed by `pip install recpipe[cpu]`: the standard
+    library, the dependencies, the extras' stack; nothing a checkout has only for development."""
+    declared = set(_requirements(wheel, None)) | set(_requirements(wheel, "cpu"))
+    undeclared = []
+    for path in sorted((ROOT / "recpipe").rglob("*.py")):
+        for module, line in _module_level_imports(ast.parse(path.read_text())):
+            if module in sys.stdlib_module_names or module == "recpipe":
+                continue
+            if DISTRIBUTION_OF.get(module, module) not in declared:
+                undeclared.append(f"{path.relative_to(ROOT)}:{line} imports {module}")
+    assert not undeclared, undeclared
 
 
 def test_wheel_ships_every_config_of_the_checkout(wheel):
@@ -112,8 +171,8 @@ def test_a_cuda_fbgemm_without_the_driver_is_one_line(tmp_path, command):
     assert out.stderr.strip().splitlines() == [
         f"recpipe {command[0]}: the installed fbgemm-gpu 1.8.0 is its CUDA build, which needs the NVIDIA driver "
         "(libnvidia-ml.so.1 is not found); without a GPU install its CPU build: pip install 'recpipe[cpu]' "
-        "--extra-index-url https://download.pytorch.org/whl/cpu, or scripts/setup_env.sh (docs/install.md) "
-        f"[exit {EXIT_BAD_CONFIG}]"]
+        "--extra-index-url https://download.pytorch.org/whl/cpu, or from PyPI alone: pip uninstall -y fbgemm-gpu "
+        f"&& pip install fbgemm-gpu-cpu==1.8.0 (docs/install.md) [exit {EXIT_BAD_CONFIG}]"]
 
 
 def test_the_installed_cpu_build_passes_the_check():

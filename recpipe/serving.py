@@ -98,7 +98,9 @@ def serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
     ``tables`` says, in eval mode, wrapped for serving (a ``model.factory`` model:
     :func:`user_serving_module`)."""
     if cfg.model.factory is not None:
-        return user_serving_module(cfg, state, tables)
+        from recpipe.models import make_model
+
+        return user_serving_module(make_model(cfg), cfg.model.factory, state, tables)
     model = build_model(cfg.model, device=torch.device("cpu"), precision=cfg.train.precision)
     model.load_state_dict(state)
     model.eval()
@@ -113,35 +115,36 @@ class UserServing(nn.Module):
     """``(*inputs) -> model.serve(*inputs)``: a ``model.factory`` model's serving forward
     as the module torch.export traces."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, factory: str) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.factory = model, factory  # factory: the config's model.factory, for errors and metadata
+
+    def name(self) -> str:
+        return _model_name(self.factory, self.model)
 
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
         return self.model.serve(*inputs)
 
 
-def _model_name(cfg: RecpipeConfig, model: nn.Module) -> str:
-    return f"model.factory={cfg.model.factory!r} ({type(model).__module__}.{type(model).__qualname__})"
+def _model_name(factory: str | None, model: nn.Module) -> str:
+    return f"model.factory={factory!r} ({type(model).__module__}.{type(model).__qualname__})"
 
 
-def user_serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
+def user_serving_module(model: nn.Module, factory: str, state: dict[str, torch.Tensor],
                         tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> UserServing:
-    """The ``model.factory`` model on CPU with ``state``, its EmbeddingBagCollections'
-    tables as ``tables`` says, in eval mode, wrapped for serving."""
-    from recpipe.models import make_model
+    """``model`` (as the ``model.factory`` named ``factory`` built it) on CPU with ``state``,
+    its EmbeddingBagCollections' tables as ``tables`` says, in eval mode, wrapped for serving."""
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    model = make_model(cfg)
     missing = [m for m in ("serve", "serving_inputs") if not callable(getattr(model, m, None))]
     if missing:
-        raise ConfigError(f"{_model_name(cfg, model)} has no {' or '.join(missing)}: --format program traces "
+        raise ConfigError(f"{_model_name(factory, model)} has no {' or '.join(missing)}: --format program traces "
                           "model.serve(*tensors) -> prediction on example inputs model.serving_inputs(batch_size) -> "
                           "{name: tensor} (docs/export.md, \"Your own model\")")
     model.load_state_dict(state, assign=True)  # the tables built on meta take the exported tensors
     on_meta = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if on_meta:
-        raise ConfigError(f"{_model_name(cfg, model)}: {on_meta[:5]} are on the meta device and not in its state "
+        raise ConfigError(f"{_model_name(factory, model)}: {on_meta[:5]} are on the meta device and not in its state "
                           "dict; build them on CPU in the factory (only the state dict's tensors are loaded)")
     model.eval()
     bags = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
@@ -151,7 +154,7 @@ def user_serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
             ebc.register_forward_hook(_pooled_as_float)
     elif tables in _QUANT_DTYPES:
         _quantize(model, tables)
-    return UserServing(model).eval()
+    return UserServing(model, factory).eval()
 
 
 def _pooled_as_float(module: nn.Module, inputs: Any, kt: Any) -> Any:
@@ -240,21 +243,21 @@ def _drop_unused_symbols(program: torch.export.ExportedProgram) -> None:
         del ranges[expr]
 
 
-def _user_trace_spec(cfg: RecpipeConfig, module: UserServing) -> tuple[list[str], tuple[torch.Tensor, ...], dict]:
+def _user_trace_spec(module: UserServing) -> tuple[list[str], tuple[torch.Tensor, ...], dict]:
     """A ``model.factory`` model's example inputs (``serving_inputs``) and their dynamic
     shapes: every dimension is ``Dim.AUTO``, dynamic unless the trace fixes it (a weight's
     size) or ties it to another input's."""
-    with _user_errors(cfg, module, "serving_inputs"):
+    with _user_errors(module, "serving_inputs"):
         named = module.model.serving_inputs(3)
     if not (isinstance(named, dict) and named and all(isinstance(t, torch.Tensor) for t in named.values())):
-        raise ConfigError(f"{_model_name(cfg, module.model)}: serving_inputs(3) returned {type(named).__name__}; it "
+        raise ConfigError(f"{module.name()}: serving_inputs(3) returned {type(named).__name__}; it "
                           "must return {name: tensor}, in the order of serve's arguments")
     inputs = tuple(named.values())
     auto = torch.export.Dim.AUTO
     return list(named), inputs, {"inputs": tuple({d: auto for d in range(t.dim())} for t in inputs)}
 
 
-def _user_meta(cfg: RecpipeConfig, module: UserServing, program: torch.export.ExportedProgram,
+def _user_meta(module: UserServing, program: torch.export.ExportedProgram,
                names: list[str]) -> dict[str, Any]:
     """The program's inputs (name: dtype, shape; a dynamic size by its symbol) and output."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
@@ -269,13 +272,13 @@ def _user_meta(cfg: RecpipeConfig, module: UserServing, program: torch.export.Ex
     output = [n for n in nodes if n.op == "output"][0].args[0]
     outputs = [spec(o) for o in output if isinstance(o, torch.fx.Node)]
     return {"model": f"{type(module.model).__module__}.{type(module.model).__qualname__}",
-            "factory": cfg.model.factory,
+            "factory": module.factory,
             "inputs": {name: spec(node) for name, node in zip(names, user_inputs)},
             "output": outputs[0] if len(outputs) == 1 else outputs}
 
 
 @contextlib.contextmanager
-def _user_errors(cfg: RecpipeConfig, module: nn.Module, call: str, tracing: bool = False) -> Iterator[None]:
+def _user_errors(module: nn.Module, call: str, tracing: bool = False) -> Iterator[None]:
     """A ``model.factory`` model's ``call`` failing to run or to be traced -> ConfigError (exit 2)
     naming the model, the submodule and the line of the user's code, and the reason.
     What torch.export prints on a failed trace (the partial graph, on stderr) is left
@@ -294,7 +297,7 @@ def _user_errors(cfg: RecpipeConfig, module: nn.Module, call: str, tracing: bool
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         what = "torch.export cannot trace" if tracing else f"{type(err).__name__} in"
         raise ConfigError(
-            f"{_model_name(cfg, module.model)}: {what} its {call}{where}: {reason}; serve must run on the tensors "
+            f"{module.name()}: {what} its {call}{where}: {reason}; serve must run on the tensors "
             "of serving_inputs and be traceable by torch.export (no Python branch or loop on a tensor's values: "
             "use torch.where or torch.cond; docs/export.md, \"Your own model\"), or export the state dict only "
             "(--format state_dict)") from err
@@ -336,7 +339,7 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
     (written under a temporary name and renamed); returns its metadata."""
     module = serving_module(cfg, state, tables)
     if isinstance(module, UserServing):
-        names, inputs, dynamic = _user_trace_spec(cfg, module)
+        names, inputs, dynamic = _user_trace_spec(module)
     else:
         names, inputs = [], example_inputs(cfg)
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
@@ -351,17 +354,17 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
         # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
         # export cannot trace); the traced calls find it made.
-        with _user_errors(cfg, module, "serve"):
+        with _user_errors(module, "serve"):
             module(*inputs)
         # Size-oblivious reasoning for the batch: without it, torch.export's view of
         # ``lengths`` as [F, B] assumes B != 1 and guards on it, so the program refuses a
         # batch of one sample (the batch Dim's min=1 or Dim.DYNAMIC keep that guard).
         # With it the program accepts batch 1 to MAX_BATCH.
-        with compat_torch.backed_size_oblivious(), _user_errors(cfg, module, "serve", tracing=True):
+        with compat_torch.backed_size_oblivious(), _user_errors(module, "serve", tracing=True):
             program = torch.export.export(module, inputs, dynamic_shapes=dynamic, strict=False)
     _drop_unused_symbols(program)
     if isinstance(module, UserServing):
-        meta = _user_meta(cfg, module, program, names)
+        meta = _user_meta(module, program, names)
     else:
         meta = {
             "inputs": {"dense_features": ["float32", ["B", cfg.model.num_dense_features]], "values": ["int64", ["N"]],

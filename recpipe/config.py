@@ -474,8 +474,8 @@ class TrainConfig(Section):
     # summation order). Fused-optimizer tables update inside each micro-batch's backward.
     # train.steps, eval_every, log_every, checkpoint.every and the learning-rate schedules
     # count optimizer steps; an epoch's data that ends inside a step ends it on the mean
-    # gradient of its micro-batches. Not with pipeline.name=semi_sync, pipeline.step_graph
-    # or train.on_nonfinite=skip_step (exit 2).
+    # gradient of its micro-batches. Not with pipeline.name=semi_sync, pipeline.step_graph,
+    # pipeline.cuda_graphs or train.on_nonfinite=skip_step (exit 2).
     accumulate_steps: int = Field(1, ge=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     progress: bool = True
@@ -676,6 +676,10 @@ def _accumulation_problems(cfg: RecpipeConfig) -> list[str]:
     if cfg.pipeline.step_graph.enabled:
         problems.append(f"{key}: pipeline.step_graph replays zero_grad, backward and both optimizers of a batch as "
                         "one CUDA graph, which cannot skip the dense step; set pipeline.step_graph=false")
+    if cfg.pipeline.cuda_graphs.enabled:
+        problems.append(f"{key}: pipeline.cuda_graphs: micro-batches through the captured dense part do not train "
+                        "as the large batch on CUDA (the losses differ beyond float rounding, docs/pipelines.md); set "
+                        "pipeline.cuda_graphs=false")
     if cfg.train.on_nonfinite == "skip_step":
         problems.append(f"{key}: train.on_nonfinite=skip_step skips one batch's update, not an optimizer step of "
                         "several micro-batches; use train.on_nonfinite=error")

@@ -228,6 +228,7 @@ def test_train_counts_optimizer_steps_and_resumes_exactly(tmp_path, capfd):
 @pytest.mark.parametrize("override, needle", [
     ("pipeline={name: semi_sync}", "pipeline.name='semi_sync' splits"),
     ("pipeline={name: sparse_dist, step_graph: true}", "pipeline.step_graph replays"),
+    ("pipeline={name: sparse_dist, cuda_graphs: true}", "pipeline.cuda_graphs: micro-batches"),
     ("train.on_nonfinite=skip_step", "train.on_nonfinite=skip_step skips"),
 ])
 def test_what_accumulation_cannot_run_with_exits_2(override, needle, capsys):

@@ -106,6 +106,25 @@ def _allocator(expandable: bool) -> None:
     torch.cuda.memory._set_allocator_settings(f"expandable_segments:{expandable}")
 
 
+LEFT_BYTES = 64 * 2**20  # what this process may hold before a measurement: a few cuBLAS workspaces
+
+
+def _nothing_left(device: torch.device) -> None:
+    """The measurement is of one model in a process with nothing else on the GPU, as in
+    ``recpipe train``: the tests that ran before in this pytest process (the gate runs many
+    per process) must have left nothing allocated. torch.compile's frame caches of earlier
+    compiled runs are dropped first (they can keep an earlier run's tensors); anything
+    else still allocated is a leak of an earlier test or of recpipe, named here rather
+    than counted as the planner's error."""
+    torch.compiler.reset()
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    left = torch.cuda.memory_allocated(device)
+    assert left <= LEFT_BYTES, (f"{left / 2**30:.3f} GiB of CUDA memory is still allocated by what ran before in this "
+                                "process; the planner's estimate is of one model in a fresh process")
+
+
 def _measure(cfg, name: str = "", expandable: bool = True) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
     from recpipe.data.spec import DataSpec
@@ -115,6 +134,7 @@ def _measure(cfg, name: str = "", expandable: bool = True) -> dict:
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    _nothing_left(device)
     log = SyntheticClickLog(DataSpec.from_config(cfg))
     batches = [log.batch(rank=0, split="train", epoch=0, index=i).pin_memory() for i in range(DISTINCT_BATCHES)]
     torch.cuda.empty_cache()

@@ -8,6 +8,7 @@ host bookkeeping do is exactly what runs around a real graph. The GPU test
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -86,6 +87,20 @@ def row_features(cfg, ids_per_sample=(1, 2, 1, 3)) -> dict[str, int]:
             if W > 1 and cfg.sharding.for_table(t).type in ("row_wise", "table_row_wise")}
 
 
+@contextlib.contextmanager
+def _agreements():
+    """The step graph's agreements while the block runs: (those that block the host where they
+    are made, those started at a fetch and read later), each rank's verdict."""
+    blocking, started = [], []
+    agree, agree_async = step_graph._agree, step_graph._agree_async
+    step_graph._agree = lambda ok: blocking.append(ok) or agree(ok)
+    step_graph._agree_async = lambda ok: started.append(ok) or agree_async(ok)
+    try:
+        yield blocking, started
+    finally:
+        step_graph._agree, step_graph._agree_async = agree, agree_async
+
+
 def _worker(cfg) -> None:
     init_process_group(cfg)
     rank = dist.get_rank()
@@ -95,18 +110,13 @@ def _worker(cfg) -> None:
     want = train(cfg, "base", fixed)
     rows = row_features(cfg)
     for name in ("base", "sparse_dist"):
-        agreements = []
-        agree = step_graph._agree
-        step_graph._agree = lambda ok: agreements.append(ok) or agree(ok)
-        try:
+        with _agreements() as (blocking, started):
             got, graph, sm = _graphed(cfg, name, fixed, StepGraphOptions(enabled=True, capacity_batches=3,
                                                                          capacity=rows), [5, 4])
-        finally:
-            step_graph._agree = agree
         assert_same(want, got, f"{name} step graph, fixed shapes")
-        # one agreement a step (a host round trip on several ranks), from the batch whose
-        # fetch completed the measurement (the 3rd) on
-        assert len(agreements) == 9 - 2, agreements
+        # one agreement a step, from the batch whose fetch completed the measurement (the 3rd)
+        # on, started at its fetch and read at its train_step: none holds the host at a fetch
+        assert len(started) == 9 - 2 and not blocking, (started, blocking)
         assert sorted(graph.buckets) == sorted(rows), (graph.buckets, rows)
         assert graph.replays == 7 and graph.eager_steps == 2 and graph.padded == bool(rows), graph
         assert graph.over_capacity == 0, graph
@@ -135,6 +145,43 @@ def _worker(cfg) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_step_graph_trains_like_the_plain_loop(nproc, tables):
     launch_local(_worker, nproc, small_config(nproc, tables))
+
+
+def _over_capacity_worker(cfg) -> None:
+    init_process_group(cfg)
+    rank = dist.get_rank()
+    batches = make_batches(cfg, 8, rank)
+    B = cfg.data.batch_size
+    if rank == 1:  # batch 5: 5 ids a sample of the first feature, over its capacity on this rank only
+        kjt = batches[5].sparse_features
+        lengths = kjt.lengths().clone()
+        lengths[:B] = 5
+        values = torch.cat([torch.arange(5 * B) % 12, kjt.values()[kjt.length_per_key()[0]:]])
+        batches[5] = Batch(batches[5].dense_features, KeyedJaggedTensor(keys=kjt.keys(), values=values,
+                                                                        lengths=lengths),
+                           batches[5].labels, batches[5].weights)
+    want = train(cfg, "base", batches)
+    roomy = {f: 4 * B for f in cfg.model.feature_names}  # at most 3 ids a sample, but batch 5 of rank 1
+    options = StepGraphOptions(enabled=True, capacity_batches=2, capacity=roomy)
+    eager, strides = step_graph.StepGraph._eager, {}
+    step_graph.StepGraph._eager = lambda self, ctx, b: strides.setdefault(
+        b.index, b.device.sparse_features.stride()) and eager(self, ctx, b)
+    try:
+        with pytest.warns(UserWarning, match="does not fit the captured step"), _agreements() as (blocking, started):
+            got, graph, _ = _graphed(cfg, "sparse_dist", batches, options)
+    finally:
+        step_graph.StepGraph._eager = eager
+    # rank 0 padded batch 5 at its fetch; rank 1 could not: both train it eagerly, unpadded
+    assert started == [True] * 5 + [rank == 0] + [True] * 2, started  # capacities given: from the first batch
+    assert strides == {0: B + 1, 1: B + 1, 5: B}, strides  # the warm-up steps padded, batch 5 as it came
+    assert not blocking, blocking
+    assert_same(want, got, "step graph, a batch over capacity on one rank")
+    assert graph.padded and graph.replays == 5 and graph.eager_steps == 3 and graph.over_capacity == 1, graph
+
+
+@pytest.mark.slow
+def test_a_batch_one_rank_cannot_pad_trains_eagerly_on_every_rank():
+    launch_local(_over_capacity_worker, 2, small_config(2, TABLES))
 
 
 def test_padding_adds_one_bag_and_nothing_to_the_pooled_output():

@@ -46,8 +46,10 @@ Life of a pipeline with a step graph:
    (``torch.cuda.graph``); every later batch with the same shapes is a copy and a
    replay. A batch over capacity (or of other shapes: a last, smaller batch) trains
    eagerly on its own, unpadded: counted in ``eager_steps``, named once in a warning,
-   and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree
-   while the batch is still on the host (one Gloo all-reduce a step, at its fetch), so all take the same path.
+   and in ``summary()`` (``speedups.step_graph`` in the trainer's summary.json). On several ranks the ranks agree,
+   so all take the same path: each rank's verdict leaves at the batch's fetch (one Gloo all-reduce a step, which
+   runs while the host goes on) and is read at its ``train_step``, a step later. A rank that padded a batch some
+   other rank could not take copies it again as it came, so that batch trains unpadded on every rank.
 
 Evaluation: a step-graph pipeline evaluates with ``base``'s eval schedule
 (``recpipe.pipelines.evaluation``), whose eager forward is the host's time as the eager
@@ -389,7 +391,7 @@ class StepGraph:
     _replay: Callable[[], None] | None = None
     _static: Any = None
     _shapes: tuple | None = None  # the signature of the first batch admitted on this rank: what replays hold
-    _admitted: set[int] = field(default_factory=set)  # indices of fetched batches every rank admitted
+    _verdicts: dict[int, "_Verdict"] = field(default_factory=dict)  # by batch index: the agreements in flight
     _outputs: dict[str, Any] = field(default_factory=dict)
     _host_counts: list[torch.Tensor] = field(default_factory=list)
     _host_next: list[torch.Tensor] = field(default_factory=list)  # their values after the next replay
@@ -440,23 +442,38 @@ class StepGraph:
         return h2d
 
     def _admit(self, b: Any, kjt: KeyedJaggedTensor) -> None:
-        """Whether batch ``b`` may replay, decided here, with the batch still on the host,
-        by every rank at once (the step's one agreement, a Gloo all-reduce; the rest of
-        the decision at ``train_step`` is the same on every rank): on each rank it fits
-        the captured step (:meth:`fitted`), is no zero-loss padding batch and has the
-        shapes of the first such batch (a last, smaller one has not). Every rank pads it,
-        or none does: torchrec's pooled all-to-all needs the same batch size on every rank."""
+        """Whether batch ``b`` may replay, asked here, with the batch still on the host, of
+        every rank at once (the step's one agreement, a Gloo all-reduce that runs while the
+        host goes on; :meth:`_admitted_by_all` reads it at ``train_step``, a step later; the
+        rest of the decision there is the same on every rank): on each rank it fits the
+        captured step (:meth:`fitted`), is no zero-loss padding batch and has the shapes of
+        the first such batch (a last, smaller one has not). A batch that fits here is copied
+        padded; one that some rank cannot take trains eagerly as it is on every rank
+        (torchrec's pooled all-to-all needs the same batch size on every rank)."""
         fitted = None if b.zero_loss else self.fitted(kjt)
         host, ok = b.host, fitted is not None
         if ok:
-            host = with_features(b.host, kjt, fitted)
-            shapes = signature(host)
+            padded = with_features(b.host, kjt, fitted)
+            shapes = signature(padded)
             self._shapes = self._shapes or shapes
             ok = shapes == self._shapes
-        if not _agree(ok):
-            return
-        b.host = with_features(b.host, kjt, fitted, pin=True)
-        self._admitted.add(b.index)
+        self._verdicts[b.index] = _Verdict(_agree_async(ok), host)
+        if ok:
+            b.host = with_features(b.host, kjt, fitted, pin=True)
+
+    def _admitted_by_all(self, ctx: Any, b: Any) -> bool:
+        """Whether every rank admitted batch ``b`` at its fetch (:meth:`_admit`). Where they
+        did not, a batch this rank copied padded is copied again as it came (on the current
+        stream: a rare step, named in ``over_capacity``), so every rank trains it unpadded."""
+        verdict = self._verdicts.pop(b.index, None)
+        if verdict is None:  # fetched before the capacity was known
+            return False
+        if verdict.agreed():
+            return True
+        if b.host is not verdict.host:
+            b.host = verdict.host
+            b.device = b.host.to(ctx.device, non_blocking=True)
+        return False
 
     def fitted(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor | None:
         """``kjt`` (a host batch's features, the capacity known) as a captured step takes it:
@@ -520,8 +537,7 @@ class StepGraph:
         if self._replay is not None and lrs != self._captured_lrs:
             self._replay = None  # FBGEMM read the captured rate on the host: this graph cannot train at this one
         new_rate = self._replay is None and lrs != previous and self.eager_steps >= WARMUP_STEPS
-        admitted = b.index in self._admitted  # by every rank (at h2d): the rest is the same on every rank
-        self._admitted.discard(b.index)
+        admitted = self._admitted_by_all(ctx, b)  # the rest is the same on every rank
         fits = admitted and (self._replay is not None or self.eager_steps >= WARMUP_STEPS) and not new_rate
         if not fits:
             if self._replay is not None and not b.zero_loss:
@@ -653,6 +669,32 @@ def _agree(fits: bool) -> bool:
     if group is None or dist.get_world_size(group) == 1:
         return fits
     return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """Every rank's answer on one batch, on its way (:func:`_agree_async`), and the batch
+    as it was fetched (what a rank that padded it trains if the ranks disagree)."""
+
+    agreed: Callable[[], bool]
+    host: Any
+
+
+def _agree_async(fits: bool) -> Callable[[], bool]:
+    """:func:`_agree` started now, read later: the returned function waits for every rank's
+    answer (a Gloo all-reduce, MIN, that runs while the host goes on). One rank: nothing to
+    agree on, nothing to wait for."""
+    group = control_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return lambda: fits
+    flag = torch.tensor([int(fits)], dtype=torch.int64)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group, async_op=True)
+
+    def agreed() -> bool:
+        work.wait()
+        return bool(flag.item())
+
+    return agreed
 
 
 def with_features(batch: Any, kjt: KeyedJaggedTensor, fitted: KeyedJaggedTensor, pin: bool = False) -> Any:

@@ -3,13 +3,15 @@ the run's resolved config is in TensorBoard as text."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_BAD_CONFIG
-from recpipe.train.report import read_scalars
+from recpipe.train.report import memory_peaks, memory_per_rank, read_scalars, write_report
 
 SHORT = ["model.num_embeddings_per_feature=[500, 500, 200, 200]", "model.embedding_dim=8",
          "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[16, 1]", "sharding.tables={}",
@@ -112,18 +114,61 @@ def test_row_norms_sample_at_most_max_rows_of_whole_rows():
     assert local_row_norms(tables)["big"].shape == (1000,)
 
 
-def test_row_norms_over_two_ranks_are_rank_0s_whole_rows(tmp_path):
-    """row_wise: rank 0's block of rows; column_wise (part of each row) left out; a table_wise
-    table in the histograms only when it is placed on rank 0."""
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """A 4-step run on 2 Gloo ranks, one table row_wise and one column_wise."""
+    run = tmp_path_factory.mktemp("two_ranks") / "run"
     split = ["model.num_embeddings_per_feature=[500, 500, 200, 200]", "model.embedding_dim=8",
              "model.dense_arch_layer_sizes=[16, 8]", "model.over_arch_layer_sizes=[16, 1]",
              "sharding.tables={t_cat_0: {type: row_wise}, t_cat_1: {type: column_wise}}", "data.batch_size=64",
              "data.synthetic.num_eval_batches=2", "distributed.nproc=2", "train.steps=4", "train.eval_every=4",
-             "train.log_every=2", "train.progress=false", f"logging.run_dir={tmp_path / 'run'}"]
+             "train.log_every=2", "train.progress=false", f"logging.run_dir={run}"]
     assert main(["train", "--config", "quickstart", *[a for pair in split for a in ("--set", pair)]]) == 0
-    events = EventAccumulator(str(tmp_path / "run"), size_guidance={"histograms": 0}).Reload()
+    return run
+
+
+def test_row_norms_over_two_ranks_are_rank_0s_whole_rows(two_ranks):
+    """row_wise: rank 0's block of rows; column_wise (part of each row) left out; a table_wise
+    table in the histograms only when it is placed on rank 0."""
+    events = EventAccumulator(str(two_ranks), size_guidance={"histograms": 0}).Reload()
     rows = {tag.split("/")[1]: [h.histogram_value.num for h in events.Histograms(tag)]
             for tag in events.Tags()["histograms"]}
     assert rows.pop("t_cat_0") == [250]  # rank 0's half of 500 rows
     assert "t_cat_1" not in rows
     assert len(rows) == 1 and list(rows.values()) == [[200]]  # t_cat_2 or t_cat_3: the one rank 0 holds
+
+
+def test_every_ranks_memory_is_logged_summarised_and_drawn(two_ranks, tmp_path):
+    """Rank 0 logs each rank's memory at every log point (memory/rank<r>/..., CPU: peak RSS),
+    keeps its own under the plain tags, puts each rank's peak in summary.json, and memory.png
+    draws a line a rank."""
+    scalars = read_scalars(two_ranks)
+    for rank in (0, 1):
+        points = scalars[f"memory/rank{rank}/peak_rss_gib"]
+        assert [s for s, _ in points] == [2, 4]
+        assert all(0.05 < v < 64 for _, v in points)  # a training process's RSS, in GiB
+    assert scalars["memory/peak_rss_gib"] == scalars["memory/rank0/peak_rss_gib"]  # rank 0's, as before
+    per_rank = memory_per_rank(scalars)
+    assert list(per_rank) == ["peak_rss_gib"] and list(per_rank["peak_rss_gib"]) == [0, 1]
+    (rank, peak), = memory_peaks(per_rank).values()
+    assert peak == max(v for r in (0, 1) for _, v in per_rank["peak_rss_gib"][r])
+    assert peak == max(v for _, v in per_rank["peak_rss_gib"][rank])
+
+    summary = json.loads((two_ranks / "summary.json").read_text())
+    assert [m["rank"] for m in summary["memory_per_rank"]] == [0, 1]
+    for m in summary["memory_per_rank"]:
+        assert set(m) == {"rank", "peak_rss_gib"}
+        assert m["peak_rss_gib"] == pytest.approx(max(v for _, v in per_rank["peak_rss_gib"][m["rank"]]), abs=1e-3)
+
+    assert tmp_path / "memory.png" in write_report(two_ranks, tmp_path)
+    assert (tmp_path / "memory.png").read_bytes().startswith(PNG)
+
+
+def test_memory_peaks_name_the_rank_with_the_highest_value():
+    scalars = {"memory/rank0/max_allocated_gib": [(5, 1.0), (10, 2.0)],
+               "memory/rank1/max_allocated_gib": [(5, 3.0), (10, 2.5)],
+               "memory/rank0/max_reserved_gib": [(5, 4.0)], "memory/rank1/max_reserved_gib": [(5, 1.5)],
+               "memory/max_allocated_gib": [(5, 1.0), (10, 2.0)], "train/loss": [(5, 0.5)]}
+    per_rank = memory_per_rank(scalars)
+    assert sorted(per_rank) == ["max_allocated_gib", "max_reserved_gib"]
+    assert memory_peaks(per_rank) == {"max_allocated_gib": (1, 3.0), "max_reserved_gib": (0, 4.0)}

@@ -255,6 +255,7 @@ class Trainer:
         # the host's (waited, trained) seconds (LoaderWait).
         self._pending_log: tuple[int, int, list, PendingMetrics, dict[str, float], tuple[float, float]] | None = None
         self.last_train: dict[str, float] = {}
+        self._memory_peaks: list[dict[str, float]] | None = None  # each rank's, from the log points
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
         self._eval_batches: Iterator[Batch] | None = None  # the next evaluation's, started early
@@ -489,7 +490,8 @@ class Trainer:
         """Collective (on NCCL jobs it creates a Gloo group). The preemption
         agreement, the step watchdog, the non-finite loss check and, for skip_step, its hooks."""
         cfg = self.cfg
-        self._preemption = Preemption(control_group())
+        self._control = control_group()  # host-side agreement and the log points' memory figures
+        self._preemption = Preemption(self._control)
         self._watchdog = StepWatchdog(cfg.train.step_timeout_s, self.rank, self.world_size,
                                       lambda: describe_newest(cfg.checkpoint.dir), self._stalled)
         self._nonfinite = NonFiniteCheck(
@@ -624,13 +626,21 @@ class Trainer:
         scalars["throughput/loader_wait_ms_per_step"] = 1e3 * waited / max(steps, 1)
         self._say_if_loader_bound(waited, trained, step, steps)
         memory = _memory_scalars(self.device)
-        self._write_scalars(step, {**scalars, **rates, **memory})
+        ranks = _ranks_memory(memory, self._control)
+        self._keep_memory_peaks(ranks)
+        self._write_scalars(step, {**scalars, **rates, **memory, **_per_rank_tags(ranks)})
         postfix = {name: f"{metrics[name]:.4f}" for name in ("loss", "auc") if name in metrics}
         self.bar.set_postfix({**postfix, "samples/s": f"{samples_per_s:,.0f}"}, refresh=False)
         if self.bar.disable:  # no bar (not a terminal, or train.progress=false): one line per log point
             shown = "  ".join(f"{name} {value}" for name, value in postfix.items())
             self._say(f"step {step}/{self.cfg.train.steps}  {shown}  {samples_per_s:,.0f} samples/s  "
                       f"{_memory_line(memory)}")
+
+    def _keep_memory_peaks(self, ranks: list[dict[str, float]]) -> None:
+        """Each rank's highest figures so far (summary.json's ``memory_per_rank``)."""
+        peaks = self._memory_peaks or [{} for _ in ranks]
+        self._memory_peaks = [{tag: max(value, peak.get(tag, value)) for tag, value in memory.items()}
+                              for memory, peak in zip(ranks, peaks)]
 
     def _say_if_loader_bound(self, waited: float, trained: float, step: int, steps: int) -> None:
         """Once a run: the loader set the pace of the log interval that ended at ``step`` when the
@@ -777,6 +787,10 @@ class Trainer:
             # the device's clock: the rate to hold beside recpipe bench's
             "steady_samples_per_s": self._steady[0] * self.global_batch / self._steady[1] if self._steady[1] else None,
             "world_size": self.world_size,
+            # each rank's peak memory at the log points (GiB): max_allocated / max_reserved on CUDA, peak_rss on CPU
+            "memory_per_rank": None if self._memory_peaks is None else [
+                {"rank": rank, **{tag.removeprefix("memory/"): round(v, 4) for tag, v in peaks.items()}}
+                for rank, peaks in enumerate(self._memory_peaks)],
             "intra_op_threads": torch.get_num_threads(),
             "skipped_steps": self._nonfinite.skipped,  # train.on_nonfinite=skip_step
             "speedups": self._speedups(),
@@ -834,3 +848,21 @@ def _memory_scalars(device: torch.device) -> dict[str, float]:
         }
     # ru_maxrss is the peak resident set size, in KiB on Linux.
     return {"memory/peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB}
+
+
+def _ranks_memory(memory: dict[str, float], group: dist.ProcessGroup | None) -> list[dict[str, float]]:
+    """Collective on ``group`` (the Gloo control group; None: one process): every rank's
+    :func:`_memory_scalars`, by rank. One all-gather of a few host floats at a log point,
+    which waits for no device work."""
+    if group is None:
+        return [memory]
+    mine = torch.tensor(list(memory.values()), dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    return [dict(zip(memory, values.tolist())) for values in gathered]
+
+
+def _per_rank_tags(ranks: list[dict[str, float]]) -> dict[str, float]:
+    """``memory/<name>`` of rank r as ``memory/rank<r>/<name>``."""
+    return {f"memory/rank{rank}/{tag.removeprefix('memory/')}": value
+            for rank, memory in enumerate(ranks) for tag, value in memory.items()}

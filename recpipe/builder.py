@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from recpipe.callables import load_callable
 from recpipe.errors import ConfigError, PipelineError, job_warning
-from recpipe.pipelines.engine import Pipeline
+from recpipe.runtime.engine import Pipeline
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.speedups.registry import SPEEDUPS
 

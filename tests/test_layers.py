@@ -16,10 +16,10 @@ ALLOWED_FOLDER_CYCLES = {
     # pipelines/ holds both the light declarations, which read the speed features' sections
     # (pipelines/options.py: one section per feature of speedups/registry.py) and the config
     # reads, and the engine, which the speed features' implementations wrap (speedups/*.py
-    # import pipelines/engine.py, sharded.py, streams.py); distributed.py, which the engine
+    # import runtime/engine.py, sharded.py, streams.py); distributed.py, which the engine
     # uses for its control group, types its functions by the config; the lazy names of
     # recpipe/pipelines/__init__.py include builder.make_pipeline.
-    frozenset({"builder", "config", "distributed", "pipelines", "speedups"}):
+    frozenset({"builder", "config", "distributed", "pipelines", "runtime", "speedups"}):
         "declarations below the config, engine and implementations above it, one folder each",
     # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
     # memory plan (planner/), the model against sharding (sharding/) and the checkpoints
@@ -65,8 +65,8 @@ def test_the_checker_sees_cycles_and_hidden_loops_through_a_package(tmp_path):
     path.write_text("from recpipe.planner.plan import check_fits\n")
     try:
         assert {"recpipe.planner.plan", "recpipe.planner"} <= imports("recpipe._probe")[0]
-        path.write_text("from recpipe.pipelines.schedule import Schedule\n")  # a lazy package: its __init__ runs nothing
-        assert imports("recpipe._probe")[0] == {"recpipe.pipelines.schedule"}
+        path.write_text("from recpipe.pipelines.registry import PIPELINES\n")  # a lazy package: its __init__ runs nothing
+        assert imports("recpipe._probe")[0] == {"recpipe.pipelines.registry"}
     finally:
         del MODULES["recpipe._probe"]
 

@@ -147,7 +147,7 @@ def _pipeline(cfg, sharded, schedule=None):
 
 def _inputs(cfg, schedule=None):
     """The planner's inputs for ``cfg``, with the memory facts of ``schedule`` if given."""
-    from recpipe.pipelines.schedule import memory_facts
+    from recpipe.runtime.schedule import memory_facts
     from recpipe.planner import inputs_from_config
     from recpipe.planner.spec import PipelineSpec
 

@@ -22,7 +22,7 @@ from recpipe.config import ConfigError, load_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, Pipeline, PipelineDef, register, unregister
 from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step, memory_facts
+from recpipe.runtime.schedule import Schedule, Step, memory_facts
 from recpipe.planner import plan_from_config
 import schedule_variants as variants
 

@@ -35,7 +35,7 @@ class PipelineKeys(Section):
     # the schedule allows.
     max_batches_ahead: int | None = Field(None, ge=1)
     # How many steps the host may queue ahead of the device: after each step it waits for
-    # the step this many back (recpipe/pipelines/streams.py, StepsAhead). A finished step
+    # the step this many back (recpipe/runtime/streams.py, StepsAhead). A finished step
     # frees its batch's copies (the allocator reuses a block once the device has read it),
     # so more steps ahead cost no allocated memory. 2 leaves the device a step's work queued
     # while the host prepares the next one; more absorbs longer host pauses (a log point's
@@ -53,7 +53,7 @@ class PipelineKeys(Section):
     # "device" (as TorchRec does): copied to the GPU, one all-to-all on the model's process
     # group, read back at input_dist_wait, a host sync that waits for the dist stream to
     # reach it; "host": over a Gloo group of the same ranks, from host memory, so that wait
-    # is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
+    # is on the other ranks' hosts only (recpipe/runtime/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
 
 

@@ -118,7 +118,7 @@ class DenseSpec:
 @dataclass(frozen=True)
 class PipelineSpec:
     """Memory-relevant facts of one training pipeline (design numbers of recpipe's
-    schedules, ``recpipe/pipelines/schedule.py``).
+    schedules, ``recpipe/runtime/schedule.py``).
 
     * ``batches_in_flight``: device copies of input batches of the schedule alive at the
       peak (its depth). The steps the host queues ahead of the device

@@ -16,12 +16,12 @@ from typing import Any, Callable
 from recpipe.capabilities import INTERCEPTS
 from recpipe.errors import PipelineError
 from recpipe.pipelines.options import PipelineKeys, PipelineOptions
-from recpipe.pipelines.schedule import Schedule, memory_facts
+from recpipe.runtime.schedule import Schedule, memory_facts
 
 __all__ = ["ENGINE", "PipelineDef"]
 
-# The engine that runs any schedule of the shared steps (recpipe.pipelines.steps).
-ENGINE = "recpipe.pipelines.engine:Pipeline"
+# The engine that runs any schedule of the shared steps (recpipe.runtime.steps).
+ENGINE = "recpipe.runtime.engine:Pipeline"
 
 
 def _no_rules(cfg: Any) -> list[str]:
@@ -44,7 +44,7 @@ class PipelineDef:
     * ``check``: its config rules (problems, one per line; ``recpipe.preflight`` runs them
       with the ``RecpipeConfig``);
     * ``schedule_of``: the schedule a given set of options runs (its memory facts come
-      from it, :func:`recpipe.pipelines.schedule.memory_facts`), and ``extra_facts``
+      from it, :func:`recpipe.runtime.schedule.memory_facts`), and ``extra_facts``
       what a schedule cannot say (e.g. semi_sync's stashed gradients);
     * ``torchrec``: TorchRec's class of the same role (``recpipe bench --with-torchrec``)
       and ``torchrec_options`` its keyword arguments for these options, with notes on
@@ -71,7 +71,7 @@ class PipelineDef:
         return INTERCEPTS in self.offers
 
     def engine_class(self) -> type:
-        """Its engine class (a ``recpipe.pipelines.engine.Pipeline``), imported now: torch,
+        """Its engine class (a ``recpipe.runtime.engine.Pipeline``), imported now: torch,
         torchrec and FBGEMM with it."""
         module, _, name = self.engine.partition(":")
         cls = getattr(importlib.import_module(module), name, None)

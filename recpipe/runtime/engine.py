@@ -62,8 +62,8 @@ import torch.distributed as dist
 from torch import nn
 
 from recpipe.compat import torch as compat_torch
-from recpipe.distributed import control_group
 from recpipe.errors import PipelineError
+from recpipe.groups import control_group
 from recpipe.runtime import sharded, steps
 from recpipe.runtime.context import InFlight, StepContext
 from recpipe.runtime.definition import PipelineDef

@@ -117,8 +117,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.capabilities import ONE_BATCH_PER_STEP
 from recpipe.compat import torch as compat_torch
-from recpipe.distributed import control_group, graph_holds_collectives
 from recpipe.errors import PipelineError
+from recpipe.groups import control_group, graph_holds_collectives
 from recpipe.runtime import sharded, steps
 from recpipe.runtime.engine import Pipeline
 from recpipe.runtime.schedule import Schedule, Step

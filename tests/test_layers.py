@@ -16,9 +16,8 @@ ALLOWED_FOLDER_CYCLES = {
     # pipelines/ holds both the light declarations, which read the speed features' sections
     # (pipelines/options.py: one section per feature of speedups/registry.py) and the config
     # reads, and the engine, which the speed features' implementations wrap (speedups/*.py
-    # import runtime/engine.py, sharded.py, streams.py); the lazy names of
-    # recpipe/pipelines/__init__.py include builder.make_pipeline.
-    frozenset({"builder", "config", "pipelines", "runtime", "speedups"}):
+    # import runtime/engine.py, sharded.py, streams.py).
+    frozenset({"pipelines", "runtime", "speedups"}):
         "declarations below the config, engine and implementations above it, one folder each",
     # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
     # memory plan (planner/), the model against sharding (sharding/) and the checkpoints

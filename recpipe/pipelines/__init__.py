@@ -9,7 +9,8 @@ config asks for (``recpipe.speedups``); the classes take ``(model, optimizer, de
 **options)`` and expose ``progress(dataloader_iter)`` like TorchRec's pipelines.
 
 The names below are loaded on first use, so that importing one building block
-(``recpipe.runtime.schedule``, ``.registry``, ...) does not import every pipeline.
+(``recpipe.pipelines.registry``, ...) does not import every pipeline; the builder
+(``recpipe.builder``) sits above this package and the speed features.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ _EXPORTS = {
     "PIPELINES": "recpipe.pipelines.registry",
     "all_schedules": "recpipe.pipelines.registry",
     "main_schedule": "recpipe.pipelines.registry",
-    "make_pipeline": "recpipe.builder",
     "register": "recpipe.pipelines.registry",
     "unregister": "recpipe.pipelines.registry",
 }
@@ -38,7 +38,6 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from recpipe.builder import make_pipeline
     from recpipe.errors import PipelineError
     from recpipe.pipelines.base import BasePipeline
     from recpipe.runtime.context import StepContext

@@ -13,12 +13,6 @@ import ast
 from scripts.import_layers import MODULES, cycles, folder_graph, imports, is_lazy, module_graph
 
 ALLOWED_FOLDER_CYCLES = {
-    # pipelines/ holds both the light declarations, which read the speed features' sections
-    # (pipelines/options.py: one section per feature of speedups/registry.py) and the config
-    # reads, and the engine, which the speed features' implementations wrap (speedups/*.py
-    # import runtime/engine.py, sharded.py, streams.py).
-    frozenset({"pipelines", "runtime", "speedups"}):
-        "declarations below the config, engine and implementations above it, one folder each",
     # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
     # memory plan (planner/), the model against sharding (sharding/) and the checkpoints
     # (train/checkpoint.py): each folder holds a command above preflight.py and a part below it.

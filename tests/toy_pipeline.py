@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Literal
 
 from recpipe.runtime.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step
 
 SCHEDULE = Schedule(
@@ -24,7 +24,7 @@ SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["copies_ahead"]
 
 

@@ -141,7 +141,7 @@ class Pipeline:
         ``sources``: where their inputs are, as another pipeline learned them (an
         evaluation runs on its training pipeline's, ``recpipe.pipelines.evaluation``).
         The other options are the ``pipeline`` config section's common keys
-        (``recpipe.pipelines.options.PipelineOptions``, where they are validated)."""
+        (``recpipe.runtime.options.PipelineKeys``, where they are validated)."""
         definition = definition or type(self).definition
         if definition is None:
             raise PipelineError(f"{type(self).__name__} has no pipeline definition: build it through "

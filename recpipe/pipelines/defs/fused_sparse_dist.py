@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from recpipe.capabilities import INTERCEPTS
 from recpipe.runtime.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "LOOKUP", "OPTIMIZER", "Options", "PIPELINE", "SCHEDULE", "SCHEDULE_AFTER_OPTIMIZER"]
@@ -69,7 +69,7 @@ EVAL_SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["fused_sparse_dist"]
 
 

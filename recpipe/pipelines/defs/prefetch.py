@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 from recpipe.capabilities import INTERCEPTS, PREFETCH_STEP
 from recpipe.runtime.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "Options", "PIPELINE", "SCHEDULE", "memory_facts"]
@@ -79,7 +79,7 @@ EVAL_SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["prefetch"]
 
 

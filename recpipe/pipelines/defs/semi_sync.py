@@ -47,7 +47,7 @@ from pydantic import Field
 
 from recpipe.capabilities import INTERCEPTS
 from recpipe.runtime.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "Options", "PHASES", "PIPELINE", "SCHEDULE", "VARIANTS", "check"]
@@ -159,7 +159,7 @@ VARIANTS = {("before_backward", "in_forward"): SCHEDULE, ("before_backward", "ea
             ("before_update", "early"): SCHEDULE_BEFORE_UPDATE_WAIT_EARLY}
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["semi_sync"]
     # Synchronous (sparse_dist-equivalent) warm-up steps before going semi-sync.
     start_batch: int = Field(0, ge=0)

@@ -1,23 +1,21 @@
-"""What every pipeline's options share: the ``pipeline`` section's common keys.
+"""The keys every pipeline's options share: the ``pipeline`` section's common keys.
 
 Each pipeline's declaration (``recpipe/pipelines/defs/``) defines ``Options``, a subclass
-of :class:`PipelineOptions` that adds its own keys and fixes ``name``; that class is the
-only place its defaults and allowed values live. Every speed feature registered in
-``recpipe.speedups.registry`` adds its section (``pipeline.compile``, ...) to every
-pipeline's options: :class:`PipelineOptions` is built from them when this module is
-imported. Nothing here imports torch.
+of :class:`PipelineKeys` that adds its own keys and fixes ``name``; that class is the only
+place its defaults and allowed values live. The speed features' sections are added above
+the pipelines and the speed features (``recpipe.pipeline_options``). Nothing here imports
+torch.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, create_model
+from pydantic import AfterValidator, ConfigDict, Field
 
 from recpipe.sections import FactorySpec, Section, factory_spec
-from recpipe.speedups.registry import SPEEDUPS
 
-__all__ = ["PipelineKeys", "PipelineOptions", "speedup_sections"]
+__all__ = ["PipelineKeys"]
 
 
 class PipelineKeys(Section):
@@ -55,14 +53,3 @@ class PipelineKeys(Section):
     # reach it; "host": over a Gloo group of the same ranks, from host memory, so that wait
     # is on the other ranks' hosts only (recpipe/runtime/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
-
-
-def speedup_sections() -> dict[str, tuple[type, object]]:
-    """Each registered speed feature's section, as a field of the ``pipeline`` section."""
-    return {f.name: (f.options, Field(default_factory=f.options, description=f.doc))
-            for f in SPEEDUPS.values() if f.options is not None}
-
-
-# The common keys and one section per speed feature (recpipe.speedups.registry), in its order.
-PipelineOptions = create_model("PipelineOptions", __base__=PipelineKeys, __module__=__name__,
-                               __doc__=PipelineKeys.__doc__, **speedup_sections())

@@ -31,6 +31,14 @@ def test_folder_cycles_are_the_allowed_ones():
     assert set(ALLOWED_FOLDER_CYCLES) - found == set(), "allowed folder-level cycles that are gone: remove them"
 
 
+def test_pipelines_and_speed_features_sit_side_by_side_on_the_runtime():
+    """Neither ``pipelines/`` nor ``speedups/`` imports the other, and ``runtime/``, which
+    both are built on, imports neither, nor anything that reads the config."""
+    folders = folder_graph(module_graph())
+    assert "speedups" not in folders["pipelines"] and "pipelines" not in folders["speedups"]
+    assert folders["runtime"] & {"pipelines", "speedups", "pipeline_options", "config", "builder", "distributed"} == set()
+
+
 def test_lazy_packages_import_nothing_eagerly():
     """A package with ``_EXPORTS`` loads its names on first use, so importing one of its
     modules runs no other: its ``__init__`` imports nothing of recpipe outside

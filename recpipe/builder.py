@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from recpipe.callables import load_callable
 from recpipe.errors import ConfigError, PipelineError, job_warning
-from recpipe.pipelines.engine import Pipeline
+from recpipe.pipeline_options import SECTIONS, PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
+from recpipe.runtime.engine import Pipeline
 from recpipe.speedups.registry import SPEEDUPS
 
 if TYPE_CHECKING:
@@ -24,9 +25,11 @@ if TYPE_CHECKING:
     from torch import nn
 
     from recpipe.config import RecpipeConfig
-    from recpipe.pipelines.options import PipelineOptions
 
-__all__ = ["apply_speedups", "make_pipeline", "pipeline_class"]
+__all__ = ["apply_speedups", "engine_options", "make_pipeline", "pipeline_class"]
+
+# What the builder resolves itself (``class``, ``inputs``) or applies from outside (the sections).
+_NOT_ENGINE = frozenset({"name", "class_", "inputs", *SECTIONS})
 
 
 def pipeline_class(cfg: "RecpipeConfig") -> type[Pipeline]:
@@ -64,12 +67,19 @@ def make_pipeline(cfg: "RecpipeConfig", model: "nn.Module", optimizer: "torch.op
         job_warning(f"pipeline.inputs is ignored by pipeline.name={options.name!r}: the model runs its own forward")
         inputs = {}
     pipeline = cls(model, optimizer, device, definition=definition, inputs=inputs,
-                   **definition.engine_options(options))
+                   **engine_options(options))
     pipeline.applied = apply_speedups(pipeline, options)
     return pipeline
 
 
-def apply_speedups(pipeline: Pipeline, options: "PipelineOptions") -> list[Any]:
+def engine_options(options: PipelineOptions) -> dict[str, Any]:
+    """The keyword arguments of a pipeline's engine for ``options``: the pipeline's own keys
+    and the common ones, not the speed features' sections (applied from outside) nor
+    ``class`` and ``inputs`` (resolved here)."""
+    return {k: getattr(options, k) for k in type(options).model_fields if k not in _NOT_ENGINE}
+
+
+def apply_speedups(pipeline: Pipeline, options: PipelineOptions) -> list[Any]:
     """Apply the speed features ``options`` (a ``pipeline`` section) enables to ``pipeline``
     and its model, in the registry's order; returns their handles (printable, with
     ``remove()``). A feature whose needs the pipeline does not offer is refused

@@ -30,7 +30,7 @@ from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, Validati
 from recpipe.capabilities import PREFETCH_STEP
 from recpipe.errors import ConfigError
 from recpipe.lr_schedule import LRSchedule
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.pipeline_options import PipelineOptions, options_of
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
 from recpipe.shipped_configs import missing_hint
@@ -424,7 +424,8 @@ class OptimizerConfig(Section):
 
 # ------------------------------------------------------------------ pipeline
 # Each pipeline owns its keys of this section (its Options, recpipe/pipelines/defs/<name>.py; the
-# common keys and the speed features' sections: recpipe/pipelines/options.py); the registry
+# common keys: recpipe/runtime/options.py; the speed features' sections are added to both by
+# recpipe/pipeline_options.py); the registry
 # (recpipe.pipelines.registry.PIPELINES) says which Options class ``pipeline.name`` picks.
 def _pipeline_options(value: Any, handler: Any, info: Any) -> PipelineOptions:
     if isinstance(value, PipelineOptions):
@@ -438,7 +439,7 @@ def _pipeline_options(value: Any, handler: Any, info: Any) -> PipelineOptions:
     definition = PIPELINES.get(value["name"])
     if definition is None:
         raise ValueError(f"pipeline.name={value['name']!r} is not a pipeline; choose one of: {allowed}")
-    return definition.options.model_validate(value)
+    return options_of(definition).model_validate(value)
 
 
 PipelineSection = Annotated[SerializeAsAny[PipelineOptions], WrapValidator(_pipeline_options)]
@@ -613,7 +614,7 @@ class RecpipeConfig(Section):
     data: DataConfig = DataConfig()
     sharding: ShardingConfig = ShardingConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
-    pipeline: PipelineSection = Field(default_factory=lambda: PIPELINES["base"].options())
+    pipeline: PipelineSection = Field(default_factory=lambda: options_of(PIPELINES["base"])())
     train: TrainConfig = TrainConfig()
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
@@ -975,7 +976,7 @@ def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
             continue
         if model is RecpipeConfig and part == "pipeline":
             name = (raw.get("pipeline") or {}).get("name") if isinstance(raw.get("pipeline"), dict) else None
-            model = PIPELINES[name].options if name in PIPELINES else PipelineOptions
+            model = options_of(PIPELINES[name]) if name in PIPELINES else PipelineOptions
             continue
         ann = model.model_fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None

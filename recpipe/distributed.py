@@ -17,7 +17,6 @@ import signal
 import sys
 import threading
 import time
-import weakref
 from datetime import timedelta
 from typing import Any, Callable, TYPE_CHECKING
 
@@ -30,6 +29,7 @@ from torch.multiprocessing.spawn import ProcessContext, ProcessExitedException, 
 from recpipe.deterministic import apply_deterministic
 from recpipe.errors import LauncherFailed, job_warning
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED, exit_code_for_signal
+from recpipe.groups import reset_graphs_with_collectives
 from recpipe.launch_preload import start_server, under_torchrun  # noqa: F401  (under_torchrun: re-exported)
 from recpipe.stop_requests import REPEAT_WINDOW_S, SIGNALS, request
 from recpipe.system import ALLOC_CONF_ENV, die_with_parent
@@ -101,18 +101,6 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     return device
 
 
-_GRAPHS_WITH_COLLECTIVES: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def graph_holds_collectives(graph: Any) -> None:
-    """Record a ``torch.cuda.CUDAGraph`` that captured collectives of this process's
-    groups: :func:`shutdown_process_group` resets it before it destroys them. NCCL's
-    communicator destruction waits forever while a graph that captured its work is
-    alive (pytorch/pytorch#115388; seen here on 2 and 4 GPUs: every rank of a
-    ``pipeline.step_graph`` run in ``destroy_process_group`` after the run had passed)."""
-    _GRAPHS_WITH_COLLECTIVES.add(graph)
-
-
 def shutdown_process_group() -> None:
     """Leave every process group now, while the interpreter is fully alive.
 
@@ -126,13 +114,11 @@ def shutdown_process_group() -> None:
     cycles runs the groups' destructors, which join those threads, here.
 
     First, once the device has finished, every CUDA graph that captured collectives
-    (:func:`graph_holds_collectives`) is reset, whoever still holds it: a replay after
+    (``recpipe.groups.graph_holds_collectives``) is reset, whoever still holds it: a replay after
     the groups are gone could not run anyway."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
-    for graph in list(_GRAPHS_WITH_COLLECTIVES):
-        graph.reset()
-    _GRAPHS_WITH_COLLECTIVES.clear()
+    reset_graphs_with_collectives()
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -172,17 +158,6 @@ def leave_after_failure() -> None:
     no need of the interpreter, and ends the process with exit 1."""
     # faulthandler keeps the file open until the timer fires or is cancelled
     faulthandler.dump_traceback_later(FAILED_EXIT_DEADLINE_S, exit=True, file=open(os.devnull, "w"))  # noqa: SIM115
-
-
-def control_group() -> dist.ProcessGroup | None:
-    """A Gloo group for host-side agreement (tiny CPU tensors, no device sync); None
-    when not distributed. Collective when it creates one (NCCL jobs): every rank
-    must call it at the same point."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return None
-    if dist.get_backend() == "gloo":
-        return dist.group.WORLD
-    return dist.new_group(backend="gloo")
 
 
 def _child(

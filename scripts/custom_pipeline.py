@@ -14,10 +14,10 @@ every rank):
     recpipe train --config configs/quickstart.yaml --set pipeline.name=sparse_dist \\
         --set pipeline.class=scripts.custom_pipeline:ClippedSparseDist
 
-The hooks are the whole extension surface (see recpipe.pipelines.engine.Pipeline):
+The hooks are the whole extension surface (see recpipe.runtime.engine.Pipeline):
 ``on_batch_fetched(host_batch)``, ``before_forward(batch)``,
 ``after_backward(batch, loss)`` and ``after_optimizer_step(batch)``; ``self.context``
-is what they may use of the engine (recpipe.pipelines.context.StepContext).
+is what they may use of the engine (recpipe.runtime.context.StepContext).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from recpipe.config import load_config
 from recpipe.pipelines import SparseDistPipeline
-from recpipe.pipelines.steps import dense_params
+from recpipe.runtime.steps import dense_params
 from recpipe.train import train
 
 

@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 from recpipe import config as config_module  # noqa: E402
 from recpipe import lr_schedule as lr_schedule_module  # noqa: E402
 from recpipe.config import RecpipeConfig  # noqa: E402
-from recpipe.pipelines import options as pipeline_options  # noqa: E402
-from recpipe.pipelines.options import PipelineOptions  # noqa: E402
+from recpipe.pipeline_options import PipelineOptions, options_of  # noqa: E402
 from recpipe.pipelines.registry import PIPELINES  # noqa: E402
+from recpipe.runtime import options as pipeline_keys  # noqa: E402
 from recpipe.speedups.registry import SPEEDUPS  # noqa: E402
 
 HEADER = f"""\
@@ -101,9 +101,9 @@ def _field_comments(module) -> dict[tuple[str, str], str]:
 
 
 # Sections are defined where they belong: config.py, each pipeline's declaration (its Options),
-# the common pipeline keys (recpipe.pipelines.options), each speed feature's declaration and the
+# the common pipeline keys (recpipe.runtime.options), each speed feature's declaration and the
 # learning-rate schedule's (recpipe.lr_schedule).
-COMMENTS = {key: text for module in (config_module, pipeline_options,
+COMMENTS = {key: text for module in (config_module, pipeline_keys,
                                      *(sys.modules[d.options.__module__] for d in PIPELINES.values()),
                                      *(sys.modules[f.options.__module__] for f in SPEEDUPS.values() if f.options),
                                      lr_schedule_module)
@@ -231,7 +231,7 @@ def _pipeline_sections() -> list[str]:
     """The ``pipeline`` section from the registries: the common keys, each pipeline's own, and
     the speed features' sections (recpipe.speedups.registry)."""
     common = PipelineOptions
-    variants = [(name, d.options) for name, d in PIPELINES.items()]
+    variants = [(name, options_of(d)) for name, d in PIPELINES.items()]
     choices = " \\| ".join(f"`{n}`" for n, _ in variants)
     out = ["## pipeline", "",
            "`pipeline.name` picks the pipeline (`recpipe schedule NAME` prints its schedule); the keys of the "

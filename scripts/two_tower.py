@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from recpipe.pipelines import SparseDistPipeline
-from recpipe.pipelines.steps import dense_params
+from recpipe.runtime.steps import dense_params
 
 USER_FEATURES = ("user_id", "user_country")
 ITEM_FEATURES = ("item_id", "item_category")

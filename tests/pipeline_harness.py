@@ -187,8 +187,8 @@ def semi_sync_reference(
     once t >= start_batch, after batch t's optimizer step otherwise; with
     ``stash_gradients`` the dense optimizer applies batch t-1's gradient at step t,
     nothing at the first semi-sync step, and the last gradient at the end."""
-    from recpipe.pipelines.sharded import find_sharded_modules
-    from recpipe.pipelines.steps import dense_params
+    from recpipe.runtime.sharded import find_sharded_modules
+    from recpipe.runtime.steps import dense_params
 
     sm = build(cfg, device)
     batches = [b.to(device) for b in batches]

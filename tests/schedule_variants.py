@@ -1,7 +1,7 @@
 """Schedule variants of recpipe's pipelines that the tests run: orders that lost or tied in
 measurements, so they are not options of the product.
 
-Each is a named :class:`~recpipe.pipelines.schedule.Schedule` that moves batches like its
+Each is a named :class:`~recpipe.runtime.schedule.Schedule` that moves batches like its
 pipeline's own schedule, so it runs as ``Pipeline(model, optimizer, device, schedule=X)``
 (same steps, same offsets: the engine checks it) and trains the same numbers
 (tests/test_pipelines.py runs every one against the plain loop). Why each is not the
@@ -26,7 +26,7 @@ product's schedule, measured on one H100:
 from __future__ import annotations
 
 from recpipe.pipelines.defs import fused_sparse_dist
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.schedule import Schedule, Step
 
 PREFETCH_WAIT_BEFORE_FORWARD = Schedule(
     "prefetch_wait_before_forward",

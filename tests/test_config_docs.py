@@ -42,10 +42,11 @@ def test_every_key_of_every_section_is_on_the_page():
         if key.startswith(("pipeline", "sharding.tables")):
             continue  # a union of pipelines and a map of tables: checked below
         assert f"| `{key}` |" in page, key
+    from recpipe.pipeline_options import options_of
     from recpipe.pipelines.registry import PIPELINES
 
     for definition in PIPELINES.values():  # every option of every pipeline, nested sections' keys included
-        for key in _keys(definition.options, "pipeline."):
+        for key in _keys(options_of(definition), "pipeline."):
             assert f"| `{key}` |" in page, key
     assert "| `sharding.default.type` |" in page
     assert "## sharding.tables.&lt;table&gt;" in page

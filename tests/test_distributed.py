@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from process_harness import alive, interrupt
-from recpipe.distributed import graph_holds_collectives, launch_local, shutdown_process_group
+from recpipe.distributed import launch_local, shutdown_process_group
+from recpipe.groups import graph_holds_collectives
 from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
 from recpipe.run_lock import DirLock
 

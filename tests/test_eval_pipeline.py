@@ -13,9 +13,10 @@ import torch.distributed as dist
 
 from pipeline_harness import assert_same, build, local_state, make, make_batches, small_config, RunResult
 from recpipe.distributed import init_process_group, launch_local
-from recpipe.pipelines import PIPELINES, steps
+from recpipe.pipelines import PIPELINES
 from recpipe.pipelines.defs import base
 from recpipe.pipelines.evaluation import PLAIN_SCHEDULE, Evaluation, eval_schedule_of
+from recpipe.runtime import steps
 from recpipe.train.metrics import ClickMetrics, click_outputs
 
 NAMES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync", "prefetch")
@@ -211,7 +212,7 @@ def test_eval_plans_fence_only_across_streams():
     import types
 
     from recpipe.pipelines.evaluation import EvalPipeline
-    from recpipe.pipelines.streams import Streams
+    from recpipe.runtime.streams import Streams
 
     s = {role: object() for role in ("compute", "memcpy", "dist", "prefetch")}
     streams = Streams(s["compute"], s["memcpy"], s["dist"], s["dist"], s["prefetch"])

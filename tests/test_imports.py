@@ -17,8 +17,8 @@ def test_no_private_names_across_modules():
 
 
 def _engine_private_fields() -> set[str]:
-    """The private attributes and methods of the engine's ``Pipeline`` (recpipe/pipelines/engine.py)."""
-    tree = ast.parse(MODULES["recpipe.pipelines.engine"].read_text())
+    """The private attributes and methods of the engine's ``Pipeline`` (recpipe/runtime/engine.py)."""
+    tree = ast.parse(MODULES["recpipe.runtime.engine"].read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Pipeline")
     names = {f.name for f in cls.body if isinstance(f, ast.FunctionDef)}
     names |= {t.attr for n in ast.walk(cls) if isinstance(n, (ast.Assign, ast.AnnAssign))
@@ -34,24 +34,24 @@ def _reads_of(fields: set[str], module: str) -> list[str]:
 
 def test_nothing_outside_the_engine_reads_its_private_fields():
     """Steps, pipeline classes, the evaluation and speed features use the engine through
-    its step context and public methods (recpipe.pipelines.context): 0 reads of the
+    its step context and public methods (recpipe.runtime.context): 0 reads of the
     engine's private fields anywhere else in the package."""
     fields = _engine_private_fields()
     assert {"_slots", "_recent", "_plan", "_fetch"} <= fields  # the checker sees the engine's state
-    reads = [r for m in MODULES if m != "recpipe.pipelines.engine" for r in _reads_of(fields, m)]
+    reads = [r for m in MODULES if m != "recpipe.runtime.engine" for r in _reads_of(fields, m)]
     assert not reads, f"{len(reads)} reads of the engine's private fields:\n" + "\n".join(reads)
 
 
 def test_the_checkers_see_type_checking_imports_lazy_names_and_private_reads(tmp_path):
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from recpipe.config import RecpipeConfig\n"
-              "_EXPORTS = {'Pipeline': 'recpipe.pipelines.engine'}\n")
+              "_EXPORTS = {'Pipeline': 'recpipe.runtime.engine'}\n")
     node = ast.parse(source)
     assert is_exports(node.body[2])
     MODULES["recpipe._probe"] = path = tmp_path / "probe.py"
     path.write_text(source + "def f(pipe):\n    return pipe._slots\n")
     try:
         edges, _ = imports("recpipe._probe")
-        assert {"recpipe.config", "recpipe.pipelines.engine"} <= edges
+        assert {"recpipe.config", "recpipe.runtime.engine"} <= edges
         assert _reads_of({"_slots"}, "recpipe._probe") == ["recpipe._probe:6: ._slots"]
     finally:
         del MODULES["recpipe._probe"]

@@ -13,14 +13,6 @@ import ast
 from scripts.import_layers import MODULES, cycles, folder_graph, imports, is_lazy, module_graph
 
 ALLOWED_FOLDER_CYCLES = {
-    # pipelines/ holds both the light declarations, which read the speed features' sections
-    # (pipelines/options.py: one section per feature of speedups/registry.py) and the config
-    # reads, and the engine, which the speed features' implementations wrap (speedups/*.py
-    # import pipelines/engine.py, sharded.py, streams.py); distributed.py, which the engine
-    # uses for its control group, types its functions by the config; the lazy names of
-    # recpipe/pipelines/__init__.py include builder.make_pipeline.
-    frozenset({"builder", "config", "distributed", "pipelines", "speedups"}):
-        "declarations below the config, engine and implementations above it, one folder each",
     # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
     # memory plan (planner/), the model against sharding (sharding/) and the checkpoints
     # (train/checkpoint.py): each folder holds a command above preflight.py and a part below it.
@@ -37,6 +29,14 @@ def test_folder_cycles_are_the_allowed_ones():
     found = {frozenset(c) for c in cycles(folder_graph(module_graph()))}
     assert found - set(ALLOWED_FOLDER_CYCLES) == set(), "folder-level cycles outside the allow-list"
     assert set(ALLOWED_FOLDER_CYCLES) - found == set(), "allowed folder-level cycles that are gone: remove them"
+
+
+def test_pipelines_and_speed_features_sit_side_by_side_on_the_runtime():
+    """Neither ``pipelines/`` nor ``speedups/`` imports the other, and ``runtime/``, which
+    both are built on, imports neither, nor anything that reads the config."""
+    folders = folder_graph(module_graph())
+    assert "speedups" not in folders["pipelines"] and "pipelines" not in folders["speedups"]
+    assert folders["runtime"] & {"pipelines", "speedups", "pipeline_options", "config", "builder", "distributed"} == set()
 
 
 def test_lazy_packages_import_nothing_eagerly():
@@ -65,8 +65,8 @@ def test_the_checker_sees_cycles_and_hidden_loops_through_a_package(tmp_path):
     path.write_text("from recpipe.planner.plan import check_fits\n")
     try:
         assert {"recpipe.planner.plan", "recpipe.planner"} <= imports("recpipe._probe")[0]
-        path.write_text("from recpipe.pipelines.schedule import Schedule\n")  # a lazy package: its __init__ runs nothing
-        assert imports("recpipe._probe")[0] == {"recpipe.pipelines.schedule"}
+        path.write_text("from recpipe.pipelines.registry import PIPELINES\n")  # a lazy package: its __init__ runs nothing
+        assert imports("recpipe._probe")[0] == {"recpipe.pipelines.registry"}
     finally:
         del MODULES["recpipe._probe"]
 

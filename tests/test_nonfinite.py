@@ -21,7 +21,7 @@ from recpipe.data.batch import Batch
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.exit_codes import EXIT_NONFINITE_LOSS
 from recpipe.pipelines import PIPELINES
-from recpipe.pipelines.steps import dense_params
+from recpipe.runtime.steps import dense_params
 from recpipe.train.checkpoint import complete_checkpoints
 from recpipe.train.nonfinite import SkipNonFiniteSteps, finite_json
 

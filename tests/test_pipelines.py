@@ -25,7 +25,7 @@ from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.pipelines import all_schedules
 from recpipe.pipelines.defs import fused_sparse_dist
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.schedule import Schedule, Step
 import schedule_variants as variants
 
 FUSED_TABLES = ["sharding.tables={t_cat_1: {type: row_wise}, t_cat_2: {type: column_wise}}"]
@@ -65,7 +65,7 @@ def _splits_worker(cfg) -> None:
     synchronize on CUDA); its wait (the one host sync on the splits) is torchrec's."""
     from torchrec.distributed.embedding_sharding import FusedKJTListSplitsAwaitable
 
-    from recpipe.pipelines import sharded
+    from recpipe.runtime import sharded
 
     device = init_process_group(cfg)
     batches = make_batches(cfg, 5, dist.get_rank())
@@ -137,7 +137,7 @@ def _host_splits_worker(cfg) -> None:
     """pipeline.splits_exchange=host: the splits go over a Gloo group from host memory
     (on this Gloo job: the job's group), nothing of them to the device; every
     pipeline trains exactly as with the device exchange."""
-    from recpipe.pipelines import sharded
+    from recpipe.runtime import sharded
 
     device = init_process_group(cfg)
     batches = make_batches(cfg, 6, dist.get_rank())
@@ -226,7 +226,7 @@ def _pass_fence_worker(cfg) -> None:
     (``Streams.start_pass``), before any step of the pass; never with a batch in
     flight. Work queued between passes (an eval, FBGEMM's cache reset) must come
     before the pass's first prefetch (GPU test: test_prefetch_with_small_uvm_cache_trains_like_hbm)."""
-    from recpipe.pipelines.streams import Streams
+    from recpipe.runtime.streams import Streams
 
     device = init_process_group(cfg)
     batches = make_batches(cfg, 6, 0)
@@ -373,7 +373,8 @@ def _semi_sync_worker(cfg) -> None:
     assert_same(base, train(cfg, "semi_sync", batches, start_batch=100), "semi_sync warm-up only")
     # before_update's forward hooks on torchrec's lookup modules live while the pipeline is attached
     from pipeline_harness import build
-    from recpipe.pipelines import SemiSyncPipeline, sharded
+    from recpipe.pipelines import SemiSyncPipeline
+    from recpipe.runtime import sharded
 
     sm = build(cfg, torch.device("cpu"))
     lookups = [lk for m in sharded.find_sharded_modules(sm.model).values() for lk in m._lookups]
@@ -601,7 +602,7 @@ def test_compiled_plans_drop_only_same_stream_fences(lookup_on, max_batches_ahea
     """The engine drops a schedule's wait only when both steps run on one stream
     (stream order), keeps every wait across streams, and records an event after
     every step such a wait names. Checked with distinct stand-in streams (as on CUDA)."""
-    from recpipe.pipelines.streams import Streams
+    from recpipe.runtime.streams import Streams
 
     s = {role: object() for role in ("compute", "memcpy", "dist", "prefetch", "new")}
     streams = Streams(s["compute"], s["memcpy"], s["dist"], s[lookup_on] if lookup_on != "dist" else s["dist"], s["prefetch"])

@@ -214,8 +214,8 @@ def test_prefetch_scratch_is_on_the_prefetch_stream_and_named_prefetch(fill, boo
 
 def _plan_with_schedule(cfg, schedule):
     """The plan of ``cfg`` run with another schedule of its pipeline (a study's variant):
-    the memory facts come from the schedule (recpipe.pipelines.schedule.memory_facts)."""
-    from recpipe.pipelines.schedule import memory_facts
+    the memory facts come from the schedule (recpipe.runtime.schedule.memory_facts)."""
+    from recpipe.runtime.schedule import memory_facts
     from recpipe.planner.spec import PipelineSpec
 
     inputs = inputs_from_config(cfg)

@@ -129,7 +129,7 @@ def _measure(cfg, name: str = "", expandable: bool = True) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
     from recpipe.data.spec import DataSpec
     from recpipe.models.dlrm import build_model
-    from recpipe.pipelines import make_pipeline
+    from recpipe.builder import make_pipeline
     from recpipe.sharding.build import shard_model
 
     device = torch.device("cuda", 0)

@@ -138,7 +138,8 @@ def live_bytes_at_tbe_backward(prof) -> list[dict]:
 
 def _pipeline(cfg, sharded, schedule=None):
     """The configured pipeline, or its pipeline run with another schedule (a study's variant)."""
-    from recpipe.pipelines import PIPELINES, make_pipeline
+    from recpipe.builder import make_pipeline
+    from recpipe.pipelines import PIPELINES
 
     if schedule is None:
         return make_pipeline(cfg, sharded.model, sharded.optimizer, torch.device("cpu"))
@@ -147,7 +148,7 @@ def _pipeline(cfg, sharded, schedule=None):
 
 def _inputs(cfg, schedule=None):
     """The planner's inputs for ``cfg``, with the memory facts of ``schedule`` if given."""
-    from recpipe.pipelines.schedule import memory_facts
+    from recpipe.runtime.schedule import memory_facts
     from recpipe.planner import inputs_from_config
     from recpipe.planner.spec import PipelineSpec
 

@@ -57,7 +57,7 @@ def _measure(cfg, device: torch.device, rank: int) -> dict:
     from recpipe.data.synthetic import SyntheticClickLog
     from recpipe.data.spec import DataSpec
     from recpipe.models import build_model
-    from recpipe.pipelines import make_pipeline
+    from recpipe.builder import make_pipeline
     from recpipe.sharding import shard_model
 
     log = SyntheticClickLog(DataSpec.from_config(cfg))

@@ -69,7 +69,7 @@ def _measure_rank(cfg, case: str, out: str) -> None:
     from recpipe.data.spec import DataSpec
     from recpipe.distributed import init_process_group, shutdown_process_group
     from recpipe.models.dlrm import build_model
-    from recpipe.pipelines import make_pipeline
+    from recpipe.builder import make_pipeline
     from recpipe.sharding.build import shard_model
 
     device = init_process_group(cfg)  # the config's allocator settings, before CUDA starts

@@ -1,4 +1,4 @@
-"""recpipe.pipelines.pooled: a sharded EBC's pooled output kept as its groups' tensors
+"""recpipe.runtime.pooled: a sharded EBC's pooled output kept as its groups' tensors
 reads and trains exactly like torchrec's concatenated KeyedTensor."""
 
 import pytest
@@ -7,7 +7,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionAwaitable
 from torchrec.distributed.types import Awaitable
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
-from recpipe.pipelines.pooled import GroupedKeyedTensor, grouped
+from recpipe.runtime.pooled import GroupedKeyedTensor, grouped
 
 KEYS = ["b", "a", "d", "c", "e"]
 DIMS = [2, 3, 1, 4, 2]

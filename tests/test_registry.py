@@ -21,8 +21,8 @@ from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES, Pipeline, PipelineDef, register, unregister
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step, memory_facts
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step, memory_facts
 from recpipe.planner import plan_from_config
 import schedule_variants as variants
 
@@ -39,7 +39,7 @@ TOY_SCHEDULE = Schedule(
 ).validate()
 
 
-class ToyOptions(PipelineOptions):
+class ToyOptions(PipelineKeys):
     name: Literal["toy"]
     # Only to show that a pipeline's own keys are validated where it defines them.
     flavour: Literal["plain", "spicy"] = "plain"

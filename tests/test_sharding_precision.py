@@ -138,7 +138,7 @@ def test_every_pipeline_stays_exact_with_fp16_tables_and_comms():
 def _tbes(model: nn.Module) -> list:
     """The FBGEMM TBEs of every sharded module (torchrec keeps its lookups in a list, a
     data_parallel one inside DDP)."""
-    from recpipe.pipelines.sharded import find_sharded_modules
+    from recpipe.runtime.sharded import find_sharded_modules
 
     return [e._emb_module for m in find_sharded_modules(model).values() for lookup in m._lookups
             for e in getattr(getattr(lookup, "module", lookup), "_emb_modules", [])]

@@ -111,7 +111,7 @@ def test_speed_features_ask_for_capabilities_never_for_pipeline_names():
     """No speed feature's module (declaration or implementation) names a pipeline (a step may
     share a pipeline's name: the ``prefetch`` step), and every capability a feature needs is
     offered by some pipeline."""
-    from recpipe.pipelines.schedule import STEP_DOC
+    from recpipe.runtime.schedule import STEP_DOC
 
     names = set(PIPELINES) - set(STEP_DOC)
     for path in (ROOT / "recpipe" / "speedups").rglob("*.py"):

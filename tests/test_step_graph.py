@@ -266,7 +266,7 @@ def _baked_embedding_rate(model, optimizer):
     whatever rate is set now, and no Python hook can change it (none runs in a replay)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-    from recpipe.pipelines.sharded import all_modules
+    from recpipe.runtime.sharded import all_modules
 
     tbes = [m for m in all_modules(model) if isinstance(m, SplitTableBatchedEmbeddingBagsCodegen)]
     captures = []

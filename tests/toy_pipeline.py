@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step
 
 SCHEDULE = Schedule(
     "copies_ahead",
@@ -24,7 +24,7 @@ SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["copies_ahead"]
 
 

@@ -73,9 +73,9 @@ from recpipe.data import Batch  # noqa: E402
 from recpipe.models import make_model  # noqa: E402
 from recpipe.pipelines import PIPELINES  # noqa: E402
 from recpipe.pipelines.prefetch import cached_tbes  # noqa: E402
-from recpipe.pipelines.sharded import find_sharded_modules  # noqa: E402
-from recpipe.pipelines.steps import dense_params  # noqa: E402
-from recpipe.pipelines.streams import use_stream  # noqa: E402
+from recpipe.runtime.sharded import find_sharded_modules  # noqa: E402
+from recpipe.runtime.steps import dense_params  # noqa: E402
+from recpipe.runtime.streams import use_stream  # noqa: E402
 from recpipe.sharding import shard_model  # noqa: E402
 
 __all__ = ["STAGES", "Bound", "bound_md", "hbm_peak", "measure_bound", "measure_prefetch_memory", "prefetch_memory",

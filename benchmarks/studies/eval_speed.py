@@ -156,7 +156,7 @@ def worker(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
     from recpipe.data import make_dataloader
     from recpipe.distributed import init_process_group
     from recpipe.models import make_model
-    from recpipe.pipelines import make_pipeline
+    from recpipe.builder import make_pipeline
     from recpipe.pipelines.evaluation import Evaluation
     from recpipe.sharding import shard_model
 

@@ -52,7 +52,7 @@ from recpipe.bench.report import Row, cell, grid  # noqa: E402
 from recpipe.bench.run import combine, config_for_pipeline, fresh_batches, gather, run_local  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
 from recpipe.data import Batch  # noqa: E402
-from recpipe.pipelines import make_pipeline  # noqa: E402
+from recpipe.builder import make_pipeline  # noqa: E402
 from recpipe.planner.memory import LENGTH_BYTES, TBE_OFFSET_BYTES  # noqa: E402
 from recpipe.planner.tbe import LOCATION_BYTES, prefetch_scratch_bytes  # noqa: E402
 

@@ -31,7 +31,7 @@ from recpipe.data.loader import with_sized_workers, workers_kind_of
 from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
-from recpipe.pipelines.options import PipelineOptions
+from recpipe.pipeline_options import PipelineOptions
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model

@@ -27,7 +27,7 @@ class AllToAllLayout(NamedTuple):
 def all_to_all_layout(kjt_dist: Any) -> AllToAllLayout:
     """The process group, features per rank and stagger of a ``KJTAllToAll``.
 
-    The splits-only and fixed-splits forwards (pipelines/sharded.py, speedups/fixed_splits.py)
+    The splits-only and fixed-splits forwards (runtime/sharded.py, speedups/fixed_splits.py)
     stand in for its forward and need what its constructor was given; torchrec keeps them
     as ``_pg``, ``_splits``, ``_stagger`` with no public accessor."""
     return AllToAllLayout(kjt_dist._pg, kjt_dist._splits, kjt_dist._stagger)
@@ -90,7 +90,7 @@ def keyed_tensor_key_index(kt: Any) -> dict[str, int]:
 def init_fused_splits(awaitable: Any, contexts: list[Any], awaitables: list[Any], output_lengths: list[int],
                       lengths: list[int], splits_awaitable: Any) -> None:
     """Fill a ``FusedKJTListSplitsAwaitable`` subclass the way torchrec's constructor does, so
-    that its ``_wait_impl`` runs on them, without that constructor's launch (pipelines/sharded.py
+    that its ``_wait_impl`` runs on them, without that constructor's launch (runtime/sharded.py
     :class:`FusedSplits`): the fields its wait reads."""
     awaitable._contexts = contexts
     awaitable._awaitables = awaitables
@@ -108,7 +108,7 @@ class EbcAwaitableParts(NamedTuple):
 
 def ebc_awaitable_parts(awaitable: Any) -> EbcAwaitableParts:
     """What ``EmbeddingBagCollectionAwaitable._wait_impl`` reads, for a wait of recpipe's own
-    (pipelines/pooled.py keeps the groups apart instead of concatenating them)."""
+    (runtime/pooled.py keeps the groups apart instead of concatenating them)."""
     return EbcAwaitableParts(list(awaitable._awaitables), list(awaitable._resize_awaitables or ()),
                              list(awaitable._embedding_names), list(awaitable._embedding_dims))
 
@@ -153,7 +153,7 @@ def reserved_hbm(reservation: Any) -> tuple[int, int]:
 
 def module_children(module: nn.Module) -> list[nn.Module]:
     """A module's registered children, with the ``None`` slots left out (``_modules``; the
-    walk of pipelines/sharded.py ``all_modules`` also reads plain lists torchrec keeps)."""
+    walk of runtime/sharded.py ``all_modules`` also reads plain lists torchrec keeps)."""
     return [m for m in module._modules.values() if m is not None]
 
 

@@ -2,14 +2,15 @@
 
 What each pipeline is (its schedules, options, rules, capabilities) is declared in
 ``recpipe.pipelines.defs`` and listed by the registry (``PIPELINES``), which imports
-nothing heavy; its engine class (``Pipeline`` and its subclasses, ``recpipe.pipelines.engine``)
+nothing heavy; its engine class (``Pipeline`` and its subclasses, ``recpipe.runtime.engine``)
 loads when a pipeline is built. ``recpipe.builder.make_pipeline(cfg, model, optimizer,
 device)`` builds the one ``cfg.pipeline.name`` names and applies the speed features its
 config asks for (``recpipe.speedups``); the classes take ``(model, optimizer, device,
 **options)`` and expose ``progress(dataloader_iter)`` like TorchRec's pipelines.
 
 The names below are loaded on first use, so that importing one building block
-(``recpipe.pipelines.schedule``, ``.registry``, ...) does not import every pipeline.
+(``recpipe.pipelines.registry``, ...) does not import every pipeline; the builder
+(``recpipe.builder``) sits above this package and the speed features.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ _EXPORTS = {
     "PrefetchPipeline": "recpipe.pipelines.prefetch",
     "SemiSyncPipeline": "recpipe.pipelines.semi_sync",
     "SparseDistPipeline": "recpipe.pipelines.sparse_dist",
-    "Pipeline": "recpipe.pipelines.engine",
-    "StepContext": "recpipe.pipelines.context",
-    "PipelineDef": "recpipe.pipelines.definition",
+    "Pipeline": "recpipe.runtime.engine",
+    "StepContext": "recpipe.runtime.context",
+    "PipelineDef": "recpipe.runtime.definition",
     "PipelineError": "recpipe.errors",
     "PIPELINES": "recpipe.pipelines.registry",
     "all_schedules": "recpipe.pipelines.registry",
     "main_schedule": "recpipe.pipelines.registry",
-    "make_pipeline": "recpipe.builder",
     "register": "recpipe.pipelines.registry",
     "unregister": "recpipe.pipelines.registry",
 }
@@ -38,12 +38,11 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from recpipe.builder import make_pipeline
     from recpipe.errors import PipelineError
     from recpipe.pipelines.base import BasePipeline
-    from recpipe.pipelines.context import StepContext
-    from recpipe.pipelines.definition import PipelineDef
-    from recpipe.pipelines.engine import Pipeline
+    from recpipe.runtime.context import StepContext
+    from recpipe.runtime.definition import PipelineDef
+    from recpipe.runtime.engine import Pipeline
     from recpipe.pipelines.fused_sparse_dist import FusedSparseDistPipeline
     from recpipe.pipelines.prefetch import PrefetchPipeline
     from recpipe.pipelines.registry import PIPELINES, all_schedules, main_schedule, register, unregister

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from recpipe.errors import PipelineError
-from recpipe.pipelines.steps import dense_params
+from recpipe.runtime.steps import dense_params
 
 __all__ = ["GradientAccumulation"]
 

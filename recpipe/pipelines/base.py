@@ -4,7 +4,7 @@ the shared engine, which trainer scripts subclass as ``BasePipeline``."""
 from __future__ import annotations
 
 from recpipe.pipelines.defs import base as base_def
-from recpipe.pipelines.engine import Pipeline
+from recpipe.runtime.engine import Pipeline
 
 __all__ = ["BasePipeline"]
 

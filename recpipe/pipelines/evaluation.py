@@ -62,9 +62,9 @@ import torch
 
 from recpipe.errors import PipelineError
 from recpipe.pipelines.defs import base
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Streams
+from recpipe.runtime.engine import Pipeline
+from recpipe.runtime.schedule import Schedule, Step
+from recpipe.runtime.streams import Streams
 
 __all__ = ["PLAIN_SCHEDULE", "EvalPipeline", "Evaluation", "eval_schedule_of"]
 

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from recpipe.errors import PipelineError
-from recpipe.pipelines import sharded
+from recpipe.runtime import sharded
 from recpipe.pipelines.defs import fused_sparse_dist as fused_sparse_dist_def
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.schedule import Schedule
+from recpipe.runtime.engine import Pipeline
+from recpipe.runtime.schedule import Schedule
 
 __all__ = ["FusedSparseDistPipeline"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from recpipe.errors import job_warning
 from recpipe.pipelines.defs import prefetch as prefetch_def
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.sharded import cached_tbes
+from recpipe.runtime.engine import Pipeline
+from recpipe.runtime.sharded import cached_tbes
 
 __all__ = ["PrefetchPipeline", "cached_tbes"]
 

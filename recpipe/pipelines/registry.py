@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from recpipe.pipelines.definition import PipelineDef
+from recpipe.runtime.definition import PipelineDef
 from recpipe.pipelines.defs import base, fused_sparse_dist, prefetch, semi_sync, sparse_dist
-from recpipe.pipelines.schedule import Schedule
+from recpipe.runtime.schedule import Schedule
 
 __all__ = ["PIPELINES", "PipelineDef", "all_schedules", "main_schedule", "offering", "register", "unregister"]
 

@@ -18,11 +18,11 @@ from torchrec.distributed.types import LazyAwaitable
 
 from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
-from recpipe.pipelines import sharded, steps
-from recpipe.pipelines.context import InFlight, StepContext
+from recpipe.runtime import sharded, steps
+from recpipe.runtime.context import InFlight, StepContext
 from recpipe.pipelines.defs import semi_sync as semi_sync_def
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.schedule import Schedule
+from recpipe.runtime.engine import Pipeline
+from recpipe.runtime.schedule import Schedule
 
 __all__ = ["SemiSyncPipeline"]
 

@@ -4,7 +4,7 @@ the shared engine, which trainer scripts subclass as ``SparseDistPipeline``."""
 from __future__ import annotations
 
 from recpipe.pipelines.defs import sparse_dist as sparse_dist_def
-from recpipe.pipelines.engine import Pipeline
+from recpipe.runtime.engine import Pipeline
 
 __all__ = ["SparseDistPipeline"]
 

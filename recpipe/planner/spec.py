@@ -27,12 +27,12 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from recpipe.pipeline_options import PipelineOptions, options_of
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.torchrec_args import PRECISION_BYTES
 
 if TYPE_CHECKING:
     from recpipe.config import ModelConfig, RecpipeConfig
-    from recpipe.pipelines.options import PipelineOptions
 
 GiB = 1 << 30
 
@@ -118,7 +118,7 @@ class DenseSpec:
 @dataclass(frozen=True)
 class PipelineSpec:
     """Memory-relevant facts of one training pipeline (design numbers of recpipe's
-    schedules, ``recpipe/pipelines/schedule.py``).
+    schedules, ``recpipe/runtime/schedule.py``).
 
     * ``batches_in_flight``: device copies of input batches of the schedule alive at the
       peak (its depth). The steps the host queues ahead of the device
@@ -192,7 +192,7 @@ def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:
     that pipeline's defaults): read off its schedule by the pipeline's registry entry
     (``PipelineDef.memory``)."""
     if isinstance(options, str):
-        options = PIPELINES[options].options(name=options)
+        options = options_of(PIPELINES[options])(name=options)
     return PipelineSpec(**PIPELINES[options.name].memory(options))
 
 

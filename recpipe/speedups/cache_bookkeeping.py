@@ -41,8 +41,8 @@ import torch
 
 from recpipe.compat.fbgemm import tbe_last_batch
 from recpipe.compat.torch import backward_pre_hooks
-from recpipe.pipelines.sharded import cached_tbes
-from recpipe.pipelines.streams import hand_off, record_event
+from recpipe.runtime.sharded import cached_tbes
+from recpipe.runtime.streams import hand_off, record_event
 
 FBGEMM_HOOK = "_update_cache_counter_and_locations"
 _ATTR = "_recpipe_cache_bookkeeping"

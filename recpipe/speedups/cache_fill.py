@@ -51,7 +51,7 @@ import torch
 
 from recpipe.compat import torch as compat_torch
 from recpipe.errors import job_warning
-from recpipe.pipelines.sharded import cached_tbes
+from recpipe.runtime.sharded import cached_tbes
 from recpipe.speedups.defs.cache_fill import CacheFillOptions
 
 try:  # Triton ships with torch's CUDA builds (recpipe's CPU stack installs it for the interpreter tests)

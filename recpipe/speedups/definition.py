@@ -14,7 +14,7 @@ Each declares, in a module of ``recpipe/speedups/defs/`` that imports nothing he
 * ``needs_cuda``: refused on a run without a CUDA device;
 * ``check``: its config rules beyond those (one line per problem, naming the keys);
 * ``apply``: ``"package.module:function"``, ``function(ctx, options) -> handle | None``
-  with ``ctx`` the pipeline's :class:`~recpipe.pipelines.engine.StepContext`; it installs
+  with ``ctx`` the pipeline's :class:`~recpipe.runtime.engine.StepContext`; it installs
   itself through ``ctx.wrap_step``, ``ctx.replace_schedule`` or an instance attribute of
   the model or optimizer and returns a printable handle with ``remove()`` (None: nothing
   installed). It is imported when a pipeline is built, so it may import torch.

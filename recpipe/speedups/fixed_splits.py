@@ -37,7 +37,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
-from recpipe.pipelines import sharded
+from recpipe.runtime import sharded
 
 __all__ = ["Buckets", "FixedBuckets", "FixedSplitsForward", "fixed_splits_installed", "row_buckets"]
 

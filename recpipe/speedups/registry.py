@@ -4,7 +4,7 @@ Adding a speed feature is one declaration module in ``recpipe/speedups/defs/`` (
 options section, the capabilities it needs, its rules and the dotted path of its
 ``apply``; ``recpipe.speedups.definition``) and one line here, or :func:`register` from
 a trainer script. Its section then is a key of every pipeline's options
-(``recpipe.pipelines.options``), ``recpipe.preflight`` checks it, and
+(``recpipe.pipeline_options``), ``recpipe.preflight`` checks it, and
 ``recpipe.builder.make_pipeline`` applies it. The order matters: the graphs record the
 compiled code (``compile`` before ``cuda_graphs``), and the step graph replaces the
 schedule the step wrappers before it were given.
@@ -20,7 +20,7 @@ from recpipe.speedups.defs import cache_bookkeeping, cache_fill, compile, cuda_g
 __all__ = ["SPEEDUPS", "SpeedupDef", "register", "unregister"]
 
 # Builds every pipeline's options from the sections registered when it is imported.
-_OPTIONS_MODULE = "recpipe.pipelines.options"
+_OPTIONS_MODULE = "recpipe.pipeline_options"
 
 SPEEDUPS: dict[str, SpeedupDef] = {
     d.name: d for d in (compile.FEATURE, cuda_graphs.FEATURE, cache_fill.FEATURE, cache_bookkeeping.FEATURE,

@@ -119,18 +119,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from recpipe.capabilities import ONE_BATCH_PER_STEP
 from recpipe.compat import torch as compat_torch
-from recpipe.distributed import control_group, graph_holds_collectives
 from recpipe.errors import PipelineError
-from recpipe.pipelines import sharded, steps
-from recpipe.pipelines.engine import Pipeline
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.groups import control_group, graph_holds_collectives
+from recpipe.runtime import sharded, steps
+from recpipe.runtime.engine import Pipeline
+from recpipe.runtime.schedule import Schedule, Step
 from recpipe.speedups.defs.step_graph import StepGraphOptions
 from recpipe.speedups.fixed_splits import Buckets, FixedBuckets, fixed_splits_installed, row_buckets
 from recpipe.speedups.recat_cache import RecatCache
 from recpipe.speedups.optimizer_graph import HOST_STATE, fused_optimizers, torch_optimizers
 
 if TYPE_CHECKING:
-    from recpipe.pipelines.context import StepContext
+    from recpipe.runtime.context import StepContext
 
 __all__ = ["DropPaddingBag", "EvalGraph", "SCHEDULE", "StepGraph", "StepGraphOptions", "apply", "apply_step_graph", "pad_features"]
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from recpipe.config import RecpipeConfig
-from recpipe.pipelines.sharded import all_modules
+from recpipe.runtime.sharded import all_modules
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers
 
 __all__ = ["LearningRates"]

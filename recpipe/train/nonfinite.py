@@ -49,7 +49,7 @@ from torchrec.sparse.jagged_tensor import KeyedTensor
 from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.errors import NonFiniteLossError
-from recpipe.pipelines.sharded import find_sharded_modules
+from recpipe.runtime.sharded import find_sharded_modules
 from recpipe.train.metrics import HostCopy
 
 __all__ = ["NonFiniteCheck", "SkipNonFiniteSteps", "check_finite_weights", "finite_json", "skip_step_caveats"]

@@ -101,7 +101,7 @@ class watch_launcher:
 class Preemption:
     """The step-boundary agreement of every rank on stopping (see the module docstring).
 
-    ``group``: a Gloo group (``recpipe.distributed.control_group()``), or None for a
+    ``group``: a Gloo group (``recpipe.groups.control_group()``), or None for a
     single process."""
 
     EXCHANGE_EVERY_S = 0.1

@@ -60,8 +60,9 @@ from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
 from recpipe.data.loader import with_sized_workers, workers_description
-from recpipe.distributed import control_group, init_process_group
+from recpipe.distributed import init_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
+from recpipe.groups import control_group
 from recpipe.models import make_model
 from recpipe.builder import make_pipeline
 from recpipe.pipelines.accumulation import GradientAccumulation

@@ -26,10 +26,10 @@ def test_memory_at_peak_replays_the_allocator_history_to_the_peak():
 
     mib = 2**20
     trace = [
-        {"action": "alloc", "addr": 1, "size": 4 * mib, "stream": 0, "frames": frames("recpipe/pipelines/steps.py", 10)},
+        {"action": "alloc", "addr": 1, "size": 4 * mib, "stream": 0, "frames": frames("recpipe/runtime/steps.py", 10)},
         {"action": "alloc", "addr": 2, "size": 8 * mib, "stream": 7, "frames": frames("torchrec/distributed/dist_data.py", 5)},
         {"action": "free_requested", "addr": 1, "size": 4 * mib, "stream": 0, "frames": []},
-        {"action": "alloc", "addr": 3, "size": 2 * mib, "stream": 0, "frames": frames("recpipe/pipelines/steps.py", 10)},
+        {"action": "alloc", "addr": 3, "size": 2 * mib, "stream": 0, "frames": frames("recpipe/runtime/steps.py", 10)},
         {"action": "free_completed", "addr": 1, "size": 4 * mib, "stream": 0, "frames": []},
         {"action": "free_completed", "addr": 99, "size": mib, "stream": 0, "frames": []},  # allocated before recording
         {"action": "alloc", "addr": 4, "size": 1 * mib, "stream": 0, "frames": []},
@@ -38,7 +38,7 @@ def test_memory_at_peak_replays_the_allocator_history_to_the_peak():
     assert best == 14 * mib and set(alive) == {1, 2, 3}  # freed only at free_completed
     summary = m.summarize(trace, {0: "compute", 7: "dist"})
     assert summary["by_site"] == [("torchrec/distributed/dist_data.py:5 f", 8 * mib),
-                                  ("recpipe/pipelines/steps.py:10 f", 6 * mib)]
+                                  ("recpipe/runtime/steps.py:10 f", 6 * mib)]
     assert summary["by_stream"] == [("dist", 8 * mib), ("compute", 6 * mib)]
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from recpipe.capabilities import INTERCEPTS
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "LOOKUP", "OPTIMIZER", "Options", "PIPELINE", "SCHEDULE", "SCHEDULE_AFTER_OPTIMIZER"]
 
@@ -69,7 +69,7 @@ EVAL_SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["fused_sparse_dist"]
 
 

@@ -41,9 +41,9 @@ import importlib.util
 from typing import Any, Literal
 
 from recpipe.capabilities import INTERCEPTS, PREFETCH_STEP
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "Options", "PIPELINE", "SCHEDULE", "memory_facts"]
 
@@ -79,7 +79,7 @@ EVAL_SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["prefetch"]
 
 

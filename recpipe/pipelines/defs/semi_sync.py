@@ -19,7 +19,7 @@ be the embedding / dense parameters after the updates of batches < t.
   are dense parameters read inside the lookup, so batch t's lookup reads them as of
   D_{t-1}, one step stale like the embeddings.
 * The first batch of the pipeline's life trains while the modules run their own
-  forward (``recpipe.pipelines.inputs``); the stale lookup of batch 1 still runs before
+  forward (``recpipe.runtime.inputs``); the stale lookup of batch 1 still runs before
   backward(0), so the rule above holds from batch 1 on.
 
 How: the lookup of t+1 is queued on the compute stream after forward(t) and before
@@ -46,9 +46,9 @@ from typing import Any, Literal
 from pydantic import Field
 
 from recpipe.capabilities import INTERCEPTS
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "Options", "PHASES", "PIPELINE", "SCHEDULE", "VARIANTS", "check"]
 
@@ -159,7 +159,7 @@ VARIANTS = {("before_backward", "in_forward"): SCHEDULE, ("before_backward", "ea
             ("before_update", "early"): SCHEDULE_BEFORE_UPDATE_WAIT_EARLY}
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["semi_sync"]
     # Synchronous (sparse_dist-equivalent) warm-up steps before going semi-sync.
     start_batch: int = Field(0, ge=0)

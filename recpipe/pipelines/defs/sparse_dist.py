@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from recpipe.capabilities import INTERCEPTS, ONE_BATCH_PER_STEP
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.options import PipelineOptions
-from recpipe.pipelines.schedule import Schedule, Step
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, Step
 
 __all__ = ["EVAL_SCHEDULE", "Options", "PIPELINE", "SCHEDULE"]
 
@@ -44,7 +44,7 @@ EVAL_SCHEDULE = Schedule(
 ).validate()
 
 
-class Options(PipelineOptions):
+class Options(PipelineKeys):
     name: Literal["sparse_dist"]
 
 

@@ -1,6 +1,6 @@
 """The one engine that runs every pipeline's schedule table.
 
-A pipeline is its definition (``recpipe.pipelines.definition.PipelineDef``: its
+A pipeline is its definition (``recpipe.runtime.definition.PipelineDef``: its
 schedules and capabilities, data) run by this engine, or by a ``Pipeline`` subclass
 that says, where it differs, how a step behaves; the engine owns everything they
 share: batches in flight (slots), fill and drain, the end-of-data agreement across
@@ -38,7 +38,7 @@ batch's before that batch's step had read it.
 
 Inputs: the first batch of a pipeline's life is trained while the sharded modules
 run their own forward (``discovering``), which is how the pipeline learns where each
-module's input lives in the batch (``recpipe.pipelines.inputs``); only the steps
+module's input lives in the batch (``recpipe.runtime.inputs``); only the steps
 that need that knowledge wait for it. See ``_progress_discovering``.
 
 End of data: every fetch is agreed on by all ranks (one tiny Gloo all-reduce per
@@ -62,14 +62,14 @@ import torch.distributed as dist
 from torch import nn
 
 from recpipe.compat import torch as compat_torch
-from recpipe.distributed import control_group
 from recpipe.errors import PipelineError
-from recpipe.pipelines import sharded, steps
-from recpipe.pipelines.context import InFlight, StepContext
-from recpipe.pipelines.definition import PipelineDef
-from recpipe.pipelines.inputs import InputSource
-from recpipe.pipelines.schedule import Schedule, Step
-from recpipe.pipelines.streams import Stream, Streams, StepsAhead, fence, hand_off, record_event, use_stream
+from recpipe.groups import control_group
+from recpipe.runtime import sharded, steps
+from recpipe.runtime.context import InFlight, StepContext
+from recpipe.runtime.definition import PipelineDef
+from recpipe.runtime.inputs import InputSource
+from recpipe.runtime.schedule import Schedule, Step
+from recpipe.runtime.streams import Stream, Streams, StepsAhead, fence, hand_off, record_event, use_stream
 
 __all__ = ["InFlight", "Pipeline", "StepContext"]
 
@@ -99,7 +99,7 @@ class Pipeline:
     module paths (``sparse.ebc``) to functions that compute the module's input from
     the device batch, for modules whose input is built inside forward.
 
-    What it runs is its ``definition`` (``recpipe.pipelines.definition.PipelineDef``:
+    What it runs is its ``definition`` (``recpipe.runtime.definition.PipelineDef``:
     name, schedules, capabilities), given when it is built (``PIPELINES[name](...)``,
     ``recpipe.builder.make_pipeline``) or set on a pipeline's own class.
 
@@ -141,7 +141,7 @@ class Pipeline:
         ``sources``: where their inputs are, as another pipeline learned them (an
         evaluation runs on its training pipeline's, ``recpipe.pipelines.evaluation``).
         The other options are the ``pipeline`` config section's common keys
-        (``recpipe.pipelines.options.PipelineOptions``, where they are validated)."""
+        (``recpipe.runtime.options.PipelineKeys``, where they are validated)."""
         definition = definition or type(self).definition
         if definition is None:
             raise PipelineError(f"{type(self).__name__} has no pipeline definition: build it through "

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 STREAM_ROLES = ("compute", "memcpy", "dist", "lookup", "prefetch")
 
-# What each step does (the functions are in recpipe.pipelines.steps).
+# What each step does (the functions are in recpipe.runtime.steps).
 STEP_DOC = {
     "h2d": "fetch the next host batch (all ranks agree on end of data) and copy it to the device",
     "input_dist": "start the input all-to-all: launch the splits all-to-all of each sharded module",

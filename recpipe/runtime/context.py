@@ -1,9 +1,9 @@
 """What a step, a hook or a speed feature may use of the engine: :class:`StepContext`,
 and the batches in flight it hands them: :class:`InFlight`.
 
-The engine (``recpipe.pipelines.engine``) makes one context per pipeline and keeps it
-up to date; steps (``recpipe.pipelines.steps``), the sharded modules' interceptors
-(``recpipe.pipelines.sharded``), pipeline classes and speed features read and write
+The engine (``recpipe.runtime.engine``) makes one context per pipeline and keeps it
+up to date; steps (``recpipe.runtime.steps``), the sharded modules' interceptors
+(``recpipe.runtime.sharded``), pipeline classes and speed features read and write
 only what is documented here, never the engine's private fields.
 """
 
@@ -14,9 +14,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from recpipe.pipelines.inputs import InputSource
-from recpipe.pipelines.schedule import Schedule
-from recpipe.pipelines.streams import Event, Stream, Streams
+from recpipe.runtime.inputs import InputSource
+from recpipe.runtime.schedule import Schedule
+from recpipe.runtime.streams import Event, Stream, Streams
 
 __all__ = ["InFlight", "StepContext"]
 
@@ -58,14 +58,14 @@ class StepContext:
       ``own_forward``);
     * ``model``, ``optimizer``, ``device``; ``offers``: the pipeline's capabilities;
     * ``max_batches_ahead``, ``splits_exchange``: its options the steps read;
-    * ``streams``: the streams by role (``recpipe.pipelines.streams``; all None on CPU);
+    * ``streams``: the streams by role (``recpipe.runtime.streams``; all None on CPU);
     * ``modules``: the sharded modules the pipeline intercepts, by path in the user's model
       (empty when the model runs its own sharded forward), in the order forward calls them;
     * ``inputs``: ``pipeline.inputs``' functions, by module path.
 
     Kept up to date by the engine while it runs:
 
-    * ``sources``: where each module's input comes from (``recpipe.pipelines.inputs``;
+    * ``sources``: where each module's input comes from (``recpipe.runtime.inputs``;
       None until the first batch has taught it);
     * ``discovering``: inside the first batch's forward, where the modules run their own
       forward and the interceptors fill ``found_sources``;
@@ -76,12 +76,12 @@ class StepContext:
     Methods: ``recent(index)`` (a batch still in flight or just trained, by index),
     ``ahead(slot)`` (the batch ``slot`` places ahead of the one being trained),
     ``step_stream(batch, name)``; for speed features, ``wrap_step``, ``wrap_eval_step``, ``replace_schedule`` and
-    ``on_detached`` (see ``recpipe.pipelines.engine.Pipeline``).
+    ``on_detached`` (see ``recpipe.runtime.engine.Pipeline``).
     """
 
     def __init__(self, pipeline: Any, streams: Streams, modules: dict[str, Any],
                  inputs: dict[str, Callable[[Any], Any]], max_batches_ahead: int | None, splits_exchange: str) -> None:
-        """Made by the engine (``pipeline``: a ``recpipe.pipelines.engine.Pipeline``, not imported
+        """Made by the engine (``pipeline``: a ``recpipe.runtime.engine.Pipeline``, not imported
         here: the engine imports this module)."""
         self.pipeline = pipeline
         self.model, self.optimizer, self.device = pipeline.model, pipeline.optimizer, pipeline.device

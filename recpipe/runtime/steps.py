@@ -1,6 +1,6 @@
 """The steps a schedule is made of, as free functions ``step(ctx, batch)``.
 
-``ctx`` is the pipeline's :class:`~recpipe.pipelines.engine.StepContext`: what a step may
+``ctx`` is the pipeline's :class:`~recpipe.runtime.engine.StepContext`: what a step may
 use of the engine (model, optimizer, streams, sharded modules and their input sources,
 the batch in forward, recent batches, the pipeline's hooks).
 
@@ -13,7 +13,7 @@ another stream to its own (``streams.hand_off`` / ``Streams.hand_over``: the inp
 all-to-all's output, an early lookup's embeddings; nothing when the two are the same
 stream).
 The sharded modules' part of forward is ``sharded_forward``, called by the
-interceptors in ``recpipe.pipelines.sharded``.
+interceptors in ``recpipe.runtime.sharded``.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from recpipe.compat import torch as compat_torch
-from recpipe.pipelines.inputs import BatchPath
-from recpipe.pipelines.pooled import GroupedKeyedTensor, grouped
+from recpipe.runtime.inputs import BatchPath
+from recpipe.runtime.pooled import GroupedKeyedTensor, grouped
 from recpipe.errors import PipelineError
-from recpipe.pipelines.sharded import fuse_splits, install_splits_only
-from recpipe.pipelines.streams import hand_off, use_stream
+from recpipe.runtime.sharded import fuse_splits, install_splits_only
+from recpipe.runtime.streams import hand_off, use_stream
 
 if TYPE_CHECKING:
-    from recpipe.pipelines.context import InFlight, StepContext
+    from recpipe.runtime.context import InFlight, StepContext
 
 
 def h2d(ctx: "StepContext", b: "InFlight") -> None:

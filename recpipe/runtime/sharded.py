@@ -3,7 +3,7 @@
 No FX tracing: a pipeline looks up every torchrec ``ShardedModule`` in the model and
 replaces its ``forward`` (an instance attribute, so ``del`` restores the class's)
 with a named :class:`PipelinedForward`. Where each module's input comes from is
-learned on the pipeline's first batch (``recpipe.pipelines.inputs``): there the
+learned on the pipeline's first batch (``recpipe.runtime.inputs``): there the
 interceptor runs the module's own forward and looks up, by identity, the
 KeyedJaggedTensor it was called with in the batch. Afterwards it hands the module
 what the pipeline prepared ahead, and checks on every call that the model still
@@ -31,10 +31,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.compat import torchrec as compat_torchrec
 from recpipe.errors import PipelineError
-from recpipe.pipelines.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
+from recpipe.runtime.inputs import BatchPath, ComputedInput, find_path, kjt_difference, kjts_in
 
 if TYPE_CHECKING:
-    from recpipe.pipelines.context import StepContext
+    from recpipe.runtime.context import StepContext
 
 
 def find_sharded_modules(model: nn.Module) -> dict[str, ShardedModule]:
@@ -118,7 +118,7 @@ class PipelinedForward:
     it hands the module the input all-to-all (or the whole lookup) that the pipeline
     ran ahead for the batch being trained. Outside ``progress()`` it refuses: the
     model must be run through ``pipeline.detached()``. ``ctx``: the pipeline's
-    :class:`~recpipe.pipelines.context.StepContext`.
+    :class:`~recpipe.runtime.context.StepContext`.
     """
 
     def __init__(self, fqn: str, module: ShardedModule, ctx: "StepContext") -> None:

@@ -1,23 +1,21 @@
-"""What every pipeline's options share: the ``pipeline`` section's common keys.
+"""The keys every pipeline's options share: the ``pipeline`` section's common keys.
 
 Each pipeline's declaration (``recpipe/pipelines/defs/``) defines ``Options``, a subclass
-of :class:`PipelineOptions` that adds its own keys and fixes ``name``; that class is the
-only place its defaults and allowed values live. Every speed feature registered in
-``recpipe.speedups.registry`` adds its section (``pipeline.compile``, ...) to every
-pipeline's options: :class:`PipelineOptions` is built from them when this module is
-imported. Nothing here imports torch.
+of :class:`PipelineKeys` that adds its own keys and fixes ``name``; that class is the only
+place its defaults and allowed values live. The speed features' sections are added above
+the pipelines and the speed features (``recpipe.pipeline_options``). Nothing here imports
+torch.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, ConfigDict, Field, create_model
+from pydantic import AfterValidator, ConfigDict, Field
 
 from recpipe.sections import FactorySpec, Section, factory_spec
-from recpipe.speedups.registry import SPEEDUPS
 
-__all__ = ["PipelineKeys", "PipelineOptions", "speedup_sections"]
+__all__ = ["PipelineKeys"]
 
 
 class PipelineKeys(Section):
@@ -35,7 +33,7 @@ class PipelineKeys(Section):
     # the schedule allows.
     max_batches_ahead: int | None = Field(None, ge=1)
     # How many steps the host may queue ahead of the device: after each step it waits for
-    # the step this many back (recpipe/pipelines/streams.py, StepsAhead). A finished step
+    # the step this many back (recpipe/runtime/streams.py, StepsAhead). A finished step
     # frees its batch's copies (the allocator reuses a block once the device has read it),
     # so more steps ahead cost no allocated memory. 2 leaves the device a step's work queued
     # while the host prepares the next one; more absorbs longer host pauses (a log point's
@@ -53,16 +51,5 @@ class PipelineKeys(Section):
     # "device" (as TorchRec does): copied to the GPU, one all-to-all on the model's process
     # group, read back at input_dist_wait, a host sync that waits for the dist stream to
     # reach it; "host": over a Gloo group of the same ranks, from host memory, so that wait
-    # is on the other ranks' hosts only (recpipe/pipelines/sharded.py).
+    # is on the other ranks' hosts only (recpipe/runtime/sharded.py).
     splits_exchange: Literal["device", "host"] = "device"
-
-
-def speedup_sections() -> dict[str, tuple[type, object]]:
-    """Each registered speed feature's section, as a field of the ``pipeline`` section."""
-    return {f.name: (f.options, Field(default_factory=f.options, description=f.doc))
-            for f in SPEEDUPS.values() if f.options is not None}
-
-
-# The common keys and one section per speed feature (recpipe.speedups.registry), in its order.
-PipelineOptions = create_model("PipelineOptions", __base__=PipelineKeys, __module__=__name__,
-                               __doc__=PipelineKeys.__doc__, **speedup_sections())

@@ -15,13 +15,13 @@ from typing import Any, Callable
 
 from recpipe.capabilities import INTERCEPTS
 from recpipe.errors import PipelineError
-from recpipe.pipelines.options import PipelineKeys, PipelineOptions
-from recpipe.pipelines.schedule import Schedule, memory_facts
+from recpipe.runtime.options import PipelineKeys
+from recpipe.runtime.schedule import Schedule, memory_facts
 
 __all__ = ["ENGINE", "PipelineDef"]
 
-# The engine that runs any schedule of the shared steps (recpipe.pipelines.steps).
-ENGINE = "recpipe.pipelines.engine:Pipeline"
+# The engine that runs any schedule of the shared steps (recpipe.runtime.steps).
+ENGINE = "recpipe.runtime.engine:Pipeline"
 
 
 def _no_rules(cfg: Any) -> list[str]:
@@ -32,8 +32,9 @@ def _no_rules(cfg: Any) -> list[str]:
 class PipelineDef:
     """Everything the rest of recpipe needs to know about one pipeline.
 
-    * ``options``: its pydantic options (a :class:`PipelineOptions` subclass whose
-      ``name`` is ``Literal[name]``);
+    * ``options``: its pydantic options (a :class:`PipelineKeys` subclass whose ``name``
+      is ``Literal[name]``; the config validates them with the speed features' sections,
+      ``recpipe.pipeline_options.options_of``);
     * ``schedules``: every training schedule it may run, the default first (``recpipe
       schedule NAME`` prints them, then ``eval_schedule``, its evaluation's; None: the
       copy-only one of ``base``, ``recpipe.pipelines.evaluation``);
@@ -44,7 +45,7 @@ class PipelineDef:
     * ``check``: its config rules (problems, one per line; ``recpipe.preflight`` runs them
       with the ``RecpipeConfig``);
     * ``schedule_of``: the schedule a given set of options runs (its memory facts come
-      from it, :func:`recpipe.pipelines.schedule.memory_facts`), and ``extra_facts``
+      from it, :func:`recpipe.runtime.schedule.memory_facts`), and ``extra_facts``
       what a schedule cannot say (e.g. semi_sync's stashed gradients);
     * ``torchrec``: TorchRec's class of the same role (``recpipe bench --with-torchrec``)
       and ``torchrec_options`` its keyword arguments for these options, with notes on
@@ -52,7 +53,7 @@ class PipelineDef:
     """
 
     name: str
-    options: type[PipelineOptions]
+    options: type[PipelineKeys]
     doc: str
     schedules: tuple[Schedule, ...]
     schedule_of: Callable[[Any], Schedule]
@@ -71,7 +72,7 @@ class PipelineDef:
         return INTERCEPTS in self.offers
 
     def engine_class(self) -> type:
-        """Its engine class (a ``recpipe.pipelines.engine.Pipeline``), imported now: torch,
+        """Its engine class (a ``recpipe.runtime.engine.Pipeline``), imported now: torch,
         torchrec and FBGEMM with it."""
         module, _, name = self.engine.partition(":")
         cls = getattr(importlib.import_module(module), name, None)
@@ -85,16 +86,6 @@ class PipelineDef:
         ``recpipe.builder``)."""
         return self.engine_class()(model, optimizer, device, definition=self, **options)
 
-    def memory(self, options: PipelineOptions) -> dict[str, Any]:
+    def memory(self, options: Any) -> dict[str, Any]:
         """The planner's facts about this pipeline (``recpipe.planner.spec.PipelineSpec`` fields)."""
         return {"name": self.name, **memory_facts(self.schedule_of(options)), **self.extra_facts(options)}
-
-    def engine_options(self, options: PipelineOptions) -> dict[str, Any]:
-        """The keyword arguments of its engine for ``options``: the pipeline's own keys and
-        the common ones, not the speed features' sections (applied from outside) nor
-        ``class`` and ``inputs`` (the builder resolves them)."""
-        return {k: getattr(options, k) for k in type(options).model_fields if k not in _NOT_ENGINE}
-
-
-# The speed features' sections (fields of every pipeline's options) and what the builder resolves.
-_NOT_ENGINE = frozenset({"name", "class_", "inputs", *(set(PipelineOptions.model_fields) - set(PipelineKeys.model_fields))})

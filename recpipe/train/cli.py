@@ -59,6 +59,8 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: 
     # ranks are forked from a server that has it: recpipe.launch_preload)
     from recpipe.train.trainer import run_worker
 
+    if lock_dirs and startup is not None:  # under torchrun this process is the rank: its imports are its own
+        startup.lap("imports")
     rank = int(os.environ.get("RANK", "0"))
     failed = False
     # Under torchrun no launcher of recpipe's outlives the ranks: rank 0 says how a run it

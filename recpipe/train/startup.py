@@ -9,7 +9,8 @@ Each ``lap(name)`` adds the time since the previous lap to the phase ``name``.
 
 The phases, in order (a phase that did not happen is absent):
 
-* ``imports``: process start to the command's first line (Python, torch, torchrec, FBGEMM);
+* ``imports``: process start to the command's first line (Python, torch, the config's
+  libraries; the launcher imports no training library: its ranks' server does, during ``launch``);
 * ``config``: the YAML read and validated; ``preflight``: the pre-launch checks and the
   memory plan; ``launch``: the ranks started (``recpipe train``'s own launcher);
 * ``process_group``: the rendezvous; ``checkpoint_choice``: the checkpoint to resume from

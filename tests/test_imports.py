@@ -80,8 +80,9 @@ def _loaded_after(module: str, names: tuple[str, ...]) -> list[str]:
 
 def test_the_launcher_imports_no_training_library():
     """``recpipe train``'s launcher checks the config and starts the ranks, which are forked
-    from a server that has imported the trainer (recpipe.launch_preload): its own imports
-    are torch's and the config's."""
+    from a server that has imported the trainer (recpipe.launch_preload): its module loads
+    torch and the config's libraries only, so a bad config is reported without waiting for
+    torchrec (the checks after the config's build the model on meta, with torchrec)."""
     assert _loaded_after("recpipe.train.cli", (*TENSORBOARD, *TRAINING)) == []
 
 

@@ -5,8 +5,9 @@ is cheap) instead of importing them anew (seconds of CPU each: torch, fbgemm-gpu
 torchrec, recpipe's trainer).
 
 ``recpipe train`` starts the server first thing (``recpipe.cli``, before it imports torch
-for its own checks), so the server's imports run while the launcher imports the same
-libraries and checks the config, instead of after: the ranks start right after the
+for its own checks), so the server's imports run while the launcher imports torch and
+checks the config, instead of after (the launcher, which runs no rank, never imports the
+trainer, torchmetrics or TensorBoard): the ranks start right after the
 checks, and the first timed step comes sooner, where the machine has cores to spare
 (``startup`` in summary.json times each phase). Where other work keeps the cores busy
 the two processes share them, and the launcher's own imports take longer.

@@ -144,3 +144,14 @@ def test_the_config_imports_without_torch():
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
     assert "recpipe.config" in imported and "pydantic" in imported
     assert not {m for m in imported if m.split(".")[0] in ("torch", *HEAVY)}, sorted(imported)
+
+
+@pytest.mark.slow
+def test_the_train_launcher_never_imports_what_only_ranks_use(tmp_path):
+    """A whole ``recpipe train`` run: its ranks write the metrics and TensorBoard; the launcher,
+    which checks the config and starts them, loads neither torchmetrics, TensorBoard nor what
+    those import where installed (matplotlib, transformers)."""
+    argv = ["train", "--config", "configs/quickstart.yaml", "--set", "train.steps=2", "--set", "train.log_every=1",
+            "--set", f"logging.run_dir={tmp_path / 'run'}", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    assert _loaded_by(argv, ("torchmetrics", "tensorboard", "matplotlib", "transformers")) == []
+    assert list((tmp_path / "run").glob("events.out.tfevents.*"))  # rank 0 wrote TensorBoard's events

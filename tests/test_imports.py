@@ -1,5 +1,6 @@
 """No module reaches into another's private names, and nothing outside the engine reads the
-engine's private fields. The import graph (every ``import`` of ``recpipe/``, in functions and
+engine's private fields. ``recpipe train``'s launcher and its ranks import only what they use
+before the first step. The import graph (every ``import`` of ``recpipe/``, in functions and
 under ``if TYPE_CHECKING:`` too) is ``scripts/import_layers.py``'s; its cycles are checked by
 tests/test_layers.py.
 """
@@ -7,6 +8,9 @@ tests/test_layers.py.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
+from pathlib import Path
 
 from scripts.import_layers import MODULES, imports, is_exports
 
@@ -56,3 +60,33 @@ def test_the_checkers_see_type_checking_imports_lazy_names_and_private_reads(tmp
     finally:
         del MODULES["recpipe._probe"]
 
+
+
+ROOT = Path(__file__).resolve().parents[1]
+TENSORBOARD = ("tensorboard", "torch.utils.tensorboard")  # imported where rank 0 makes its writer
+# The launcher runs no rank: none of the training libraries (nor matplotlib and transformers,
+# which torchmetrics imports where they are installed).
+TRAINING = ("torchrec", "fbgemm_gpu", "torchmetrics", "matplotlib", "transformers", "recpipe.train.trainer")
+
+
+def _loaded_after(module: str, names: tuple[str, ...]) -> list[str]:
+    """The modules ``names`` and their submodules that importing ``module`` loads, in a fresh process."""
+    code = (f"import sys\nimport {module}\n"
+            f"print(sorted(m for m in sys.modules if any(m == n or m.startswith(n + '.') for n in {names!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return ast.literal_eval(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_launcher_imports_no_training_library():
+    """``recpipe train``'s launcher checks the config and starts the ranks, which are forked
+    from a server that has imported the trainer (recpipe.launch_preload): its module loads
+    torch and the config's libraries only, so a bad config is reported without waiting for
+    torchrec (the checks after the config's build the model on meta, with torchrec)."""
+    assert _loaded_after("recpipe.train.cli", (*TENSORBOARD, *TRAINING)) == []
+
+
+def test_the_trainer_imports_no_tensorboard():
+    loaded = _loaded_after("recpipe.train.trainer", (*TENSORBOARD, "torchrec"))
+    assert "torchrec" in loaded  # the checker sees what is loaded
+    assert [m for m in loaded if m.split(".")[0] != "torchrec"] == []

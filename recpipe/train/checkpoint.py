@@ -48,15 +48,13 @@ import json
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
-from torchrec.optim.fused import FusedOptimizer
-from torchrec.optim.keyed import CombinedOptimizer
 
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
@@ -65,6 +63,9 @@ from recpipe.train.checkpoint_reader import (UnsafeCheckpointError, dcp_load, mo
 from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
                                      file_records, position_problems, record_problems, verify_checkpoint,
                                      written_by_recpipe)
+
+if TYPE_CHECKING:
+    from torchrec.optim.keyed import CombinedOptimizer
 
 __all__ = [
     "FORMAT_VERSION",
@@ -489,6 +490,8 @@ def _init_lazy_optimizer_state(optimizer: CombinedOptimizer) -> None:
     fresh one has nothing for DCP to load into. A dummy step with zero gradients
     creates it (the model's parameters are overwritten by the load right after).
     Fused embedding optimizers hold their state in the kernel from construction."""
+    from torchrec.optim.fused import FusedOptimizer  # here: the launcher imports this module, not torchrec
+
     for _, opt in optimizer.optimizers:
         if not isinstance(opt, FusedOptimizer) and not opt.state:
             opt.init_state()

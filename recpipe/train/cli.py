@@ -40,7 +40,6 @@ from recpipe.train.checkpoint import describe_newest
 from recpipe.train.preemption import watch_launcher
 from recpipe.train.run_dir import read_summary, settle_summary
 from recpipe.train.startup import StartupClock
-from recpipe.train.trainer import run_worker
 
 
 def _silent(line: str) -> None:
@@ -56,6 +55,12 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: 
     ``launch_local``, whose launcher holds them and whose signals wait, blocked, for
     the handlers installed here. ``startup``: the command's start-up clock
     (``recpipe.train.startup``)."""
+    # Here, not at the top: the launcher, which runs no rank, never imports the trainer (its
+    # ranks are forked from a server that has it: recpipe.launch_preload)
+    from recpipe.train.trainer import run_worker
+
+    if lock_dirs and startup is not None:  # under torchrun this process is the rank: its imports are its own
+        startup.lap("imports")
     rank = int(os.environ.get("RANK", "0"))
     failed = False
     # Under torchrun no launcher of recpipe's outlives the ranks: rank 0 says how a run it

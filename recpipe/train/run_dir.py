@@ -19,19 +19,19 @@ import contextlib
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.utils.tensorboard import SummaryWriter
-from torch.utils.tensorboard.summary import hparams
 
 from recpipe.config import RecpipeConfig
 from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_CHECKPOINT, EXIT_DIR_IN_USE, EXIT_DOES_NOT_FIT,
                                 EXIT_LAUNCHER_FAILED, EXIT_NONFINITE_LOSS, EXIT_STALLED, EXIT_WORKER_FAILED)
 from recpipe.train.embedding_norms import local_row_norms
-from recpipe.train.metrics import METRICS
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["RunDir", "read_summary", "settle_summary", "status_of_exit", "tensorboard_dir", "tensorboard_runs"]
 
@@ -74,9 +74,6 @@ CONFIG_TAG = "config"
 
 # Histograms of the L2 norms of each table's embedding rows: ROW_NORMS_TAG/<table>.
 ROW_NORMS_TAG = "embedding_row_norms"
-# The metrics of TensorBoard's HParams dashboard: the last value of each of these scalars.
-HPARAM_METRICS = tuple(f"eval/{name}" for name in METRICS)
-
 HParam = bool | int | float | str
 
 
@@ -189,6 +186,10 @@ class RunDir:
                     written = events / EVENT_FILES
                     # before the writer starts: its thread's first write (the file's header) may fail
                     threading.excepthook = _writer_thread_errors_are_reported
+                    # TensorBoard is imported here, where rank 0 makes its writer: no other rank
+                    # and no other command needs it
+                    from torch.utils.tensorboard import SummaryWriter
+
                     self.writer = SummaryWriter(str(events), purge_step=purge_step)
                     self.writer.add_text(CONFIG_TAG, _as_markdown_code(cfg.to_yaml()), global_step=resumed_from)
                     self._write_hparams(cfg)
@@ -215,9 +216,13 @@ class RunDir:
     def _write_hparams(self, cfg: RecpipeConfig) -> None:
         """The config's scalar values as this TensorBoard run's hparams, beside the eval
         metrics, whose values the HParams dashboard reads from the run's last eval scalars."""
+        from torch.utils.tensorboard.summary import hparams
+
+        from recpipe.train.metrics import METRICS
+
         assert self.writer is not None
-        experiment, session_start, _ = hparams(flat_hparams(cfg.model_dump(mode="json")),
-                                               dict.fromkeys(HPARAM_METRICS, 0.0))
+        metrics = {f"eval/{name}": 0.0 for name in METRICS}  # each one's last value
+        experiment, session_start, _ = hparams(flat_hparams(cfg.model_dump(mode="json")), metrics)
         self.writer.file_writer.add_summary(experiment)
         self.writer.file_writer.add_summary(session_start)
 

@@ -9,9 +9,10 @@ Each ``lap(name)`` adds the time since the previous lap to the phase ``name``.
 
 The phases, in order (a phase that did not happen is absent):
 
-* ``imports``: process start to the command's first line (Python, torch, torchrec, FBGEMM);
-* ``config``: the YAML read and validated; ``preflight``: the pre-launch checks and the
-  memory plan; ``launch``: the ranks started (``recpipe train``'s own launcher);
+* ``imports``: process start to the command's first line (Python, torch, the config's
+  libraries; the launcher never imports the trainer: its ranks' server does, during ``launch``);
+* ``config``: the YAML read and validated; ``preflight``: the pre-launch checks (the model's
+  tables checked on meta: torchrec, FBGEMM) and the memory plan; ``launch``: the ranks started (``recpipe train``'s own launcher);
 * ``process_group``: the rendezvous; ``checkpoint_choice``: the checkpoint to resume from
   chosen (verified, model-free); ``data_start``: the training batches' producers started,
   so they make the first batches while the model is built;

@@ -664,11 +664,8 @@ def _over_ranks(values: torch.Tensor, how: str) -> torch.Tensor:
 
 def _agree(fits: bool) -> bool:
     """All ranks take the same path (a graph replay or the eager step; a padded batch or the
-    batch as it is): yes only if every rank says yes. One rank: nothing to agree on."""
-    group = control_group()
-    if group is None or dist.get_world_size(group) == 1:
-        return fits
-    return bool(_over_ranks(torch.tensor([int(fits)], dtype=torch.int64), "min").item())
+    batch as it is): yes only if every rank says yes, waited for here. One rank: nothing to agree on."""
+    return _agree_async(fits)()
 
 
 @dataclass(frozen=True)

@@ -307,3 +307,20 @@ def test_metric_computations_field():
     task = RecTaskInfo(name="t", label_name="label", prediction_name="prediction", weight_name="weight")
     metric = CTRMetric(world_size=1, my_rank=0, batch_size=1, tasks=[task])
     assert [type(c).__name__ for c in compat_torchrec.metric_computations(metric)] == ["CTRMetricComputation"]
+
+
+def test_clearing_cublas_workspaces_without_cuda_is_a_no_op():
+    compat_torch.clear_cublas_workspaces()  # CUDA not initialized here: nothing to free, no error
+    assert not torch.cuda.is_initialized()
+
+
+@pytest.mark.gpu
+def test_cublas_workspaces_are_freed_on_cuda():
+    a = torch.randn(256, 256, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # a stream's first matmul takes a workspace from the allocator
+        (a @ a).sum().item()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    compat_torch.clear_cublas_workspaces()
+    assert torch.cuda.memory_allocated() < before

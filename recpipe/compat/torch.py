@@ -87,6 +87,16 @@ def profiler_enabled() -> bool:
     return autograd_profiler._is_profiler_enabled
 
 
+def clear_cublas_workspaces() -> None:
+    """Free the cuBLAS workspaces torch keeps in its caching allocator, one per (handle,
+    stream) that ran a matmul, as torch's own CUDA leak check does before it compares
+    ``memory_allocated`` (``torch/testing/_internal/common_utils.py``). A no-op where CUDA is
+    not built or not initialized. The function has no public name."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_initialized():
+        clear()
+
+
 def is_sharded_tensor(value: Any) -> bool:
     """Whether ``value`` is a ``ShardedTensor``, torchrec's sharded tables in a state_dict
     (torch keeps the class under ``torch.distributed._shard``; torchrec imports it from there)."""

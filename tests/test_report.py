@@ -114,6 +114,21 @@ def test_row_norms_sample_at_most_max_rows_of_whole_rows():
     assert local_row_norms(tables)["big"].shape == (1000,)
 
 
+
+def test_row_norms_of_a_table_over_2_to_the_24_rows_stay_inside_it():
+    """MLPerf DLRM-DCNv2's 40M-row tables: a float32 linspace made the last sampled index
+    40,000,000 (CUDA: a device-side assert at the first evaluation)."""
+    import torch
+
+    from recpipe.train.embedding_norms import strided_rows
+
+    for count in (40_000_000, 2**24 + 1, 2**31 + 12345):
+        index = strided_rows(count, 100_000)
+        assert index.dtype == torch.int64 and index.numel() == 100_000
+        assert index[0] == 0 and index[-1] == count - 1 and bool((index.diff() > 0).all())
+    assert strided_rows(7, 100).tolist() == list(range(7)) and strided_rows(7, 1).tolist() == [0]
+    assert strided_rows(1000, 100).tolist() == torch.linspace(0, 999, 100).long().tolist()  # small tables: the same rows
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """A 4-step run on 2 Gloo ranks, one table row_wise and one column_wise."""

@@ -59,8 +59,18 @@ def _whole_row_blocks(value: torch.Tensor) -> list[torch.Tensor]:
     return [b for b in blocks if b.dim() == 2 and b.size(1) == size[1]]
 
 
+def strided_rows(count: int, max_rows: int, device: torch.device | None = None) -> torch.Tensor:
+    """``min(count, max_rows)`` row indices evenly strided over ``0 .. count - 1``, the first
+    and the last included, in int64 arithmetic: a float32 ``linspace`` rounds ``count - 1``
+    up past the last row once a table has more than 2**24 rows (40M rows: 40,000,000)."""
+    if count <= max_rows:
+        return torch.arange(count, device=device)
+    if max_rows == 1:
+        return torch.zeros(1, dtype=torch.int64, device=device)
+    return torch.arange(max_rows, device=device) * (count - 1) // (max_rows - 1)
+
+
 def _sampled_norms(rows: torch.Tensor, max_rows: int) -> torch.Tensor:
     if rows.size(0) > max_rows:
-        index = torch.linspace(0, rows.size(0) - 1, max_rows, device=rows.device).long()
-        rows = rows.index_select(0, index)
+        rows = rows.index_select(0, strided_rows(rows.size(0), max_rows, rows.device))
     return rows.float().norm(dim=1).cpu()

@@ -35,7 +35,9 @@ its prediction on plain tensors (it builds its KeyedJaggedTensors inside), and
 ``serving_inputs(batch_size) -> {name: tensor}``, example inputs of that form, in
 ``serve``'s order. Every dimension of every input is dynamic where the trace leaves it
 free (``torch.export.Dim.AUTO``); the tables are converted as above in every torchrec
-``EmbeddingBagCollection`` of the model. A ``serve`` that torch.export cannot trace is a
+``EmbeddingBagCollection`` and ``EmbeddingCollection`` of the model (fp16: an
+EmbeddingCollection's lookups come out float32 by torchrec's own cast; int8 / int4: TorchRec's
+quantized EmbeddingCollection). A ``serve`` that torch.export cannot trace is a
 :class:`~recpipe.errors.ConfigError` (exit 2) naming the model, the submodule and the line
 it failed at, and torch.export's reason.
 
@@ -359,9 +361,9 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
 
         register_fake_classes()
     with torch.no_grad(), _quiet_export():
-        # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
-        # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
-        # export cannot trace); the traced calls find it made.
+        # One eager call first: TorchRec's quantized EmbeddingBagCollection and EmbeddingCollection
+        # cache their features' order at their first call (a buffer made with torch.tensor(data=...),
+        # which non-strict export cannot trace); the traced calls find it made.
         with _user_errors(module, "serve"):
             module(*inputs)
         # Size-oblivious reasoning for the batch: without it, torch.export's view of

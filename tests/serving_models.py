@@ -1,6 +1,7 @@
 """User models for ``recpipe export --format program`` (``model.factory``): a two-tower
 ranker whose serving forward differs from the built-in model's, one torch.export cannot
-trace (Python control flow on the values of a tensor), and one without a serving forward."""
+trace (Python control flow on the values of a tensor), one without a serving forward, and a
+sequence ranker with an EmbeddingCollection."""
 
 from __future__ import annotations
 

@@ -35,7 +35,9 @@ its prediction on plain tensors (it builds its KeyedJaggedTensors inside), and
 ``serving_inputs(batch_size) -> {name: tensor}``, example inputs of that form, in
 ``serve``'s order. Every dimension of every input is dynamic where the trace leaves it
 free (``torch.export.Dim.AUTO``); the tables are converted as above in every torchrec
-``EmbeddingBagCollection`` of the model. A ``serve`` that torch.export cannot trace is a
+``EmbeddingBagCollection`` and ``EmbeddingCollection`` of the model (fp16: an
+EmbeddingCollection's lookups come out float32 by torchrec's own cast; int8 / int4: TorchRec's
+quantized EmbeddingCollection). A ``serve`` that torch.export cannot trace is a
 :class:`~recpipe.errors.ConfigError` (exit 2) naming the model, the submodule and the line
 it failed at, and torch.export's reason.
 
@@ -133,8 +135,9 @@ def _model_name(factory: str | None, model: nn.Module) -> str:
 def user_serving_module(model: nn.Module, factory: str, state: dict[str, torch.Tensor],
                         tables: Literal["fp32", "fp16", "int8", "int4"] = "fp32") -> UserServing:
     """``model`` (as the ``model.factory`` named ``factory`` built it) on CPU with ``state``,
-    its EmbeddingBagCollections' tables as ``tables`` says, in eval mode, wrapped for serving."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    its EmbeddingBagCollections' and EmbeddingCollections' tables as ``tables`` says, in eval
+    mode, wrapped for serving."""
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
     missing = [m for m in ("serve", "serving_inputs") if not callable(getattr(model, m, None))]
     if missing:
@@ -147,11 +150,13 @@ def user_serving_module(model: nn.Module, factory: str, state: dict[str, torch.T
         raise ConfigError(f"{_model_name(factory, model)}: {on_meta[:5]} are on the meta device and not in its state "
                           "dict; build them on CPU in the factory (only the state dict's tensors are loaded)")
     model.eval()
-    bags = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
     if tables == "fp16":
-        for ebc in bags:
-            ebc.half()
-            ebc.register_forward_hook(_pooled_as_float)
+        for module in model.modules():
+            if isinstance(module, EmbeddingBagCollection):
+                module.half()
+                module.register_forward_hook(_pooled_as_float)
+            elif isinstance(module, EmbeddingCollection):  # its forward casts each lookup to float32
+                module.half()
     elif tables in _QUANT_DTYPES:
         _quantize(model, tables)
     return UserServing(model, factory).eval()
@@ -166,31 +171,36 @@ def _pooled_as_float(module: nn.Module, inputs: Any, kt: Any) -> Any:
 
 
 def _quantize(model: nn.Module, tables: str) -> None:
-    """Every EmbeddingBagCollection of ``model`` -> TorchRec's quantized one, in place."""
+    """Every EmbeddingBagCollection and EmbeddingCollection of ``model`` -> TorchRec's
+    quantized one, in place."""
     from torchrec.inference.modules import quantize_inference_model
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
     from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
 
     # Rows packed back to back: FBGEMM's CPU kernels need no alignment (TorchRec's
     # default pads each row to 16 bytes for GPUs; the program runs on CPU).
-    quant_prep_customize_row_alignment(model, [EmbeddingBagCollection], 1)
+    quant_prep_customize_row_alignment(model, [EmbeddingBagCollection, EmbeddingCollection], 1)
     quantize_inference_model(model, quantization_dtype=_QUANT_DTYPES[tables])
-    for ebc in model.modules():
-        if isinstance(ebc, QuantEmbeddingBagCollection):
-            _drop_table_mirrors(ebc)
+    for module in model.modules():
+        if isinstance(module, QuantEmbeddingBagCollection):
+            _drop_table_mirrors(module.embedding_bags)
+        elif isinstance(module, QuantEmbeddingCollection):
+            _drop_table_mirrors(module.embeddings)
 
 
-def _drop_table_mirrors(ebc: nn.Module) -> None:
-    """Remove the per-table buffers of TorchRec's quantized EmbeddingBagCollection.
+def _drop_table_mirrors(tables: nn.ModuleDict) -> None:
+    """Remove the per-table buffers of TorchRec's quantized EmbeddingBagCollection
+    (``embedding_bags``) or EmbeddingCollection (``embeddings``).
 
-    Its lookups read FBGEMM's packed buffer (``tbes.0.weights_host``: every table's rows,
-    one after the other); ``embedding_bags.<table>.weight`` are views into that buffer,
-    kept only so that the module's ``state_dict`` names each table, and the program never
+    Their lookups read FBGEMM's packed buffer (``tbes.0.weights_host``: every table's rows,
+    one after the other); ``<tables>.<table>.weight`` are views into that buffer, kept
+    only so that the module's ``state_dict`` names each table, and the program never
     reads them. ``torch.export.save`` writes buffers and constants apart, so the views
     would store the packed tables a second time, and int4's views (TorchRec's
     ``UInt4Tensor``) are pickled one by one, each with the whole buffer."""
-    for table in ebc.embedding_bags.values():
+    for table in tables.values():
         for name, _ in list(table.named_buffers(recurse=False)):
             delattr(table, name)
 
@@ -351,9 +361,9 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
 
         register_fake_classes()
     with torch.no_grad(), _quiet_export():
-        # One eager call first: TorchRec's quantized EmbeddingBagCollection caches its features'
-        # order at its first call (a buffer made with torch.tensor(data=...), which non-strict
-        # export cannot trace); the traced calls find it made.
+        # One eager call first: TorchRec's quantized EmbeddingBagCollection and EmbeddingCollection
+        # cache their features' order at their first call (a buffer made with torch.tensor(data=...),
+        # which non-strict export cannot trace); the traced calls find it made.
         with _user_errors(module, "serve"):
             module(*inputs)
         # Size-oblivious reasoning for the batch: without it, torch.export's view of

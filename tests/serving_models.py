@@ -1,6 +1,7 @@
 """User models for ``recpipe export --format program`` (``model.factory``): a two-tower
 ranker whose serving forward differs from the built-in model's, one torch.export cannot
-trace (Python control flow on the values of a tensor), and one without a serving forward."""
+trace (Python control flow on the values of a tensor), one without a serving forward, and a
+sequence ranker with an EmbeddingCollection."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 USER = ["user_id", "user_country"]
 ITEM = ["item_id", "item_category"]
@@ -97,3 +98,67 @@ class TrainOnly(nn.Module):
 
 def build_without_serve(cfg: Any) -> TrainOnly:
     return TrainOnly(torch.device("meta"))
+
+
+# ------------------------------------------- a model with an EmbeddingCollection
+ITEMS = 100_000  # rows of the item table: the tables (6.5 MB in fp32) outweigh the program's graph
+SEQUENCE = ["history", "item_id", "item_category"]  # the user's recent items, the candidate item, its category
+SEQ_DIM = 16
+
+
+class SequenceRanker(nn.Module):
+    """A ranker over the user's recent items, a sequence: an EmbeddingCollection (unpooled
+    embeddings) whose item table serves both the history and the candidate item, and an
+    EmbeddingBagCollection of the user's features. Serving:
+    ``serve(user_values, user_lengths, seq_values, seq_lengths) -> probability``."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.user_ebc = EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name=f"t_{f}", embedding_dim=SEQ_DIM, num_embeddings=ROWS[f], feature_names=[f])
+                    for f in USER], device=device)
+        self.seq_ec = EmbeddingCollection(tables=[
+            EmbeddingConfig(name="t_item", embedding_dim=SEQ_DIM, num_embeddings=ITEMS, feature_names=["history", "item_id"]),
+            EmbeddingConfig(name="t_category", embedding_dim=SEQ_DIM, num_embeddings=ROWS["item_category"],
+                            feature_names=["item_category"]),
+        ], device=device)
+        self.user_tower = nn.Sequential(nn.Linear(3 * SEQ_DIM, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.item_tower = nn.Sequential(nn.Linear(2 * SEQ_DIM, 16), nn.ReLU(), nn.Linear(16, 8))
+
+    def serve(self, user_values: torch.Tensor, user_lengths: torch.Tensor, seq_values: torch.Tensor,
+              seq_lengths: torch.Tensor) -> torch.Tensor:
+        user = self.user_ebc(KeyedJaggedTensor(keys=USER, values=user_values, lengths=user_lengths)).values()
+        seq = self.seq_ec(KeyedJaggedTensor(keys=SEQUENCE, values=seq_values, lengths=seq_lengths))
+        history, item, category = (_mean_per_sample(seq[f]) for f in SEQUENCE)
+        u = self.user_tower(torch.cat([user, history], dim=1))
+        v = self.item_tower(torch.cat([item, category], dim=1))
+        return torch.sigmoid((u * v).sum(dim=1))
+
+    def serving_inputs(self, batch_size: int, seed: int = 0) -> dict[str, torch.Tensor]:
+        """1 or 2 ids per user feature; 1 to 5 items of history, one candidate item and its category."""
+        g = torch.Generator().manual_seed(seed)
+        user_lengths = torch.randint(1, 3, (len(USER) * batch_size,), generator=g, dtype=torch.int32)
+        per_user = user_lengths.view(len(USER), batch_size).sum(1).tolist()
+        history = torch.randint(1, 6, (batch_size,), generator=g, dtype=torch.int32)
+        ones = torch.ones(batch_size, dtype=torch.int32)
+        seq_rows = {"history": ITEMS, "item_id": ITEMS, "item_category": ROWS["item_category"]}
+        seq_lengths = torch.cat([history, ones, ones])
+        per_seq = seq_lengths.view(len(SEQUENCE), batch_size).sum(1).tolist()
+        return {
+            "user_values": torch.cat([torch.randint(0, ROWS[f], (n,), generator=g) for f, n in zip(USER, per_user)]),
+            "user_lengths": user_lengths,
+            "seq_values": torch.cat([torch.randint(0, seq_rows[f], (n,), generator=g) for f, n in zip(SEQUENCE, per_seq)]),
+            "seq_lengths": seq_lengths,
+        }
+
+
+def _mean_per_sample(seq: JaggedTensor) -> torch.Tensor:
+    """Each sample's mean embedding: [ids, D] -> [B, D] (0 for a sample without ids)."""
+    values, lengths = seq.values(), seq.lengths()
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths.long(), output_size=values.shape[0])
+    sums = torch.zeros(lengths.numel(), values.shape[1], dtype=values.dtype).index_add(0, sample, values)
+    return sums / lengths.clamp(min=1).unsqueeze(1).to(values.dtype)
+
+
+def build_sequence_ranker(cfg: Any) -> SequenceRanker:
+    return SequenceRanker(torch.device("meta"))

@@ -1,8 +1,8 @@
 """The ``recpipe`` command line: train, plan, schedule, bench, data, configs, report, checkpoint, export.
 
 Each subcommand lives with its component (``recpipe.train.cli``,
-``recpipe.planner.cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
-``recpipe.train.integrity``, ``recpipe.export``); this file only parses. A user error (a bad config,
+``recpipe.plan_cli``, ``recpipe.pipelines.registry``, ``recpipe.data.cli``,
+``recpipe.checkpoint.integrity``, ``recpipe.export``); this file only parses. A user error (a bad config,
 bad data, a directory in use, ...) prints one line and exits with its code
 (``recpipe.exit_codes``); ``--debug`` adds the traceback. Parsing imports nothing heavy:
 ``--version``, ``--help``, ``schedule`` and ``plan`` load neither torchrec nor FBGEMM
@@ -304,7 +304,7 @@ def _run(argv: list[str] | None) -> int:
 
             return main_train(args)
         if args.command == "plan":
-            from recpipe.planner.cli import main_plan
+            from recpipe.plan_cli import main_plan
 
             return main_plan(args)
         if args.command == "schedule":
@@ -327,11 +327,11 @@ def _run(argv: list[str] | None) -> int:
 
             return main_report(args)
         if args.command == "checkpoint" and args.action == "convert":
-            from recpipe.train.torchrec_checkpoint import main_convert
+            from recpipe.checkpoint.convert import main_convert
 
             return main_convert(args)
         if args.command == "checkpoint":
-            from recpipe.train.integrity import main_checkpoint
+            from recpipe.checkpoint.integrity import main_checkpoint
 
             return main_checkpoint(args)
         if args.command == "export":

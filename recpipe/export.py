@@ -1,10 +1,10 @@
 """``recpipe export --config C --checkpoint DIR --out FILE [--fp16-tables]``: a sharded
 checkpoint -> one unsharded ``state_dict`` file that plain PyTorch loads.
 
-The checkpoint (``recpipe.train.checkpoint``: DCP, tables as ShardedTensors split
+The checkpoint (``recpipe.checkpoint.store``: DCP, tables as ShardedTensors split
 row- or column-wise over any number of ranks) is read without a process group by
 ``torch.distributed.checkpoint.load`` into full tensors of the unsharded model's
-shapes, without running code it names (``recpipe.train.checkpoint_reader``: a crafted
+shapes, without running code it names (``recpipe.checkpoint.reader``: a crafted
 file is refused, exit 6): DCP reassembles each tensor from the stored shards that overlap it. The
 keys and shapes come from the config's model (``model.factory`` or the built-in
 DLRM/DCNv2) built on the meta device, so a checkpoint of another model is an error
@@ -40,10 +40,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from recpipe.checkpoint.store import resolve_checkpoint
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError, StorageError, storage_problem
 from recpipe.exit_codes import EXIT_OK
-from recpipe.train.checkpoint import resolve_checkpoint
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
@@ -93,7 +93,7 @@ def _target(cfg: RecpipeConfig) -> nn.Module:
 
 def _load(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Fill ``tensors`` (checkpoint key -> full tensor) from the checkpoint, in place."""
-    from recpipe.train.checkpoint_reader import dcp_load
+    from recpipe.checkpoint.reader import dcp_load
 
     with warnings.catch_warnings():  # DCP says it assumes a single process: that is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -105,7 +105,7 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring);
     with ``program``, also the servable ``torch.export`` program of the model with that
     state, its tables as ``program_tables`` says (:func:`recpipe.serving.export_program`)."""
-    from recpipe.train.checkpoint_reader import MODEL_PREFIX, model_tensors
+    from recpipe.checkpoint.reader import MODEL_PREFIX, model_tensors
 
     check_out(Path(out))
     path = resolve_checkpoint(checkpoint)
@@ -141,7 +141,7 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
 
 
 def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict) -> None:
-    from recpipe.train.checkpoint_reader import shape_differences
+    from recpipe.checkpoint.reader import shape_differences
 
     missing = sorted(set(target) - set(stored))
     unexpected = sorted(set(stored) - set(target))

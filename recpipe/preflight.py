@@ -144,7 +144,7 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     from recpipe.data import check_data
     from recpipe.embedding_tables import model_on_meta
     from recpipe.sharding import check_model_config
-    from recpipe.train.checkpoint import check_checkpoint_config, check_resume, check_resume_shapes
+    from recpipe.checkpoint.store import check_checkpoint_config, check_resume, check_resume_shapes
 
     check_rules(cfg)
     check_dir_paths(cfg)  # StorageError -> exit 6

@@ -6,8 +6,8 @@ Every module under ``recpipe/`` is parsed with ``ast``; every ``import`` counts,
 level, inside functions (an import moved into a function to dodge a circle is still a
 circle) and under ``if TYPE_CHECKING:`` (a circle of types is a circle of the design), and
 so do the names a package loads on first use (``_EXPORTS``: ``recpipe.pipelines``). A
-package's ``__init__`` is a node of its own, and importing ``recpipe.train.checkpoint``
-from outside ``recpipe.train`` runs ``recpipe/train/__init__.py`` first: an edge to that
+package's ``__init__`` is a node of its own, and importing ``recpipe.planner.plan``
+from outside ``recpipe.planner`` runs ``recpipe/planner/__init__.py`` first: an edge to that
 package too. A dotted path in data (a pipeline's engine class, a speed feature's
 ``apply``, ``model.factory``) is not an import: it is loaded by name when something is
 built, from above.
@@ -118,7 +118,7 @@ def module_graph() -> dict[str, set[str]]:
 
 
 def unit(module: str) -> str:
-    """``recpipe.planner.cli`` -> ``planner``; ``recpipe.preflight`` -> ``preflight``; ``recpipe`` -> ``recpipe``."""
+    """``recpipe.planner.plan`` -> ``planner``; ``recpipe.preflight`` -> ``preflight``; ``recpipe`` -> ``recpipe``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 

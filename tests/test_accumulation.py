@@ -207,7 +207,7 @@ def test_train_counts_optimizer_steps_and_resumes_exactly(tmp_path, capfd):
 
     from test_checkpoint import _full_state
 
-    from recpipe.train.checkpoint import METADATA_FILE
+    from recpipe.checkpoint.store import METADATA_FILE
 
     total = 2 * STEPS_PER_EPOCH
     assert _run(tmp_path, "straight", total, 0) == 0

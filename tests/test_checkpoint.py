@@ -24,15 +24,15 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from recpipe.checkpoint import store
+from recpipe.checkpoint.integrity import MARKER_FILE, file_records, verify_checkpoint
+from recpipe.checkpoint.reader import UnsafeCheckpointError, dcp_load, read_metadata
+from recpipe.checkpoint.store import (METADATA_FILE, check_resume, check_resume_shapes, choose_checkpoint,
+                                      latest_checkpoint, load_checkpoint, resume_settings)
 from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
-from recpipe.train import checkpoint
-from recpipe.train.checkpoint import (METADATA_FILE, check_resume, check_resume_shapes, choose_checkpoint,
-                                      latest_checkpoint, load_checkpoint, resume_settings)
-from recpipe.train.checkpoint_reader import UnsafeCheckpointError, dcp_load, read_metadata
-from recpipe.train.integrity import MARKER_FILE, file_records, verify_checkpoint
 
 K, M = 6, 5  # resume after K steps, then train M more
 TINY = [
@@ -358,7 +358,7 @@ def test_a_rank_rng_file_that_names_code_is_refused_in_one_line(tmp_path, one_ra
     torch.save({"cpu": Payload(marker)}, ckpt / "rng_rank00000.pt")
     with pytest.raises(UnsafeCheckpointError, match=rf"refusing checkpoint file {ckpt / 'rng_rank00000.pt'}: it names "
                                                     r"posix\.system"):
-        checkpoint._restore_rng(ckpt, saved_world_size=1)
+        store._restore_rng(ckpt, saved_world_size=1)
     assert not marker.exists()
 
 
@@ -427,7 +427,7 @@ def test_retention_deletes_only_what_recpipe_wrote(tmp_path):
     assert latest_checkpoint(ckpt) == newest  # step_foo/ holds a metadata.json, and is no checkpoint
     with pytest.warns(UserWarning, match=rf"checkpoint.keep=1: deleted the checkpoint in {older} but kept the "
                                          r"directory: it also holds notes.txt, which recpipe did not write"):
-        checkpoint._prune(ckpt, keep=1)
+        store._prune(ckpt, keep=1)
     assert all((ckpt / name).read_text() == text for name, text in mine.items())
     assert [p.name for p in older.iterdir()] == ["notes.txt"] and not interrupted.exists()
     assert verify_checkpoint(newest) == []

@@ -124,8 +124,8 @@ def test_a_checkpoint_write_on_a_full_disk_names_the_path_and_the_newest_checkpo
     import torch.distributed as dist
 
     from recpipe.config import load_config
-    from recpipe.train.checkpoint import _agreed, _write_rng
-    from recpipe.train.integrity import METADATA_FILE
+    from recpipe.checkpoint.store import _agreed, _write_rng
+    from recpipe.checkpoint.integrity import METADATA_FILE
 
     older, path = tmp_path / "step_00000002", tmp_path / "step_00000004"
     older.mkdir()

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from recpipe.checkpoint.integrity import METADATA_FILE
 from recpipe.cli import main
 from recpipe.config import load_config
 from recpipe.data.criteo import parse_line, shown
 from recpipe.exit_codes import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_CHECKPOINT, EXIT_DOES_NOT_FIT, EXIT_OK)
-from recpipe.train.integrity import METADATA_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "quickstart.yaml"

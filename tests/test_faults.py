@@ -22,6 +22,8 @@ import pytest
 import yaml
 
 from process_harness import CONFIG, TINY_MODEL, cmdline, alive, descendants, finish, overrides, ranks_of, wait_for
+from recpipe.checkpoint.integrity import METADATA_FILE
+from recpipe.checkpoint.store import latest_checkpoint
 from recpipe.cli import main
 from recpipe.exit_codes import (
     EXIT_BAD_CONFIG,
@@ -34,8 +36,6 @@ from recpipe.exit_codes import (
     EXIT_PREEMPTED,
     EXIT_WORKER_FAILED,
 )
-from recpipe.train.checkpoint import latest_checkpoint
-from recpipe.train.integrity import METADATA_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 RECPIPE = [sys.executable, "-m", "recpipe", "train", "--config", str(CONFIG)]

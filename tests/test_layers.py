@@ -1,9 +1,8 @@
-"""recpipe's layers: no module-level import cycle, and no folder-level cycle outside the
-allow-list below (``scripts/import_layers.py`` builds the graphs and prints both).
+"""recpipe's layers: no module-level import cycle and no folder-level one
+(``scripts/import_layers.py`` builds the graphs and prints both).
 
 A folder (``recpipe/<folder>/``) or a top-level module is a unit; a folder-level cycle is a
 set of units that import one another round a loop, module by module acyclic but not layered.
-Each allowed cycle says why it stays; a cycle that is gone must leave the list.
 """
 
 from __future__ import annotations
@@ -12,23 +11,13 @@ import ast
 
 from scripts.import_layers import MODULES, cycles, folder_graph, imports, is_lazy, module_graph
 
-ALLOWED_FOLDER_CYCLES = {
-    # The commands (planner/cli.py, train/cli.py) run the pre-launch checks, which check the
-    # memory plan (planner/), the model against sharding (sharding/) and the checkpoints
-    # (train/checkpoint.py): each folder holds a command above preflight.py and a part below it.
-    frozenset({"planner", "preflight", "sharding", "train"}):
-        "the commands of planner/ and train/ sit above preflight.py, the rest of those folders below",
-}
-
 
 def test_no_module_level_import_cycles():
     assert cycles(module_graph()) == [], "module-level import cycles (python scripts/import_layers.py)"
 
 
-def test_folder_cycles_are_the_allowed_ones():
-    found = {frozenset(c) for c in cycles(folder_graph(module_graph()))}
-    assert found - set(ALLOWED_FOLDER_CYCLES) == set(), "folder-level cycles outside the allow-list"
-    assert set(ALLOWED_FOLDER_CYCLES) - found == set(), "allowed folder-level cycles that are gone: remove them"
+def test_no_folder_level_import_cycles():
+    assert cycles(folder_graph(module_graph())) == [], "folder-level import cycles (python scripts/import_layers.py)"
 
 
 def test_pipelines_and_speed_features_sit_side_by_side_on_the_runtime():

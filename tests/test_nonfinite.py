@@ -16,13 +16,13 @@ import torch.distributed as dist
 
 from pipeline_harness import build, local_state, make_batches, small_config
 from process_harness import TINY_MODEL
+from recpipe.checkpoint.store import complete_checkpoints
 from recpipe.cli import main
 from recpipe.data.batch import Batch
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.exit_codes import EXIT_NONFINITE_LOSS
 from recpipe.pipelines import PIPELINES
 from recpipe.runtime.steps import dense_params
-from recpipe.train.checkpoint import complete_checkpoints
 from recpipe.train.nonfinite import SkipNonFiniteSteps, finite_json
 
 CONFIG = Path(__file__).parent.parent / "configs" / "quickstart.yaml"

@@ -20,9 +20,9 @@ import torch
 
 from fault_data import EVAL_STARTED
 from process_harness import CONFIG, alive, factory_config, interrupt, overrides, wait_for
+from recpipe.checkpoint.integrity import METADATA_FILE
 from recpipe.cli import main
 from recpipe.exit_codes import EXIT_DIR_IN_USE, EXIT_PREEMPTED
-from recpipe.train.integrity import METADATA_FILE
 from test_checkpoint import _full_state
 
 M = 5  # steps trained after the resume

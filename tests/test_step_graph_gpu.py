@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make_batches, small_config
+from recpipe.checkpoint.store import TrainPosition, load_checkpoint, save_checkpoint
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.compile import CompileOptions, apply_compile
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, capture_with_torch
-from recpipe.train.checkpoint import TrainPosition, load_checkpoint, save_checkpoint
 from test_step_graph import ROW_TABLES, TABLES, _fixed_batches, _no_graph, row_features
 
 pytestmark = [

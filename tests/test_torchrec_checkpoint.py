@@ -29,15 +29,15 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline_harness import build
+from recpipe.checkpoint.integrity import verify_checkpoint
+from recpipe.checkpoint.reader import read_metadata
+from recpipe.checkpoint.store import TrainPosition, check_resume, choose_checkpoint, load_chosen, save_checkpoint
 from recpipe.cli import main
 from recpipe.config import load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
 from recpipe.models.dlrm import embedding_configs
 from recpipe.torchrec_args import embedding_fused_params
-from recpipe.train.checkpoint import TrainPosition, check_resume, choose_checkpoint, load_chosen, save_checkpoint
-from recpipe.train.checkpoint_reader import read_metadata
-from recpipe.train.integrity import verify_checkpoint
 from test_checkpoint import Payload
 
 CFG = load_config(None, [

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from process_harness import alive, finish, ranks_of, start, wait_for
+from recpipe.checkpoint.integrity import METADATA_FILE, verify_checkpoint
+from recpipe.checkpoint.store import latest_checkpoint
 from recpipe.exit_codes import EXIT_STALLED, EXIT_WORKER_FAILED
-from recpipe.train.checkpoint import latest_checkpoint
-from recpipe.train.integrity import METADATA_FILE, verify_checkpoint
 from recpipe.train.watchdog import AUTO_FACTOR, AUTO_MIN_S, StepWatchdog, auto_timeout_s
 
 CUDA_2 = ["train.device=cuda", "distributed.backend=auto", "distributed.nproc=2"]

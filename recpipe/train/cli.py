@@ -28,6 +28,7 @@ import time
 from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from recpipe.callables import class_spec
+from recpipe.checkpoint.store import describe_newest
 from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
 from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
                                  shutdown_process_group, torchrun_overrides, under_torchrun)
@@ -36,7 +37,6 @@ from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.preflight import Machine, check_memory, preflight
 from recpipe.run_lock import hold_run_dirs, hold_run_dirs_on_rank0
 from recpipe.stop_requests import defer_requests, describe_request, install_signal_handlers, requested_signal
-from recpipe.train.checkpoint import describe_newest
 from recpipe.train.preemption import watch_launcher
 from recpipe.train.run_dir import read_summary, settle_summary
 from recpipe.train.startup import StartupClock

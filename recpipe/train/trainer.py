@@ -56,6 +56,8 @@ import torch.distributed as dist
 import torchrec
 from tqdm import tqdm
 
+from recpipe.checkpoint.store import (TrainPosition, checkpoint_path, choose_checkpoint, describe_newest, load_chosen,
+                                      resume_settings, save_checkpoint)
 from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
@@ -69,8 +71,6 @@ from recpipe.pipelines.accumulation import GradientAccumulation
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.sharding import plan_summary, shard_model
 from recpipe.train.clock import IntervalClock, LoaderWait, seconds
-from recpipe.train.checkpoint import (TrainPosition, checkpoint_path, choose_checkpoint, describe_newest, load_chosen,
-                                     resume_settings, save_checkpoint)
 from recpipe.train.learning_rates import LearningRates
 from recpipe.train.metrics import METRICS, ClickMetrics, PendingMetrics, click_outputs
 from recpipe.train.nonfinite import (

@@ -172,7 +172,7 @@ def dcp_load(state: dict, path: str | Path, *, no_dist: bool = False) -> None:
                               f"{lines[0] if lines else type(exc).__name__})") from None
 
 
-MODEL_PREFIX = "model."  # the model's state in a checkpoint (recpipe.train.checkpoint._dcp_state)
+MODEL_PREFIX = "model."  # the model's state in a checkpoint (recpipe.checkpoint.store._dcp_state)
 
 
 def model_tensors(path: str | Path) -> dict[str, dcp_metadata.TensorStorageMetadata]:

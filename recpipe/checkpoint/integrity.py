@@ -15,7 +15,7 @@ What recpipe wrote, it can tell apart from anything else in ``checkpoint.dir``: 
 checkpoint directory is named ``step_`` and its step in 8 digits or more, and a save
 writes ``MARKER_FILE`` into it before anything else and ``metadata.json`` after
 everything else; inside, the files a save writes have the names ``SAVED_FILES`` matches.
-Retention and every cleanup delete only those (``recpipe.train.checkpoint``).
+Retention and every cleanup delete only those (``recpipe.checkpoint.store``).
 
 ``recpipe checkpoint verify DIR`` (:func:`main_checkpoint`) checks by hand.
 """
@@ -35,13 +35,13 @@ __all__ = ["CONVERTED_FROM", "MARKER_FILE", "METADATA_FILE", "SAVED_FILES", "che
            "file_records", "main_checkpoint", "verify_checkpoint", "written_by_recpipe"]
 
 METADATA_FILE = "metadata.json"
-# metadata.json of a checkpoint converted from another format (recpipe.train.torchrec_checkpoint): which
+# metadata.json of a checkpoint converted from another format (recpipe.checkpoint.convert): which
 CONVERTED_FROM = "converted_from"
 MARKER_FILE = ".recpipe_checkpoint"  # a save writes it first: recpipe started writing this directory
 # Every file a save writes (DCP's writes .metadata through .metadata.tmp, recpipe metadata.json
 # through metadata.json.tmp).
 SAVED_FILES = re.compile(r"(\.recpipe_checkpoint|\.metadata|__\d+_\d+\.distcp|rng_rank\d+\.pt|metadata\.json)(\.tmp)?")
-_STEP_DIR = re.compile(r"step_(\d{8,})")  # recpipe.train.checkpoint.checkpoint_path's names
+_STEP_DIR = re.compile(r"step_(\d{8,})")  # recpipe.checkpoint.store.checkpoint_path's names
 _CHUNK = 16 * 2**20
 _WRITTEN_BY = (re.compile(r"__(\d+)_\d+\.distcp$"), re.compile(r"rng_rank(\d+)\.pt$"))
 
@@ -162,8 +162,8 @@ def position_problems(meta: dict) -> list[str]:
 def _metadata_problems(path: Path) -> list[str]:
     """Why DCP's ``.metadata`` of ``path`` cannot be read as data (a resume refuses a
     checkpoint whose metadata names code to run), or []."""
+    from recpipe.checkpoint.reader import read_metadata
     from recpipe.errors import CheckpointError
-    from recpipe.train.checkpoint_reader import read_metadata
 
     try:
         read_metadata(path)

@@ -7,7 +7,7 @@ it and a ``KeyedOptimizerWrapper`` over the dense parameters). A recpipe checkpo
 same model keys and the same optimizer states, one level higher: a ``KeyedOptimizer``'s
 state_dict is ``{"state": {param: {name: tensor}}}`` (and ``param_groups`` when it was told
 to save them), and recpipe stores ``state`` alone under ``optimizer``
-(``recpipe.train.checkpoint._dcp_state``). So the two differ only in the names DCP records:
+(``recpipe.checkpoint.store._dcp_state``). So the two differ only in the names DCP records:
 
     TorchRec: optimizer.state.model.sparse_arch...t_cat_0.weight.t_cat_0.momentum1
     recpipe:  optimizer.model.sparse_arch...t_cat_0.weight.t_cat_0.momentum1
@@ -27,7 +27,7 @@ for bit what was saved, in the sharding it was saved in (DCP reshards on load).
   verified against its record first; DST a new directory that TorchRec's ``dcp.load`` reads.
 
 Both read the source's ``.metadata`` without running code
-(``recpipe.train.checkpoint_reader.read_metadata``) and check that every file it names is
+(``recpipe.checkpoint.reader.read_metadata``) and check that every file it names is
 there and long enough before writing anything.
 """
 
@@ -42,13 +42,13 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import metadata as dcp_metadata
 
+from recpipe.checkpoint.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
+                                          file_records)
+from recpipe.checkpoint.reader import DCP_METADATA, read_metadata
+from recpipe.checkpoint.store import FORMAT_VERSION
 from recpipe.config import ConfigError
 from recpipe.errors import CheckpointError, storage_problem
 from recpipe.sections import INT64_MAX
-from recpipe.train.checkpoint import FORMAT_VERSION
-from recpipe.train.checkpoint_reader import DCP_METADATA, read_metadata
-from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
-                                     file_records)
 
 __all__ = ["from_torchrec", "main_convert", "to_torchrec"]
 
@@ -159,7 +159,7 @@ def to_torchrec(src: str | Path, dst: str | Path) -> Path:
     """The recpipe checkpoint ``src`` (a checkpoint, or a ``checkpoint.dir``: its newest),
     verified, as a DCP checkpoint ``dst`` (new or empty) that TorchRec loads; returns ``src``'s
     checkpoint."""
-    from recpipe.train.checkpoint import resolve_checkpoint
+    from recpipe.checkpoint.store import resolve_checkpoint
 
     chosen = resolve_checkpoint(src, what="SRC")  # every file's size and CRC-32 against its record
     dst = Path(dst)

@@ -12,11 +12,11 @@ One checkpoint is ``checkpoint.dir/step_{step:08d}/``:
   this save.
 * ``metadata.json``: the data position, the settings a resume must share
   (:func:`resume_settings`) and every other file's size and CRC-32
-  (``recpipe.train.integrity``), written last, by rank 0, after every rank has
+  (``recpipe.checkpoint.integrity``), written last, by rank 0, after every rank has
   finished writing. A directory without it is incomplete (a crash mid-save) and
   ignored.
 
-A checkpoint is read as data, never run: ``recpipe.train.checkpoint_reader`` reads
+A checkpoint is read as data, never run: ``recpipe.checkpoint.reader`` reads
 DCP's ``.metadata`` and every other pickle without running code, and refuses a file
 that names anything else (exit 6).
 
@@ -25,7 +25,7 @@ Resuming verifies the newest complete checkpoint before loading it; a damaged on
 file, and the next older one is tried. After each save rank 0 keeps the newest
 ``checkpoint.keep`` intact checkpoints and deletes every other ``step_*`` directory
 (older, damaged, or incomplete) that recpipe wrote: a damaged checkpoint never displaces an
-intact one. Only what a save wrote is deleted (``recpipe.train.integrity``: a directory named
+intact one. Only what a save wrote is deleted (``recpipe.checkpoint.integrity``: a directory named
 as a save names it, holding the marker or its record; in it, the files a save writes): a
 user's ``step_notes/``, or a file of theirs in a checkpoint directory, stays. A save that
 fails on any rank (read-only directory, full disk) fails on every rank with one error naming
@@ -56,13 +56,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
+from recpipe.checkpoint.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
+                                          file_records, position_problems, record_problems, verify_checkpoint,
+                                          written_by_recpipe)
+from recpipe.checkpoint.reader import (UnsafeCheckpointError, dcp_load, model_tensors, read_metadata,
+                                       safe_torch_load, shape_differences)
 from recpipe.config import CheckpointConfig, ConfigError, RecpipeConfig
 from recpipe.errors import CheckpointError, storage_problem
-from recpipe.train.checkpoint_reader import (UnsafeCheckpointError, dcp_load, model_tensors, read_metadata,
-                                             safe_torch_load, shape_differences)
-from recpipe.train.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
-                                     file_records, position_problems, record_problems, verify_checkpoint,
-                                     written_by_recpipe)
 
 if TYPE_CHECKING:
     from torchrec.optim.keyed import CombinedOptimizer
@@ -222,7 +222,7 @@ def check_resume(cfg: RecpipeConfig) -> None:
     if found is None:
         return
     path, meta = found
-    # A converted checkpoint (recpipe.train.torchrec_checkpoint) holds nothing of a number of ranks.
+    # A converted checkpoint (recpipe.checkpoint.convert) holds nothing of a number of ranks.
     ranks = {} if meta.get(CONVERTED_FROM) else {"distributed.nproc": meta["world_size"]}
     saved = meta.get("settings") or ranks
     now = resume_settings(cfg)

@@ -23,11 +23,11 @@ import json
 import sys
 
 from recpipe.config import ConfigError, load_config
-from recpipe.preflight import check_rules
 from recpipe.planner import estimate_memory, planner_inputs
+from recpipe.planner.advice import advice_lines, advise
 from recpipe.planner.plan import check_fits, render_table
 from recpipe.planner.scaling import predict_scaling, render_scaling
-from recpipe.planner.advice import advice_lines, advise
+from recpipe.preflight import check_rules
 
 SCALING_GPU = "H200"
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+from recpipe.embedding_tables import find_embedding_modules, table_configs
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -92,8 +94,6 @@ def apply_weights_precision(sharding: "ShardingConfig", model: "nn.Module", tabl
     resolved precision, before DistributedModelParallel builds the TBEs."""
     import torch
     from torchrec.types import DataType
-
-    from recpipe.embedding_tables import find_embedding_modules, table_configs
 
     dtypes = {"fp32": torch.float32, "fp16": torch.float16}
     modules = find_embedding_modules(model)

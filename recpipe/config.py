@@ -315,7 +315,7 @@ class CommPrecision(Section):
     # and decoded back to fp32. On CPU (Gloo) torchrec sends bf16 as fp16. With both
     # directions in the same half precision on several ranks (and no data_parallel
     # table) the TBEs write their outputs in it and only casts run: two conversions a
-    # step instead of four (recpipe.torchrec_args.tbe_output_precision).
+    # step instead of four (recpipe.table_sharding.comm.tbe_output_precision).
     forward: Literal["fp32", "fp16", "bf16"] = "fp32"
     backward: Literal["fp32", "fp16", "bf16"] = "fp32"
 
@@ -391,6 +391,10 @@ class ShardingConfig(Section):
 
     def for_table(self, name: str) -> TableSharding:
         return self.tables.get(name, self.default)
+
+    def table_key(self, name: str) -> str:
+        """The key path that sets table ``name``'s sharding, for messages."""
+        return f"sharding.tables.{name}" if name in self.tables else "sharding.default"
 
 
 # ----------------------------------------------------------------- optimizer
@@ -646,7 +650,7 @@ class RecpipeConfig(Section):
         """Resolved sharding of every table, by table name. A ``model.factory`` model's
         tables are known only once it is built: then the configured tables plus
         ``sharding.default`` (under that key), which is what config-time rules can
-        check; ``recpipe.embedding_tables.validated_tables`` checks the real ones."""
+        check; ``recpipe.table_sharding.checks.validated_tables`` checks the real ones."""
         if self.model.factory is not None:
             return {**self.sharding.tables, "sharding.default": self.sharding.default}
         return {name: self.sharding.for_table(name) for name in self.model.table_names}

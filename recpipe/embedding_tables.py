@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-    from recpipe.config import RecpipeConfig
+    from recpipe.config import RecpipeConfig, ShardingConfig
 
 __all__ = [
     "MODULE_TYPES",
@@ -33,7 +33,6 @@ __all__ = [
     "model_on_meta",
     "table_configs",
     "unsupported_modules",
-    "validated_tables",
 ]
 
 # Short names of the module types recpipe shards, in messages and plan tables.
@@ -144,7 +143,7 @@ def model_tables(model: nn.Module) -> tuple[TableInfo, ...]:
     return tuple(out)
 
 
-def check_table_names(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...]) -> None:
+def check_table_names(sharding: "ShardingConfig", tables: tuple[TableInfo, ...]) -> None:
     """Every table named under ``sharding.tables`` and ``sharding.mean_pooling_factors``
     exists in the model; ``ConfigError`` naming the key and listing the model's tables
     otherwise (for a ``model.factory`` model the names are only known once it is built)."""
@@ -155,7 +154,7 @@ def check_table_names(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...]) -> No
     problems = [
         f"  sharding.{key}.{name}: no such table in the model; its tables are: {listed}"
         for key in ("tables", "mean_pooling_factors")
-        for name in getattr(cfg.sharding, key)
+        for name in getattr(sharding, key)
         if name not in known
     ]
     if problems:

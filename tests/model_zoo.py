@@ -36,10 +36,10 @@ from pipeline_harness import RunResult, local_state
 from recpipe.config import load_config
 from recpipe.pipelines import PIPELINES
 from recpipe.sharding.build import dense_optimizer
-from recpipe.torchrec_args import embedding_fused_params
+from recpipe.table_sharding.sharders import embedding_fused_params
 
 _CFG = load_config(None, ["optimizer.embedding.lr=0.1", "optimizer.dense.lr=0.1"])
-_FUSED = embedding_fused_params(_CFG.optimizer.embedding, _CFG)
+_FUSED = embedding_fused_params(_CFG.optimizer.embedding, _CFG.sharding.uvm_host_mapped)
 
 
 def _tw(rank: int):

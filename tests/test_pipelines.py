@@ -325,7 +325,7 @@ def test_two_ranks_average_dense_gradients_exactly_as_ddp():
 def _one_rank_row_wise_worker(cfg) -> None:
     """One rank: a row_wise table is placed table_wise (torchrec batches it into the
     table_wise tables' TBE) and trains exactly as torchrec's row-wise sharding of it."""
-    from recpipe import torchrec_args
+    from recpipe.table_sharding import placement
 
     device = init_process_group(cfg)
     batches = make_batches(cfg, 6, dist.get_rank())
@@ -337,15 +337,15 @@ def _one_rank_row_wise_worker(cfg) -> None:
     assert cfg.sharding.for_table("t_cat_1").type == "row_wise" and placed("t_cat_1") == "table_wise"
     assert placed("t_cat_2") == "column_wise"
     ours = {name: train(cfg, name, batches, device=device) for name in ("base", "sparse_dist")}
-    real = torchrec_args.placed_type
-    torchrec_args.placed_type = lambda t, world_size: t.type
+    real = placement.placed_type
+    placement.placed_type = lambda t, world_size: t.type
     try:
         assert placed("t_cat_1") == "row_wise"
         for name, got in ours.items():
             assert_same(train(cfg, name, batches, device=device), got,
                         f"{name}: row_wise placed table_wise vs row_wise at one rank")
     finally:
-        torchrec_args.placed_type = real
+        placement.placed_type = real
 
 
 def test_one_rank_places_row_wise_tables_table_wise_with_the_same_numbers():

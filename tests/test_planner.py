@@ -95,14 +95,16 @@ def test_tbe_grouping_and_load_factor_match_torchrec():
     from torchrec.distributed.types import ShardingEnv
 
     from recpipe.models.dlrm import build_model
-    from recpipe.sharding.build import EBC_PATH, make_sharder, sharding_plan
+    from recpipe.sharding.build import EBC_PATH, sharding_plan
+    from recpipe.table_sharding.sharders import make_sharder
 
     cfg = cfg_of(**MIXED)
     inputs = inputs_from_config(cfg)
     model = build_model(cfg.model)
     plan = sharding_plan(model, cfg, 4, "cuda").plan[EBC_PATH]
     infos = create_sharding_infos_by_sharding_device_group(
-        model.get_submodule(EBC_PATH), dict(plan), "embedding_bags.", make_sharder(cfg).fused_params)
+        model.get_submodule(EBC_PATH), dict(plan), "embedding_bags.",
+        make_sharder(cfg.sharding, cfg.optimizer.embedding).fused_params)
     classes = {"table_wise": TwPooledEmbeddingSharding, "row_wise": RwPooledEmbeddingSharding,
                "column_wise": CwPooledEmbeddingSharding}
     theirs, ours = {}, {}
@@ -556,9 +558,10 @@ def test_the_builtin_model_read_off_its_config_is_the_model_built_on_meta(overri
 
 
 def test_the_sharding_types_stated_are_torchrecs():
-    """``recpipe.torchrec_args.SHARDER_TYPES`` (what the planner checks the built-in model
+    """``recpipe.table_sharding.sharders.SHARDER_TYPES`` (what the planner checks the built-in model
     against without torchrec) is what torchrec's sharders offer, on CUDA and on CPU."""
-    from recpipe.torchrec_args import SHARDER_TYPES, sharders_offer
+    from recpipe.table_sharding.sharders import SHARDER_TYPES, sharders_offer
 
+    cfg = load_config(None, [])
     for device in ("cuda", "cpu"):
-        assert sharders_offer(load_config(None, []), device) == SHARDER_TYPES, device
+        assert sharders_offer(cfg.sharding, cfg.optimizer.embedding, device) == SHARDER_TYPES, device

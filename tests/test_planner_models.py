@@ -19,7 +19,8 @@ from recpipe.planner import estimate_memory, inputs_from_config
 from recpipe.planner.memory import batch_bytes
 from recpipe.planner.spec import DenseSpec, PlannerInputs, TableSpec, pipeline_spec, shards_for_tables, shards_from_plan
 from recpipe.planner.tbe import group_tbes
-from recpipe.sharding import make_sharders, sharding_plan
+from recpipe.sharding import sharding_plan
+from recpipe.table_sharding.sharders import make_sharders
 
 _SPARSE = ("table_1: {type: row_wise}, table_2: {type: column_wise}, weighted_table_1: {type: row_wise}, "
            "table_4: {type: row_wise}, table_5: {type: column_wise}")
@@ -100,7 +101,7 @@ def _torchrec_groups(model, plan, cfg, world_size: int) -> dict[tuple, list]:
     sequence = {"table_wise": tw_sequence_sharding.TwSequenceEmbeddingSharding,
                 "row_wise": rw_sequence_sharding.RwSequenceEmbeddingSharding,
                 "column_wise": cw_sequence_sharding.CwSequenceEmbeddingSharding}
-    sharders = make_sharders(cfg)
+    sharders = make_sharders(cfg.sharding, cfg.optimizer.embedding)
     out: dict[tuple, list] = {}
     for fqn, module in find_embedding_modules(model).items():
         kind = type(module).__name__

@@ -24,7 +24,7 @@ from recpipe.planner.scaling import a2a_bytes
 from recpipe.planner.spec import TableSpec
 from recpipe.planner.tbe import group_tbes, tbe_static
 from recpipe.sharding import check_model_config, sharding_plan
-from recpipe.torchrec_args import apply_weights_precision
+from recpipe.table_sharding.precision import apply_weights_precision
 from test_planner_models import _torchrec_groups
 from test_planner_tbe import _LOCATION, _OPT, _Props, inputs_for, real_terms
 
@@ -103,7 +103,7 @@ def test_precisions_split_tbes_as_torchrec_groups_them():
     ])
     model = build_model(cfg.model)
     tables = check_model_config(cfg, model)
-    apply_weights_precision(cfg, model, tables)
+    apply_weights_precision(cfg.sharding, model, tables)
     theirs = _torchrec_groups(model, sharding_plan(model, cfg, 2, "cuda", tables), cfg, 2)
     inputs = inputs_from_config(cfg)
     ours: dict[tuple, list] = {}
@@ -208,10 +208,10 @@ def test_plan_from_config_follows_table_precision():
 
 def test_tbe_outputs_follow_the_wire_precision_where_the_tbes_write_it():
     """The planner's TBE outputs take the comm precision exactly where sharding does
-    (recpipe.torchrec_args.tbe_output_precision): several ranks, both directions alike,
+    (recpipe.table_sharding.comm.tbe_output_precision): several ranks, both directions alike,
     no data_parallel table."""
     from recpipe.planner.memory import rank_io
-    from recpipe.torchrec_args import tbe_output_precision
+    from recpipe.table_sharding.comm import tbe_output_precision
 
     base = ["distributed.nproc=2", "data.batch_size=2048", "model.num_embeddings_per_feature=[1000000,2000,3000,4000]"]
     cases = {
@@ -226,9 +226,9 @@ def test_tbe_outputs_follow_the_wire_precision_where_the_tbes_write_it():
         cfg = load_config(None, base + extra)
         inputs = inputs_from_config(cfg)
         assert inputs.tbe_output_bytes == nbytes, name
-        assert (tbe_output_precision(cfg, 2) is not None) == (nbytes == 2), name
+        assert (tbe_output_precision(cfg.sharding, 2) is not None) == (nbytes == 2), name
         lookups[name] = rank_io(inputs, 0).lookup
     assert lookups["bf16 both ways"] * 2 == lookups["fp32"] == lookups["fp16 forward only"] > 0
     one = inputs_from_config(load_config(None, base[1:] + cases["bf16 both ways"][0]))
     assert one.world_size == 1 and one.tbe_output_bytes == 4
-    assert tbe_output_precision(load_config(None, base[1:] + cases["bf16 both ways"][0]), 1) is None
+    assert tbe_output_precision(load_config(None, base[1:] + cases["bf16 both ways"][0]).sharding, 1) is None

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from recpipe.config import load_config
-from recpipe.torchrec_args import validated_tables
+from recpipe.table_sharding.checks import validated_tables
 from recpipe.models import build_model
 from recpipe.sharding import plan_summary, sharding_plan
 from recpipe.preflight import Machine, check_memory

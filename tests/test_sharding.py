@@ -21,7 +21,7 @@ from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
 from recpipe.distributed import init_process_group, launch_local
 from recpipe.embedding_tables import find_embedding_modules, model_tables
-from recpipe.torchrec_args import validated_tables
+from recpipe.table_sharding.checks import validated_tables
 from recpipe.exit_codes import EXIT_BAD_CONFIG
 from recpipe.sharding import EBC_PATH, plan_table, shard_model, sharding_plan
 

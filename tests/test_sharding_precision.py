@@ -147,7 +147,7 @@ def _tbes(model: nn.Module) -> list:
 def _tbe_output_worker(cfg) -> None:
     """The same half precision both ways on two ranks (fp16 on CPU, bf16 on CUDA): the
     TBEs write it (FBGEMM output_dtype) and only cast codecs run
-    (recpipe.torchrec_args.tbe_output_precision). On CPU the first forward equals
+    (recpipe.table_sharding.comm.tbe_output_precision). On CPU the first forward equals
     torchrec's own codecs on fp32 TBE outputs (both round the same fp32 sums once); the
     TBE backward then takes the half-precision gradient itself instead of its exact fp32
     copy, and FBGEMM's kernel sums it in another order: later steps agree to rounding,
@@ -155,19 +155,19 @@ def _tbe_output_worker(cfg) -> None:
     identical to each other."""
     from pipeline_harness import build
 
-    from recpipe import torchrec_args
+    from recpipe.table_sharding import comm
     from recpipe.config import CommPrecision
 
     device = init_process_group(cfg)
-    wire = SparseType(torchrec_args.tbe_output_precision(cfg, 2, device.type))
+    wire = SparseType(comm.tbe_output_precision(cfg.sharding, 2, device.type))
     # Ids 0-11: each row-wise table's ids all on rank 0 (its other rank adds zeros). The
     # spread batches, where both ranks add partial sums, are checked step by step below.
     batches = make_batches(cfg, 6, dist.get_rank(), spread=False)
     tbes = _tbes(build(cfg, device).model)
     assert tbes and all(t.output_dtype == wire.as_int() for t in tbes), [t.output_dtype for t in tbes]
     ours = {name: train(cfg, name, batches, device=device) for name in ("base", "sparse_dist")}
-    real = torchrec_args.tbe_output_precision
-    torchrec_args.tbe_output_precision = lambda cfg, world_size, device_type="cuda": None
+    real = comm.tbe_output_precision
+    comm.tbe_output_precision = lambda sharding, world_size, device_type="cuda": None
     try:
         tbes = _tbes(build(cfg, device).model)
         assert tbes and all(t.output_dtype == SparseType.FP32.as_int() for t in tbes)
@@ -179,16 +179,16 @@ def _tbe_output_worker(cfg) -> None:
         gap = (mine - torch.stack(train(fp32, "base", batches, device=device).losses)).abs().max()
         assert (mine - theirs).abs().max() < 0.1 * gap, ((mine - theirs).abs().max(), gap)
     finally:
-        torchrec_args.tbe_output_precision = real
+        comm.tbe_output_precision = real
     assert_same(ours["base"], ours["sparse_dist"], "sparse_dist vs base with half-precision TBE outputs")
     if device.type == "cpu":  # on CUDA the TBE's bf16 rounding of its output need not be the codec's
         _one_step_as_codecs(cfg, device)
     # one rank: torchrec's all-to-alls return the TBE output without decoding: it stays fp32;
     # so with a data_parallel table, whose lookup output reaches the model without one
-    assert torchrec_args.tbe_output_precision(cfg, 1, device.type) is None
-    comm = cfg.sharding.comm_precision.forward
-    with_dp = small_config(2, [f"train.device={device.type}", f"sharding.comm_precision={{forward: {comm}, backward: {comm}}}"])
-    assert torchrec_args.tbe_output_precision(with_dp, 2, device.type) is None
+    assert comm.tbe_output_precision(cfg.sharding, 1, device.type) is None
+    half = cfg.sharding.comm_precision.forward
+    with_dp = small_config(2, [f"train.device={device.type}", f"sharding.comm_precision={{forward: {half}, backward: {half}}}"])
+    assert comm.tbe_output_precision(with_dp.sharding, 2, device.type) is None
     tbes = _tbes(build(with_dp, device).model)  # small_config's tables include a data_parallel one
     assert any("Dense" in type(t).__name__ for t in tbes), tbes
     assert all(t.output_dtype == SparseType.FP32.as_int() for t in tbes), [t.output_dtype for t in tbes]
@@ -204,16 +204,16 @@ def _one_step_as_codecs(cfg, device) -> None:
     this one step (table-wise and row-wise alike), and over 6 steps the two paths' losses
     as far apart as half- and fp32 comms are (rank 1: 2.1e-5 and 1.3e-5), not the 10x
     closer that ids 0-11 give above."""
-    from recpipe import torchrec_args
+    from recpipe.table_sharding import comm
 
     batches = make_batches(cfg, 1, dist.get_rank())
     ours = train(cfg, "base", batches, device=device)
-    real = torchrec_args.tbe_output_precision
-    torchrec_args.tbe_output_precision = lambda cfg, world_size, device_type="cuda": None
+    real = comm.tbe_output_precision
+    comm.tbe_output_precision = lambda sharding, world_size, device_type="cuda": None
     try:
         codecs = train(cfg, "base", batches, device=device)
     finally:
-        torchrec_args.tbe_output_precision = real
+        comm.tbe_output_precision = real
     assert torch.equal(ours.losses[0], codecs.losses[0]), (ours.losses[0], codecs.losses[0])
     tables = [key for key in ours.state if "embedding_bags" in key]
     assert tables and all(ours.state[k].dtype == torch.float16 for k in tables), tables

@@ -37,7 +37,7 @@ from recpipe.config import load_config
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT
 from recpipe.models.dlrm import embedding_configs
-from recpipe.torchrec_args import embedding_fused_params
+from recpipe.table_sharding.sharders import embedding_fused_params
 from test_checkpoint import Payload
 
 CFG = load_config(None, [
@@ -75,7 +75,8 @@ def torchrec_dmp(seed: int) -> tuple[DistributedModelParallel, CombinedOptimizer
     model = DLRMTrain(DLRM(embedding_bag_collection=ebc, dense_in_features=m.num_dense_features,
                            dense_arch_layer_sizes=list(m.dense_arch_layer_sizes),
                            over_arch_layer_sizes=list(m.over_arch_layer_sizes)))
-    sharder = EmbeddingBagCollectionSharder(fused_params=embedding_fused_params(CFG.optimizer.embedding, CFG))
+    fused = embedding_fused_params(CFG.optimizer.embedding, CFG.sharding.uvm_host_mapped)
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused)
     per_table = {"t_cat_0": row_wise(compute_kernel="fused"),
                  **{t: table_wise(rank=0, compute_kernel="fused") for t in ("t_cat_1", "t_cat_2")}}
     plan = construct_module_sharding_plan(model.model.sparse_arch.embedding_bag_collection, per_table,

@@ -57,7 +57,7 @@ from recpipe.bench.runner import pregenerate  # noqa: E402
 from recpipe.config import ConfigError, RecpipeConfig, config_from_dict  # noqa: E402
 from recpipe.data import Batch  # noqa: E402
 from recpipe.pipelines.prefetch import cached_tbes  # noqa: E402
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR  # noqa: E402
+from recpipe.table_sharding.cache import DEFAULT_CACHE_LOAD_FACTOR  # noqa: E402
 
 __all__ = ["SWEPT", "WIN_MARGIN", "CacheSweep", "draw", "empty_cache", "measure_model", "parse_grid", "point_config",
            "recommend", "run_sweep", "skip_reason", "sweep_md"]

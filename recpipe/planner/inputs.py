@@ -15,7 +15,8 @@ from recpipe.planner.model_spec import (builtin_dense_spec, builtin_tables, dens
                                         table_specs)
 from recpipe.planner.spec import GiB, PlannerInputs, ShardSpec, pipeline_spec, shards_for_tables
 from recpipe.system import ALLOC_CONF_ENV, may_have_gpu
-from recpipe.torchrec_args import check_tables, table_wise_ranks, validated_tables
+from recpipe.table_sharding.checks import check_tables, validated_tables
+from recpipe.table_sharding.placement import table_wise_ranks
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig

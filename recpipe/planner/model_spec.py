@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING
 
 from recpipe.embedding_tables import EBC, TableInfo
 from recpipe.planner.spec import CACHED, DenseSpec, TableSpec, activation_bytes, dense_output_grad_bytes
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, placed_type, stochastic_rounding, weights_precision
+from recpipe.table_sharding.cache import DEFAULT_CACHE_LOAD_FACTOR
+from recpipe.table_sharding.placement import placed_type
+from recpipe.table_sharding.precision import stochastic_rounding, weights_precision
 
 if TYPE_CHECKING:
     from torch import nn
@@ -70,7 +72,7 @@ def table_specs(
     cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float], world_size: int
 ) -> tuple[TableSpec, ...]:
     """The planner's view of every table, with its resolved sharding (the type as
-    placed on ``world_size`` ranks: ``recpipe.torchrec_args.placed_type``)."""
+    placed on ``world_size`` ranks: ``recpipe.table_sharding.placement.placed_type``)."""
     out = []
     for t in tables:
         ts = cfg.sharding.for_table(t.name)
@@ -83,7 +85,8 @@ def table_specs(
         out.append(TableSpec(
             t.name, t.rows, t.dim, pfs[t.name], placed_type(ts, world_size), ts.kernel, clf, module=t.module,
             num_features=len(t.features), pooled=t.pooled, weighted=t.weighted, feature_processed=t.feature_processed,
-            weights_precision=weights_precision(cfg, t), cache_precision=cp, stochastic_rounding=stochastic_rounding(cfg, t),
+            weights_precision=weights_precision(cfg.sharding, t), cache_precision=cp,
+            stochastic_rounding=stochastic_rounding(cfg.sharding, t),
         ))
     return tuple(out)
 

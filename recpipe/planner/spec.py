@@ -11,7 +11,7 @@ Shards follow torchrec's own rules so that the estimate is of the run that reall
 happens (``tests/test_planner.py`` checks them against
 ``construct_module_sharding_plan``):
 
-* table_wise: one shard, on ``recpipe.torchrec_args.table_wise_ranks``'s rank;
+* table_wise: one shard, on ``recpipe.table_sharding.placement.table_wise_ranks``'s rank;
 * row_wise: ``ceil(rows / W)`` rows per rank, the last non-empty shard takes the
   rest, later ranks get 0 rows (torchrec ``_calculate_rw_shard_sizes_and_offsets``);
 * column_wise: blocks of the smallest multiple of 4 columns that is at least
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from recpipe.pipeline_options import PipelineOptions, options_of
 from recpipe.pipelines.registry import PIPELINES
-from recpipe.torchrec_args import PRECISION_BYTES
+from recpipe.table_sharding.precision import PRECISION_BYTES
 
 if TYPE_CHECKING:
     from recpipe.config import ModelConfig, RecpipeConfig
@@ -237,7 +237,7 @@ class PlannerInputs:
     @property
     def tbe_output_bytes(self) -> int:
         """Bytes per value of the TBEs' pooled outputs: the wire precision where the TBEs
-        write it themselves (``recpipe.torchrec_args.tbe_output_precision``: several ranks,
+        write it themselves (``recpipe.table_sharding.comm.tbe_output_precision``: several ranks,
         both directions the same half precision, no data_parallel table), else fp32."""
         fwd, bwd = self.comm_precision
         data_parallel = any(t.sharding_type == "data_parallel" for t in self.tables)

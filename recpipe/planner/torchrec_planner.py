@@ -42,7 +42,8 @@ from recpipe.planner.tbe import (
     tbe_cache_insert,
     tbe_static,
 )
-from recpipe.torchrec_args import DEFAULT_CACHE_LOAD_FACTOR, cache_params, make_sharders
+from recpipe.table_sharding.cache import DEFAULT_CACHE_LOAD_FACTOR, cache_params
+from recpipe.table_sharding.sharders import make_sharders
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -156,7 +157,7 @@ def constraints_from_config(cfg: "RecpipeConfig", inputs: PlannerInputs) -> dict
             sharding_types=[t.sharding_type], compute_kernels=[t.kernel],
             pooling_factors=[t.pooling_factor] * t.num_features,
             min_partition=t.dim // W if t.sharding_type == "column_wise" else None,
-            cache_params=cache_params(cfg.sharding.for_table(t.name), cfg),
+            cache_params=cache_params(cfg.sharding.for_table(t.name), cfg.sharding, cfg.cache_line_locking),
         )
     return out
 
@@ -211,7 +212,7 @@ def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None
     model = model_on_meta(cfg) if model is None else model
     with _quiet():
         planner = torchrec_planner(cfg, inputs)
-        return planner.plan(model, list(make_sharders(cfg).values()))
+        return planner.plan(model, list(make_sharders(cfg.sharding, cfg.optimizer.embedding).values()))
 
 
 def torchrec_pipeline_type(pipeline: PipelineSpec) -> str:
@@ -248,7 +249,7 @@ def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_awa
     estimator = EmbeddingStorageEstimator(topology=topology, constraints=constraints, pipeline_type=ptype)
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=inputs.batch_size, constraints=constraints,
                                      estimator=[estimator])
-    model, sharders = model_on_meta(cfg), list(make_sharders(cfg).values())
+    model, sharders = model_on_meta(cfg), list(make_sharders(cfg.sharding, cfg.optimizer.embedding).values())
     options = {so.name: so for so in enumerator.enumerate(model, sharders)}
     reservation = HeuristicalStorageReservation(percentage=0.15)
     reservation.reserve(topology, inputs.batch_size, model, sharders, constraints)

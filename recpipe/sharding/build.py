@@ -7,7 +7,7 @@ places what the config says, so the same YAML gives the same placement on CPU
 ``sharding.placement: planner`` torchrec's partitioner places the shards on the
 memory planner's estimates instead. What each config value becomes in torchrec and
 FBGEMM (kernels, fused params, cache params, sharders, table_wise ranks) lives in
-:mod:`recpipe.torchrec_args`, which the memory planner shares.
+:mod:`recpipe.table_sharding`, which the memory planner shares.
 """
 
 from __future__ import annotations
@@ -26,20 +26,13 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from recpipe.config import DenseOptimizerConfig, RecpipeConfig
 from recpipe.embedding_tables import TableInfo, find_embedding_modules
-from recpipe.torchrec_args import validated_tables
 from recpipe.sharding.data_parallel import DataParallelAcrossRanks
 from recpipe.system import local_world_size
-from recpipe.torchrec_args import (
-    apply_weights_precision,
-    cache_params,
-    make_sharders,
-    parameter_sharding_generator,
-    precision_warnings,
-    stochastic_rounding,
-    table_row_wise_hosts,
-    table_wise_ranks,
-)
-from recpipe.torchrec_args import make_sharder  # noqa: F401  (re-exported: recpipe.sharding.build.make_sharder)
+from recpipe.table_sharding.cache import cache_params
+from recpipe.table_sharding.checks import validated_tables
+from recpipe.table_sharding.placement import parameter_sharding_generator, table_row_wise_hosts, table_wise_ranks
+from recpipe.table_sharding.precision import apply_weights_precision, precision_warnings, stochastic_rounding
+from recpipe.table_sharding.sharders import make_sharders
 
 # Path of the EmbeddingBagCollection inside the built-in model (RecModel.model = DLRM).
 EBC_PATH = "model.sparse_arch.embedding_bag_collection"
@@ -52,10 +45,10 @@ def sharding_plan(
     """One module plan per embedding module of ``model`` (found by type), one entry
     per table from ``sharding.default`` / ``sharding.tables``; table_wise tables are
     balanced over all of the model's tables together. ``tables``: the model's
-    (:func:`recpipe.embedding_tables.validated_tables`), computed when not given."""
+    (:func:`recpipe.table_sharding.checks.validated_tables`), computed when not given."""
     tables = validated_tables(cfg, model, device_type) if tables is None else tables
-    ranks = {**table_wise_ranks(cfg, world_size, tables), **table_row_wise_hosts(cfg, world_size, tables)}
-    sharders = make_sharders(cfg, device_type)
+    ranks = {**table_wise_ranks(cfg, world_size, tables), **table_row_wise_hosts(cfg.sharding, world_size, tables)}
+    sharders = make_sharders(cfg.sharding, cfg.optimizer.embedding, device_type)
     plan = {}
     for fqn, module in find_embedding_modules(model).items():
         mine = [t for t in tables if t.module == fqn]
@@ -72,8 +65,9 @@ def sharding_plan(
             device_type=device_type,
         )
         for t in mine:
-            module_plan[t.name].cache_params = cache_params(cfg.sharding.for_table(t.name), cfg)
-            module_plan[t.name].stochastic_rounding = stochastic_rounding(cfg, t)
+            ts = cfg.sharding.for_table(t.name)
+            module_plan[t.name].cache_params = cache_params(ts, cfg.sharding, cfg.cache_line_locking)
+            module_plan[t.name].stochastic_rounding = stochastic_rounding(cfg.sharding, t)
         plan[fqn] = module_plan
     return ShardingPlan(plan)
 
@@ -95,7 +89,7 @@ def planner_placement(
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
     for t in tables:
-        plan.plan[t.module][t.name].stochastic_rounding = stochastic_rounding(cfg, t)
+        plan.plan[t.module][t.name].stochastic_rounding = stochastic_rounding(cfg.sharding, t)
     return plan
 
 
@@ -144,17 +138,18 @@ def shard_model(
     EmbeddingCollection or FeatureProcessedEmbeddingBagCollection modules, tables on
     meta) over the default process group; the rest of the model is replicated, its
     gradients averaged as ``sharding.dense_gradients`` says (``data_parallel``).
-    ``extra_fused_params`` reach every FBGEMM TBE (``torchrec_args.make_sharders``)."""
+    ``extra_fused_params`` reach every FBGEMM TBE (``recpipe.table_sharding.sharders.make_sharders``)."""
     world_size = dist.get_world_size(pg)
     tables = validated_tables(cfg, model, device.type)
-    apply_weights_precision(cfg, model, tables)  # before DMP builds the TBEs from the table configs
+    apply_weights_precision(cfg.sharding, model, tables)  # before DMP builds the TBEs from the table configs
     if cfg.sharding.placement == "planner":
         plan = planner_placement(cfg, world_size, device, model, tables)
     else:
         plan = sharding_plan(model, cfg, world_size, device.type, tables)
     dmp = DistributedModelParallel(
         module=model, device=device, plan=plan, env=None,
-        sharders=list(make_sharders(cfg, device.type, extra_fused_params=extra_fused_params, world_size=world_size).values()),
+        sharders=list(make_sharders(cfg.sharding, cfg.optimizer.embedding, device.type,
+                                    extra_fused_params=extra_fused_params, world_size=world_size).values()),
         data_parallel_wrapper=DataParallelAcrossRanks(cfg.sharding.dense_gradients),
     )
     optimizer = CombinedOptimizer([dmp.fused_optimizer, dense_optimizer(dmp, cfg.optimizer.dense)])
@@ -167,7 +162,7 @@ def check_model_config(cfg: RecpipeConfig, model: nn.Module | None = None, devic
     (``ConfigError``, exit code 2), and a warning for every precision option that
     will not take effect on ``device_type``."""
     tables = validated_tables(cfg, model, device_type)
-    for line in precision_warnings(cfg, tables, device_type):
+    for line in precision_warnings(cfg.sharding, tables, device_type):
         warnings.warn(line, stacklevel=2)
     return tables
 

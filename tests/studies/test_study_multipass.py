@@ -146,7 +146,7 @@ H100_SWEEP = ["sharding.prefetch_min_pass_size=65536", "data.synthetic.mean_pool
 @pytest.mark.parametrize("passes", [1, 2, 4, 8, 12])
 def test_isolated_prefetch_prediction_of_the_h100_sweep(passes):
     """N = 4 x 40 x 8192 = 1,310,720 indices and b = 4 x 8192 bags in one TBE (table_wise/cached/d128:
-    row_wise tables on one rank are placed table_wise, ``recpipe.torchrec_args.placed_type``).
+    row_wise tables on one rank are placed table_wise, ``recpipe.table_sharding.placement.placed_type``).
     Leaves: 4 N + 12 (b + 1) = 5,636,108 B. Scratch (FBGEMM >= 1.4): one pass 52.18 N; 2 passes
     44.18 N / 2 + 8 N; 4 passes 44.18 N / 4 + 8 N; from 8 passes on the last cat's 16 N floor."""
     cfg, why = sweep_config(load_config(CONFIGS / "uvm_caching.yaml", H100_SWEEP), passes)

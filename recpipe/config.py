@@ -157,7 +157,7 @@ class SyntheticConfig(Section):
     # cuda: by producer threads of the training process, each on its own CUDA stream of
     # the rank's GPU, copied into pinned host memory and handed over as host batches
     # (for multi-hot shapes, whose host producers fall behind a GPU's steps). The same
-    # laws, but other batches than cpu for a seed (docs/data.md, "Synthetic data").
+    # laws, but other batches than cpu for a seed (docs/data.md, "Synthetic batches on the GPU").
     device: Literal["cpu", "cuda"] = "cpu"
 
 

@@ -299,15 +299,16 @@ class SyntheticClickLog:
         dense = torch.floor(torch.exp(c["dense_mu"] + c["dense_sigma"] * z)).log1p_()
         if c["fixed_lengths"] is not None:  # data.multi_hot_sizes: no draw, the ids per key known here
             lengths = c["fixed_lengths"].unsqueeze(1).expand(-1, size).contiguous()
+            per_feature = c["fixed_lengths"].long() * size
             length_per_key = (self.fixed_lengths.long() * size).tolist()
         else:
             lengths = torch.ones(len(self.keys), size, dtype=torch.int32, device=device)
             if self.drawn.numel():
                 rates = (c["mean_pooling"][c["drawn"]] - 1.0).unsqueeze(1).expand(-1, size).contiguous()
                 lengths[c["drawn"]] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
-            length_per_key = lengths.sum(dim=1).tolist()  # waits for this thread's stream only
+            per_feature = lengths.sum(dim=1)
+            length_per_key = per_feature.tolist()  # waits for this thread's stream only
         total = sum(length_per_key)
-        per_feature = torch.tensor(length_per_key, device=device)
         per_id = lambda t: t.repeat_interleave(per_feature, dim=-1, output_size=total)  # noqa: E731
         rows, mult, offset, hash_keys = per_id(c["table_ints"])
         u = torch.rand(total, generator=g, dtype=torch.float64, device=device)

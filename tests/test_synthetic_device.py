@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from recpipe.cli import main
-from recpipe.config import ConfigError, SyntheticConfig, load_config
+from recpipe.config import ConfigError, DataConfig, SyntheticConfig, load_config
 from recpipe.data import make_dataloader
 from recpipe.data.loader import _to_host, with_sized_workers, workers_description, workers_kind_of
 from recpipe.data.spec import DataSpec
@@ -152,6 +152,13 @@ def test_a_process_workers_kind_is_replaced_by_threads_with_a_warning(monkeypatc
 def test_the_config_refuses_the_gpu_path_where_it_cannot_run(sets, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         _cfg(**{"data.synthetic.device": "cuda", **sets})
+
+
+def test_a_data_factory_refuses_the_gpu_path():
+    with pytest.raises(ValueError, match="data.synthetic.device='cuda' makes synthetic batches on the GPU, but "
+                                         "data.factory='slow_data:slow_train' makes this run's batches"):
+        DataConfig(factory="slow_data:slow_train", synthetic={"device": "cuda"})
+    assert DataConfig(factory="slow_data:slow_train").synthetic.device == "cpu"
 
 
 def test_a_machine_or_rank_without_cuda_is_refused(monkeypatch):

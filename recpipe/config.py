@@ -153,6 +153,12 @@ class SyntheticConfig(Section):
     num_eval_batches: int = Field(8, gt=0)
     # Strength of the planted ground-truth model; larger = easier to learn.
     signal_scale: float = Field(3.0, gt=0)
+    # Where batches are made. cpu: by the producers of data.workers_kind on the host.
+    # cuda: by producer threads of the training process, each on its own CUDA stream of
+    # the rank's GPU, copied into pinned host memory and handed over as host batches
+    # (for multi-hot shapes, whose host producers fall behind a GPU's steps). The same
+    # laws, but other batches than cpu for a seed (docs/data.md, "Synthetic batches on the GPU").
+    device: Literal["cpu", "cuda"] = "cpu"
 
 
 class CriteoConfig(Section):
@@ -241,6 +247,10 @@ class DataConfig(Section):
             raise ValueError(f"data.shuffle=true needs data.source='binary' or 'criteo_npy' (got data.source="
                              f"{self.source!r}): only memory-mapped data can be read in a shuffled order; convert "
                              "TSV files with `recpipe data convert`")
+        if self.synthetic.device == "cuda" and (self.source != "synthetic" or self.factory is not None):
+            made = f"data.factory={self.factory!r}" if self.factory is not None else f"data.source={self.source!r}"
+            raise ValueError(f"data.synthetic.device='cuda' makes synthetic batches on the GPU, but {made} makes "
+                             "this run's batches: remove data.synthetic.device or use data.source='synthetic'")
         if (self.multi_hot_sizes is not None and self.source == "synthetic" and self.factory is None
                 and self.synthetic.mean_pooling_factors != SyntheticConfig.model_fields["mean_pooling_factors"].default):
             raise ValueError("data.multi_hot_sizes (fixed ids per sample) and data.synthetic.mean_pooling_factors "
@@ -749,6 +759,8 @@ def _cross_field_problems(cfg: RecpipeConfig) -> list[str]:
             "fused_uvm_caching), which needs a CUDA GPU"
         )
     syn = cfg.data.synthetic
+    if cfg.train.device == "cpu" and syn.device == "cuda":
+        problems.append("data.synthetic.device='cuda' makes the batches on the rank's GPU, but train.device='cpu'")
     if cfg.model.factory is None and isinstance(syn.mean_pooling_factors, list) and len(syn.mean_pooling_factors) != cfg.model.num_sparse_features:
         problems.append(
             f"data.synthetic.mean_pooling_factors has {len(syn.mean_pooling_factors)} entries but "

@@ -103,6 +103,8 @@ def check_machine(cfg: RecpipeConfig, machine: Machine) -> None:
     problems = []
     if cfg.train.device == "cuda" and not machine.cuda:
         problems.append("train.device='cuda' but this machine has no CUDA GPU")
+    if cfg.data.synthetic.device == "cuda" and not machine.cuda:
+        problems.append("data.synthetic.device='cuda' but this machine has no CUDA GPU")
     if not machine.on_cuda(cfg):
         uvm = [n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching")]
         if uvm:

@@ -28,12 +28,14 @@ import functools
 import itertools
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.callables import load_callable
 from recpipe.config import ConfigError, DataConfig, RecpipeConfig
@@ -46,7 +48,7 @@ from recpipe.data.criteo_npy import CriteoNpyDataset, open_days, sparse_suffix
 from recpipe.data.spec import DataSpec
 from recpipe.data.stream import BatchStream, workers_kind
 from recpipe.data.synthetic import SyntheticClickLog, num_synthetic_batches
-from recpipe.data.workers import WorkersSizing, rank_cores, size_workers
+from recpipe.data.workers import WorkersSizing, rank_cores, size_gpu_workers, size_workers
 from recpipe.system import die_with_parent, local_world_size
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
@@ -286,14 +288,54 @@ class TsvDataLoader(DataLoader):
 
 
 class _SyntheticBatch:
-    """``index -> batch`` of one rank's synthetic split (pinned when ``pin``)."""
+    """``index -> batch`` of one rank's synthetic split (pinned when ``pin``).
 
-    def __init__(self, spec: DataSpec, rank: int, split: str, epoch: int, pin: bool) -> None:
+    ``device`` (``data.synthetic.device``, resolved): None makes it on the host; a CUDA
+    device makes it there on the calling thread's own stream, copies it into host memory
+    and waits for that stream alone (never the training loop's), so a host batch is
+    handed over as from the host path; the CPU device runs the same torch path on the host."""
+
+    def __init__(self, spec: DataSpec, rank: int, split: str, epoch: int, pin: bool,
+                 device: torch.device | None = None) -> None:
         self.log, self.rank, self.split, self.epoch, self.pin = SyntheticClickLog(spec), rank, split, epoch, pin
+        self.device = device
+        self.streams = threading.local()  # each producer thread's CUDA stream
 
     def __call__(self, index: int) -> Batch:
-        batch = self.log.batch(rank=self.rank, split=self.split, epoch=self.epoch, index=index)
-        return batch.pin_memory() if self.pin else batch
+        make = functools.partial(self.log.batch, rank=self.rank, split=self.split, epoch=self.epoch, index=index)
+        if self.device is None or self.device.type != "cuda":
+            batch = make(device=self.device)
+            return batch.pin_memory() if self.pin else batch
+        stream = getattr(self.streams, "stream", None)
+        if stream is None:
+            stream = self.streams.stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            batch = _to_host(make(device=self.device), self.pin)
+        stream.synchronize()
+        return batch
+
+
+def _to_host(batch: Batch, pin: bool) -> Batch:
+    """``batch`` copied into new host tensors (pinned: the copies are queued, not waited for)."""
+    def copied(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=pin).copy_(t, non_blocking=pin)
+
+    kjt = batch.sparse_features
+    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=copied(kjt.values()), lengths=copied(kjt.lengths()),
+                               stride=kjt.stride(), length_per_key=kjt.length_per_key())
+    return Batch(dense_features=copied(batch.dense_features), sparse_features=sparse,
+                 labels=copied(batch.labels), weights=copied(batch.weights))
+
+
+def synthetic_device(d: DataConfig) -> torch.device | None:
+    """Where synthetic batches are made (``d``: the ``data`` section): None on the host,
+    or the rank's current CUDA device for ``data.synthetic.device: cuda``."""
+    if d.source != "synthetic" or d.factory is not None or d.synthetic.device == "cpu":
+        return None
+    if not torch.cuda.is_available():
+        raise ConfigError("data.synthetic.device='cuda' but this process has no CUDA GPU (torch.cuda.is_available() "
+                          "is false): use data.synthetic.device='cpu'")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def host_memory_tables(cfg: RecpipeConfig) -> list[str]:
@@ -311,6 +353,11 @@ def workers_kind_of(cfg: RecpipeConfig) -> str:
     build ended and the producers forked, and a producer had 21 GB resident. Whether
     all of it was copies was not isolated; threads need no fork at all."""
     d = cfg.data
+    if d.synthetic.device == "cuda":  # a forked process cannot use the parent's CUDA context
+        if "workers_kind" in d.model_fields_set and d.workers_kind == "process":
+            job_warning("data.workers_kind='process' is ignored: data.synthetic.device='cuda' makes the batches in "
+                        "threads of the training process, on its GPU", stacklevel=3)
+        return "thread"
     if "workers_kind" in d.model_fields_set and (d.source == "criteo_tsv" or d.num_workers in (0, "auto")):
         why = ("criteo_tsv always parses in forked DataLoader worker processes" if d.source == "criteo_tsv"
                else "data.num_workers=0 makes the batches in the training loop")
@@ -334,6 +381,8 @@ def workers_description(cfg: RecpipeConfig) -> str:
         return "made in the loop"
     if d.source == "criteo_tsv":
         return "DataLoader worker processes"
+    if d.synthetic.device == "cuda":
+        return "producer threads on the GPU"
     return {"process": "producer processes", "thread": "producer threads"}[workers_kind_of(cfg)]
 
 
@@ -358,6 +407,8 @@ def size_loader(cfg: RecpipeConfig, *, rank: int, world_size: int) -> WorkersSiz
             seconds = (time.perf_counter() - started) / made if made else None
     except (ValueError, OSError, DataError, BinaryDataError):  # reported where training reads the data
         pass
+    if cfg.data.synthetic.device == "cuda":
+        return size_gpu_workers(cores=cores, batch_seconds=seconds, batch_size=cfg.data.batch_size)
     return size_workers(cores=cores, batch_seconds=seconds, batch_size=cfg.data.batch_size, on_cpu=on_cpu)
 
 
@@ -395,7 +446,7 @@ def make_dataloader(
     pin_made = pin and not (workers > 0 and kind == "process")
     if d.source == "synthetic":
         stop = num_synthetic_batches(d.synthetic, rank=rank, split=split)
-        make = _SyntheticBatch(spec, rank, split, epoch, pin_made)
+        make = _SyntheticBatch(spec, rank, split, epoch, pin_made, synthetic_device(d))
         return BatchStream(make, start_batch, stop, workers, pin_device, kind)
     if d.source in ("binary", "criteo_npy"):
         if d.source == "binary" and _binary_dir(d, split) is None:

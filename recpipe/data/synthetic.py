@@ -97,6 +97,22 @@ def _hash_unit(ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return unit
 
 
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """``z >> bits`` as a logical shift of the int64's bits (torch's ``>>`` is arithmetic)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _hash_unit_torch(ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """:func:`_hash_unit` in torch's int64 on any device, bit for bit (float64 out)."""
+    z = ids * _signed(int(_GOLDEN)) + keys
+    z = z ^ _shifted(z, 30)
+    z = z * _signed(int(_MIX1))
+    z = z ^ _shifted(z, 27)
+    z = z * _signed(int(_MIX2))
+    z = z ^ _shifted(z, 31)
+    return _shifted(z, 11).double() * 2.0**-53
+
+
 def _zipf_scale(rows: torch.Tensor, alpha: float) -> torch.Tensor | None:
     """Per-table constant of :func:`_zipf_ranks` (float64 [F]); None for the uniform law."""
     if alpha == 0.0:
@@ -107,11 +123,13 @@ def _zipf_scale(rows: torch.Tensor, alpha: float) -> torch.Tensor | None:
     return (rows + 0.5) ** b - 0.5**b
 
 
-def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float, scale: torch.Tensor | None = None) -> torch.Tensor:
+def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float, scale: torch.Tensor | None = None,
+                power=None) -> torch.Tensor:
     """Inverse CDF of density ∝ x^-alpha on [0.5, rows + 0.5] at ``u``, rounded: ranks 0..rows-1.
 
     ``rows`` (float64) and ``scale`` (``_zipf_scale`` of ``rows``, computed here when
-    None) are per element of ``u``."""
+    None) are per element of ``u``. ``power``: how ``floor((c + u * scale) ** e + 0.5)``
+    is computed (default :func:`_rounded_power`, CPU tensors only)."""
     if alpha == 0.0:
         return torch.floor(u * rows).long().clamp_(max=rows.long() - 1)
     if scale is None:
@@ -121,7 +139,7 @@ def _zipf_ranks(u: torch.Tensor, rows: torch.Tensor, alpha: float, scale: torch.
         x = 0.5 * torch.exp(u * scale)
         ranks = torch.floor(x + 0.5).long() - 1
     else:
-        ranks = _rounded_power(u, scale, 0.5**b, 1.0 / b)
+        ranks = (power or _rounded_power)(u, scale, 0.5**b, 1.0 / b)
         ranks -= 1
     return torch.minimum(ranks.clamp_(min=0), rows.long() - 1)
 
@@ -144,6 +162,11 @@ def _rounded_power(u: torch.Tensor, scale: torch.Tensor, c: float, exponent: flo
     if (gap <= _POW_MARGIN * x).any():
         return torch.floor((c + u * scale) ** exponent + 0.5).long()
     return torch.from_numpy(np.floor(x, out=x).astype(np.int64))
+
+
+def _torch_rounded_power(u: torch.Tensor, scale: torch.Tensor, c: float, exponent: float) -> torch.Tensor:
+    """:func:`_rounded_power` in torch alone, on ``u``'s device."""
+    return torch.floor((c + u * scale) ** exponent + 0.5).long()
 
 
 def _permuted(ranks: torch.Tensor, rows: torch.Tensor, mult: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
@@ -217,12 +240,28 @@ class SyntheticClickLog:
         self.dense_sigma = 0.5 + torch.rand(num_dense, generator=g) * 1.5
         self.dense_w = torch.randn(num_dense, generator=g, dtype=torch.float64)
         self.scale = syn.signal_scale / math.sqrt(num_dense + float(self.mean_pooling.sum()))
+        self._constants: dict[torch.device, dict[str, torch.Tensor]] = {}  # see _on
         self.bias = 0.0  # planted_logits subtracts it; calibrated on the raw logits
         self.bias = self._calibrate_bias(_seed("calibration", seed))
 
-    def _features(self, g: torch.Generator, size: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+    def _on(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The per-table and dense constants on ``device`` (made once per device)."""
+        constants = self._constants.get(device)
+        if constants is None:
+            named = {"dense_mu": self.dense_mu, "dense_sigma": self.dense_sigma, "dense_w": self.dense_w,
+                     "mean_pooling": self.mean_pooling, "table_ints": self.table_ints, "drawn": self.drawn,
+                     "fixed_lengths": self.fixed_lengths, "zipf_scale": self.zipf_scale}
+            constants = {k: None if v is None else v.to(device) for k, v in named.items()}
+            self._constants[device] = constants
+        return constants
+
+    def _features(self, g: torch.Generator, size: int, device: torch.device | None = None
+                  ) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
         """Dense [size, D], the KJT, and each id's table hash key (broadcastable to the
-        ids); draws dense, lengths, ids from ``g`` in that order."""
+        ids); draws dense, lengths, ids from ``g`` in that order. ``device``: made by
+        torch alone on that device (``g`` is a generator of it), see :meth:`batch`."""
+        if device is not None:
+            return self._device_features(g, size, device)
         z = torch.randn(size, self.dense_mu.numel(), generator=g)
         dense = torch.floor(torch.exp(self.dense_mu + self.dense_sigma * z)).log1p_()
         num_features = len(self.keys)
@@ -252,9 +291,41 @@ class SyntheticClickLog:
                                 length_per_key=length_per_key)
         return dense, kjt, hash_keys
 
-    def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, hash_keys: torch.Tensor | None = None) -> torch.Tensor:
+    def _device_features(self, g: torch.Generator, size: int, device: torch.device
+                         ) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+        """:meth:`_features` by torch ops on ``device``: the same laws, ids always flat."""
+        c = self._on(device)
+        z = torch.randn(size, self.dense_mu.numel(), generator=g, device=device)
+        dense = torch.floor(torch.exp(c["dense_mu"] + c["dense_sigma"] * z)).log1p_()
+        if c["fixed_lengths"] is not None:  # data.multi_hot_sizes: no draw, the ids per key known here
+            lengths = c["fixed_lengths"].unsqueeze(1).expand(-1, size).contiguous()
+            per_feature = c["fixed_lengths"].long() * size
+            length_per_key = (self.fixed_lengths.long() * size).tolist()
+        else:
+            lengths = torch.ones(len(self.keys), size, dtype=torch.int32, device=device)
+            if self.drawn.numel():
+                rates = (c["mean_pooling"][c["drawn"]] - 1.0).unsqueeze(1).expand(-1, size).contiguous()
+                lengths[c["drawn"]] = (torch.poisson(rates, generator=g) + 1).to(torch.int32)
+            per_feature = lengths.sum(dim=1)
+            length_per_key = per_feature.tolist()  # waits for this thread's stream only
+        total = sum(length_per_key)
+        per_id = lambda t: t.repeat_interleave(per_feature, dim=-1, output_size=total)  # noqa: E731
+        rows, mult, offset, hash_keys = per_id(c["table_ints"])
+        u = torch.rand(total, generator=g, dtype=torch.float64, device=device)
+        scale = None if c["zipf_scale"] is None else per_id(c["zipf_scale"])
+        ranks = _zipf_ranks(u, rows.double(), self.alpha, scale, power=_torch_rounded_power)
+        ids = (ranks * mult + offset) % rows  # non-negative: torch's % is the modulus
+        kjt = KeyedJaggedTensor(keys=self.keys, values=ids, lengths=lengths.flatten(), stride=size,
+                                length_per_key=length_per_key)
+        return dense, kjt, hash_keys
+
+    def planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, hash_keys: torch.Tensor | None = None,
+                       device: torch.device | None = None) -> torch.Tensor:
         """The ground-truth click logit of each sample (float64 [B]); ``hash_keys``: each
-        id's table key as ``_features`` returns it, if the caller has them."""
+        id's table key as ``_features`` returns it, if the caller has them. ``device``: by
+        torch ops on that device, where ``dense`` and ``sparse`` are."""
+        if device is not None:
+            return self._device_planted_logits(dense, sparse, hash_keys, device)
         size = dense.shape[0]
         std = (dense.double() - self.dense_mu.double()) / self.dense_sigma.double()
         logit = std @ self.dense_w
@@ -279,6 +350,22 @@ class SyntheticClickLog:
             logit.index_add_(0, sample, torch.from_numpy(h.reshape(-1)))
         return self.scale * logit - self.bias
 
+    def _device_planted_logits(self, dense: torch.Tensor, sparse: KeyedJaggedTensor, hash_keys: torch.Tensor | None,
+                               device: torch.device) -> torch.Tensor:
+        """:meth:`planted_logits` by torch ops on ``device``; each sample's id terms summed
+        per bag by a segmented sum (no atomics: the same bits every time on a device)."""
+        c, size = self._on(device), dense.shape[0]
+        std = (dense.double() - c["dense_mu"].double()) / c["dense_sigma"].double()
+        logit = std @ c["dense_w"]
+        values, lengths = sparse.values(), sparse.lengths()
+        if hash_keys is None:
+            per_feature = lengths.view(-1, size).sum(dim=1)
+            hash_keys = c["table_ints"][3].repeat_interleave(per_feature, output_size=values.numel())
+        h = (_hash_unit_torch(values, hash_keys) * 2.0 - 1.0) * math.sqrt(3.0)  # unit variance
+        bags = torch.segment_reduce(h, "sum", lengths=lengths, unsafe=True)  # [F * size]
+        logit += bags.view(-1, size).sum(dim=0)
+        return self.scale * logit - self.bias
+
     def _calibrate_bias(self, seed: int) -> float:
         """Bias giving a ~30% positive rate, by bisection on a fixed calibration sample."""
         dense, kjt, hash_keys = self._features(torch.Generator().manual_seed(seed), _CALIBRATION_SAMPLES)
@@ -292,16 +379,23 @@ class SyntheticClickLog:
                 hi = mid
         return 0.5 * (lo + hi)
 
-    def batch(self, *, rank: int, split: str, epoch: int, index: int) -> Batch:
-        """Batch ``index`` of ``rank``'s ``split`` stream; eval ignores ``epoch``."""
+    def batch(self, *, rank: int, split: str, epoch: int, index: int, device: torch.device | None = None) -> Batch:
+        """Batch ``index`` of ``rank``'s ``split`` stream; eval ignores ``epoch``.
+
+        ``device`` (``data.synthetic.device``): None makes it on the host as described
+        above; a device makes it there by torch ops alone, from a generator of that
+        device seeded alike, and returns it there. Its random streams are the device's
+        own, so its batches are not the host's: the same laws, the same batch for the
+        same seed, index and device kind."""
         stream_epoch = 0 if split == "eval" else epoch
-        g = torch.Generator().manual_seed(_seed("batch", self.seed, rank, split, stream_epoch, index))
-        dense, kjt, hash_keys = self._features(g, self.batch_size)
-        p = torch.sigmoid(self.planted_logits(dense, kjt, hash_keys))
-        labels = (torch.rand(self.batch_size, generator=g, dtype=torch.float64) < p).float()
+        seed = _seed("batch", self.seed, rank, split, stream_epoch, index)
+        g = torch.Generator(device=device or "cpu").manual_seed(seed)
+        dense, kjt, hash_keys = self._features(g, self.batch_size, device)
+        p = torch.sigmoid(self.planted_logits(dense, kjt, hash_keys, device))
+        labels = (torch.rand(self.batch_size, generator=g, dtype=torch.float64, device=device) < p).float()
         return Batch(
             dense_features=dense,
             sparse_features=kjt,
             labels=labels,
-            weights=torch.ones(self.batch_size),
+            weights=torch.ones(self.batch_size, device=device),
         )

@@ -31,11 +31,12 @@ class WorkersSizing:
     cores: int  # the rank's share of the host's cores
     batch_seconds: float | None  # measured time to make one batch in this process (None: not measured)
     needed: int  # producers for TARGET_SAMPLES_PER_S
+    why: str = ""  # a bound on the choice other than the cores, said after the figures
 
     def line(self, kind: str) -> str:
         made = f"a batch takes {self.batch_seconds * 1e3:.1f} ms to make" if self.batch_seconds is not None else "no batch measured"
         return (f"data.num_workers auto: {self.workers} {kind} ({self.cores} cores for this rank; {made}, "
-                f"{self.needed} would keep up with {TARGET_SAMPLES_PER_S / 1e6:.0f}M samples/s)")
+                f"{self.needed} would keep up with {TARGET_SAMPLES_PER_S / 1e6:.0f}M samples/s{self.why})")
 
 
 def rank_cores(local_ranks: int) -> int:
@@ -56,3 +57,21 @@ def size_workers(*, cores: int, batch_seconds: float | None, batch_size: int, on
     else:
         needed = max(1, math.ceil(batch_seconds * TARGET_SAMPLES_PER_S / batch_size))
     return WorkersSizing(workers=max(0, min(spare, needed)), cores=cores, batch_seconds=batch_seconds, needed=needed)
+
+
+# Producer threads of data.synthetic.device=cuda: each queues its batch's kernels on its own
+# stream and waits (GIL released) for the copy to host, so two keep the GPU busy while one
+# waits; more only queue more work on the same GPU, beside the training step's.
+GPU_PRODUCERS = (2, 4)
+
+
+def size_gpu_workers(*, cores: int, batch_seconds: float | None, batch_size: int) -> WorkersSizing:
+    """Producer threads that make batches of ``batch_size`` on the rank's GPU, one in
+    ``batch_seconds`` each (made, copied to host and waited for): the number that keeps up
+    with TARGET_SAMPLES_PER_S, within :data:`GPU_PRODUCERS` whatever the cores."""
+    low, high = GPU_PRODUCERS
+    needed = low if batch_seconds is None else max(1, math.ceil(batch_seconds * TARGET_SAMPLES_PER_S / batch_size))
+    why = (f"; {low} to {high} threads on the GPU: each waits for its own stream while another's batch is made, "
+           "the cores are not what they use")
+    return WorkersSizing(workers=min(high, max(low, needed)), cores=cores, batch_seconds=batch_seconds, needed=needed,
+                         why=why)

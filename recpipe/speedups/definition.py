@@ -11,6 +11,9 @@ Each declares, in a module of ``recpipe/speedups/defs/`` that imports nothing he
   what happens where one does not (``missing``: ``"refuse"``, a config error naming the
   pipelines that offer them, or ``"skip"``: nothing to speed up there, and a warning if
   its section was written in the config);
+* ``key``: for a feature without a section, the common key of the ``pipeline`` section
+  (``recpipe.runtime.options.PipelineKeys``) whose value ``apply`` is given in its place
+  (``pipeline.splits_exchange``);
 * ``needs_cuda``: refused on a run without a CUDA device;
 * ``check``: its config rules beyond those (one line per problem, naming the keys);
 * ``apply``: ``"package.module:function"``, ``function(ctx, options) -> handle | None``
@@ -50,15 +53,24 @@ class SpeedupDef:
     missing: Literal["refuse", "skip"] = "refuse"
     needs_cuda: bool = False
     check: Callable[[Any], list[str]] = field(default=_no_rules)
+    key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.key is not None and self.options is not None:
+            raise ValueError(f"speed feature {self.name!r}: a section (options) or a common key (key), not both")
 
     def section(self, pipeline_options: Any) -> Section | None:
-        """Its options in a ``pipeline`` section (None for a feature without a section)."""
+        """Its options in a ``pipeline`` section: its section, the value of its ``key``, or None."""
+        if self.key is not None:
+            return getattr(pipeline_options, self.key)
         return None if self.options is None else getattr(pipeline_options, self.name)
 
     def enabled(self, pipeline_options: Any) -> bool:
-        """Whether the ``pipeline`` section asks for it (a feature without a section: always)."""
-        section = self.section(pipeline_options)
-        return section is None or bool(section.enabled)
+        """Whether the ``pipeline`` section asks for it (a feature without a section: always;
+        one given a common key decides in its ``apply``)."""
+        if self.options is None:
+            return True
+        return bool(self.section(pipeline_options).enabled)
 
     def written(self, pipeline_options: Any) -> bool:
         """Whether the config sets its section (not just its default)."""

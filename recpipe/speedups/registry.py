@@ -15,7 +15,8 @@ from __future__ import annotations
 import sys
 
 from recpipe.speedups.definition import SpeedupDef
-from recpipe.speedups.defs import cache_bookkeeping, cache_fill, compile, cuda_graphs, recat_cache, step_graph
+from recpipe.speedups.defs import (cache_bookkeeping, cache_fill, compile, cuda_graphs, recat_cache, splits_exchange,
+                                   step_graph)
 
 __all__ = ["SPEEDUPS", "SpeedupDef", "register", "unregister"]
 
@@ -23,8 +24,8 @@ __all__ = ["SPEEDUPS", "SpeedupDef", "register", "unregister"]
 _OPTIONS_MODULE = "recpipe.pipeline_options"
 
 SPEEDUPS: dict[str, SpeedupDef] = {
-    d.name: d for d in (compile.FEATURE, cuda_graphs.FEATURE, cache_fill.FEATURE, cache_bookkeeping.FEATURE,
-                        recat_cache.FEATURE, step_graph.FEATURE)
+    d.name: d for d in (splits_exchange.FEATURE, compile.FEATURE, cuda_graphs.FEATURE, cache_fill.FEATURE,
+                        cache_bookkeeping.FEATURE, recat_cache.FEATURE, step_graph.FEATURE)
 }
 
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from recpipe.callables import load_callable
 from recpipe.errors import ConfigError, PipelineError, job_warning
-from recpipe.pipeline_options import SECTIONS, PipelineOptions
+from recpipe.pipeline_options import PipelineOptions, section_names
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.runtime.engine import Pipeline
 from recpipe.speedups.registry import SPEEDUPS
@@ -77,7 +77,7 @@ def engine_options(options: PipelineOptions) -> dict[str, Any]:
     """The keyword arguments of a pipeline's engine for ``options``: the pipeline's own keys
     and the common ones, not the speed features' sections (applied from outside) nor
     ``class`` and ``inputs`` (resolved here)."""
-    outside = _RESOLVED_HERE | SECTIONS | {f.key for f in SPEEDUPS.values() if f.key is not None}
+    outside = _RESOLVED_HERE | section_names() | {f.key for f in SPEEDUPS.values() if f.key is not None}
     return {k: getattr(options, k) for k in type(options).model_fields if k not in outside}
 
 

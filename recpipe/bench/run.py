@@ -31,7 +31,7 @@ from recpipe.data.loader import with_sized_workers, workers_kind_of
 from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
-from recpipe.pipeline_options import PipelineOptions
+from recpipe.pipeline_options import options_model
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
@@ -157,7 +157,7 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         return None, overrides, prefetch_unavailable(probe)
     if name != cfg.pipeline.name:
         common = {k: v for k, v in raw["pipeline"].items()
-                  if k in PipelineOptions.model_fields and k not in ("name", "class")}
+                  if k in options_model().model_fields and k not in ("name", "class")}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
     for key, value in sorted(pipe_opts.items(), key=lambda kv: kv[0].count(".")):  # sections before their keys

@@ -155,3 +155,36 @@ def test_speed_features_ask_for_capabilities_never_for_pipeline_names():
     offered = set().union(*(d.offers for d in PIPELINES.values()))
     for feature in SPEEDUPS.values():
         assert feature.needs <= offered, feature.name
+
+
+def test_the_planner_and_the_bench_read_a_features_facts_from_its_declaration():
+    """What the memory planner (``plan_facts``) and the bench (``torchrec_note``,
+    ``torchrec_run``) know of a speed feature is in its declaration: a feature registered
+    with facts gets them in the plan's pipeline and in the bench's TorchRec runs."""
+    import dataclasses
+
+    import toy_speedup
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import runs_of
+    from recpipe.config import load_config
+    from recpipe.planner.spec import pipeline_spec
+    from recpipe.speedups.registry import register, unregister
+
+    smoke = ROOT / "recpipe" / "configs" / "bench" / "smoke_cpu.yaml"
+    opts = BenchOptions(("sparse_dist",), True, 3, 1, 0, "unused")
+    assert pipeline_spec(load_config(smoke, ["pipeline.cuda_graphs={enabled: true, modules: [a, b, c]}"])
+                         .pipeline).graphed_parts == 3
+    toy = dataclasses.replace(toy_speedup.FEATURE, plan_facts=lambda options: {"graphed_parts": 7},
+                              torchrec_note="TorchRec counts nothing", torchrec_run="torchrec_counted")
+    register(toy)
+    try:
+        for written, parts, runs in ((False, 0, [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec")]),
+                                     (True, 7, [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),
+                                                ("base", "torchrec_counted")])):
+            cfg = load_config(smoke, [f"pipeline={{name: sparse_dist, step_counter: {str(written).lower()}}}"])
+            assert pipeline_spec(cfg.pipeline).graphed_parts == parts
+            assert runs_of(cfg, opts) == runs
+        on_base = load_config(smoke, ["pipeline={name: fused_sparse_dist, step_counter: true}"])
+        assert pipeline_spec(on_base.pipeline).graphed_parts == 0  # the pipeline lacks what it needs: not run
+    finally:
+        unregister(toy.name)

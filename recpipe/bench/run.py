@@ -35,6 +35,7 @@ from recpipe.pipeline_options import options_model
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
+from recpipe.speedups.registry import SPEEDUPS
 
 __all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
            "config_for_pipeline", "fed_as_trained", "fresh_batches", "gather", "measure_steps", "pipeline_options",
@@ -189,8 +190,8 @@ def build_torchrec_pipeline(cfg: RecpipeConfig, model: torch.nn.Module, optimize
     notes: list[str] = []
     if p.max_batches_ahead is not None:
         notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
-    notes += [f"pipeline.{feature} is recpipe's: TorchRec's pipeline runs the dense part eagerly"
-              for feature in ("compile", "cuda_graphs", "step_graph") if getattr(p, feature).enabled]
+    notes += [f"pipeline.{f.name} is recpipe's: {f.torchrec_note}"
+              for f in SPEEDUPS.values() if f.torchrec_note is not None and f.enabled(p)]
     if p.inputs:
         notes.append(f"pipeline.inputs {sorted(p.inputs)} has no TorchRec counterpart here")
     kwargs, own_notes = PIPELINES[p.name].torchrec_options(p)

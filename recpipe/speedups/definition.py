@@ -16,6 +16,14 @@ Each declares, in a module of ``recpipe/speedups/defs/`` that imports nothing he
   (``pipeline.splits_exchange``);
 * ``needs_cuda``: refused on a run without a CUDA device;
 * ``check``: its config rules beyond those (one line per problem, naming the keys);
+* ``plan_facts``: what the memory planner needs to know of it where it is on and the
+  pipeline offers what it needs: ``plan_facts(section) -> {field: value}``, fields of
+  ``recpipe.planner.spec.PipelineSpec`` (a pure function of its section: ``recpipe plan``
+  imports no torch);
+* ``torchrec_note``: for the bench's TorchRec rows, what TorchRec's pipeline does in its
+  place where it is on (a note on each such row; None: nothing to note);
+* ``torchrec_run``: one more TorchRec run the bench adds where it is on (``recpipe.bench.run``
+  builds it by this name; None: none);
 * ``apply``: ``"package.module:function"``, ``function(ctx, options) -> handle | None``
   with ``ctx`` the pipeline's :class:`~recpipe.runtime.engine.StepContext`; it installs
   itself through ``ctx.wrap_step``, ``ctx.replace_schedule`` or an instance attribute of
@@ -54,6 +62,9 @@ class SpeedupDef:
     needs_cuda: bool = False
     check: Callable[[Any], list[str]] = field(default=_no_rules)
     key: str | None = None
+    plan_facts: Callable[[Any], dict[str, Any]] | None = None
+    torchrec_note: str | None = None
+    torchrec_run: str | None = None
 
     def __post_init__(self) -> None:
         if self.key is not None and self.options is not None:

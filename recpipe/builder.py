@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from recpipe.callables import load_callable
 from recpipe.errors import ConfigError, PipelineError, job_warning
-from recpipe.pipeline_options import SECTIONS, PipelineOptions
+from recpipe.pipeline_options import PipelineOptions, section_names
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.runtime.engine import Pipeline
 from recpipe.speedups.registry import SPEEDUPS
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = ["apply_speedups", "engine_options", "make_pipeline", "pipeline_class"]
 
-# What the builder resolves itself (``class``, ``inputs``) or applies from outside (the sections).
-_NOT_ENGINE = frozenset({"name", "class_", "inputs", *SECTIONS})
+# What the builder resolves itself (``class``, ``inputs``); the speed features' sections and keys
+# are applied from outside too.
+_RESOLVED_HERE = frozenset({"name", "class_", "inputs"})
 
 
 def pipeline_class(cfg: "RecpipeConfig") -> type[Pipeline]:
@@ -76,13 +77,14 @@ def engine_options(options: PipelineOptions) -> dict[str, Any]:
     """The keyword arguments of a pipeline's engine for ``options``: the pipeline's own keys
     and the common ones, not the speed features' sections (applied from outside) nor
     ``class`` and ``inputs`` (resolved here)."""
-    return {k: getattr(options, k) for k in type(options).model_fields if k not in _NOT_ENGINE}
+    outside = _RESOLVED_HERE | section_names() | {f.key for f in SPEEDUPS.values() if f.key is not None}
+    return {k: getattr(options, k) for k in type(options).model_fields if k not in outside}
 
 
 def apply_speedups(pipeline: Pipeline, options: PipelineOptions) -> list[Any]:
     """Apply the speed features ``options`` (a ``pipeline`` section) enables to ``pipeline``
-    and its model, in the registry's order; returns their handles (printable, with
-    ``remove()``). A feature whose needs the pipeline does not offer is refused
+    and its model, in the registry's order (a feature with a common key: given its value);
+    returns their handles (printable, with ``remove()``). A feature whose needs the pipeline does not offer is refused
     (``PipelineError``), or skipped where it has nothing to speed up there."""
     applied: list[Any] = []
     offers = pipeline.definition.offers

@@ -30,7 +30,7 @@ from pydantic import (AfterValidator, BaseModel, Field, SerializeAsAny, Validati
 from recpipe.capabilities import PREFETCH_STEP
 from recpipe.errors import ConfigError
 from recpipe.lr_schedule import LRSchedule
-from recpipe.pipeline_options import PipelineOptions, options_of
+from recpipe.pipeline_options import PipelineOptions, options_model, options_of
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.sections import FactorySpec, Section
 from recpipe.shipped_configs import missing_hint
@@ -992,7 +992,7 @@ def _allowed_keys(loc: tuple, raw: dict[str, Any]) -> list[str]:
             continue
         if model is RecpipeConfig and part == "pipeline":
             name = (raw.get("pipeline") or {}).get("name") if isinstance(raw.get("pipeline"), dict) else None
-            model = options_of(PIPELINES[name]) if name in PIPELINES else PipelineOptions
+            model = options_of(PIPELINES[name]) if name in PIPELINES else options_model()
             continue
         ann = model.model_fields[part].annotation
         model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None

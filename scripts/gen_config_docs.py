@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 from recpipe import config as config_module  # noqa: E402
 from recpipe import lr_schedule as lr_schedule_module  # noqa: E402
 from recpipe.config import RecpipeConfig  # noqa: E402
-from recpipe.pipeline_options import PipelineOptions, options_of  # noqa: E402
+from recpipe.pipeline_options import options_model, options_of  # noqa: E402
 from recpipe.pipelines.registry import PIPELINES  # noqa: E402
 from recpipe.runtime import options as pipeline_keys  # noqa: E402
 from recpipe.speedups.registry import SPEEDUPS  # noqa: E402
@@ -230,7 +230,7 @@ def _section(title: str, model: type[BaseModel], prefix: str, intro: str = "", s
 def _pipeline_sections() -> list[str]:
     """The ``pipeline`` section from the registries: the common keys, each pipeline's own, and
     the speed features' sections (recpipe.speedups.registry)."""
-    common = PipelineOptions
+    common = options_model()
     variants = [(name, options_of(d)) for name, d in PIPELINES.items()]
     choices = " \\| ".join(f"`{n}`" for n, _ in variants)
     out = ["## pipeline", "",

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.capabilities import PREFETCH_STEP
+from recpipe.capabilities import INTERCEPTS, PREFETCH_STEP
 from recpipe.config import RecpipeConfig, load_config
 from recpipe.data.batch import Batch
 from recpipe.models import make_model
@@ -87,12 +87,13 @@ def build(cfg: RecpipeConfig, device: torch.device):
 
 def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
          cuda_graph_modules: tuple[str, ...] = (), cuda_graph_optimizer: bool = True, cache_fill: bool = True,
-         cache_fill_sms: int = 4, **options: Any) -> Any:
+         cache_fill_sms: int = 4, splits_exchange: str = "device", **options: Any) -> Any:
     """Pipeline ``name`` on the sharded model ``sm`` with the speed features
     ``make_pipeline`` applies for the same config: ``cuda_graphs=True``
     (recpipe.speedups.cuda_graphs on its model and optimizer) and, with a prefetch step,
     recpipe's cache insert unless ``cache_fill=False`` (recpipe.speedups.cache_fill) and
-    the cache bookkeeping on the prefetch stream (recpipe.speedups.cache_bookkeeping)."""
+    the cache bookkeeping on the prefetch stream (recpipe.speedups.cache_bookkeeping);
+    ``splits_exchange="host"``: the splits exchanged on the host (recpipe.speedups.splits_exchange)."""
     if cuda_graphs:
         from recpipe.speedups.cuda_graphs import CudaGraphsOptions, apply_cuda_graphs
 
@@ -107,6 +108,10 @@ def make(name: str, sm: Any, device: torch.device, *, cuda_graphs: bool = False,
         installed = apply_cache_fill(pipe, pipe.tbes, CacheFillOptions(enabled=cache_fill, sms=cache_fill_sms))
         moved = apply_cache_bookkeeping(pipe, pipe.tbes)
         pipe.applied += [a for a in (installed, moved) if a is not None]
+    if INTERCEPTS in PIPELINES[name].offers:
+        from recpipe.speedups.splits_exchange import apply as apply_splits_exchange
+
+        pipe.applied += [a for a in (apply_splits_exchange(pipe.context, splits_exchange),) if a is not None]
     return pipe
 
 

@@ -146,6 +146,39 @@ def test_pipelined_eval_equals_the_plain_loop_for_every_pipeline(nproc):
     launch_local(_worker, nproc, small_config(nproc, overrides=TABLES))
 
 
+def _host_splits_worker(cfg) -> None:
+    """pipeline.splits_exchange=host: the evaluation's input dists exchange their splits on
+    the host too (the feature wraps the eval schedule's input_dist), with the plain loop's
+    outputs."""
+    from recpipe.runtime import sharded
+
+    device = init_process_group(cfg)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    evals = eval_batches(cfg, rank, world)
+    pipe = make("sparse_dist", build(cfg, device), device, splits_exchange="host")
+    train_steps(pipe, batches_of(cfg, 3, rank, 1), [])
+    plain = list(Evaluation(pipe, pipelined=False).run(evals))
+    made: list[str] = []
+    real = sharded.FusedSplits.__init__
+
+    def counting(self, *a, **k):  # the fused exchanges, by kind
+        real(self, *a, **k)
+        made.append(type(self._splits_awaitable).__name__)
+
+    sharded.FusedSplits.__init__ = counting
+    try:
+        pipelined = list(Evaluation(pipe).run(evals))
+    finally:
+        sharded.FusedSplits.__init__ = real
+    assert_same_outputs(clicks_of(plain, device)[0], clicks_of(pipelined, device)[0], "host splits eval")
+    # the eval's first input dist goes unfused (torchrec's own all-to-alls), every later one on the host
+    assert made[0] == "NoneType" and set(made[1:]) == {"HostSplitsExchange"}, made
+
+
+def test_evaluation_exchanges_splits_on_the_host_like_its_training():
+    launch_local(_host_splits_worker, 2, small_config(2, overrides=TABLES))
+
+
 def _step_graph_worker(cfg) -> None:
     """A step graph (stand-in capture, as in tests/test_step_graph.py) in padding mode: its
     schedule intercepts no module, so the evaluation runs base's eval schedule on the model's

@@ -97,14 +97,48 @@ def test_a_speed_feature_added_the_documented_way_is_applied_and_refused_by_capa
             in out.stdout), out.stdout
 
 
-def test_a_section_registered_after_the_config_is_refused_naming_the_order():
+def test_a_section_registered_after_the_config_is_imported_is_a_key_of_later_configs():
+    """The pipelines' options are built from the sections registered when first needed: a
+    feature registered after ``recpipe.config`` was imported (and configs were loaded) is a key
+    of the configs loaded after it, and of those only; the built-in configs validate as
+    before, their pipelines' keys in the same order, and pickle through their pipeline's class."""
+    import pickle
+
     import pytest
 
-    from recpipe.speedups.registry import register
     import toy_speedup
+    from recpipe.config import ConfigError, load_config
+    from recpipe.pipeline_options import options_of
+    from recpipe.runtime.options import PipelineKeys
+    from recpipe.speedups.registry import register, unregister
 
-    with pytest.raises(ValueError, match="register it before importing recpipe.config"):
-        register(toy_speedup.FEATURE)
+    configs = sorted((ROOT / "recpipe" / "configs").rglob("*.yaml"))
+    before = {path: load_config(path) for path in configs}
+    orders = {name: list(options_of(d).model_fields) for name, d in PIPELINES.items()}
+    written = ["pipeline={name: sparse_dist, step_counter: true}"]
+    with pytest.raises(ConfigError, match="step_counter"):
+        load_config(None, written)
+    register(toy_speedup.FEATURE)
+    try:
+        cfg = load_config(None, written)
+        assert cfg.pipeline.step_counter.enabled and "step_counter" in cfg.pipeline.model_fields_set
+        assert pickle.loads(pickle.dumps(cfg)) == cfg
+        for name, d in PIPELINES.items():  # the new section after the others, the pipeline's own keys last
+            fields = list(options_of(d).model_fields)
+            common = len(PipelineKeys.model_fields) + sum(f.options is not None for f in SPEEDUPS.values()) - 1
+            assert fields == orders[name][:common] + ["step_counter"] + orders[name][common:], name
+        for path, old in before.items():
+            new = load_config(path)
+            assert new.pipeline.step_counter == toy_speedup.StepCounterOptions()
+            dumped = new.model_dump()
+            del dumped["pipeline"]["step_counter"]
+            assert dumped == old.model_dump(), path
+            assert pickle.loads(pickle.dumps(new)) == new, path
+    finally:
+        unregister(toy_speedup.FEATURE.name)
+    with pytest.raises(ConfigError, match="step_counter"):
+        load_config(None, written)
+    assert {name: list(options_of(d).model_fields) for name, d in PIPELINES.items()} == orders
 
 
 def test_speed_features_ask_for_capabilities_never_for_pipeline_names():
@@ -121,3 +155,36 @@ def test_speed_features_ask_for_capabilities_never_for_pipeline_names():
     offered = set().union(*(d.offers for d in PIPELINES.values()))
     for feature in SPEEDUPS.values():
         assert feature.needs <= offered, feature.name
+
+
+def test_the_planner_and_the_bench_read_a_features_facts_from_its_declaration():
+    """What the memory planner (``plan_facts``) and the bench (``torchrec_note``,
+    ``torchrec_run``) know of a speed feature is in its declaration: a feature registered
+    with facts gets them in the plan's pipeline and in the bench's TorchRec runs."""
+    import dataclasses
+
+    import toy_speedup
+    from recpipe.bench.run import BenchOptions
+    from recpipe.bench.runner import runs_of
+    from recpipe.config import load_config
+    from recpipe.planner.spec import pipeline_spec
+    from recpipe.speedups.registry import register, unregister
+
+    smoke = ROOT / "recpipe" / "configs" / "bench" / "smoke_cpu.yaml"
+    opts = BenchOptions(("sparse_dist",), True, 3, 1, 0, "unused")
+    assert pipeline_spec(load_config(smoke, ["pipeline.cuda_graphs={enabled: true, modules: [a, b, c]}"])
+                         .pipeline).graphed_parts == 3
+    toy = dataclasses.replace(toy_speedup.FEATURE, plan_facts=lambda options: {"graphed_parts": 7},
+                              torchrec_note="TorchRec counts nothing", torchrec_run="torchrec_counted")
+    register(toy)
+    try:
+        for written, parts, runs in ((False, 0, [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec")]),
+                                     (True, 7, [("sparse_dist", "recpipe"), ("sparse_dist", "torchrec"),
+                                                ("base", "torchrec_counted")])):
+            cfg = load_config(smoke, [f"pipeline={{name: sparse_dist, step_counter: {str(written).lower()}}}"])
+            assert pipeline_spec(cfg.pipeline).graphed_parts == parts
+            assert runs_of(cfg, opts) == runs
+        on_base = load_config(smoke, ["pipeline={name: fused_sparse_dist, step_counter: true}"])
+        assert pipeline_spec(on_base.pipeline).graphed_parts == 0  # the pipeline lacks what it needs: not run
+    finally:
+        unregister(toy.name)

@@ -1,6 +1,6 @@
 """A speed feature added as docs/architecture.md says: this one declaration module (its
 options section, the capability it needs, its ``apply``) and one registry line (here
-``register(FEATURE)`` before ``recpipe.config`` is imported, from the test). Its ``apply``
+``register(FEATURE)`` from the test). Its ``apply``
 needs nothing heavy, so it lives here too. It counts the optimizer steps it wraps."""
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ from recpipe.data.loader import with_sized_workers, workers_kind_of
 from recpipe.data.stream import BatchStream
 from recpipe.errors import PipelineError
 from recpipe.models import make_model
-from recpipe.pipeline_options import PipelineOptions
+from recpipe.pipeline_options import options_model
 from recpipe.pipelines.registry import PIPELINES
 from recpipe.preflight import check_rules
 from recpipe.sharding import shard_model
+from recpipe.speedups.registry import SPEEDUPS
 
 __all__ = ["DRAIN", "BenchOptions", "RunResult", "build_run", "build_torchrec_pipeline", "combine",
            "config_for_pipeline", "fed_as_trained", "fresh_batches", "gather", "measure_steps", "pipeline_options",
@@ -157,7 +158,7 @@ def config_for_pipeline(cfg: RecpipeConfig, label: str) -> tuple[RecpipeConfig |
         return None, overrides, prefetch_unavailable(probe)
     if name != cfg.pipeline.name:
         common = {k: v for k, v in raw["pipeline"].items()
-                  if k in PipelineOptions.model_fields and k not in ("name", "class")}
+                  if k in options_model().model_fields and k not in ("name", "class")}
         raw["pipeline"] = {"name": name, **common}
         overrides["pipeline.name"] = name
     for key, value in sorted(pipe_opts.items(), key=lambda kv: kv[0].count(".")):  # sections before their keys
@@ -189,8 +190,8 @@ def build_torchrec_pipeline(cfg: RecpipeConfig, model: torch.nn.Module, optimize
     notes: list[str] = []
     if p.max_batches_ahead is not None:
         notes.append(f"pipeline.max_batches_ahead={p.max_batches_ahead} has no TorchRec counterpart")
-    notes += [f"pipeline.{feature} is recpipe's: TorchRec's pipeline runs the dense part eagerly"
-              for feature in ("compile", "cuda_graphs", "step_graph") if getattr(p, feature).enabled]
+    notes += [f"pipeline.{f.name} is recpipe's: {f.torchrec_note}"
+              for f in SPEEDUPS.values() if f.torchrec_note is not None and f.enabled(p)]
     if p.inputs:
         notes.append(f"pipeline.inputs {sorted(p.inputs)} has no TorchRec counterpart here")
     kwargs, own_notes = PIPELINES[p.name].torchrec_options(p)

@@ -37,6 +37,7 @@ from recpipe.distributed import (init_process_group, launch_local, shutdown_proc
 from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.pipelines import PIPELINES
+from recpipe.speedups.registry import SPEEDUPS
 
 __all__ = ["Sections", "launch", "main_bench", "options_from_args", "pregenerate", "run_one", "run_worker", "runs_of",
            "single_rank_group"]
@@ -151,10 +152,13 @@ def single_rank_group() -> Iterator[None]:
 
 def runs_of(cfg: RecpipeConfig, opts: BenchOptions) -> list[tuple[str, str]]:
     """The (pipeline, impl) runs of a round: a variant of pipeline options runs on recpipe only, one of
-    dotted keys on both; with compile on, TorchRec's TrainPipelinePT2 is one more base row."""
+    dotted keys on both; a speed feature that is on may add a TorchRec run of its own, on ``base``
+    (``SpeedupDef.torchrec_run``: with compile on, TorchRec's TrainPipelinePT2)."""
     runs = [(name, impl) for name in opts.pipelines for impl in ("recpipe", "torchrec")
             if impl == "recpipe" or (opts.with_torchrec and not pipeline_options(split_variant(name)[1]))]
-    return runs + ([("base", "torchrec_pt2")] if opts.with_torchrec and cfg.pipeline.compile.enabled else [])
+    extra = [("base", f.torchrec_run) for f in SPEEDUPS.values()
+             if f.torchrec_run is not None and f.enabled(cfg.pipeline)]
+    return runs + (extra if opts.with_torchrec else [])
 
 
 def run_worker(cfg: RecpipeConfig, opts: BenchOptions, sections: Sections | None = None) -> list[Row]:

@@ -111,12 +111,13 @@ class EvalPipeline(Pipeline):
         super().__init__(train.model, train.optimizer, train.device, definition=train.definition, schedule=schedule,
                          uneven_data=train.uneven_data, steps_ahead=train.steps_ahead,
                          inputs=train.inputs if intercepts else None,
-                         splits_exchange=train.splits_exchange, streams=_streams_for(train, schedule),
+                         streams=_streams_for(train, schedule),
                          intercepts=intercepts, sources=train.context.sources if intercepts else None)
         self.name = f"{train.name} eval"
         if schedule is not PLAIN_SCHEDULE:  # the speed features that run in an evaluation (wrap_eval_step)
+            names = {s.name for s in schedule.steps}  # base's copy-only schedule has no input_dist
             for name, wrappers in train.eval_wrappers.items():
-                for wrapper in wrappers:
+                for wrapper in wrappers if name in names else ():
                     self.wrap_step(name, wrapper)
         last = train.last_fetched
         self.padding_template = last if last is not None else train.padding_template

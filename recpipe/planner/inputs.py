@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 DEFAULT_HBM_GB_WITHOUT_GPU = 80.0
 
 __all__ = ["DEFAULT_HBM_GB_WITHOUT_GPU", "default_hbm_bytes", "expandable_segments", "fbgemm_version",
-           "graphed_parts", "inputs_from_config"]
+           "inputs_from_config"]
 
 
 # fbgemm-gpu's distributions (its version is read from their metadata: nothing imported).
@@ -55,16 +55,6 @@ def default_hbm_bytes() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
     return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
-
-
-def graphed_parts(cfg: "RecpipeConfig") -> int:
-    """How many dense parts ``pipeline.cuda_graphs`` captures: the configured module paths,
-    else the two that recpipe's DLRM and DCNv2 name (dense arch; interaction + over arch +
-    loss). A ``model.factory`` model's own ``cuda_graph_modules()`` is not known here: two."""
-    options = getattr(cfg.pipeline, "cuda_graphs", None)
-    if options is None or not options.enabled:
-        return 0
-    return len(options.modules) or 2
 
 
 def expandable_segments(cfg: "RecpipeConfig") -> bool:
@@ -127,5 +117,4 @@ def inputs_from_config(
         notes=model_notes(cfg, assumed),
         comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
         expandable_segments=expandable_segments(cfg),
-        graphed_parts=graphed_parts(cfg),
     )

@@ -230,7 +230,7 @@ def static_terms(inputs: PlannerInputs, io: RankIO) -> tuple[Term, ...]:
         Term("dense_optimizer", "hbm", "static", k * STATE_BYTES * P, f"{inputs.dense_optimizer}: {k} x params"),
         Term("cublas_workspace", "hbm", "static", CUBLAS_WORKSPACE_BYTES, "cuBLAS + cuBLASLt, default stream"),
     ]
-    parts = inputs.graphed_parts
+    parts = inputs.pipeline.graphed_parts
     if parts:
         # torch.cuda.make_graphed_callables warms each part up on a new stream, whose cuBLAS
         # workspaces stay cached; the capture stream's (in the first graph's pool) take the
@@ -409,10 +409,10 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     if inputs.world_size > 1:
         allocator.append(Term("collective_stream_pages", "hbm", "allocator", COLLECTIVE_STREAM_PAGE_BYTES,
                               "whole pages the dists' streams keep beyond their pools (measured)"))
-    if inputs.graphed_parts:
+    if inputs.pipeline.graphed_parts:
         allocator.append(Term("cuda_graph_segments", "hbm", "allocator",
-                              inputs.graphed_parts * CUDA_GRAPH_PART_SEGMENT_BYTES,
-                              f"{inputs.graphed_parts} graphed parts' warm-up streams and pools (measured)"))
+                              inputs.pipeline.graphed_parts * CUDA_GRAPH_PART_SEGMENT_BYTES,
+                              f"{inputs.pipeline.graphed_parts} graphed parts' warm-up streams and pools (measured)"))
     # The passes' segments stay beside the cache bookkeeping's (its blocks, over all of a batch's
     # indices at once, are larger than any a pass freed), so the two are not one pool;
     # tests/test_planner_gpu.py's 12-pass row with default segments measures it

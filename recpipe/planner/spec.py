@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from recpipe.pipeline_options import PipelineOptions, options_of
 from recpipe.pipelines.registry import PIPELINES
+from recpipe.speedups.registry import SPEEDUPS
 from recpipe.table_sharding.precision import PRECISION_BYTES
 
 if TYPE_CHECKING:
@@ -167,7 +168,14 @@ class PipelineSpec:
     * ``cache_bookkeeping_stream``: where FBGEMM's backward pre-hook work for batch i (lock
       release, cache locations recomputed) runs with ``prefetch_pipeline``: "prefetch"
       (right after prefetch(i+1), ``recpipe.speedups.cache_bookkeeping``) or "main" (in
-      the backward, FBGEMM's hook).
+      the backward, FBGEMM's hook);
+    * ``graphed_parts``: the dense parts ``pipeline.cuda_graphs`` captures (0: off); each
+      keeps its own warm-up stream and graph pool for the model's life
+      (``recpipe.speedups.cuda_graphs``).
+
+    The pipeline's registry entry gives the facts of its schedule (``PipelineDef.memory``),
+    the speed features it runs with give theirs (``SpeedupDef.plan_facts``): ``cache_insert``,
+    ``cache_bookkeeping_stream``, ``graphed_parts``.
     """
 
     name: str
@@ -185,15 +193,27 @@ class PipelineSpec:
     lookup_stream: str = "main"
     cache_insert: str = "fbgemm"  # recpipe | fbgemm
     cache_bookkeeping_stream: str = "main"  # prefetch | main
+    graphed_parts: int = 0
 
 
 def pipeline_spec(options: "PipelineOptions | str") -> PipelineSpec:
     """The :class:`PipelineSpec` of a recpipe pipeline's options (``cfg.pipeline``; a name:
     that pipeline's defaults): read off its schedule by the pipeline's registry entry
-    (``PipelineDef.memory``)."""
+    (``PipelineDef.memory``), with the facts of the speed features it runs with."""
     if isinstance(options, str):
         options = options_of(PIPELINES[options])(name=options)
-    return PipelineSpec(**PIPELINES[options.name].memory(options))
+    definition = PIPELINES[options.name]
+    return PipelineSpec(**definition.memory(options), **speedup_facts(options, definition.offers))
+
+
+def speedup_facts(options: "PipelineOptions", offers: frozenset[str]) -> dict[str, object]:
+    """What the speed features ``options`` turns on tell the planner (``SpeedupDef.plan_facts``),
+    on a pipeline that offers ``offers``: those it lacks capabilities for do not run."""
+    facts: dict[str, object] = {}
+    for feature in SPEEDUPS.values():
+        if feature.plan_facts is not None and feature.enabled(options) and not feature.lacking(offers):
+            facts.update(feature.plan_facts(feature.section(options)))
+    return facts
 
 
 @dataclass(frozen=True)
@@ -225,9 +245,6 @@ class PlannerInputs:
     # (PYTORCH_CUDA_ALLOC_CONF expandable_segments:True, recpipe train's default:
     # train.cuda_alloc_conf), so freed blocks coalesce; False: PyTorch's default segments.
     expandable_segments: bool = False
-    # pipeline.cuda_graphs: how many dense parts are captured (0: off). Each keeps its own
-    # warm-up stream and graph pool for the model's life (recpipe.speedups.cuda_graphs).
-    graphed_parts: int = 0
 
     @property
     def comm_bytes(self) -> tuple[int, int]:

@@ -57,7 +57,7 @@ class StepContext:
       ``name`` and the methods pipeline classes override (``sharded_forward``,
       ``own_forward``);
     * ``model``, ``optimizer``, ``device``; ``offers``: the pipeline's capabilities;
-    * ``max_batches_ahead``, ``splits_exchange``: its options the steps read;
+    * ``max_batches_ahead``: its option the steps read;
     * ``streams``: the streams by role (``recpipe.runtime.streams``; all None on CPU);
     * ``modules``: the sharded modules the pipeline intercepts, by path in the user's model
       (empty when the model runs its own sharded forward), in the order forward calls them;
@@ -80,13 +80,13 @@ class StepContext:
     """
 
     def __init__(self, pipeline: Any, streams: Streams, modules: dict[str, Any],
-                 inputs: dict[str, Callable[[Any], Any]], max_batches_ahead: int | None, splits_exchange: str) -> None:
+                 inputs: dict[str, Callable[[Any], Any]], max_batches_ahead: int | None) -> None:
         """Made by the engine (``pipeline``: a ``recpipe.runtime.engine.Pipeline``, not imported
         here: the engine imports this module)."""
         self.pipeline = pipeline
         self.model, self.optimizer, self.device = pipeline.model, pipeline.optimizer, pipeline.device
         self.offers = pipeline.definition.offers
-        self.max_batches_ahead, self.splits_exchange = max_batches_ahead, splits_exchange
+        self.max_batches_ahead = max_batches_ahead
         self.streams = streams
         self.modules = modules
         self.inputs = inputs

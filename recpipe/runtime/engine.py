@@ -129,7 +129,6 @@ class Pipeline:
         steps_ahead: int = 2,
         uneven_data: str = "pad",
         inputs: Mapping[str, Callable[[Any], Any]] | None = None,
-        splits_exchange: str = "device",
         streams: Streams | None = None,
         intercepts: bool | None = None,
         sources: Mapping[str, InputSource] | None = None,
@@ -150,7 +149,6 @@ class Pipeline:
         self.name = definition.name
         self.schedule = (schedule or definition.schedules[0]).validate()
         self.intercepts = definition.intercepts if intercepts is None else intercepts
-        self.splits_exchange = splits_exchange
         self.model = model
         self.optimizer = optimizer
         self.device = device
@@ -166,7 +164,7 @@ class Pipeline:
             )
         if streams is None:
             streams = Streams.create(device, self.all_roles())
-        self.context = StepContext(self, streams, modules, self.inputs, max_batches_ahead, splits_exchange)
+        self.context = StepContext(self, streams, modules, self.inputs, max_batches_ahead)
         self.steps_ahead = steps_ahead
         self._ahead = StepsAhead(steps_ahead, streams.compute)
         if sources and modules:  # learned by another pipeline: input dists run in the order it found

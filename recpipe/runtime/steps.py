@@ -68,7 +68,7 @@ def input_dist(ctx: "StepContext", b: "InFlight") -> None:
         requests[fqn] = module.input_dist(b.ctxs[fqn], features)
     b.splits = fuse_splits(requests, b.ctxs)
     if not ctx.splits_fused:
-        ctx.splits_fused = install_splits_only(ctx.modules, host=ctx.splits_exchange == "host")
+        ctx.splits_fused = install_splits_only(ctx.modules)
 
 
 def input_dist_wait(ctx: "StepContext", b: "InFlight") -> None:

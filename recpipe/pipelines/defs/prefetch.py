@@ -37,15 +37,14 @@ on the prefetch stream after prefetch(i+1) (``recpipe.speedups.cache_bookkeeping
 
 from __future__ import annotations
 
-import importlib.util
-from typing import Any, Literal
+from typing import Literal
 
 from recpipe.capabilities import INTERCEPTS, PREFETCH_STEP
 from recpipe.runtime.definition import PipelineDef
 from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step
 
-__all__ = ["EVAL_SCHEDULE", "Options", "PIPELINE", "SCHEDULE", "memory_facts"]
+__all__ = ["EVAL_SCHEDULE", "Options", "PIPELINE", "SCHEDULE"]
 
 SCHEDULE = Schedule(
     "prefetch",
@@ -83,19 +82,9 @@ class Options(PipelineKeys):
     name: Literal["prefetch"]
 
 
-def memory_facts(options: Any) -> dict:
-    """What the planner cannot read off the schedule: who inserts the missed rows (recpipe's
-    insert where ``pipeline.cache_fill`` is on and Triton can run, ``recpipe.speedups.cache_fill``;
-    checked without importing Triton, which a plan does not need) and where FBGEMM's backward
-    pre-hook work runs (the prefetch stream, ``recpipe.speedups.cache_bookkeeping``)."""
-    recpipe_insert = options.cache_fill.enabled and importlib.util.find_spec("triton") is not None
-    return {"cache_insert": "recpipe" if recpipe_insert else "fbgemm", "cache_bookkeeping_stream": "prefetch"}
-
-
 PIPELINE = PipelineDef("prefetch", Options,
                        "FBGEMM's UVM-cache prefetch of batch i+1 between forward(i) and backward(i)",
                        schedules=(SCHEDULE,), schedule_of=lambda options: SCHEDULE, eval_schedule=EVAL_SCHEDULE,
                        offers=frozenset({INTERCEPTS, PREFETCH_STEP}), engine="recpipe.pipelines.prefetch:PrefetchPipeline",
-                       extra_facts=memory_facts,
                        torchrec="PrefetchTrainPipelineSparseDist",
                        torchrec_options=lambda options: ({"execute_all_batches": True}, []))

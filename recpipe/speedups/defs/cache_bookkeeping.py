@@ -13,4 +13,5 @@ FEATURE = SpeedupDef(
     "cache_bookkeeping", None,
     "FBGEMM's backward pre-hook work of batch i on the prefetch stream after prefetch(i+1)",
     apply="recpipe.speedups.cache_bookkeeping:apply", needs=frozenset({PREFETCH_STEP}), missing="skip",
+    plan_facts=lambda options: {"cache_bookkeeping_stream": "prefetch"},
 )

@@ -3,6 +3,7 @@ implementation and its measurements are in ``recpipe.speedups.cache_fill``."""
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from pydantic import Field
@@ -11,7 +12,7 @@ from recpipe.capabilities import PREFETCH_STEP
 from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
-__all__ = ["CacheFillOptions", "FEATURE", "check"]
+__all__ = ["CacheFillOptions", "FEATURE", "check", "plan_facts"]
 
 
 class CacheFillOptions(SwitchSection):
@@ -43,8 +44,15 @@ def check(cfg: Any) -> list[str]:
     return problems
 
 
+def plan_facts(options: CacheFillOptions) -> dict[str, str]:
+    """Who inserts the missed rows: recpipe's insert where Triton can run (checked without
+    importing it, which a plan does not need), else FBGEMM's (its fallback)."""
+    return {"cache_insert": "recpipe" if importlib.util.find_spec("triton") is not None else "fbgemm"}
+
+
 FEATURE = SpeedupDef(
     "cache_fill", CacheFillOptions,
     "recpipe's UVM-cache insert in the prefetch step, where the pipeline has one (recpipe/speedups/cache_fill.py)",
     apply="recpipe.speedups.cache_fill:apply", needs=frozenset({PREFETCH_STEP}), missing="skip", check=check,
+    plan_facts=plan_facts,
 )

@@ -54,4 +54,5 @@ FEATURE = SpeedupDef(
     "compile", CompileOptions,
     "the dense modules compiled by torch.compile (recpipe/speedups/compile.py)",
     apply="recpipe.speedups.compile:apply",
+    torchrec_note="TorchRec's pipeline runs the dense part eagerly", torchrec_run="torchrec_pt2",
 )

@@ -9,7 +9,7 @@ from pydantic import Field
 from recpipe.sections import SwitchSection
 from recpipe.speedups.definition import SpeedupDef
 
-__all__ = ["CudaGraphsOptions", "FEATURE"]
+__all__ = ["CudaGraphsOptions", "FEATURE", "plan_facts"]
 
 
 class CudaGraphsOptions(SwitchSection):
@@ -29,9 +29,17 @@ class CudaGraphsOptions(SwitchSection):
     optimizer: bool = True
 
 
+def plan_facts(options: CudaGraphsOptions) -> dict[str, int]:
+    """The dense parts it captures: the configured module paths, else the two that recpipe's
+    DLRM and DCNv2 name (dense arch; interaction + over arch + loss). A ``model.factory``
+    model's own ``cuda_graph_modules()`` is not known to the planner: two."""
+    return {"graphed_parts": len(options.modules) or 2}
+
+
 FEATURE = SpeedupDef(
     "cuda_graphs", CudaGraphsOptions,
     "the dense modules' forward/backward and the dense optimizer's step as CUDA graphs "
     "(recpipe/speedups/cuda_graphs.py)",
-    apply="recpipe.speedups.cuda_graphs:apply", needs_cuda=True,
+    apply="recpipe.speedups.cuda_graphs:apply", needs_cuda=True, plan_facts=plan_facts,
+    torchrec_note="TorchRec's pipeline runs the dense part eagerly",
 )

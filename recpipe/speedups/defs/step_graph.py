@@ -69,4 +69,5 @@ FEATURE = SpeedupDef(
     "step_graph", StepGraphOptions,
     "the whole training step as one CUDA graph, for fixed-shape (or padded) batches (recpipe/speedups/step_graph.py)",
     apply="recpipe.speedups.step_graph:apply", needs=frozenset({ONE_BATCH_PER_STEP}), needs_cuda=True, check=check,
+    torchrec_note="TorchRec's pipeline runs the dense part eagerly",
 )

@@ -6,6 +6,7 @@ batch, and training continues after it exactly as after the plain loop. Gloo on 
 from __future__ import annotations
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -309,8 +310,9 @@ def _train(run, *extra: str) -> int:
 @pytest.mark.slow
 def test_trainer_evaluates_uneven_eval_data_pipelined_as_plain_and_reports_samples_per_s(tmp_path, capfd):
     """Two ranks with 3 and 4 eval batches (a user's data.factory): the trainer's pipelined
-    evaluation gives the plain loop's metrics exactly; samples/s in the eval line, in
-    TensorBoard (eval/samples_per_s) and in summary.json (eval_samples_per_s)."""
+    evaluation gives the plain loop's metrics exactly; samples/s and the host's time waiting for
+    eval batches in the eval line, in TensorBoard (eval/samples_per_s, eval/loader_wait_s) and in
+    summary.json (eval_samples_per_s, eval_loader_wait_s)."""
     import json
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -321,10 +323,11 @@ def test_trainer_evaluates_uneven_eval_data_pipelined_as_plain_and_reports_sampl
         assert _train(run, f"train.eval_pipelined={str(pipelined).lower()}") == 0
         lines = [line for line in capfd.readouterr().out.splitlines() if ": eval auc " in line]
         assert [line.split(":")[0] for line in lines] == ["step 2", "step 4"], lines
-        assert all(line.endswith(" samples/s)") for line in lines), lines
+        assert all(re.search(r" samples/s, \d+\.\d\d s of it waiting for batches\)$", line) for line in lines), lines
         summaries[pipelined] = json.loads((run / "summary.json").read_text())
-        assert summaries[pipelined]["eval_samples_per_s"] > 0
+        assert summaries[pipelined]["eval_samples_per_s"] > 0 and summaries[pipelined]["eval_loader_wait_s"] >= 0
         events = EventAccumulator(str(run)).Reload()
         assert [e.step for e in events.Scalars("eval/samples_per_s")] == [2, 4]
+        assert [e.step for e in events.Scalars("eval/loader_wait_s")] == [2, 4]
     for key in ("eval_auc", "eval_ne", "eval_logloss", "eval_accuracy", "loss"):
         assert summaries[True][key] == summaries[False][key], (key, summaries)

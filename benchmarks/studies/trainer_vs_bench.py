@@ -237,7 +237,7 @@ def run_cli(args: argparse.Namespace, overrides: list[str], out: Path) -> dict:
     said = [line for line in done.stdout.splitlines() if line.startswith(("data.num_workers auto", "the loader bounded",
                                                                           "start-up:"))]
     return {"samples_per_s": summary["steady_samples_per_s"], "samples_per_s_with_startup": summary["samples_per_s"],
-            "eval_samples_per_s": summary["eval_samples_per_s"],
+            "eval_samples_per_s": summary["eval_samples_per_s"], "eval_loader_wait_s": summary.get("eval_loader_wait_s"),
             "startup_s": summary["startup"]["to_first_timed_step_s"], "startup": summary["startup"],
             "num_workers": summary["num_workers"], "loader_wait_s": summary["loader_wait_s"],
             "train_time_s": summary["train_time_s"], "steps": summary["steps"], "eval_auc": summary["eval_auc"],
@@ -349,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
             cli = pair["cli"]
             print(f"{tag}recpipe train: {cli['samples_per_s']:,.0f} samples/s ({pair['cli_ratio']:.3f} x the bench); final "
                   f"evaluation {cli['eval_samples_per_s']:,.0f} samples/s "
-                  f"({cli['eval_samples_per_s'] / cli['samples_per_s']:.2f} x training); start-up {cli['startup_s']} s; "
+                  f"({cli['eval_samples_per_s'] / cli['samples_per_s']:.2f} x training, {cli['eval_loader_wait_s']} s of it "
+                  f"waiting for batches); start-up {cli['startup_s']} s; "
                   f"data.num_workers {cli['num_workers']}, {cli['loader_wait_s']:.2f} s waiting for batches")
             print("\n".join(f"{tag}  said: {line}" for line in cli["said"]))
     first = max(pair["train"]["first_step_s"] for pair in pairs)

@@ -259,6 +259,7 @@ class Trainer:
         self._memory_peaks: list[dict[str, float]] | None = None  # each rank's, from the log points
         self.last_eval: dict[str, float] = {}
         self.last_eval_samples_per_s: float | None = None
+        self.last_eval_loader_wait_s: float | None = None  # this rank's host time blocked on the eval loader
         self._eval_batches: Iterator[Batch] | None = None  # the next evaluation's, started early
 
     # ----------------------------------------------------------------- setup
@@ -690,10 +691,10 @@ class Trainer:
         loader, self._eval_batches = self._eval_batches, None
         if loader is None:
             loader = make_dataloader(self.cfg, rank=self.rank, world_size=self.world_size, split="eval")
-        started = time.perf_counter()
+        started, waits = time.perf_counter(), LoaderWait()
         evaluated = samples = 0
         with (self._watchdog.during(f"the evaluation after step {self.position.step}"),
-              contextlib.closing(self.evaluation.run(data_errors(loader, "eval data"))) as outputs):
+              contextlib.closing(self.evaluation.run(data_errors(waits.timed(loader), "eval data"))) as outputs):
             for result, padding in outputs:
                 clicks = click_outputs(result[1]) if isinstance(result, (tuple, list)) and len(result) == 2 else None
                 if clicks is None:
@@ -724,12 +725,14 @@ class Trainer:
         metrics = self.eval_metrics.compute()
         self.eval_metrics.reset()
         self.last_eval, self.last_eval_samples_per_s = metrics, samples_per_s
+        self.last_eval_loader_wait_s = waits.total
         step = self.position.step
         self._write_scalars(step, {**{f"eval/{name}": value for name, value in metrics.items()},
-                                   "eval/samples_per_s": samples_per_s})
+                                   "eval/samples_per_s": samples_per_s, "eval/loader_wait_s": waits.total})
         self.run_dir.embedding_row_norms(step, self.sharded.model)
         shown = "  ".join(f"{name} {metrics[name]:.4f}" for name in METRICS)
-        self._say(f"step {step}: eval {shown}  ({samples_per_s:,.0f} samples/s)")
+        self._say(f"step {step}: eval {shown}  ({samples_per_s:,.0f} samples/s, {waits.total:.2f} s of it waiting "
+                  "for batches)")
         if not math.isfinite(metrics["logloss"]):  # the same on every rank (all-reduced metrics)
             self._stop_if_diverged(lambda: self._nonfinite_eval(step, metrics["logloss"]))
         return metrics
@@ -778,6 +781,7 @@ class Trainer:
             **{f"train_{name}": self.last_train.get(name) for name in METRICS},  # the last log interval's
             **{f"eval_{name}": self.last_eval.get(name) for name in METRICS},  # the last evaluation's
             "eval_samples_per_s": self.last_eval_samples_per_s,  # of the last evaluation
+            "eval_loader_wait_s": None if self.last_eval_loader_wait_s is None else round(self.last_eval_loader_wait_s, 3),
             "pipeline": self.cfg.pipeline.name,
             "epoch": self.position.epoch,
             "resumed_from_step": self.start_step if self.start_step else None,

@@ -113,6 +113,31 @@ def test_synthetic_producers_make_the_inline_batches_bit_for_bit(kind):
         assert (ka.values().dtype, ka.lengths().dtype, ka.stride()) == (kb.values().dtype, kb.lengths().dtype, kb.stride())
 
 
+
+@pytest.mark.parametrize("workers", ["0", "2-process", "3-thread"])
+def test_a_loader_spanning_epochs_gives_each_epochs_batches_in_turn(workers):
+    """make_dataloader(epochs=3) from (epoch 1, batch 2): epoch 1's batches 2.. then epochs 2
+    and 3 whole, bit for bit as a loader per epoch gives them; epoch_batches splits it."""
+    from recpipe.data.loader import epoch_batches
+
+    count, _, kind = workers.partition("-")
+    cfg = small_cfg("data.synthetic.num_batches=4", f"data.num_workers={count}",
+                    *([f"data.workers_kind={kind}"] if kind else []))
+    per_epoch = [batches(cfg, epoch=1, start_batch=2), batches(cfg, epoch=2), batches(cfg, epoch=3)]
+    spanning = make_dataloader(cfg, rank=0, world_size=1, split="train", epoch=1, start_batch=2, epochs=3)
+    assert len(spanning) == 10
+    split = epoch_batches(spanning, 2, 4)
+    for want in per_epoch:
+        assert same_seq(list(next(split)), want)
+    assert list(next(split)) == []  # after the last epoch: nothing
+    assert not same_seq(per_epoch[1], per_epoch[2])  # each epoch its own batches
+
+
+def test_a_loader_per_epoch_for_a_source_that_cannot_span_them(tmp_path):
+    cfg = tsv_cfg([tmp_path / "day_0.tsv"])
+    with pytest.raises(ValueError, match="data.source='criteo_tsv' makes one loader per epoch"):
+        make_dataloader(cfg, rank=0, world_size=1, split="train", epochs=2)
+
 def test_synthetic_batch_counts_per_rank_and_eval():
     cfg = small_cfg("distributed.nproc=3", "data.synthetic.num_batches_per_rank=[2, 4, 3]", "data.synthetic.num_eval_batches=2")
     for rank, n in enumerate([2, 4, 3]):

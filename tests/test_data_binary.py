@@ -322,6 +322,25 @@ def test_shuffle_is_a_permutation_per_epoch_and_resumes_exactly(tmp_path, tsv_fi
     assert_same_batches(batches(ev, split="eval", epoch=4), batches(config("binary", directory=out)))
 
 
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_shuffled_loader_spanning_epochs_is_the_loaders_per_epoch(tmp_path, tsv_files, workers):
+    """One loader over epochs 1-3 of shuffled binary data from epoch 1's batch 3 (producer
+    processes build them in their slots: make_into) gives each epoch's own order, bit for bit."""
+    from recpipe.data.loader import epoch_batches
+
+    out, _ = converted(tmp_path, tsv_files)
+    cfg = config("binary", "distributed.nproc=2", "data.shuffle=true", "data.shuffle_block_rows=4",
+                 f"data.num_workers={workers}", directory=out, batch_size=8)
+    for rank in range(2):
+        want = [batches(cfg, rank=rank, world_size=2, epoch=1, start_batch=3),
+                batches(cfg, rank=rank, world_size=2, epoch=2), batches(cfg, rank=rank, world_size=2, epoch=3)]
+        n = len(want[1])
+        split = epoch_batches(make_dataloader(cfg, rank=rank, world_size=2, split="train", epoch=1, start_batch=3,
+                                              epochs=3), n - 3, n)
+        for epoch in want:
+            assert_same_batches(list(next(split)), epoch)
+
 def test_shuffle_needs_the_binary_source():
     with pytest.raises(ConfigError, match="data.shuffle=true needs data.source='binary'"):
         load_config(None, ["data.shuffle=true"])

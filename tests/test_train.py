@@ -67,6 +67,41 @@ def test_train_two_ranks_uneven_data_two_epochs(tmp_path, capfd):
     assert [e.step for e in events.Scalars("eval/auc")] == [20, 40, 50]
 
 
+def _epochs_worker(cfg, spanning: bool) -> None:
+    """One rank: the trainer with one loader spanning the epochs, or (``spanning=False``) a
+    loader per epoch, as for a source that cannot span them."""
+    import recpipe.train.trainer as trainer
+
+    if not spanning:
+        trainer.spans_epochs = lambda data: False
+    trainer.run_worker(cfg)
+
+
+@pytest.mark.slow
+def test_epochs_from_one_loader_train_as_a_loader_per_epoch(tmp_path):
+    """Two ranks with 3 and 4 batches an epoch (rank 0 pads one step an epoch), 3 epochs,
+    producer processes: every step's loss and the evaluations are the same whether one set
+    of producers runs across the epochs or each epoch starts its own."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from recpipe.config import load_config
+    from recpipe.distributed import launch_local
+
+    runs = {}
+    for spanning in (True, False):
+        run = tmp_path / str(spanning)
+        cfg = load_config(CONFIG, SMALL + ["data.synthetic.num_batches_per_rank=[3, 4]", "data.num_workers=2",
+                                           "distributed.nproc=2", "train.epochs=3", "train.steps=1000",
+                                           "train.log_every=1", "train.eval_every=4", f"logging.run_dir={run}"])
+        launch_local(_epochs_worker, 2, cfg, spanning)
+        events = EventAccumulator(str(run)).Reload()
+        summary = json.loads((run / "summary.json").read_text())
+        runs[spanning] = ([(e.step, e.value) for e in events.Scalars("train/loss")],
+                          [(e.step, e.value) for e in events.Scalars("eval/auc")], summary["epoch"], summary["steps"])
+    assert runs[True][2:] == (3, 12)
+    assert [step for step, _ in runs[True][0]] == list(range(1, 13))
+    assert runs[True] == runs[False]
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_malformed_data_line_is_one_line_naming_file_and_line(tmp_path, capfd, monkeypatch):

@@ -52,7 +52,7 @@ from recpipe.data.workers import WorkersSizing, rank_cores, size_gpu_workers, si
 from recpipe.system import die_with_parent, local_world_size
 from recpipe.stop_requests import ignore_stop_signals, stop_signals_blocked
 
-__all__ = ["check_data", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "with_sized_workers",
+__all__ = ["check_data", "epoch_batches", "host_memory_tables", "make_dataloader", "no_eval_data", "num_batches", "with_sized_workers",
            "workers_description", "workers_kind_of"]
 
 
@@ -287,6 +287,41 @@ class TsvDataLoader(DataLoader):
             return super().__iter__()
 
 
+def spans_epochs(d: DataConfig) -> bool:
+    """Whether one loader of the source ``d`` (the data section) can span several epochs
+    (``make_dataloader(epochs=...)``): every epoch of it has the same number of batches."""
+    return d.factory is None and d.source in ("synthetic", "binary", "criteo_npy")
+
+
+def epoch_batches(batches: Iterable[Any], first: int, per_epoch: int) -> Iterator[Iterator[Any]]:
+    """One iterator per epoch over ``batches`` (a loader spanning epochs): ``first`` batches,
+    then ``per_epoch`` each; an epoch's iterator must be used up (or dropped) before the next
+    is taken. They share one iterator of ``batches``, whose producers run on across the
+    epochs' boundaries."""
+    it = iter(batches)
+    yield itertools.islice(it, first)
+    while True:
+        yield itertools.islice(it, per_epoch)
+
+
+class _EpochIndex:
+    """Batch ``g`` of a binary or criteo_npy loader spanning epochs from ``epoch``: (index in
+    its epoch, that epoch's block order, the epoch); each epoch's order is drawn once."""
+
+    def __init__(self, dataset: Any, epoch: int) -> None:
+        self.dataset, self.epoch, self.orders = dataset, epoch, {}
+
+    def __call__(self, g: int) -> tuple[int, Any, int]:
+        offset, index = divmod(g, self.dataset.num_batches)
+        epoch = self.epoch + offset
+        order = self.orders.get(epoch)
+        if order is None:
+            order = self.dataset.block_order(epoch)
+            # Rebound, not changed in place (producer threads share it); the epochs come in order.
+            self.orders = {e: o for e, o in self.orders.items() if e >= epoch - 1} | {epoch: order}
+        return index, order, epoch
+
+
 class _SyntheticBatch:
     """``index -> batch`` of one rank's synthetic split (pinned when ``pin``).
 
@@ -296,13 +331,14 @@ class _SyntheticBatch:
     handed over as from the host path; the CPU device runs the same torch path on the host."""
 
     def __init__(self, spec: DataSpec, rank: int, split: str, epoch: int, pin: bool,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, per_epoch: int = 0) -> None:
         self.log, self.rank, self.split, self.epoch, self.pin = SyntheticClickLog(spec), rank, split, epoch, pin
-        self.device = device
+        self.device, self.per_epoch = device, per_epoch
         self.streams = threading.local()  # each producer thread's CUDA stream
 
     def __call__(self, index: int) -> Batch:
-        make = functools.partial(self.log.batch, rank=self.rank, split=self.split, epoch=self.epoch, index=index)
+        epoch, index = divmod(index, self.per_epoch) if self.per_epoch else (0, index)  # batch ``index`` of the stream
+        make = functools.partial(self.log.batch, rank=self.rank, split=self.split, epoch=self.epoch + epoch, index=index)
         if self.device is None or self.device.type != "cuda":
             batch = make(device=self.device)
             return batch.pin_memory() if self.pin else batch
@@ -429,12 +465,21 @@ def make_dataloader(
     split: Literal["train", "eval"],
     epoch: int = 0,
     start_batch: int = 0,
+    epochs: int = 1,
 ) -> Iterable[Any]:
     """An iterable over ``rank``'s ``split`` batches from index ``start_batch`` on
-    (with ``data.factory``: whatever the user's function returns for the same arguments)."""
+    (with ``data.factory``: whatever the user's function returns for the same arguments).
+
+    ``epochs`` > 1 (synthetic, binary, criteo_npy: see :func:`spans_epochs`): the batches of
+    epochs ``epoch .. epoch + epochs - 1`` one after the other, each epoch's as its own loader
+    gives them, from one set of producers: they make the next epoch's first batches while the
+    last of this one train (a loader per epoch forks its producers anew and waits for its first
+    batch, on the training loop's time). :func:`epoch_batches` splits it by epoch."""
     _check(rank, world_size, split)
     if start_batch < 0:
         raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+    if epochs > 1 and not spans_epochs(cfg.data):
+        raise ValueError(f"data.source={cfg.data.source!r} makes one loader per epoch (epochs={epochs})")
     if cfg.data.factory is not None:
         return user_batches(cfg, rank=rank, world_size=world_size, split=split, epoch=epoch, start_batch=start_batch)
     cfg = with_sized_workers(cfg, rank=rank, world_size=world_size)[0]
@@ -445,9 +490,9 @@ def make_dataloader(
     # Producer processes must not touch CUDA: their batches are pinned when they arrive.
     pin_made = pin and not (workers > 0 and kind == "process")
     if d.source == "synthetic":
-        stop = num_synthetic_batches(d.synthetic, rank=rank, split=split)
-        make = _SyntheticBatch(spec, rank, split, epoch, pin_made, synthetic_device(d))
-        return BatchStream(make, start_batch, stop, workers, pin_device, kind)
+        per_epoch = num_synthetic_batches(d.synthetic, rank=rank, split=split)
+        make = _SyntheticBatch(spec, rank, split, epoch, pin_made, synthetic_device(d), per_epoch)
+        return BatchStream(make, start_batch, per_epoch * epochs, workers, pin_device, kind)
     if d.source in ("binary", "criteo_npy"):
         if d.source == "binary" and _binary_dir(d, split) is None:
             return []
@@ -455,10 +500,10 @@ def make_dataloader(
             return []
         dataset = (_binary_dataset if d.source == "binary" else _npy_dataset)(
             d, spec, rank=rank, world_size=world_size, split=split)
-        order = dataset.block_order(epoch)
-        make = lambda i: dataset.batch(i, order, epoch, pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
-        make_into = lambda i, empty: dataset.batch(i, order, epoch, empty=empty)  # noqa: E731
-        return BatchStream(make, start_batch, dataset.num_batches, workers, pin_device, kind, make_into)
+        at = _EpochIndex(dataset, epoch)
+        make = lambda g: dataset.batch(*at(g), pin=pin_made)  # noqa: E731  (threads or fork: no pickling)
+        make_into = lambda g, empty: dataset.batch(*at(g), empty=empty)  # noqa: E731
+        return BatchStream(make, start_batch, dataset.num_batches * epochs, workers, pin_device, kind, make_into)
     reader = CriteoTsvReader(spec, _tsv_files(d, split), rank=rank, world_size=world_size)
     # Spawned workers where tables are in UVM: a fork of this process would copy their
     # pinned host memory into every worker (see workers_kind_of).

@@ -61,7 +61,7 @@ from recpipe.checkpoint.store import (TrainPosition, checkpoint_path, choose_che
 from recpipe.compat import torch as compat_torch
 from recpipe.config import RecpipeConfig
 from recpipe.data import Batch, make_dataloader, no_eval_data, num_batches
-from recpipe.data.loader import with_sized_workers, workers_description
+from recpipe.data.loader import epoch_batches, spans_epochs, with_sized_workers, workers_description
 from recpipe.distributed import init_process_group
 from recpipe.errors import DataError, NonFiniteLossError, Preempted, data_errors
 from recpipe.groups import control_group
@@ -186,6 +186,7 @@ class Trainer:
         self.start_step = self.position.step
         self.startup.lap("checkpoint_choice")
         self._first_batch_wait = 0.0  # the first step's wait for its first batch (start-up)
+        self._epochs: Iterator[Iterator[Batch]] | None = None  # a loader spanning epochs, split by epoch
         self._started_batches = self._started_loader(self.position)
         self.startup.lap("data_start")
         # Same dense initialisation on every rank (DDP would broadcast rank 0's anyway).
@@ -264,6 +265,10 @@ class Trainer:
 
     # ----------------------------------------------------------------- setup
     def _loader(self, position: TrainPosition) -> Iterable[Batch]:
+        """The training batches from ``position`` on: to the end of its epoch, or, where the
+        source can (``spans_epochs``), through the last epoch (one set of producers that run
+        on across the epochs' starts)."""
+        epochs = self.cfg.train.epochs - position.epoch if spans_epochs(self.cfg.data) else 1
         return make_dataloader(
             self.cfg,
             rank=self.rank,
@@ -271,6 +276,7 @@ class Trainer:
             split="train",
             epoch=position.epoch,
             start_batch=position.batch,
+            epochs=max(epochs, 1),
         )
 
     def _started_loader(self, position: TrainPosition) -> Iterable[Batch]:
@@ -284,10 +290,18 @@ class Trainer:
             return loader
 
     def _train_batches(self, position: TrainPosition) -> Iterator[Batch]:
-        """The training batches from ``position`` on: the first time those started while the
-        trainer was built, then a new loader per epoch."""
-        started, self._started_batches = self._started_batches, None
-        batches = started if started is not None else self._loader(position)
+        """The training batches of ``position``'s epoch from ``position`` on: the first time
+        those started while the trainer was built, then the next epoch's of the same loader
+        where it spans epochs (:func:`~recpipe.data.loader.epoch_batches`), else a new loader."""
+        if self._epochs is not None:
+            batches = next(self._epochs)
+        else:
+            started, self._started_batches = self._started_batches, None
+            batches = started if started is not None else self._loader(position)
+            if spans_epochs(self.cfg.data):
+                per_epoch = num_batches(self.cfg, rank=self.rank, world_size=self.world_size, split="train")
+                self._epochs = epoch_batches(batches, per_epoch - position.batch, per_epoch)
+                batches = next(self._epochs)
         return self._preemption.gate(data_errors(self._first_batch_timed(batches)), every=self.cfg.train.accumulate_steps)
 
     def _first_batch_timed(self, batches: Iterable[Batch]) -> Iterator[Batch]:

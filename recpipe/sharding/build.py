@@ -184,11 +184,10 @@ def plan_summary(plan: ShardingPlan, tables: tuple[TableInfo, ...]) -> str:
     return f"sharding: {len(tables)} table{'s' if len(tables) != 1 else ''}{where}: {parts}"
 
 
-def plan_table(plan: ShardingPlan, cfg: RecpipeConfig, tables: tuple[TableInfo, ...] | None = None) -> str:
+def plan_table(plan: ShardingPlan, tables: tuple[TableInfo, ...]) -> str:
     """The resolved placement as a fixed-width table, one row per table of every
-    embedding module (``tables``: ``ShardedModel.tables``; rebuilt from ``cfg`` on
-    meta when not given). A ``module`` column appears when the model has several."""
-    tables = validated_tables(cfg) if tables is None else tables
+    embedding module (``tables``: ``ShardedModel.tables``). A ``module`` column appears
+    when the model has several."""
     several = len({t.module for t in tables}) > 1
     header = ("table", "rows", "dim", "sharding", "kernel", "ranks", "shards (rows x cols)", "cache")
     header = (("module",) + header) if several else header

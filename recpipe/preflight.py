@@ -160,7 +160,7 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     check_model_config(cfg, model, device_type="cuda" if machine.on_cuda(cfg.train) else "cpu")
     # Its tensors against the checkpoint a resume loads: ConfigError -> 2; a checkpoint
     # whose metadata would run code: UnsafeCheckpointError -> 6.
-    check_resume_shapes(cfg, model)
+    check_resume_shapes(cfg.checkpoint, model)
     pipeline_class(cfg)  # pipeline.class imports and subclasses the pipeline's class
 
 

@@ -35,7 +35,7 @@ from recpipe.stop_requests import REPEAT_WINDOW_S, SIGNALS, request
 from recpipe.system import ALLOC_CONF_ENV, die_with_parent
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+    from recpipe.config import DistributedConfig, RecpipeConfig, TrainConfig
 
 
 def torchrun_overrides() -> list[str]:
@@ -45,8 +45,8 @@ def torchrun_overrides() -> list[str]:
     return [f"distributed.nproc={os.environ['WORLD_SIZE']}"] if under_torchrun() else []
 
 
-def resolve_device(cfg: RecpipeConfig, local_rank: int) -> torch.device:
-    want = cfg.train.device
+def resolve_device(train: TrainConfig, local_rank: int) -> torch.device:
+    want = train.device
     if want == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device='cuda' but no CUDA GPU is visible (torch.cuda.is_available() is False)")
     if want == "cuda" or (want == "auto" and torch.cuda.is_available()):
@@ -58,25 +58,25 @@ def resolve_device(cfg: RecpipeConfig, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def backend_for(cfg: RecpipeConfig, device: torch.device) -> str:
-    if cfg.distributed.backend != "auto":
-        return cfg.distributed.backend
+def backend_for(distributed: DistributedConfig, device: torch.device) -> str:
+    if distributed.backend != "auto":
+        return distributed.backend
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def apply_cuda_alloc_conf(cfg: RecpipeConfig) -> str | None:
+def apply_cuda_alloc_conf(train: TrainConfig) -> str | None:
     """Give this process the caching-allocator settings of ``train.cuda_alloc_conf``,
     unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (the user's choice wins); returns the
     settings in force. Must run before CUDA is initialized: the allocator reads its
     settings once, at initialization, so after it this only warns."""
-    if ALLOC_CONF_ENV in os.environ or cfg.train.cuda_alloc_conf is None:
+    if ALLOC_CONF_ENV in os.environ or train.cuda_alloc_conf is None:
         return os.environ.get(ALLOC_CONF_ENV)
     if torch.cuda.is_initialized():
-        job_warning(f"train.cuda_alloc_conf={cfg.train.cuda_alloc_conf!r} not applied: CUDA was initialized "
+        job_warning(f"train.cuda_alloc_conf={train.cuda_alloc_conf!r} not applied: CUDA was initialized "
                     f"before recpipe started; set {ALLOC_CONF_ENV} instead", stacklevel=2)
         return None
-    os.environ[ALLOC_CONF_ENV] = cfg.train.cuda_alloc_conf
-    return cfg.train.cuda_alloc_conf
+    os.environ[ALLOC_CONF_ENV] = train.cuda_alloc_conf
+    return train.cuda_alloc_conf
 
 
 # A collective that waits this long fails on the rank: Gloo raises, NCCL's watchdog aborts
@@ -89,12 +89,12 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 def init_process_group(cfg: RecpipeConfig) -> torch.device:
     """Join the job's process group (env:// rendezvous) and return this rank's device."""
-    apply_cuda_alloc_conf(cfg)
+    apply_cuda_alloc_conf(cfg.train)
     apply_deterministic(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its setting then
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = resolve_device(cfg, local_rank)
+    device = resolve_device(cfg.train, local_rank)
     if not dist.is_initialized():
-        kwargs: dict[str, Any] = {"backend": backend_for(cfg, device), "timeout": COLLECTIVE_TIMEOUT}
+        kwargs: dict[str, Any] = {"backend": backend_for(cfg.distributed, device), "timeout": COLLECTIVE_TIMEOUT}
         if device.type == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)

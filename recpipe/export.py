@@ -112,7 +112,7 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     model = _target(cfg)
     target, tables = model.state_dict(), table_keys(model)
     stored = model_tensors(path)  # read without running code: a crafted file is refused
-    _check_same_model(path, cfg, target, stored)
+    _check_same_model(path, cfg.model.factory, target, stored)
     report = ExportReport(path, Path(out))
     state: dict[str, torch.Tensor] = {}
     dense = {key: torch.empty(tuple(stored[key].size), dtype=stored[key].properties.dtype)
@@ -140,7 +140,7 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     return report
 
 
-def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict) -> None:
+def _check_same_model(path: Path, factory: str | None, target: dict, stored: dict) -> None:
     from recpipe.checkpoint.reader import shape_differences
 
     missing = sorted(set(target) - set(stored))
@@ -148,7 +148,7 @@ def _check_same_model(path: Path, cfg: RecpipeConfig, target: dict, stored: dict
     shapes = shape_differences(stored, target)
     if not (missing or unexpected or shapes):
         return
-    what = "model.factory=" + repr(cfg.model.factory) if cfg.model.factory else "the built-in model"
+    what = "model.factory=" + repr(factory) if factory else "the built-in model"
     problems = ([f"missing from the checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}"] if missing else []) + \
         ([f"not in the config's model: {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"] if unexpected else []) + shapes
     raise CheckpointError(f"checkpoint {path} does not hold the config's model ({what}): " + "; ".join(problems) +

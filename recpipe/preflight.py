@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from recpipe.capabilities import CAPABILITIES, PREFETCH_STEP
-from recpipe.config import PLANNER_ON_CPU, RecpipeConfig
+from recpipe.config import PLANNER_ON_CPU, RecpipeConfig, TrainConfig
 from recpipe.errors import ConfigError, DoesNotFitError, StorageError, job_warning, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 from recpipe.pipelines.registry import PIPELINES, offering
@@ -61,9 +61,9 @@ class Machine:
 
         return Machine(cuda=torch.cuda.is_available())
 
-    def on_cuda(self, cfg: RecpipeConfig) -> bool:
-        """Whether ``cfg``'s run is on CUDA here (``train.device``: ``auto`` picks CUDA if there is a GPU)."""
-        return cfg.train.device == "cuda" or (cfg.train.device == "auto" and self.cuda)
+    def on_cuda(self, train: TrainConfig) -> bool:
+        """Whether the run is on CUDA here (``train.device``: ``auto`` picks CUDA if there is a GPU)."""
+        return train.device == "cuda" or (train.device == "auto" and self.cuda)
 
 
 def rule_problems(cfg: RecpipeConfig) -> list[str]:
@@ -105,7 +105,7 @@ def check_machine(cfg: RecpipeConfig, machine: Machine) -> None:
         problems.append("train.device='cuda' but this machine has no CUDA GPU")
     if cfg.data.synthetic.device == "cuda" and not machine.cuda:
         problems.append("data.synthetic.device='cuda' but this machine has no CUDA GPU")
-    if not machine.on_cuda(cfg):
+    if not machine.on_cuda(cfg.train):
         uvm = [n for n, t in cfg.table_sharding().items() if t.kernel in ("fused_uvm", "fused_uvm_caching")]
         if uvm:
             problems.append(f"tables {uvm} use a UVM kernel (fused_uvm / fused_uvm_caching), which needs a CUDA GPU; "
@@ -124,7 +124,7 @@ def check_machine(cfg: RecpipeConfig, machine: Machine) -> None:
                                                              for t in cfg.table_sharding().values()):
         problems.append(f"pipeline.name={p.name!r} prefetches the rows of UVM-cached tables, and no table has kernel "
                         "'fused_uvm_caching' (which needs a CUDA GPU): set one, or use pipeline.name='sparse_dist'")
-    if not machine.on_cuda(cfg):
+    if not machine.on_cuda(cfg.train):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.distributed.nproc))
         if cores and local > cores:  # under torchrun every rank checks: rank 0 says it
@@ -149,7 +149,7 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     from recpipe.checkpoint.store import check_checkpoint_config, check_resume, check_resume_shapes
 
     check_rules(cfg)
-    check_dir_paths(cfg)  # StorageError -> exit 6
+    check_dir_paths(cfg.checkpoint.dir, cfg.logging.run_dir)  # StorageError -> exit 6
     check_checkpoint_config(cfg.checkpoint)
     check_resume(cfg)  # another distributed.nproc, optimizer or model setting than the checkpoint's
     check_machine(cfg, machine)
@@ -157,10 +157,10 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     # The model's tables (a model.factory model's are known only now, built on meta)
     # against sharding.*: ConfigError -> exit 2.
     model = model_on_meta(cfg)
-    check_model_config(cfg, model, device_type="cuda" if machine.on_cuda(cfg) else "cpu")
+    check_model_config(cfg, model, device_type="cuda" if machine.on_cuda(cfg.train) else "cpu")
     # Its tensors against the checkpoint a resume loads: ConfigError -> 2; a checkpoint
     # whose metadata would run code: UnsafeCheckpointError -> 6.
-    check_resume_shapes(cfg, model)
+    check_resume_shapes(cfg.checkpoint, model)
     pipeline_class(cfg)  # pipeline.class imports and subclasses the pipeline's class
 
 
@@ -184,7 +184,7 @@ def check_memory(cfg: RecpipeConfig, machine: Machine, *, world_size: int | None
     from recpipe.planner import advice_lines, advise, check_fits, plan_from_config, summary
 
     plan = plan_from_config(cfg, world_size=world_size)
-    if not machine.on_cuda(cfg):
+    if not machine.on_cuda(cfg.train):
         problem = host_memory_problem(plan, int(os.environ.get("LOCAL_WORLD_SIZE", world_size or cfg.distributed.nproc)))
         if problem is None:
             return None
@@ -258,13 +258,13 @@ def host_memory_available() -> int | None:
 _ROOM_BELOW = 256
 
 
-def check_dir_paths(cfg: RecpipeConfig) -> None:
-    """``checkpoint.dir`` and ``logging.run_dir`` as paths the system can use, before any
-    process starts: no symlink loop, no component longer than its filesystem's NAME_MAX,
-    and room under PATH_MAX for the files written there. A ``StorageError`` (exit 6) names
+def check_dir_paths(checkpoint_dir: str | None, run_dir: str | None) -> None:
+    """``checkpoint_dir`` (``checkpoint.dir``) and ``run_dir`` (``logging.run_dir``) as paths
+    the system can use, before any process starts: no symlink loop, no component longer than
+    its filesystem's NAME_MAX, and room under PATH_MAX for the files written there. A ``StorageError`` (exit 6) names
     the key and the cause; what only a write tells (permissions, a full disk) is found
     when the directory is created."""
-    for key, directory in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.run_dir", cfg.logging.run_dir)):
+    for key, directory in (("checkpoint.dir", checkpoint_dir), ("logging.run_dir", run_dir)):
         if directory is not None:
             problem = _dir_path_problem(os.path.abspath(directory))
             if problem is not None:

@@ -30,7 +30,6 @@ from typing import Iterator
 
 import torch.distributed as dist
 
-from recpipe.config import RecpipeConfig
 from recpipe.errors import DirInUseError, StorageError, storage_problem
 
 __all__ = ["LOCK_FILE", "DirLock", "hold_run_dirs", "hold_run_dirs_on_rank0"]
@@ -99,12 +98,12 @@ class DirLock:
         self._fd = None
 
 
-def _run_dirs(cfg: RecpipeConfig) -> list[tuple[str, str]]:
+def _run_dirs(run_dir: str | None, checkpoint_dir: str | None) -> list[tuple[str, str]]:
     """(config key, directory) of each distinct directory, once: a process cannot
     take a second flock on a file it has locked already."""
     seen: set[Path] = set()
     out = []
-    for key, value in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.dir", cfg.checkpoint.dir)):
+    for key, value in (("logging.run_dir", run_dir), ("checkpoint.dir", checkpoint_dir)):
         if value is not None and Path(value).resolve() not in seen:
             seen.add(Path(value).resolve())
             out.append((key, value))
@@ -112,19 +111,20 @@ def _run_dirs(cfg: RecpipeConfig) -> list[tuple[str, str]]:
 
 
 @contextlib.contextmanager
-def hold_run_dirs(cfg: RecpipeConfig) -> Iterator[None]:
-    """Lock ``logging.run_dir`` and ``checkpoint.dir`` (creating them) for the block;
-    raises :class:`DirInUseError` naming the holder when another run has one, and
-    :class:`StorageError` when one cannot be written."""
+def hold_run_dirs(run_dir: str | None, checkpoint_dir: str | None) -> Iterator[None]:
+    """Lock ``run_dir`` (``logging.run_dir``) and ``checkpoint_dir`` (``checkpoint.dir``),
+    creating them, for the block (None: no directory); raises :class:`DirInUseError`
+    naming the holder when another run has one, and :class:`StorageError` when one
+    cannot be written."""
     with contextlib.ExitStack() as stack:
-        for key, directory in _run_dirs(cfg):
+        for key, directory in _run_dirs(run_dir, checkpoint_dir):
             lock = DirLock(directory, key).acquire()
             stack.callback(lock.release)
         yield
 
 
 @contextlib.contextmanager
-def hold_run_dirs_on_rank0(cfg: RecpipeConfig) -> Iterator[None]:
+def hold_run_dirs_on_rank0(run_dir: str | None, checkpoint_dir: str | None) -> Iterator[None]:
     """Collective, for ranks started by torchrun: rank 0 locks the run directories
     for the block; when it cannot, every rank raises rank 0's DirInUseError or
     StorageError."""
@@ -132,7 +132,7 @@ def hold_run_dirs_on_rank0(cfg: RecpipeConfig) -> Iterator[None]:
         problem = None
         if dist.get_rank() == 0:
             try:
-                stack.enter_context(hold_run_dirs(cfg))
+                stack.enter_context(hold_run_dirs(run_dir, checkpoint_dir))
             except (DirInUseError, StorageError) as err:
                 problem = (isinstance(err, StorageError), str(err))
         shared = [problem]

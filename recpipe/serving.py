@@ -62,7 +62,7 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.compat import torch as compat_torch
-from recpipe.config import RecpipeConfig
+from recpipe.config import ModelConfig, RecpipeConfig
 from recpipe.errors import ConfigError
 from recpipe.models.dlrm import RecModel, build_model, sparse_arch_forward
 from recpipe.models.precision import precision_context
@@ -205,10 +205,9 @@ def _drop_table_mirrors(tables: nn.ModuleDict) -> None:
             delattr(table, name)
 
 
-def example_inputs(cfg: RecpipeConfig, batch_size: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
+def example_inputs(m: ModelConfig, batch_size: int = 3, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Inputs of the program's form: ``batch_size`` samples, 1 or 2 ids per feature."""
     g = torch.Generator().manual_seed(seed)
-    m = cfg.model
     lengths = torch.randint(1, 3, (m.num_sparse_features * batch_size,), generator=g, dtype=torch.int32)
     per_feature = lengths.view(m.num_sparse_features, batch_size).sum(1).tolist()
     values = torch.cat([torch.randint(0, rows, (n,), generator=g) for rows, n in zip(m.num_embeddings_per_feature,
@@ -351,7 +350,7 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
     if isinstance(module, UserServing):
         names, inputs, dynamic = _user_trace_spec(module)
     else:
-        names, inputs = [], example_inputs(cfg)
+        names, inputs = [], example_inputs(cfg.model)
         batch = torch.export.Dim("batch", min=1, max=MAX_BATCH)
         ids = torch.export.Dim("ids", min=1)
         dynamic = {"dense_features": {0: batch}, "values": {0: ids},

@@ -15,8 +15,8 @@ needs. Every module under ``recpipe/`` is parsed with ``ast``; a function or met
   ``cfg.model``): the fields of ``RecpipeConfig`` in ``recpipe/config.py``.
 
 A parameter annotated with a section (``cfg: DataConfig``) is not the whole config.
-tests/test_config_reach.py holds ``recpipe/data/`` to its assembly points and the total to
-its figure.
+tests/test_config_reach.py holds ``recpipe/data/`` and ``recpipe/planner/`` to their assembly
+points and the total to its figure.
 """
 
 from __future__ import annotations

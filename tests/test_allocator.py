@@ -25,22 +25,22 @@ def test_default_is_expandable_segments_and_bad_syntax_is_refused():
 def test_applied_unless_the_user_set_it(monkeypatch):
     monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: False)
-    assert apply_cuda_alloc_conf(_cfg("expandable_segments:True")) == "expandable_segments:True"
+    assert apply_cuda_alloc_conf(_cfg("expandable_segments:True").train) == "expandable_segments:True"
     import os
 
     assert os.environ[ALLOC_CONF_ENV] == "expandable_segments:True"
     monkeypatch.setenv(ALLOC_CONF_ENV, "max_split_size_mb:128")
-    assert apply_cuda_alloc_conf(_cfg("expandable_segments:True")) == "max_split_size_mb:128"
+    assert apply_cuda_alloc_conf(_cfg("expandable_segments:True").train) == "max_split_size_mb:128"
     assert os.environ[ALLOC_CONF_ENV] == "max_split_size_mb:128"
     monkeypatch.delenv(ALLOC_CONF_ENV)
-    assert apply_cuda_alloc_conf(_cfg(None)) is None and ALLOC_CONF_ENV not in os.environ
+    assert apply_cuda_alloc_conf(_cfg(None).train) is None and ALLOC_CONF_ENV not in os.environ
 
 
 def test_too_late_warns_and_changes_nothing(monkeypatch):
     monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)
     monkeypatch.setattr("torch.cuda.is_initialized", lambda: True)
     with pytest.warns(UserWarning, match="not applied"):
-        assert apply_cuda_alloc_conf(_cfg("expandable_segments:True")) is None
+        assert apply_cuda_alloc_conf(_cfg("expandable_segments:True").train) is None
     import os
 
     assert ALLOC_CONF_ENV not in os.environ

@@ -454,7 +454,7 @@ def test_resume_refuses_a_factory_model_of_other_shapes(tmp_path):
     ckpt = tmp_path / "ckpt"
     dcp_checkpoint(ckpt, 2, {"model": nn.Linear(4, 2).state_dict()})
     cfg = load_config(None, [f"checkpoint.dir={ckpt}"])
-    check_resume_shapes(cfg, nn.Linear(4, 2))
+    check_resume_shapes(cfg.checkpoint, nn.Linear(4, 2))
     with pytest.raises(ConfigError, match=r"holds another model than this run's \(weight: \[2, 4\] saved, \[3, 4\] in "
                                           r"the config's model; bias: \[2\] saved, \[3\]"):
-        check_resume_shapes(cfg, nn.Linear(4, 3))
+        check_resume_shapes(cfg.checkpoint, nn.Linear(4, 3))

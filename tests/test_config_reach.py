@@ -25,18 +25,35 @@ DATA_ASSEMBLY_POINTS = {
 }
 DATA_COMMANDS = {"recpipe/data/cli.py"}
 
+# The planner's: what builds PlannerInputs from a config, the memory plan of a config, the
+# advice (it plans changed configs) and the scaling prediction (it plans the config at each
+# world size). Below them the planner takes PlannerInputs or a section.
+PLANNER_ASSEMBLY_POINTS = {
+    "recpipe/planner/from_config.py": {"planner_inputs", "plan_from_config"},
+    "recpipe/planner/inputs.py": {"inputs_from_config"},
+    "recpipe/planner/advice.py": {"advise", "_Planner.__init__"},
+    "recpipe/planner/scaling.py": {"predict_scaling"},
+}
+
 # Functions of recpipe that take the whole config; lower it when a module moves to sections.
-MOST_WHOLE_CONFIG_FUNCTIONS = 103
+MOST_WHOLE_CONFIG_FUNCTIONS = 71
+
+
+def _check_assembly_points(folder: str, points: dict[str, set[str]], skip: set[str] = frozenset()) -> None:
+    found = {path: set(names) for path, names in reach().items() if path.startswith(folder) and path not in skip}
+    leaves = {path: names - points.get(path, set()) for path, names in found.items()}
+    assert {path: names for path, names in leaves.items() if names} == {}, \
+        "take the section or a value object (python scripts/config_reach.py --list)"
+    gone = {path: names - found.get(path, set()) for path, names in points.items()}
+    assert {path: names for path, names in gone.items() if names} == {}, "no longer assembly points: remove them"
 
 
 def test_the_data_layer_takes_the_whole_config_only_at_its_assembly_points():
-    found = {path: set(names) for path, names in reach().items()
-             if path.startswith("recpipe/data/") and path not in DATA_COMMANDS}
-    leaves = {path: names - DATA_ASSEMBLY_POINTS.get(path, set()) for path, names in found.items()}
-    assert {path: names for path, names in leaves.items() if names} == {}, \
-        "take the section or a DataSpec (python scripts/config_reach.py --list)"
-    gone = {path: names - found.get(path, set()) for path, names in DATA_ASSEMBLY_POINTS.items()}
-    assert {path: names for path, names in gone.items() if names} == {}, "no longer assembly points: remove them"
+    _check_assembly_points("recpipe/data/", DATA_ASSEMBLY_POINTS, DATA_COMMANDS)
+
+
+def test_the_planner_takes_the_whole_config_only_at_its_assembly_points():
+    _check_assembly_points("recpipe/planner/", PLANNER_ASSEMBLY_POINTS)
 
 
 def test_the_whole_config_reaches_no_more_functions():

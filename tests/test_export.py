@@ -296,7 +296,7 @@ def programs(tmp_path_factory):
     eager = serving_module(cfg, state)
     expected = {}
     for b in BATCHES:
-        inputs = example_inputs(cfg, b, seed=b)
+        inputs = example_inputs(cfg.model, b, seed=b)
         torch.save(inputs, out / f"inputs_{b}.pt")
         with torch.no_grad():
             expected[b] = eager(*inputs)

@@ -129,7 +129,7 @@ def _pipelines_worker(cfg) -> None:
     reference = _train(unscheduled, "base", batches, _by_hand(cfg))
     # the schedule changes what is trained (else nothing here would test it)
     assert_differs(reference, _train(unscheduled, "base", batches, lambda sm: lambda step: None), "constant rates")
-    scheduled = lambda sm: LearningRates(cfg, sm.optimizer, sm.model).set_step  # noqa: E731
+    scheduled = lambda sm: LearningRates(cfg.optimizer, sm.optimizer, sm.model).set_step  # noqa: E731
     for name in sorted(PIPELINES):
         # semi_sync before its start_batch: synchronous numerics, lookup of batch i+1 during step i
         options = {"start_batch": len(batches) + 1} if name == "semi_sync" else {}

@@ -51,7 +51,7 @@ def _train(cfg, name, batches, device, *, by_hand=False, graph_optimizer=None, s
         graph = [vars(o)["step"] for o in torch_optimizers(sm.optimizer)
                  if isinstance(vars(o).get("step"), GraphedOptimizerStep)]
     opt = cfg.optimizer
-    rates = LearningRates(cfg, sm.optimizer, sm.model)
+    rates = LearningRates(cfg.optimizer, sm.optimizer, sm.model)
 
     def set_step(step):
         if not by_hand:

@@ -469,11 +469,12 @@ def test_plan_and_train_print_the_same_plan(placement, tmp_path, capsys):
 
 # ------------------------------------------------------------------ torchrec adapter, searches
 def test_torchrec_planner_places_shards_by_our_estimates():
+    from recpipe.embedding_tables import model_on_meta
     from recpipe.planner.torchrec_planner import RecpipeStorageEstimator, plan_with_torchrec, shard_storage
 
     cfg = cfg_of(**MIXED)
     inputs = inputs_from_config(cfg)
-    plan = plan_with_torchrec(cfg, inputs)
+    plan = plan_with_torchrec(cfg.sharding, cfg.optimizer.embedding, inputs, model_on_meta(cfg))
     shards = shards_from_plan(plan, inputs.tables)
     assert {s.table for s in shards} == {t.name for t in inputs.tables}
     placed = estimate_memory(dataclasses.replace(inputs, shards=shards))
@@ -490,11 +491,12 @@ def test_torchrec_planner_places_shards_by_our_estimates():
 
 
 def test_torchrec_estimate_for_comparison():
+    from recpipe.embedding_tables import model_on_meta
     from recpipe.planner.torchrec_planner import torchrec_estimate
 
     cfg = cached_cfg(pipeline="prefetch", passes=4)
     inputs = inputs_from_config(cfg)
-    theirs = torchrec_estimate(cfg, inputs)
+    theirs = torchrec_estimate(cfg.sharding, cfg.optimizer.embedding, inputs, model_on_meta(cfg))
     ours = estimate_memory(inputs)
     assert [t["rank"] for t in theirs] == [0, 1]
     for t, r in zip(theirs, ours.ranks):
@@ -554,7 +556,8 @@ def test_the_builtin_model_read_off_its_config_is_the_model_built_on_meta(overri
     model = model_on_meta(cfg)
     tables = model_tables(model)
     assert builtin_tables(cfg.model) == tables
-    assert builtin_dense_spec(cfg) == dense_spec(cfg, model, tables)
+    assert builtin_dense_spec(cfg.model, cfg.train.precision) == dense_spec(cfg.model, cfg.train.precision, model,
+                                                                            tables)
 
 
 def test_the_sharding_types_stated_are_torchrecs():

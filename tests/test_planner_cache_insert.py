@@ -127,13 +127,13 @@ def test_the_config_names_the_insert_the_bookkeeping_stream_and_the_segments(mon
     inputs = inputs_from_config(_small())
     assert (inputs.pipeline.cache_insert, inputs.pipeline.cache_bookkeeping_stream) == (ours, "prefetch")
     # train.cuda_alloc_conf (default expandable segments), unless PYTORCH_CUDA_ALLOC_CONF is set
-    assert expandable_segments(_small()) and inputs.expandable_segments
-    assert not expandable_segments(_small(**{"train.cuda_alloc_conf": None}))
-    assert not expandable_segments(_small(**{"train.cuda_alloc_conf": "max_split_size_mb:128"}))
+    assert expandable_segments(_small().train.cuda_alloc_conf) and inputs.expandable_segments
+    assert not expandable_segments(_small(**{"train.cuda_alloc_conf": None}).train.cuda_alloc_conf)
+    assert not expandable_segments(_small(**{"train.cuda_alloc_conf": "max_split_size_mb:128"}).train.cuda_alloc_conf)
     monkeypatch.setenv(ALLOC_CONF_ENV, "max_split_size_mb:64, expandable_segments:False")
-    assert not expandable_segments(_small())
+    assert not expandable_segments(_small().train.cuda_alloc_conf)
     monkeypatch.setenv(ALLOC_CONF_ENV, "expandable_segments:True")
-    assert expandable_segments(_small(**{"train.cuda_alloc_conf": None}))
+    assert expandable_segments(_small(**{"train.cuda_alloc_conf": None}).train.cuda_alloc_conf)
 
 
 # ------------------------------------------------------------------ the plan

@@ -180,6 +180,7 @@ def _err(est: float, meas: float) -> float:
 def test_estimate_matches_measured(name, process_group, monkeypatch):
     from recpipe.system import ALLOC_CONF_ENV
     from recpipe.planner import plan_from_config
+    from recpipe.embedding_tables import model_on_meta
     from recpipe.planner.torchrec_planner import torchrec_estimate
     from recpipe.planner.inputs import inputs_from_config
 
@@ -190,7 +191,7 @@ def test_estimate_matches_measured(name, process_group, monkeypatch):
     inputs = inputs_from_config(cfg, world_size=1, hbm_capacity_bytes=total)
     plan = plan_from_config(cfg, world_size=1, hbm_capacity_bytes=total)
     rank = plan.ranks[0]
-    theirs = torchrec_estimate(cfg, inputs)[0]
+    theirs = torchrec_estimate(cfg.sharding, cfg.optimizer.embedding, inputs, model_on_meta(cfg))[0]
     try:
         meas = _measure(cfg, name, inputs.expandable_segments)
     finally:

@@ -43,7 +43,7 @@ def test_a_lock_left_by_a_dead_process_is_taken_over_with_a_warning(tmp_path):
 
 def test_one_directory_for_both_keys_is_locked_once(tmp_path):
     cfg = load_config(None, [f"logging.run_dir={tmp_path}", f"checkpoint.dir={tmp_path}/."])
-    with hold_run_dirs(cfg):
+    with hold_run_dirs(cfg.logging.run_dir, cfg.checkpoint.dir):
         with pytest.raises(DirInUseError, match="logging.run_dir"):
-            with hold_run_dirs(cfg):
+            with hold_run_dirs(cfg.logging.run_dir, cfg.checkpoint.dir):
                 pass

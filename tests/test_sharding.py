@@ -141,14 +141,15 @@ def test_plan_and_table_cover_every_module():
     assert sorted(plan.plan) == ["history", "item_ebc", "user.ebc"]
     assert plan.plan["history"]["t_history_cat"].sharding_type == "row_wise"
     assert plan.plan["item_ebc"]["t_item_cat"].sharding_type == "data_parallel"
-    lines = plan_table(plan, cfg, model_tables(model)).splitlines()
+    lines = plan_table(plan, model_tables(model)).splitlines()
     assert lines[0].split()[:2] == ["module", "table"] and len(lines) == 2 + 8
     assert any(line.startswith("history (EmbeddingCollection)") and "t_history_shop" in line and "column_wise" in line
                for line in lines)
     builtin = load_config(None, ["distributed.nproc=2"])
     from recpipe.models import build_model
 
-    table = plan_table(sharding_plan(build_model(builtin.model), builtin, 2, "cpu"), builtin)
+    model = build_model(builtin.model)
+    table = plan_table(sharding_plan(model, builtin, 2, "cpu"), model_tables(model))
     assert table.splitlines()[0].split()[0] == "table" and "t_cat_25" in table  # one module: no module column
     assert list(sharding_plan(build_model(builtin.model), builtin, 2, "cpu").plan) == [EBC_PATH]
 

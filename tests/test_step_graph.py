@@ -303,7 +303,7 @@ def _scheduled_worker(cfg) -> None:
         if graphed:
             capture, captures = _baked_embedding_rate(sm.model, sm.optimizer)
             graph = apply_step_graph(pipe.context, StepGraphOptions(enabled=True, capacity_batches=2), capture=capture)
-        rates = LearningRates(cfg, sm.optimizer, sm.model)
+        rates = LearningRates(cfg.optimizer, sm.optimizer, sm.model)
         losses, it = [], iter(batches)
         while True:
             rates.set_step(len(losses) + 1)

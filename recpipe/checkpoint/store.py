@@ -195,10 +195,9 @@ def resume_settings(cfg: RecpipeConfig) -> dict[str, Any]:
             "optimizer.dense.name": cfg.optimizer.dense.name, "model.factory": m.factory, **model}
 
 
-def _resume_candidate(cfg: RecpipeConfig) -> tuple[Path, dict] | None:
+def _resume_candidate(ckpt: CheckpointConfig) -> tuple[Path, dict] | None:
     """The newest complete checkpoint in ``checkpoint.dir`` and its record, when the run
     resumes and it has a record a resume reads (else the ranks find it damaged)."""
-    ckpt = cfg.checkpoint
     if ckpt.dir is None or not ckpt.resume:
         return None
     complete = complete_checkpoints(ckpt.dir, warn=False)
@@ -218,7 +217,7 @@ def check_resume(cfg: RecpipeConfig) -> None:
     (the one a resume starts from, unless it turns out damaged) was saved with this run's
     :func:`resume_settings`; else a ConfigError (exit 2) naming each that differs. A
     record from before the settings were recorded has its number of ranks."""
-    found = _resume_candidate(cfg)
+    found = _resume_candidate(cfg.checkpoint)
     if found is None:
         return
     path, meta = found
@@ -234,13 +233,13 @@ def check_resume(cfg: RecpipeConfig) -> None:
         )
 
 
-def check_resume_shapes(cfg: RecpipeConfig, model: nn.Module) -> None:
+def check_resume_shapes(ckpt: CheckpointConfig, model: nn.Module) -> None:
     """Before any process starts, after :func:`check_resume`: every tensor of ``model``
     (the config's, built on meta) has its shape in the checkpoint a resume starts from,
     read from DCP's ``.metadata`` without running code; else a ConfigError (exit 2) naming
     each that differs (a ``model.factory`` model whose code or ``model.options`` changed).
     A ``.metadata`` that names anything but DCP's classes is refused here (exit 6)."""
-    found = _resume_candidate(cfg)
+    found = _resume_candidate(ckpt)
     if found is None:
         return
     path = found[0]

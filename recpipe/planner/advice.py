@@ -143,7 +143,7 @@ def advise(cfg: "RecpipeConfig", plan: MemoryPlan | None = None, inputs: "Planne
         if after is not None and _fits(after):
             out.append(Advice(kind, what, overrides, _peak(plan), _peak(after), capacity, after))
 
-    out += _knobs(cfg, inputs, planner, plan, capacity)
+    out += _knobs(inputs, planner, plan, capacity)
     movable = [n for n in biggest if tables[n].sharding_type in ("table_wise", "column_wise")]
     row_wise_here = None
     if inputs.world_size > 1:
@@ -236,8 +236,7 @@ def _largest_load_factor(overrides: Callable[[float], dict[str, Any]], planner: 
     return lo / 100
 
 
-def _knobs(cfg: "RecpipeConfig", inputs: "PlannerInputs", planner: _Planner, plan: MemoryPlan,
-           capacity: int) -> list[Advice]:
+def _knobs(inputs: "PlannerInputs", planner: _Planner, plan: MemoryPlan, capacity: int) -> list[Advice]:
     """The knobs a config already has: the cached tables' load factor, the prefetch passes."""
     out = []
     candidates = []

@@ -32,10 +32,12 @@ def planner_inputs(
     rules. ``recpipe plan`` and ``recpipe train``'s pre-flight plan from these."""
     inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
     if cfg.sharding.placement == "planner":
-        from recpipe.planner.torchrec_planner import plan_with_torchrec
+        from recpipe.embedding_tables import model_on_meta
         from recpipe.planner.spec import shards_from_plan
+        from recpipe.planner.torchrec_planner import plan_with_torchrec
 
-        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan_with_torchrec(cfg, inputs), inputs.tables))
+        plan = plan_with_torchrec(cfg.sharding, cfg.optimizer.embedding, inputs, model_on_meta(cfg))
+        inputs = dataclasses.replace(inputs, shards=shards_from_plan(plan, inputs.tables))
     return inputs
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from recpipe.embedding_tables import model_on_meta
-from recpipe.planner.model_spec import (builtin_dense_spec, builtin_tables, dense_spec, model_notes, pooling_factors,
-                                        table_specs)
+from recpipe.planner.model_spec import (builtin_dense_spec, builtin_tables, data_ids_per_sample, dense_spec,
+                                        model_notes, pooling_factors, table_specs)
 from recpipe.planner.spec import GiB, PlannerInputs, ShardSpec, pipeline_spec, shards_for_tables
 from recpipe.system import ALLOC_CONF_ENV, may_have_gpu
 from recpipe.table_sharding.checks import check_tables, validated_tables
@@ -57,13 +57,13 @@ def default_hbm_bytes() -> int:
     return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
 
 
-def expandable_segments(cfg: "RecpipeConfig") -> bool:
+def expandable_segments(cuda_alloc_conf: str | None) -> bool:
     """Whether the run's CUDA caching allocator uses expandable segments, with the
     settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
     ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
     import os
 
-    settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cfg.train.cuda_alloc_conf
+    settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cuda_alloc_conf
     pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)
     return {k.strip(): v.strip() for k, v in pairs.items()}.get("expandable_segments", "").lower() == "true"
 
@@ -83,14 +83,15 @@ def inputs_from_config(
     W = world_size or cfg.distributed.nproc
     m = cfg.model
     if m.factory is None:
-        infos, dense = check_tables(cfg, builtin_tables(m)), builtin_dense_spec(cfg)
+        infos = check_tables(cfg.sharding, cfg.distributed.nproc, builtin_tables(m))
+        dense = builtin_dense_spec(m, cfg.train.precision)
     else:
         model = model_on_meta(cfg)
         infos = validated_tables(cfg, model)
-        dense = dense_spec(cfg, model, infos)
-    pfs, assumed = pooling_factors(cfg, infos)
-    tables_t = table_specs(cfg, infos, pfs, W)
-    tw = table_wise_ranks(cfg, W, infos)
+        dense = dense_spec(m, cfg.train.precision, model, infos)
+    pfs, assumed = pooling_factors(infos, cfg.sharding.mean_pooling_factors, data_ids_per_sample(cfg.data, m))
+    tables_t = table_specs(cfg.sharding, infos, pfs, W)
+    tw = table_wise_ranks(cfg.sharding, W, infos)
     if shards is None:
         shards = shards_for_tables(tables_t, W, tw)
     if hbm_capacity_bytes is None:
@@ -114,7 +115,7 @@ def inputs_from_config(
         fbgemm_version=fbgemm or fbgemm_version(),
         tw_ranks=tuple(sorted(tw.items())),
         dense_batch=m.factory is None,
-        notes=model_notes(cfg, assumed),
+        notes=model_notes(m, assumed),
         comm_precision=(cfg.sharding.comm_precision.forward, cfg.sharding.comm_precision.backward),
-        expandable_segments=expandable_segments(cfg),
+        expandable_segments=expandable_segments(cfg.train.cuda_alloc_conf),
     )

@@ -31,30 +31,30 @@ from recpipe.table_sharding.precision import stochastic_rounding, weights_precis
 if TYPE_CHECKING:
     from torch import nn
 
-    from recpipe.config import ModelConfig, RecpipeConfig
+    from recpipe.config import DataConfig, ModelConfig, ShardingConfig
 
 
-def data_ids_per_sample(cfg: "RecpipeConfig") -> dict[str, float]:
+def data_ids_per_sample(data: "DataConfig", m: "ModelConfig") -> dict[str, float]:
     """Ids per sample of each feature of the configured data, by feature name:
     ``data.multi_hot_sizes`` when set; one each for ``criteo_tsv`` / ``binary`` data
     (the Criteo layout); the mean of ``data.synthetic.mean_pooling_factors`` for the
     built-in model otherwise; nothing known for a ``model.factory`` model's other data."""
-    data, names = cfg.data, cfg.model.feature_names
+    names = m.feature_names
     if data.multi_hot_sizes is not None:
         return {name: float(h) for name, h in zip(names, data.multi_hot_sizes)}
     if data.factory is None and data.source in ("criteo_tsv", "binary"):
         return dict.fromkeys(names, 1.0)
-    if cfg.model.factory is None:
+    if m.factory is None:
         pf = data.synthetic.mean_pooling_factors
         return dict(zip(names, list(pf) if isinstance(pf, list) else [float(pf)] * len(names)))
     return {}
 
 
-def pooling_factors(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...]) -> tuple[dict[str, float], list[str]]:
+def pooling_factors(tables: tuple["TableInfo", ...], explicit: dict[str, float],
+                    by_feature: dict[str, float]) -> tuple[dict[str, float], list[str]]:
     """Mean ids per sample of each feature, per table (sources in the module
-    docstring), and the tables that got the 1.0 fallback."""
-    explicit = cfg.sharding.mean_pooling_factors
-    by_feature = data_ids_per_sample(cfg)
+    docstring: ``explicit`` is ``sharding.mean_pooling_factors``, ``by_feature``
+    :func:`data_ids_per_sample`), and the tables that got the 1.0 fallback."""
     out: dict[str, float] = {}
     assumed: list[str] = []
     for t in tables:
@@ -69,13 +69,13 @@ def pooling_factors(cfg: "RecpipeConfig", tables: tuple["TableInfo", ...]) -> tu
 
 
 def table_specs(
-    cfg: "RecpipeConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float], world_size: int
+    sharding: "ShardingConfig", tables: tuple["TableInfo", ...], pfs: dict[str, float], world_size: int
 ) -> tuple[TableSpec, ...]:
     """The planner's view of every table, with its resolved sharding (the type as
     placed on ``world_size`` ranks: ``recpipe.table_sharding.placement.placed_type``)."""
     out = []
     for t in tables:
-        ts = cfg.sharding.for_table(t.name)
+        ts = sharding.for_table(t.name)
         clf = None
         if ts.kernel == CACHED:
             clf = ts.cache_load_factor if ts.cache_load_factor is not None else DEFAULT_CACHE_LOAD_FACTOR
@@ -85,8 +85,8 @@ def table_specs(
         out.append(TableSpec(
             t.name, t.rows, t.dim, pfs[t.name], placed_type(ts, world_size), ts.kernel, clf, module=t.module,
             num_features=len(t.features), pooled=t.pooled, weighted=t.weighted, feature_processed=t.feature_processed,
-            weights_precision=weights_precision(cfg.sharding, t), cache_precision=cp,
-            stochastic_rounding=stochastic_rounding(cfg.sharding, t),
+            weights_precision=weights_precision(sharding, t), cache_precision=cp,
+            stochastic_rounding=stochastic_rounding(sharding, t),
         ))
     return tuple(out)
 
@@ -113,12 +113,11 @@ def _mlp_params(sizes: list[int]) -> int:
     return sum(a * b + b for a, b in itertools.pairwise(sizes))
 
 
-def builtin_dense_spec(cfg: "RecpipeConfig") -> DenseSpec:
+def builtin_dense_spec(m: "ModelConfig", precision: str) -> DenseSpec:
     """:func:`dense_spec` of the built-in model, from its config: torchrec's DenseArch
     (an MLP), the interaction (DLRM: no parameters, the upper-triangle indices as an int64
     buffer; DCNv2: a low-rank cross network of ``dcn_num_layers`` layers over the
     ``(F + 1) * D`` concatenation) and the OverArch (an MLP and a final Linear)."""
-    m = cfg.model
     F, D = m.num_sparse_features, m.embedding_dim
     params = _mlp_params([m.num_dense_features, *m.dense_arch_layer_sizes])
     if m.arch == "dlrm":
@@ -128,12 +127,12 @@ def builtin_dense_spec(cfg: "RecpipeConfig") -> DenseSpec:
         interaction, buffers = (F + 1) * D, 0
         params += m.dcn_num_layers * (2 * interaction * m.dcn_low_rank_dim + interaction)  # W, V, bias per layer
     params += _mlp_params([interaction, *m.over_arch_layer_sizes])
-    dense, top = activation_bytes(m, cfg.train.precision)
+    dense, top = activation_bytes(m, precision)
     return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top,
-                     dense_out_grad_bytes=dense_output_grad_bytes(m, cfg.train.precision))
+                     dense_out_grad_bytes=dense_output_grad_bytes(m, precision))
 
 
-def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInfo", ...]) -> DenseSpec:
+def dense_spec(m: "ModelConfig", precision: str, model: "nn.Module", tables: tuple["TableInfo", ...]) -> DenseSpec:
     """Count the dense parameters and buffers exactly (everything outside the
     embedding modules) and, for the built-in DLRM / DCNv2, the activations saved per
     sample (formula: approximate, see docs/planner.md). A ``model.factory`` model's
@@ -141,19 +140,18 @@ def dense_spec(cfg: "RecpipeConfig", model: "nn.Module", tables: tuple["TableInf
     emb = {t.module for t in tables}
     params = sum(p.numel() for n, p in model.named_parameters() if not _inside(n, emb))
     buffers = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if not _inside(n, emb))
-    m = cfg.model
     if m.factory is not None:
         return DenseSpec(num_params=params, buffer_bytes=buffers)
-    dense, top = activation_bytes(m, cfg.train.precision)
+    dense, top = activation_bytes(m, precision)
     return DenseSpec(num_params=params, buffer_bytes=buffers, dense_arch_bytes=dense, top_bytes=top,
-                     dense_out_grad_bytes=dense_output_grad_bytes(m, cfg.train.precision))
+                     dense_out_grad_bytes=dense_output_grad_bytes(m, precision))
 
 
-def model_notes(cfg: "RecpipeConfig", assumed: list[str]) -> tuple[str, ...]:
+def model_notes(m: "ModelConfig", assumed: list[str]) -> tuple[str, ...]:
     """What the estimate cannot know about this model (the plan's warnings)."""
     notes = []
-    if cfg.model.factory is not None:
-        notes.append(f"model.factory={cfg.model.factory!r}: the dense activations saved for backward and the batch's "
+    if m.factory is not None:
+        notes.append(f"model.factory={m.factory!r}: the dense activations saved for backward and the batch's "
                      "non-KJT tensors are not estimated (0); only parameters, tables and KJTs are")
     if assumed:
         notes.append(f"tables {', '.join(assumed)}: no mean pooling factor configured, 1.0 id per sample and feature "

@@ -66,7 +66,7 @@ from recpipe.planner.spec import GiB, PlannerInputs
 from recpipe.planner.tbe import INDEX_BYTES, shard_indices, shard_output_rows
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+    from recpipe.config import ModelConfig, RecpipeConfig
 
 MiB = 1 << 20
 A2A_TYPES = ("table_wise", "row_wise", "table_row_wise", "column_wise")
@@ -186,11 +186,10 @@ def compute_ms(inputs: PlannerInputs, rank: int, gpu: GpuSpec, interaction_flops
 
 
 # ------------------------------------------------------------------ one world size
-def interaction_flops_per_sample(cfg: "RecpipeConfig") -> float:
+def interaction_flops_per_sample(m: "ModelConfig") -> float:
     """Forward FLOPs per sample of the DLRM dot interaction (bmm of the [F+1, D]
     features with themselves): ``2 * (F + 1)^2 * D``. DCN's cross layers have
     parameters, so ``6 * params`` already counts them: 0."""
-    m = cfg.model
     if m.factory is not None:  # unknown; a user model's parameter-free layers are not modeled
         return 0.0
     return 2.0 * (m.num_sparse_features + 1) ** 2 * m.embedding_dim if m.arch == "dlrm" else 0.0
@@ -265,7 +264,7 @@ def predict_scaling(
                                         fbgemm=(1, 8))
         except ValueError as err:
             raise ValueError(f"world size {W}: {err}") from err
-        rows.append(predict_point(inputs, gpu, interaction_flops=interaction_flops_per_sample(cfg)))
+        rows.append(predict_point(inputs, gpu, interaction_flops=interaction_flops_per_sample(cfg.model)))
     return rows
 
 

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, Iterator
 from recpipe.compat.torchrec import reserved_hbm
 from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.memory import LOCATION_BYTES, module_received_kjt_bytes
-from recpipe.planner.inputs import inputs_from_config
 from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec
 from recpipe.planner.tbe import (
     Tbe,
@@ -46,7 +45,9 @@ from recpipe.table_sharding.cache import DEFAULT_CACHE_LOAD_FACTOR, cache_params
 from recpipe.table_sharding.sharders import make_sharders
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
+    from torch import nn
+
+    from recpipe.config import EmbeddingOptimizerConfig, ShardingConfig
 
 from torchrec.distributed.planner.types import ShardEstimator, Storage, StorageReservation, Topology
 
@@ -144,7 +145,7 @@ class RecpipeStorageReservation(StorageReservation):
         return self._last
 
 
-def constraints_from_config(cfg: "RecpipeConfig", inputs: PlannerInputs) -> dict:
+def constraints_from_config(sharding: "ShardingConfig", inputs: PlannerInputs) -> dict:
     """torchrec ``ParameterConstraints`` fixing each table's sharding type, kernel,
     pooling factors (one per feature) and cache params as the config says
     (placement left to torchrec)."""
@@ -157,7 +158,7 @@ def constraints_from_config(cfg: "RecpipeConfig", inputs: PlannerInputs) -> dict
             sharding_types=[t.sharding_type], compute_kernels=[t.kernel],
             pooling_factors=[t.pooling_factor] * t.num_features,
             min_partition=t.dim // W if t.sharding_type == "column_wise" else None,
-            cache_params=cache_params(cfg.sharding.for_table(t.name), cfg.sharding, cfg.cache_line_locking),
+            cache_params=cache_params(sharding.for_table(t.name), sharding, inputs.prefetch_pipeline),
         )
     return out
 
@@ -185,15 +186,14 @@ def _topology(inputs: PlannerInputs) -> "Topology":
                     local_world_size=inputs.world_size)
 
 
-def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
+def torchrec_planner(sharding: "ShardingConfig", inputs: PlannerInputs):
     """torchrec ``EmbeddingShardingPlanner`` that sizes shards with recpipe's numbers."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
 
-    inputs = inputs or inputs_from_config(cfg)
     topology = _topology(inputs)
-    constraints = constraints_from_config(cfg, inputs)
+    constraints = constraints_from_config(sharding, inputs)
     enumerator = EmbeddingEnumerator(
         topology=topology, batch_size=inputs.batch_size, constraints=constraints,
         estimator=[EmbeddingPerfEstimator(topology=topology, constraints=constraints), RecpipeStorageEstimator(inputs)],
@@ -204,15 +204,13 @@ def torchrec_planner(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None):
     )
 
 
-def plan_with_torchrec(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None, model: Any = None):
+def plan_with_torchrec(sharding: "ShardingConfig", embedding: "EmbeddingOptimizerConfig", inputs: PlannerInputs,
+                       model: "nn.Module"):
     """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates
-    (``model``: the unsharded model; ``cfg``'s, built on meta, when not given)."""
-    from recpipe.embedding_tables import model_on_meta
-
-    model = model_on_meta(cfg) if model is None else model
+    (``model``: the unsharded model, e.g. built on meta)."""
     with _quiet():
-        planner = torchrec_planner(cfg, inputs)
-        return planner.plan(model, list(make_sharders(cfg.sharding, cfg.optimizer.embedding).values()))
+        planner = torchrec_planner(sharding, inputs)
+        return planner.plan(model, list(make_sharders(sharding, embedding).values()))
 
 
 def torchrec_pipeline_type(pipeline: PipelineSpec) -> str:
@@ -223,33 +221,31 @@ def torchrec_pipeline_type(pipeline: PipelineSpec) -> str:
     return "TRAIN_SPARSE_DIST" if "dist" in pipeline.side_streams else "TRAIN_BASE"
 
 
-def torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs | None = None, *,
-                      pipeline_aware: bool = False) -> list[dict[str, int]]:
-    """TorchRec's own per-rank numbers for ``cfg`` at recpipe's placement.
+def torchrec_estimate(sharding: "ShardingConfig", embedding: "EmbeddingOptimizerConfig", inputs: PlannerInputs,
+                      model: "nn.Module", *, pipeline_aware: bool = False) -> list[dict[str, int]]:
+    """TorchRec's own per-rank numbers for ``inputs`` at recpipe's placement.
 
     ``EmbeddingStorageEstimator`` as torchrec's planner builds it (pipeline type
     NONE, unless ``pipeline_aware``) summed over the shards each rank holds, plus
     ``HeuristicalStorageReservation(0.15)``'s dense and KJT reservations."""
-    inputs = inputs or inputs_from_config(cfg)
     with _quiet():
-        return _torchrec_estimate(cfg, inputs, pipeline_aware)
+        return _torchrec_estimate(sharding, embedding, inputs, model, pipeline_aware)
 
 
-def _torchrec_estimate(cfg: "RecpipeConfig", inputs: PlannerInputs, pipeline_aware: bool) -> list[dict[str, int]]:
+def _torchrec_estimate(sharding: "ShardingConfig", embedding: "EmbeddingOptimizerConfig", inputs: PlannerInputs,
+                       model: "nn.Module", pipeline_aware: bool) -> list[dict[str, int]]:
     from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
     from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
     from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
     from torchrec.distributed.types import PipelineType
 
-    from recpipe.embedding_tables import model_on_meta
-
     topology = _topology(inputs)
-    constraints = constraints_from_config(cfg, inputs)
+    constraints = constraints_from_config(sharding, inputs)
     ptype = getattr(PipelineType, torchrec_pipeline_type(inputs.pipeline)) if pipeline_aware else PipelineType.NONE
     estimator = EmbeddingStorageEstimator(topology=topology, constraints=constraints, pipeline_type=ptype)
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=inputs.batch_size, constraints=constraints,
                                      estimator=[estimator])
-    model, sharders = model_on_meta(cfg), list(make_sharders(cfg.sharding, cfg.optimizer.embedding).values())
+    sharders = list(make_sharders(sharding, embedding).values())
     options = {so.name: so for so in enumerator.enumerate(model, sharders)}
     reservation = HeuristicalStorageReservation(percentage=0.15)
     reservation.reserve(topology, inputs.batch_size, model, sharders, constraints)

@@ -47,7 +47,7 @@ def sharding_plan(
     balanced over all of the model's tables together. ``tables``: the model's
     (:func:`recpipe.table_sharding.checks.validated_tables`), computed when not given."""
     tables = validated_tables(cfg, model, device_type) if tables is None else tables
-    ranks = {**table_wise_ranks(cfg, world_size, tables), **table_row_wise_hosts(cfg.sharding, world_size, tables)}
+    ranks = {**table_wise_ranks(cfg.sharding, world_size, tables), **table_row_wise_hosts(cfg.sharding, world_size, tables)}
     sharders = make_sharders(cfg.sharding, cfg.optimizer.embedding, device_type)
     plan = {}
     for fqn, module in find_embedding_modules(model).items():
@@ -84,7 +84,8 @@ def planner_placement(
         from recpipe.config import PLANNER_ON_CPU, ConfigError
 
         raise ConfigError(PLANNER_ON_CPU)
-    box = [plan_with_torchrec(cfg, inputs_from_config(cfg, world_size=world_size), model)
+    box = [plan_with_torchrec(cfg.sharding, cfg.optimizer.embedding, inputs_from_config(cfg, world_size=world_size),
+                              model)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     plan = box[0]
@@ -183,11 +184,10 @@ def plan_summary(plan: ShardingPlan, tables: tuple[TableInfo, ...]) -> str:
     return f"sharding: {len(tables)} table{'s' if len(tables) != 1 else ''}{where}: {parts}"
 
 
-def plan_table(plan: ShardingPlan, cfg: RecpipeConfig, tables: tuple[TableInfo, ...] | None = None) -> str:
+def plan_table(plan: ShardingPlan, tables: tuple[TableInfo, ...]) -> str:
     """The resolved placement as a fixed-width table, one row per table of every
-    embedding module (``tables``: ``ShardedModel.tables``; rebuilt from ``cfg`` on
-    meta when not given). A ``module`` column appears when the model has several."""
-    tables = validated_tables(cfg) if tables is None else tables
+    embedding module (``tables``: ``ShardedModel.tables``). A ``module`` column appears
+    when the model has several."""
     several = len({t.module for t in tables}) > 1
     header = ("table", "rows", "dim", "sharding", "kernel", "ranks", "shards (rows x cols)", "cache")
     header = (("module",) + header) if several else header

@@ -76,21 +76,20 @@ def validated_tables(
     if not tables:
         raise ConfigError(f"{source}: the model holds no {', '.join(MODULE_TYPES)}; there is nothing to shard")
     offered = sharders_offer(cfg.sharding, cfg.optimizer.embedding, device_type)
-    return check_tables(cfg, tables, device_type, offered=offered)
+    return check_tables(cfg.sharding, cfg.distributed.nproc, tables, device_type, offered=offered)
 
 
-def check_tables(cfg: "RecpipeConfig", tables: tuple[TableInfo, ...], device_type: str = "cuda",
+def check_tables(sharding: "ShardingConfig", world_size: int, tables: tuple[TableInfo, ...], device_type: str = "cuda",
                  offered: dict[str, tuple[str, ...]] | None = None) -> tuple[TableInfo, ...]:
     """``tables`` with every sharding rule that needs the real tables checked: names under
     ``sharding.tables`` / ``sharding.mean_pooling_factors`` exist, each sharding type is one
     its module's sharder offers (``offered``, default
     :data:`recpipe.table_sharding.sharders.SHARDER_TYPES`) on ``device_type``, column_wise
-    dims split over the ranks (``distributed.nproc``), every table's precision (its own
+    dims split over the ``world_size`` ranks (``distributed.nproc``), every table's precision (its own
     data_type included) is one FBGEMM trains. ConfigError otherwise."""
-    sharding = cfg.sharding
     check_table_names(sharding, tables)
     check_sharding_support(sharding, tables, device_type, offered)
-    W = cfg.distributed.nproc
+    W = world_size
     problems = [
         f"  {sharding.table_key(t.name)}.type='column_wise' splits table {t.name!r} (dim {t.dim}) over "
         f"distributed.nproc={W} ranks; it must divide evenly"

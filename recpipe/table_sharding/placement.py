@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from recpipe.system import local_world_size
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig, ShardingConfig, TableSharding
+    from recpipe.config import ShardingConfig, TableSharding
     from recpipe.embedding_tables import TableInfo
 
 __all__ = ["KERNELS", "parameter_sharding_generator", "placed_type", "table_row_wise_hosts", "table_wise_ranks"]
@@ -28,13 +28,13 @@ def placed_type(t: "TableSharding", world_size: int) -> str:
     return "table_wise" if world_size == 1 and t.type in ("row_wise", "table_row_wise") else t.type
 
 
-def table_wise_ranks(cfg: "RecpipeConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
+def table_wise_ranks(sharding: "ShardingConfig", world_size: int, tables: "Sequence[TableInfo]") -> dict[str, int]:
     """Rank of each table placed table_wise (``placed_type``) of ``tables`` (the
     model's, in model order): the configured one, else the least-loaded rank (largest
     tables first, load = rows), so placement is deterministic."""
     loads = [0] * world_size
     placed: dict[str, int] = {}
-    resolved = {t.name: cfg.sharding.for_table(t.name) for t in tables}
+    resolved = {t.name: sharding.for_table(t.name) for t in tables}
     rows = {t.name: t.rows for t in tables}
     tw = {name for name, t in resolved.items() if placed_type(t, world_size) == "table_wise"}
     for name, t in resolved.items():

@@ -72,7 +72,7 @@ def run_rank(cfg: RecpipeConfig, debug: bool, lock_dirs: bool = False, startup: 
             if lock_dirs:  # under torchrun: its launcher is torchrun, which recpipe does not supervise
                 with watch_launcher() if "TORCHELASTIC_RUN_ID" in os.environ else contextlib.nullcontext():
                     init_process_group(cfg)
-                    with hold_run_dirs_on_rank0(cfg):
+                    with hold_run_dirs_on_rank0(cfg.logging.run_dir, cfg.checkpoint.dir):
                         run_worker(cfg, startup)
             else:
                 install_signal_handlers("train")
@@ -188,7 +188,7 @@ def run_train(cfg: RecpipeConfig, debug: bool = False, startup: StartupClock | N
     if under_torchrun():
         code = run_rank(cfg, debug, lock_dirs=True, startup=startup)  # a bug raises, and torchrun reports the rank
     else:
-        with hold_run_dirs(cfg):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
+        with hold_run_dirs(cfg.logging.run_dir, cfg.checkpoint.dir):  # DirInUseError -> exit 7, StorageError -> 6 (recpipe.cli)
             summary_before = read_summary(cfg.logging.run_dir)
             error = None
             try:

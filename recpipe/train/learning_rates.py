@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from recpipe.config import RecpipeConfig
+from recpipe.config import OptimizerConfig
 from recpipe.runtime.sharded import all_modules
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers
 
@@ -50,11 +50,11 @@ __all__ = ["LearningRates"]
 
 
 class LearningRates:
-    """The dense and embedding rates of ``cfg``'s schedules, for ``optimizer`` (the
-    pipeline's CombinedOptimizer) and the TBEs of ``model``."""
+    """The dense and embedding rates of the ``optimizer`` section's schedules (``schedules``),
+    for ``optimizer`` (the pipeline's CombinedOptimizer) and the TBEs of ``model``."""
 
-    def __init__(self, cfg: RecpipeConfig, optimizer: Any, model: torch.nn.Module) -> None:
-        self.dense_cfg, self.embedding_cfg = cfg.optimizer.dense, cfg.optimizer.embedding
+    def __init__(self, schedules: OptimizerConfig, optimizer: Any, model: torch.nn.Module) -> None:
+        self.dense_cfg, self.embedding_cfg = schedules.dense, schedules.embedding
         self._dense = torch_optimizers(optimizer)
         self._fused = fused_optimizers(optimizer)
         self.dense: float | None = None  # the rates last set

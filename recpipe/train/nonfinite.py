@@ -47,7 +47,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from recpipe.compat import torch as compat_torch
-from recpipe.config import RecpipeConfig
+from recpipe.config import OptimizerConfig
 from recpipe.errors import NonFiniteLossError
 from recpipe.runtime.sharded import find_sharded_modules
 from recpipe.train.metrics import HostCopy
@@ -240,10 +240,10 @@ class SkipNonFiniteSteps:
         )
 
 
-def skip_step_caveats(cfg: RecpipeConfig) -> list[str]:
+def skip_step_caveats(optimizer: OptimizerConfig) -> list[str]:
     """Where ``skip_step`` cannot skip exactly (a zero gradient still moves the weights)."""
     out = []
-    for key, opt in (("optimizer.dense", cfg.optimizer.dense), ("optimizer.embedding", cfg.optimizer.embedding)):
+    for key, opt in (("optimizer.dense", optimizer.dense), ("optimizer.embedding", optimizer.embedding)):
         if opt.name == "adam":
             out.append(f"{key}.name='adam': on a skipped step Adam's moments still decay and move the weights")
         if opt.weight_decay > 0:

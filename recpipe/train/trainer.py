@@ -203,7 +203,7 @@ class Trainer:
         # train.accumulate_steps > 1: each step trains that many micro-batches (recpipe.pipelines.accumulation)
         self.accumulation = (GradientAccumulation(self.pipeline, cfg.train.accumulate_steps)
                              if cfg.train.accumulate_steps > 1 else None)
-        self.rates = LearningRates(cfg, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
+        self.rates = LearningRates(cfg.optimizer, self.sharded.optimizer, self.sharded.model)  # optimizer.*.schedule
         if not self.rates.constant:
             self._say(repr(self.rates))
         if self.position.batch > 0:
@@ -516,7 +516,7 @@ class Trainer:
         )
         self._skip = None
         if cfg.train.on_nonfinite == "skip_step":
-            for caveat in skip_step_caveats(cfg) if self.rank == 0 else ():
+            for caveat in skip_step_caveats(cfg.optimizer) if self.rank == 0 else ():
                 warnings.warn(f"train.on_nonfinite=skip_step is not exact here: {caveat}", stacklevel=2)
             self._skip = SkipNonFiniteSteps(self.sharded.model, self.device)
 

@@ -43,7 +43,6 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "SHARDING_TYPES",
-    "COMPUTE_KERNELS",
 ]
 
 
@@ -260,7 +259,6 @@ class DataConfig(Section):
 
 # ------------------------------------------------------------------ sharding
 SHARDING_TYPES = ("table_wise", "row_wise", "table_row_wise", "column_wise", "data_parallel")
-COMPUTE_KERNELS = ("fused", "fused_uvm", "fused_uvm_caching", "dense")
 
 
 class TableSharding(Section):

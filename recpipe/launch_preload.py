@@ -1,4 +1,4 @@
-"""The forkserver of :func:`recpipe.distributed.launch_local`: :func:`start_server`, and what
+"""The forkserver of :func:`recpipe.launcher.launch_local`: :func:`start_server`, and what
 the server imports once, before it forks any rank (``set_forkserver_preload``): the modules
 every rank imports, so that a rank starts as a fork of a process that has them (a fork
 is cheap) instead of importing them anew (seconds of CPU each: torch, fbgemm-gpu,
@@ -48,7 +48,7 @@ import signal
 
 from recpipe.system import signal_when_parent_dies
 
-MODULES = ("torch", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recpipe.train.trainer")
+MODULES = ("torch", "fbgemm_gpu", "torchrec", "torchrec.distributed", "recpipe.launcher", "recpipe.train.trainer")
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 SERVER_ENV = "RECPIPE_FORKSERVER_OF"
 DEATH_SIGNAL = getattr(signal, "SIGRTMIN", signal.SIGUSR2)  # real-time signals: Linux

@@ -13,7 +13,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from pipeline_harness import RunResult, build, local_state, make, make_batches, small_config, train
 from recpipe.data.batch import Batch
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines.accumulation import GradientAccumulation
 
 N = 2  # micro-batches per optimizer step

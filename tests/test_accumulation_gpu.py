@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import RunResult, small_config, train
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from test_accumulation import N, SGD, accumulated, all_data_parallel, compare, concat, micro_batches
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from pipeline_harness import build, make_batches, small_config
 from recpipe.config import ConfigError, load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.compile import CompileOptions, CompiledForward, apply_compile
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make, make_batches, small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.speedups.compile import CompileOptions, apply_compile
 
 pytestmark = [

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from pipeline_harness import small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.sharding.data_parallel import DataParallelAcrossRanks, GradientAllReduce
 
 

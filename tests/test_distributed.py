@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 
 from process_harness import alive, interrupt
-from recpipe.distributed import launch_local, shutdown_process_group
+from recpipe.distributed import shutdown_process_group
+from recpipe.launcher import launch_local
 from recpipe.groups import graph_holds_collectives
 from recpipe.exit_codes import EXIT_PREEMPTED, EXIT_WORKER_FAILED
 from recpipe.run_lock import DirLock
@@ -125,7 +126,7 @@ def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
 STUBBORN = """
 import os, signal, sys, time
 from torch.multiprocessing.spawn import ProcessExitedException
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 
 def stubborn():  # takes note of SIGTERM and goes on, like a rank in a long save
     rank = os.environ["RANK"]
@@ -201,7 +202,7 @@ def test_a_killed_launcher_takes_its_ranks_along_and_its_lock_is_taken_over(tmp_
 
 
 # ------------------------------------------------- the launcher on public interfaces
-LAUNCHER_MODULES = ("recpipe/distributed.py", "recpipe/launch_preload.py")
+LAUNCHER_MODULES = ("recpipe/launcher.py", "recpipe/launch_preload.py")
 
 
 def _private_uses(source: str) -> set[str]:

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make_batches, small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.pipelines.evaluation import Evaluation
 from recpipe.speedups import step_graph

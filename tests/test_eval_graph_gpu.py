@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline_harness import small_config
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 from recpipe.speedups.step_graph import capture_with_torch
 from test_eval_graph import _worker
 from test_step_graph import ROW_TABLES, TABLES

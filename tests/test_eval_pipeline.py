@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import assert_same, build, local_state, make, make_batches, small_config, RunResult
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.pipelines.defs import base
 from recpipe.pipelines.evaluation import PLAIN_SCHEDULE, Evaluation, eval_schedule_of

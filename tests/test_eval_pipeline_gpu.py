@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipeline_harness import small_config
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 from test_eval_pipeline import TABLES, _worker
 
 pytestmark = [

@@ -22,7 +22,7 @@ import torch
 from recpipe.cli import main
 from recpipe.config import load_config
 from recpipe.data import make_dataloader
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_BAD_CONFIG, EXIT_CHECKPOINT, EXIT_OK
 

@@ -16,7 +16,8 @@ import torch.distributed as dist
 from pipeline_harness import assert_differs, assert_same, build, local_state, make, make_batches, small_config, RunResult
 from recpipe.cli import main
 from recpipe.config import ConfigError, config_from_dict, load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.lr_schedule import LRSchedule
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make, make_batches, small_config
 from recpipe.config import config_from_dict
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.optimizer_graph import WARMUP_CALLS, GraphedOptimizerStep, fused_optimizers, torch_optimizers
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, capture_with_torch

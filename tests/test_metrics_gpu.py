@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.train.metrics import ClickMetrics
 
 pytestmark = [

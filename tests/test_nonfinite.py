@@ -19,7 +19,8 @@ from process_harness import TINY_MODEL
 from recpipe.checkpoint.store import complete_checkpoints
 from recpipe.cli import main
 from recpipe.data.batch import Batch
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.exit_codes import EXIT_NONFINITE_LOSS
 from recpipe.pipelines import PIPELINES
 from recpipe.runtime.steps import dense_params

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make, make_batches, small_config
 from recpipe.checkpoint.store import TrainPosition, load_checkpoint, save_checkpoint
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.speedups.optimizer_graph import WARMUP_CALLS, GraphedOptimizerStep, torch_optimizers
 
 pytestmark = [

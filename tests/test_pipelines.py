@@ -21,7 +21,8 @@ from pipeline_harness import (
     small_config,
     train,
 )
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.pipelines import all_schedules
 from recpipe.pipelines.defs import fused_sparse_dist

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import assert_same, local_state, make, make_batches, semi_sync_reference, small_config, train
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines.defs import fused_sparse_dist
 import schedule_variants as variants
 

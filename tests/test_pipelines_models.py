@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import model_zoo
 from pipeline_harness import assert_differs, assert_same, expect_pipeline_error, small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.pipelines.defs import fused_sparse_dist
 import schedule_variants as variants

@@ -49,7 +49,7 @@ import torch
 
 from recpipe.config import load_config
 import schedule_variants as variants
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 
 PIPELINES = ("base", "sparse_dist", "fused_sparse_dist", "semi_sync")
 STEPS = 5

@@ -112,7 +112,7 @@ def _err(est: float, meas: float) -> float:
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_precision_estimates_match_measured(world_size, tmp_path):
-    from recpipe.distributed import launch_local
+    from recpipe.launcher import launch_local
     from recpipe.planner import plan_from_config
 
     launch_local(_worker, world_size, _config("fp32", world_size), str(tmp_path))

@@ -114,7 +114,7 @@ def _err(est: float, meas: float) -> float:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_every_ranks_estimate_matches_its_measured_peak(nproc, case, tmp_path):
-    from recpipe.distributed import launch_local
+    from recpipe.launcher import launch_local
     from recpipe.planner import plan_from_config
 
     cfg = _config(case, nproc)

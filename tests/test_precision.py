@@ -16,7 +16,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from pipeline_harness import assert_same, build, make_batches, small_config, train
 from recpipe.config import ConfigError, ModelConfig, load_config
 from recpipe.data.batch import Batch
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.models import build_model, remove_precision, with_precision
 from recpipe.models.precision import PrecisionForward
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make, make_batches, small_config, train
 from recpipe.config import load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.speedups import recat_cache
 
 STEPS = 6

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from pipeline_harness import assert_same, build, make_batches, small_config, train
 from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES, Pipeline, PipelineDef, register, unregister
 from recpipe.runtime.options import PipelineKeys
 from recpipe.runtime.schedule import Schedule, Step, memory_facts

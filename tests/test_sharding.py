@@ -19,7 +19,8 @@ import sharding_models
 from pipeline_harness import local_state
 from recpipe.cli import main
 from recpipe.config import ConfigError, load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.embedding_tables import find_embedding_modules, model_tables
 from recpipe.table_sharding.checks import validated_tables
 from recpipe.exit_codes import EXIT_BAD_CONFIG

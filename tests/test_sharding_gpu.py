@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from recpipe.distributed import launch_local
+from recpipe.launcher import launch_local
 from test_sharding import SPARSE_NN, TWO_TOWER, _cfg, _shard_and_compare_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

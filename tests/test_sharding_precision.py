@@ -18,7 +18,8 @@ import sharding_models
 from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
 from recpipe.cli import main
 from recpipe.config import load_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.embedding_tables import find_embedding_modules
 from recpipe.sharding import shard_model
 from test_checkpoint import TINY, K, M, _full_state

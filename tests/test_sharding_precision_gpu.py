@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from pipeline_harness import assert_same, make_batches, semi_sync_reference, small_config, train
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 import schedule_variants as variants
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

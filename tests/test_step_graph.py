@@ -20,7 +20,8 @@ from pipeline_harness import assert_same, build, make_batches, small_config, tra
 from recpipe.builder import apply_speedups
 from recpipe.config import ConfigError, load_config
 from recpipe.data.batch import Batch
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES, PipelineError
 from recpipe.preflight import check_rules
 from recpipe.speedups.optimizer_graph import fused_optimizers, torch_optimizers

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from pipeline_harness import RunResult, assert_same, build, local_state, make_batches, small_config
 from recpipe.checkpoint.store import TrainPosition, load_checkpoint, save_checkpoint
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.pipelines import PIPELINES
 from recpipe.speedups.compile import CompileOptions, apply_compile
 from recpipe.speedups.step_graph import StepGraphOptions, apply_step_graph, capture_with_torch

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from host_reads import HostReads, between_log_points
 from pipeline_harness import small_config
-from recpipe.distributed import init_process_group, launch_local
+from recpipe.distributed import init_process_group
+from recpipe.launcher import launch_local
 from recpipe.train.nonfinite import NonFiniteCheck
 from recpipe.train.trainer import Trainer
 

@@ -45,7 +45,8 @@ from recpipe.bench.report import environment  # noqa: E402
 from recpipe.bench.runner import single_rank_group  # noqa: E402
 from recpipe import deterministic  # noqa: E402
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
-from recpipe.distributed import init_process_group, launch_local, shutdown_process_group  # noqa: E402
+from recpipe.distributed import init_process_group, shutdown_process_group  # noqa: E402
+from recpipe.launcher import launch_local  # noqa: E402
 from recpipe.train.trainer import Trainer  # noqa: E402
 
 

@@ -58,7 +58,8 @@ from benchmarks.studies.common import ROOT, config_parser  # noqa: E402
 from recpipe.bench.measure import summarize_ms  # noqa: E402
 from recpipe.bench.report import Row  # noqa: E402
 from recpipe.config import RecpipeConfig, load_config  # noqa: E402
-from recpipe.distributed import launch_local, shutdown_process_group  # noqa: E402
+from recpipe.distributed import shutdown_process_group  # noqa: E402
+from recpipe.launcher import launch_local  # noqa: E402
 
 
 def make_binary_data(args: argparse.Namespace, out: Path) -> list[str]:

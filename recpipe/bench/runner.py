@@ -32,8 +32,9 @@ from recpipe.compat import torch as compat_torch
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.preflight import check_rules
 from recpipe.data import Batch, make_dataloader, num_batches
-from recpipe.distributed import (init_process_group, launch_local, shutdown_process_group, torchrun_overrides,
-                                 under_torchrun)
+from recpipe.distributed import init_process_group, shutdown_process_group, torchrun_overrides
+from recpipe.launch_preload import under_torchrun
+from recpipe.launcher import launch_local
 from recpipe.errors import StorageError, storage_problem
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.pipelines import PIPELINES

@@ -384,10 +384,7 @@ def workers_kind_of(cfg: RecpipeConfig) -> str:
 
     Tables in UVM make the batch producers threads: their weights are pinned host
     memory, and Linux does not share pinned pages copy-on-write with a forked child;
-    it copies them. Seen on one H100 with configs/bench/uvm_caching.yaml (19 GiB of UVM
-    rows): host memory in use went from 22 to 59 GiB in the 25 s in which the model
-    build ended and the producers forked, and a producer had 21 GB resident. Whether
-    all of it was copies was not isolated; threads need no fork at all."""
+    it copies them (docs/data.md, "Loader processes and threads"); threads need no fork at all."""
     d = cfg.data
     if d.synthetic.device == "cuda":  # a forked process cannot use the parent's CUDA context
         if "workers_kind" in d.model_fields_set and d.workers_kind == "process":

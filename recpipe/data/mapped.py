@@ -125,8 +125,8 @@ class MappedRows:
             columns[column] = pieces[0] if len(pieces) == 1 else (
                 np.concatenate(pieces) if pieces else np.empty((0, *template.shape[1:]), dtype=template.dtype))
         if order is not None and count > 1:
-            # Copy the blocks (sequential reads), then permute the copy in memory:
-            # 3x faster than gathering rows in permuted order from the maps.
+            # Copy the blocks (sequential reads), then permute the copy in memory: the maps
+            # are read in order instead of row by row in permuted order.
             perm = np.random.default_rng(_seed("batch", self.seed, epoch, start)).permutation(count)
             columns = {c: np.take(a, perm, axis=0) for c, a in columns.items()}
         return columns, count, slices

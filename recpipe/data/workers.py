@@ -16,10 +16,10 @@ import math
 import os
 from dataclasses import dataclass
 
-# Samples/s a rank's producers are sized for: 1.5 x the fastest step measured on one GPU
-# (the Criteo-sized DLRM bf16 with the step graph + compile, about 5.2M samples/s on one
-# H200: benchmarks/results/h200x1/full_speed_criteo.md), so that the loader is not what
-# bounds a step that fast.
+# Samples/s a rank's producers are sized for: 1.5 x the fastest step recpipe has published on
+# one GPU (the Criteo-sized DLRM bf16 with the step graph + compile:
+# benchmarks/results/h200x1/full_speed_criteo.md), so that the loader is not what bounds a
+# step that fast.
 TARGET_SAMPLES_PER_S = 8_000_000
 
 

@@ -65,9 +65,8 @@ from recpipe.planner.tbe import (
 )
 
 MiB = 1 << 20
-# Fitted on tests/test_planner_gpu.py's rows on one H100 with PyTorch's default segments,
-# where 0.45 put every reserved row 2.7-10.6 % high; with expandable segments the same
-# rows' reserved memory is up to 0.2 GiB lower (docs/planner.md, "Allocator and runtime").
+# Fitted on tests/test_planner_gpu.py's rows with PyTorch's default segments; expandable
+# segments reserve less (docs/planner.md, "Allocator and runtime").
 ALLOCATOR_FRAGMENTATION = 0.35  # calibrate per site
 # Context, kernel images of torch and FBGEMM, a 1-rank NCCL communicator (torch 2.11 + CUDA 13,
 # fbgemm 1.6): tests/test_planner_gpu.py's "meas used" against "est total" measures it
@@ -78,13 +77,14 @@ CUBLAS_WORKSPACE_BYTES = 64 * MiB  # cuBLAS + cuBLASLt workspaces, 32 MiB each o
 # pipeline.cuda_graphs: what one captured dense part's warm-up stream and graph pool reserve
 # beyond what they hold allocated (partly used 20 MiB pages of expandable segments, and the
 # blocks the warm-up and capture passes freed, which no other stream or pool can reuse).
-# Measured (H200, torch 2.11, expandable segments, tests/test_planner_ranks_gpu.py's bf16
-# DLRM at 8192 samples, dense arch and head graphed): 177 MiB over the two parts at 1, 2 and
-# 4 ranks. It grows with the parts' activations: calibrate per model.
+# Fitted on tests/test_planner_ranks_gpu.py's bf16 DLRM with expandable segments, dense arch
+# and head graphed (docs/planner.md, "Allocator and runtime";
+# benchmarks/results/h200x4/planner_ranks.md). It grows with the parts' activations:
+# calibrate per model.
 CUDA_GRAPH_PART_SEGMENT_BYTES = 88 * MiB
 # W > 1: the streams the input and output dists allocate on keep whole pages beyond the
-# plan's pools. Measured (H200, expandable segments, the same test's row_wise and table_wise
-# runs at 2 and 4 ranks): reserved 34-83 MiB above the plan without it, per rank.
+# plan's pools. Fitted on the same test's row_wise and table_wise runs at 2 and 4 ranks
+# (docs/planner.md, "Allocator and runtime").
 COLLECTIVE_STREAM_PAGE_BYTES = 44 * MiB
 LENGTH_BYTES = 4  # KJT lengths/offsets are int32 (recpipe.data.synthetic)
 TBE_OFFSET_BYTES = 8  # the TBE casts offsets to int64
@@ -419,13 +419,12 @@ def per_step_and_allocator(inputs: PlannerInputs, io: RankIO) -> tuple[list[Term
     # (benchmarks/results/h200x4/planner.md).
     one_pass, passes = io.prefetch_scratch_one_pass, io.prefetch_scratch
     if inputs.pipeline.prefetch and one_pass > passes and not inputs.expandable_segments:
-        # Measured (H100, fbgemm-gpu 1.6, FBGEMM's insert, PyTorch's default segments,
-        # tests/test_planner_gpu.py's snapshots): at 2, 4 and 12 passes of 4.2M indices the
-        # prefetch stream's segments hold 195, 199 and 204 MiB, about one pass's scratch
-        # (209 MiB), not the M-pass peak: each torch.cat of the merged indices asks for a
-        # block larger than any the passes freed, so the allocator cuts a new segment. The
+        # With PyTorch's default segments the prefetch stream's segments hold about one
+        # pass's scratch, not the M-pass peak: each torch.cat of the merged indices asks for
+        # a block larger than any the passes freed, so the allocator cuts a new segment. The
         # allocator releases them before it would fail. With expandable segments freed
-        # blocks coalesce and the same rows measured 0.10-0.21 GiB less: no such term.
+        # blocks coalesce: no such term. tests/test_planner_gpu.py's allocator snapshots
+        # measure it (docs/planner.md, "Allocator and runtime").
         extra = one_pass - passes
         allocator.append(Term("prefetch_pass_segments", "hbm", "cached", int((1 + ALLOCATOR_FRAGMENTATION) * extra),
                               f"(1 + {ALLOCATOR_FRAGMENTATION}) x (one-pass prefetch-stream scratch "

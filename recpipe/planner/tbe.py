@@ -45,13 +45,13 @@ TBE_SMALL_BUFFERS = 32  # O(T) device buffers of a TBE that are non-empty (offse
 
 # Bytes per index of the prefetch's largest pass at its peak (lru_cache_populate:
 # linearized 8 + unique 8 + cache_sets 4 + sorted sets 4 + sorted unique 8 + CUB
-# SortPairs temp 12.18, CUB sizes measured on an H100: docs/planner.md, "What is approximate";
-# tests/test_planner_gpu.py's prefetch rows check them).
+# SortPairs temp 12.18, CUB's temp sizes taken from GPU runs: docs/planner.md, "What is
+# approximate"; tests/test_planner_gpu.py's prefetch rows check them).
 PREFETCH_BYTES_PER_INDEX = 44.18
 # TBE backward, transpose_embedding_input: infos int32 + sorted infos int32 + linear
 # indices int64 + sorted int64 (+ a 12.18 B/index radix-sort temp, freed first), then
 # run int64 + run lengths int32 + cumulative lengths int32 = 40 B/index at the peak
-# (measured on an H100 with fbgemm 1.6: 4+4+8+8+8+4+4; tests/test_planner_gpu.py checks it).
+# (4+4+8+8+8+4+4, fbgemm 1.6; tests/test_planner_gpu.py checks it).
 BACKWARD_BYTES_PER_INDEX = 40.0
 BACKWARD_CACHED_EXTRA_BYTES_PER_INDEX = 12.18
 # recpipe's insert (recpipe/speedups/cache_fill.py: insert_triton, then move_triton) in

@@ -9,7 +9,7 @@ static shapes). Its backward is compiled with it (AOTAutograd). With
 replays the fused kernels.
 
 Why: on MLPerf's DLRM-DCNv2 shapes (configs/bench/mlperf_dcnv2.yaml: 8192 samples, 3
-low-rank cross layers on ``[8192, 3456]``, bf16) a third of an eager step's GPU kernel
+low-rank cross layers on ``[8192, 3456]``, bf16) much of an eager step's GPU kernel
 time is elementwise glue: the bias, multiply, add, activation and dtype casts of the
 cross layers and MLPs, each a separate pass over memory. Inductor fuses each chain of
 them into one kernel (and into the GEMM epilogue where it picks a Triton template),

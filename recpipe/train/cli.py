@@ -30,8 +30,10 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from recpipe.callables import class_spec
 from recpipe.checkpoint.store import describe_newest
 from recpipe.config import RecpipeConfig, apply_override, config_from_dict, load_config, parse_overrides
-from recpipe.distributed import (init_process_group, job_key, job_store, launch_local, leave_after_failure,
-                                 shutdown_process_group, torchrun_overrides, under_torchrun)
+from recpipe.distributed import (init_process_group, job_key, job_store, leave_after_failure, shutdown_process_group,
+                                 torchrun_overrides)
+from recpipe.launch_preload import under_torchrun
+from recpipe.launcher import launch_local
 from recpipe.errors import LauncherFailed, StopRequested, exit_code_of, report
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 from recpipe.preflight import Machine, check_memory, preflight

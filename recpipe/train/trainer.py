@@ -130,18 +130,11 @@ def intra_op_threads(env: Mapping[str, str]) -> int | None:
     torch starts an OpenMP team of one thread per core in every process, whose
     threads spin for a while after each parallel region. On CUDA a rank launches GPU
     work and computes little on its own CPU, and the team takes cores from the
-    training thread, the data producers and NCCL's threads. Measured with producers
-    on one H100 (configs/bench/dlrm_criteo.yaml, trainer / bench samples/s): 0.79-0.98
-    with the default team, 0.92-1.05 with one thread
-    (benchmarks/results/h100x1/trainer_vs_bench.md); with batches made in the loop
-    (``data.num_workers: 0``), configs/quickstart.yaml on CUDA: 2 x H200, 2 ranks,
-    12.3k / 11.9k samples/s with the default team, 76.1k with one thread (68.3k with
-    4); one H100, 1 rank, 24.1k / 18.7k vs 54.4k / 50.0k; configs/bench/dlrm_criteo.yaml
-    (8192 samples, 1 rank) 174k vs 195k. On CPU the ranks compute on these threads,
-    but a team stalls at every barrier whenever one of its threads waits for a core:
-    on a 2-core machine, configs/quickstart.yaml, one rank, 300 steps: 26.1k and 28.3k
-    samples/s with one thread against 3.7k and 1.8k with torch's two (load 1-3), 7.5k
-    against 0.6k (load 6-14); two ranks of one thread each: 8.1k (load 6-14)."""
+    training thread, the data producers and NCCL's threads
+    (benchmarks/results/h100x1/trainer_vs_bench.md; docs/data.md, "Loader processes and
+    threads"). On CPU the ranks compute on these threads, but a team stalls at every
+    barrier whenever one of its threads waits for a core, as soon as another process
+    wants one (docs/fault_tolerance.md)."""
     return None if "OMP_NUM_THREADS" in env else 1
 
 

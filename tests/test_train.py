@@ -85,7 +85,7 @@ def test_epochs_from_one_loader_train_as_a_loader_per_epoch(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from recpipe.config import load_config
-    from recpipe.distributed import launch_local
+    from recpipe.launcher import launch_local
 
     runs = {}
     for spanning in (True, False):

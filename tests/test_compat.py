@@ -324,3 +324,19 @@ def test_cublas_workspaces_are_freed_on_cuda():
     before = torch.cuda.memory_allocated()
     compat_torch.clear_cublas_workspaces()
     assert torch.cuda.memory_allocated() < before
+
+
+def test_torchrecs_planner_reads_a_reservations_share():
+    """What torchrec's planner names in its no-plan error: its reservation's ``_percentage``."""
+    import inspect as _inspect
+
+    from torchrec.distributed.planner import planners
+
+    assert "_storage_reservation._percentage" in _inspect.getsource(planners.EmbeddingShardingPlanner.plan)
+
+    class Reservation:
+        pass
+
+    r = Reservation()
+    compat_torchrec.name_reservation_share(r, 0.0)
+    assert r._percentage == 0.0

@@ -541,6 +541,18 @@ def test_placement_planner_places_every_table_by_our_estimates(capsys):
         load_config(path, ["sharding.placement=planner", "sharding.tables.t_cat_5={rank: 1}"])
 
 
+
+def test_placement_planner_without_room_exits_3_in_one_line(capsys):
+    """torchrec's planner finds no placement within the HBM given: one line naming the HBM and
+    what would help, exit 3 (not torchrec's AttributeError on recpipe's storage reservation)."""
+    path = str(Path(__file__).parent.parent / "configs" / "quickstart.yaml")
+    code = main(["plan", "--config", path, "--set", "sharding.placement=planner", "--set", "sharding.hbm_gib=0.001"])
+    err = capsys.readouterr().err
+    assert code == EXIT_DOES_NOT_FIT, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "sharding.placement=planner: torchrec's planner found no placement" in err
+    assert "0.001 GiB of HBM per GPU" in err and "insufficient storage" in err
+
 @pytest.mark.parametrize("overrides", [[], ["model.arch=dcnv2"], ["model.arch=dcnv2", "train.precision=bf16"],
                                        ["model.num_embeddings_per_feature=[10,20,30]", "model.embedding_dim=8",
                                         "model.dense_arch_layer_sizes=[32,8]", "model.over_arch_layer_sizes=[16,1]"],

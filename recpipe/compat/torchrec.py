@@ -151,6 +151,15 @@ def reserved_hbm(reservation: Any) -> tuple[int, int]:
     return dense, kjt
 
 
+def name_reservation_share(reservation: Any, share: float) -> None:
+    """Give a storage reservation of recpipe's the ``_percentage`` that torchrec's planner
+    reads from whatever reservation it was given when no placement fits: the message of its
+    ``PlannerError`` names it (``EmbeddingShardingPlanner.plan``, torchrec 1.6.1 and 1.8), and
+    without it that error is an ``AttributeError``. recpipe's reservations are bytes, not a
+    share of the HBM: ``share`` 0.0."""
+    reservation._percentage = share
+
+
 def module_children(module: nn.Module) -> list[nn.Module]:
     """A module's registered children, with the ``None`` slots left out (``_modules``; the
     walk of runtime/sharded.py ``all_modules`` also reads plain lists torchrec keeps)."""

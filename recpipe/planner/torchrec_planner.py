@@ -27,7 +27,8 @@ import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
 
-from recpipe.compat.torchrec import reserved_hbm
+from recpipe.compat.torchrec import name_reservation_share, reserved_hbm
+from recpipe.errors import DoesNotFitError
 from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.memory import LOCATION_BYTES, module_received_kjt_bytes
 from recpipe.planner.spec import PipelineSpec, PlannerInputs, ShardSpec
@@ -127,6 +128,7 @@ class RecpipeStorageReservation(StorageReservation):
     def __init__(self, inputs: PlannerInputs) -> None:
         self._inputs = inputs
         self._last: "Topology | None" = None
+        name_reservation_share(self, 0.0)
 
     def reserve(self, topology: "Topology", batch_size: int, module: Any, sharders: list,
                 constraints: dict | None = None, **kwargs: Any) -> "Topology":
@@ -141,7 +143,7 @@ class RecpipeStorageReservation(StorageReservation):
         return reserved
 
     @property
-    def last_reserved_topology(self) -> "Topology | None":
+    def last_reserved_topology(self) -> "Topology | None":  # abstract in torchrec's StorageReservation
         return self._last
 
 
@@ -208,9 +210,20 @@ def plan_with_torchrec(sharding: "ShardingConfig", embedding: "EmbeddingOptimize
                        model: "nn.Module"):
     """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates
     (``model``: the unsharded model, e.g. built on meta)."""
+    from torchrec.distributed.planner.types import PlannerError
+
     with _quiet():
         planner = torchrec_planner(sharding, inputs)
-        return planner.plan(model, list(make_sharders(sharding, embedding).values()))
+        try:
+            return planner.plan(model, list(make_sharders(sharding, embedding).values()))
+        except PlannerError as err:
+            gib = inputs.hbm_capacity_bytes / 2**30
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise DoesNotFitError(
+                f"sharding.placement=planner: torchrec's planner found no placement of the tables within "
+                f"{gib:.3g} GiB of HBM per GPU on {inputs.world_size} GPU(s) ({first}); make the tables smaller "
+                "(sharding.default.weights_precision: fp16, a UVM cache: kernel fused_uvm_caching), use more GPUs, or "
+                "place them yourself (sharding.placement: config; `recpipe plan` shows what fits)") from err
 
 
 def torchrec_pipeline_type(pipeline: PipelineSpec) -> str:

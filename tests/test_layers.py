@@ -8,6 +8,8 @@ set of units that import one another round a loop, module by module acyclic but 
 from __future__ import annotations
 
 import ast
+import re
+from pathlib import Path
 
 from scripts.import_layers import MODULES, cycles, folder_graph, imports, is_lazy, module_graph
 
@@ -19,6 +21,26 @@ def test_no_module_level_import_cycles():
 def test_no_folder_level_import_cycles():
     assert cycles(folder_graph(module_graph())) == [], "folder-level import cycles (python scripts/import_layers.py)"
 
+
+
+def _layers() -> dict[str, int]:
+    """docs/architecture.md's layer table: unit -> layer (``recpipe`` for the package's ``__init__``)."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    layers = {}
+    for number, units in re.findall(r"^\| (\d+) \| (.*) \|$", text, re.M):
+        for name in re.findall(r"`([^`]+)`", units):
+            layers["recpipe" if name == "__init__" else name.rstrip("/")] = int(number)
+    return layers
+
+
+def test_every_unit_imports_only_its_layer_or_below():
+    """Every folder and top-level module has a line in the architecture page's layer table, and
+    no import goes from a lower line to a higher one."""
+    layers, folders = _layers(), folder_graph(module_graph())
+    assert sorted(set(folders) - set(layers)) == [], "units missing from docs/architecture.md's layer table"
+    upward = sorted(f"{u} ({layers[u]}) -> {t} ({layers[t]})" for u, ts in folders.items() for t in ts
+                    if layers[u] < layers[t])
+    assert upward == [], upward
 
 def test_pipelines_and_speed_features_sit_side_by_side_on_the_runtime():
     """Neither ``pipelines/`` nor ``speedups/`` imports the other, and ``runtime/``, which

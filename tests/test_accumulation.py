@@ -60,11 +60,16 @@ def concat(batches: list[Batch]) -> Batch:
 
 
 def accumulated(cfg, name: str, batches: list[Batch], steps: int = N, segments: list[int] | None = None,
-                device: torch.device = torch.device("cpu"), **options) -> RunResult:
+                device: torch.device = torch.device("cpu"), compiled: bool = False, **options) -> RunResult:
     """Train ``batches`` through pipeline ``name`` with ``steps`` micro-batches per optimizer
     step; ``segments``: micro-batches per pass (each ends in a drain), as the trainer's;
-    ``options``: the harness's speed features (``cuda_graphs=True``)."""
+    ``compiled``: the dense modules compiled (``pipeline.compile``); ``options``: the harness's
+    speed features (``cuda_graphs=True``)."""
     sm = build(cfg, device)
+    if compiled:
+        from recpipe.speedups.compile import CompileOptions, apply_compile
+
+        apply_compile(sm.model, CompileOptions(enabled=True))
     if device.type == "cuda":
         batches = [b.pin_memory() for b in batches]
     acc = GradientAccumulation(make(name, sm, device, **options), steps)

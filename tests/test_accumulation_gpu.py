@@ -1,8 +1,9 @@
 """``train.accumulate_steps`` on CUDA: N micro-batches per optimizer step train as one batch of
 N x ``data.batch_size`` (tests/test_accumulation.py on CPU says what equals it), through every
-synchronous pipeline whose steps act on one batch. (``pipeline.cuda_graphs`` is refused with
-accumulation: through the captured dense part the losses differ from the large batch's beyond
-float rounding; docs/pipelines.md.)
+synchronous pipeline whose steps act on one batch, and with the dense modules compiled
+(``pipeline.compile``: against the large batch through the same compiled modules).
+(``pipeline.cuda_graphs`` is refused with accumulation: through the captured dense part the
+losses differ from the large batch's beyond float rounding; docs/pipelines.md.)
 
 Tolerance: cuBLAS picks its kernels by the GEMMs' shapes, so the large batch's GEMMs sum in
 another order than the micro-batches'; float32 rounding, a few ulps of the 0.1-sized updates."""
@@ -57,3 +58,19 @@ def _worker(cfg) -> None:
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_accumulated_micro_batches_train_as_one_large_batch_on_cuda(nproc):
     launch_local(_worker, nproc, small_config(nproc, ["train.device=cuda", *SGD]))
+
+
+def _compiled_worker(cfg) -> None:
+    device = init_process_group(cfg)
+    rank = dist.get_rank()
+    c = all_data_parallel(cfg)
+    large = c.model_copy(update={"data": c.data.model_copy(update={"batch_size": N * c.data.batch_size})})
+    micro = micro_batches(c, rank, False)
+    reference = accumulated(large, "base", [concat(micro[i:i + N]) for i in range(0, len(micro), N)], steps=1,
+                            device=device, compiled=True)
+    for name in ("base", "sparse_dist"):
+        _close(reference, accumulated(c, name, micro, device=device, compiled=True), f"{name}, compiled")
+
+
+def test_compiled_micro_batches_train_as_one_large_batch_on_cuda():
+    launch_local(_compiled_worker, 1, small_config(1, ["train.device=cuda", *SGD]))

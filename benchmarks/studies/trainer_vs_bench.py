@@ -25,11 +25,14 @@ from the built model to the first trained step.
    itself varies by 5-10 % from run to run, as on the H100 hosts measured).
 5. ``--profile-steps N`` (a diagnosis): after the steady window, rank 0's host is profiled
    over N more steps (torch.profiler, Python stacks) into OUT/host_profile.txt.
-6. ``--replay N`` (a diagnosis): the trainer reads N batches of the config's loader
+6. ``--profile-eval`` (a diagnosis): rank 0's host is profiled over the trainer's final
+   evaluation (torch.profiler, Python stacks) into OUT/eval_host_profile.txt, beside the
+   evaluation's samples/s and its time waiting for batches (``train.eval`` of the JSON).
+7. ``--replay N`` (a diagnosis): the trainer reads N batches of the config's loader
    made before training and cycles them (``data.factory`` = :func:`replay`), so the
    loader's cost is out of its loop; the difference to a normal run is the loader's.
 
-7. Always: the trainer's host time per step in the steady window, split into the time
+8. Always: the trainer's host time per step in the steady window, split into the time
    inside ``progress()``, the part of it blocked in the loader's ``next()``, and the
    trainer's own work between two calls (metrics, logging, the bar): P50/P90/max and
    totals, printed and in ``train.host_parts`` of the JSON.
@@ -113,10 +116,12 @@ def replay(cfg: RecpipeConfig, *, rank: int, world_size: int, split: str, epoch:
     return (made[i % len(made)] for i in range(cfg.train.steps - start_batch))
 
 
-def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int, profile_steps: int = 0) -> None:
+def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int, profile_steps: int = 0,
+                 profile_eval: bool = False) -> None:
     """One rank of ``recpipe train`` with two clocks attached (see the module docstring);
     ``profile_steps`` > 0: rank 0's host is profiled (torch.profiler, Python stacks) over
-    that many steps after the steady window (``host_profile.txt``)."""
+    that many steps after the steady window (``host_profile.txt``); ``profile_eval``: over
+    the final evaluation (``eval_host_profile.txt``)."""
     import torch.distributed as dist
 
     from recpipe.train import trainer as trainer_module
@@ -190,11 +195,26 @@ def train_worker(cfg: RecpipeConfig, out: str, sync_every: int, steady_from: int
         return output
 
     trainer.pipeline.progress = timed_progress
+    if profile_eval and dist.get_rank() == 0:
+        evaluate = trainer.evaluate
+
+        def profiled_evaluate():
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+                metrics = evaluate()
+            table = prof.key_averages(group_by_stack_n=6).table(sort_by="self_cpu_time_total", row_limit=60)
+            Path(out, "eval_host_profile.txt").write_text(
+                f"host profile of the evaluation after step {trainer.position.step}, rank 0 (torch.profiler, CPU, "
+                f"Python stacks; {trainer.last_eval_samples_per_s or 0:,.0f} samples/s under the profiler)\n{table}\n")
+            return metrics
+
+        trainer.evaluate = profiled_evaluate
     trainer.fit()
     if dist.get_rank() == 0:
         record = {"built": built[0], "marks": marks, "global_batch": cfg.data.batch_size * dist.get_world_size(),
                   "trainer_summary": trainer.summary(), "host_parts": parts,
-                  "intra_op_threads": torch.get_num_threads()}
+                  "intra_op_threads": torch.get_num_threads(),
+                  "eval": {"samples_per_s": trainer.last_eval_samples_per_s,
+                           "loader_wait_s": trainer.last_eval_loader_wait_s, "profiled": profile_eval}}
         Path(out, "train_marks.json").write_text(json.dumps(record))
     shutdown_process_group()
 
@@ -209,7 +229,8 @@ def steady(record: dict, steady_from: int) -> dict:
     return {"samples_per_s_wall": rate, "window_steps": [start[0], end[0]],
             "first_step_s": marks[0][1] - record["built"],
             "trainer_reported_samples_per_s": record["trainer_summary"]["samples_per_s"],
-            "host_parts": host_parts(record["host_parts"]), "intra_op_threads": record.get("intra_op_threads")}
+            "host_parts": host_parts(record["host_parts"]), "intra_op_threads": record.get("intra_op_threads"),
+            "eval": record.get("eval")}
 
 
 def host_parts(parts: dict[str, list[float]]) -> dict:
@@ -257,7 +278,7 @@ def measure_pair(args: argparse.Namespace, overrides: list[str], out: Path) -> d
         data = cfg.data.model_copy(update={"factory": "trainer_vs_bench:replay", "options": {"replay": args.replay}})
         cfg = cfg.model_copy(update={"data": data})
     launch_local(train_worker, cfg.distributed.nproc, cfg, str(out), args.sync_every, args.steady_from,
-                 args.profile_steps)
+                 args.profile_steps, args.profile_eval)
     train = steady(json.loads((out / "train_marks.json").read_text()), args.steady_from)
     pair = {"bench": bench, "train": train, "ratio": train["samples_per_s_wall"] / bench["samples_per_s_wall"]}
     if args.cli:
@@ -314,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="after the steady window, profile rank 0's host over this many more steps "
                              "(OUT/host_profile.txt: top functions by self CPU time, with Python stacks)")
+    parser.add_argument("--profile-eval", action="store_true",
+                        help="profile rank 0's host over the trainer's final evaluation (OUT/eval_host_profile.txt)")
     parser.add_argument("--cli", action="store_true",
                         help="also run `recpipe train` as a user does (start-up, evaluation and loader figures)")
     parser.add_argument("--out", required=True)
@@ -346,6 +369,10 @@ def main(argv: list[str] | None = None) -> int:
         parts = train["host_parts"]
         print(f"{tag}trainer host time per step, ms (P50 / P90 / max; total over the window): " + "; ".join(
             f"{name} {p['p50']:.2f} / {p['p90']:.2f} / {p['max']:.1f}; {p['total']:.0f}" for name, p in parts.items()))
+        ev = train.get("eval") or {}
+        if ev.get("samples_per_s"):
+            print(f"{tag}trainer's final evaluation: {ev['samples_per_s']:,.0f} samples/s, {ev['loader_wait_s']:.3f} s of it "
+                  f"waiting for batches" + (" (under the profiler: eval_host_profile.txt)" if ev.get("profiled") else ""))
         if "cli" in pair:
             cli = pair["cli"]
             print(f"{tag}recpipe train: {cli['samples_per_s']:,.0f} samples/s ({pair['cli_ratio']:.3f} x the bench); final "

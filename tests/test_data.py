@@ -133,6 +133,20 @@ def test_a_loader_spanning_epochs_gives_each_epochs_batches_in_turn(workers):
     assert not same_seq(per_epoch[1], per_epoch[2])  # each epoch its own batches
 
 
+
+def test_a_loader_spanning_epochs_starts_where_its_first_epoch_is_read():
+    """The trainer reports a loader's failure to start where it reads the batches (``data_errors``):
+    taking the first epoch's iterator does not start it."""
+    from recpipe.data.loader import epoch_batches
+
+    class Unstartable:
+        def __iter__(self):
+            raise OSError("no such file: day_0_dense.npy")
+
+    first = next(epoch_batches(Unstartable(), 2, 4))
+    with pytest.raises(OSError, match="day_0_dense.npy"):
+        next(first)
+
 def test_a_loader_per_epoch_for_a_source_that_cannot_span_them(tmp_path):
     cfg = tsv_cfg([tmp_path / "day_0.tsv"])
     with pytest.raises(ValueError, match="data.source='criteo_tsv' makes one loader per epoch"):

@@ -298,10 +298,16 @@ def epoch_batches(batches: Iterable[Any], first: int, per_epoch: int) -> Iterato
     then ``per_epoch`` each; an epoch's iterator must be used up (or dropped) before the next
     is taken. They share one iterator of ``batches``, whose producers run on across the
     epochs' boundaries."""
-    it = iter(batches)
-    yield itertools.islice(it, first)
+    started: list[Iterator[Any]] = []
+
+    def epoch(count: int) -> Iterator[Any]:
+        if not started:  # iter() where the first epoch is read: a loader that fails to start raises there
+            started.append(iter(batches))
+        yield from itertools.islice(started[0], count)
+
+    yield epoch(first)
     while True:
-        yield itertools.islice(it, per_epoch)
+        yield epoch(per_epoch)
 
 
 class _EpochIndex:

@@ -182,7 +182,7 @@ class _Supervisor:
     ``CRASH_GRACE_S`` otherwise, or when it ended the job for a rank that stopped
     making steps (``EXIT_STALLED``): the rest are then waiting in a collective, or
     stopped. Then they are killed (SIGKILL ends a stopped process too). The rank reported is the first that exited
-    with a code of its own, else the first that failed.
+    with a code of its own, else the one whose traceback was written first, else the first that failed.
     """
 
     USER_EXIT_GRACE_S = 15.0
@@ -300,7 +300,7 @@ class _Supervisor:
             code = exit_code_for_signal(self.received[0])
             return ProcessExitedException(f"rank {rank} killed on a second signal", rank, processes[rank].pid, code)
         own = [rank for rank in failed if self._own_exit_code(processes[rank].exitcode) is not None]
-        rank = own[0] if own else failed[0]
+        rank = own[0] if own else _first_traceback(context, failed)
         pid, exitcode = processes[rank].pid, processes[rank].exitcode
         if own:
             code = self._own_exit_code(exitcode)
@@ -318,6 +318,25 @@ class _Supervisor:
 
 
 _UNREPORTED = 255  # multiprocessing's exit code of a rank whose exit its forkserver did not report
+
+
+def _first_traceback(context: ProcessContext, failed: list[int]) -> int:
+    """The failed rank to report: the first to exit, unless another failed rank wrote its
+    traceback earlier. A rank's peers see it gone only after its traceback is written
+    (``recpipe.distributed.leave_after_failure``), so the earliest traceback is the cause and a
+    later one a consequence ("Connection closed by peer"), whichever process the forkserver
+    reports dead first: two ranks that end within a moment of each other reach this process
+    in either order on a busy host."""
+    first = failed[0]
+    written = {}
+    for rank in failed:
+        try:
+            written[rank] = os.stat(context.error_files[rank]).st_mtime_ns
+        except OSError:  # no traceback: killed by a signal, or ended by a crash
+            continue
+    if first not in written:
+        return first
+    return min(written, key=lambda rank: (written[rank], failed.index(rank)))
 
 
 class _ServerWatch:

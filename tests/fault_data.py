@@ -31,6 +31,20 @@ def fail_unevenly() -> None:
     raise RuntimeError("Connection closed by peer")
 
 
+def fail_first_but_exit_last() -> None:
+    """A ``launch_local`` target: rank 1 raises at once, but its process ends a second after
+    its traceback is written (a slow teardown, as a CUDA context's on a busy host); rank 0
+    raises a moment later, the consequence ("Connection closed by peer"), and ends first.
+    The launcher reports rank 1."""
+    from multiprocessing.util import Finalize
+
+    if os.environ["RANK"] == "1":
+        Finalize(None, time.sleep, args=(1.0,), exitpriority=0)  # runs as the process ends
+        raise RuntimeError("the first failure, on rank 1")
+    time.sleep(0.3)
+    raise RuntimeError("Connection closed by peer")
+
+
 def slow_build(cfg):
     """A ``model.factory``: the built-in model, after a long build in each rank (as a large
     model's initialization takes); at once in the launcher, which builds it on meta."""

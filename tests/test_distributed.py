@@ -108,6 +108,21 @@ def test_a_failed_launch_leaves_no_traceback_file(tmp_path, monkeypatch):
 
 
 
+def test_the_first_traceback_is_reported_whichever_rank_ends_first(tmp_path, monkeypatch):
+    """A rank's peers fail only once it is gone, after its traceback is written: the report
+    is the earliest traceback, even when the peer's process ends first."""
+    from torch.multiprocessing.spawn import ProcessRaisedException
+
+    from fault_data import fail_first_but_exit_last
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(ProcessRaisedException) as failed:
+        launch_local(fail_first_but_exit_last, 2)
+    assert failed.value.error_index == 1, str(failed.value)
+    assert "the first failure, on rank 1" in str(failed.value) and "Connection closed" not in str(failed.value)
+    assert not list(tmp_path.glob("pytorch-errorfile-*"))
+
+
 @pytest.mark.slow
 def test_a_killed_rank_ends_the_others_and_is_named(tmp_path):
     killed_at = []

@@ -342,3 +342,49 @@ def test_torchrecs_planner_reads_a_reservations_share():
     r = Reservation()
     compat_torchrec.name_reservation_share(r, 0.0)
     assert r._percentage == 0.0
+
+
+def test_make_graphed_callables_looks_up_torch_cuda_graph_at_each_capture():
+    """compat.torch.make_graphed_callables sets the capture mode by replacing ``torch.cuda.graph``
+    while torch's function runs: it must still construct its graphs through that name."""
+    source = inspect.getsource(torch.cuda.graphs.make_graphed_callables)
+    assert "torch.cuda.graph(" in source
+    assert "capture_error_mode" in inspect.signature(torch.cuda.graph.__init__).parameters
+
+
+def test_the_collector_is_collected_then_paused_for_a_capture():
+    import gc
+
+    class Cycle:
+        def __init__(self) -> None:
+            self.me = self
+
+    collected = []
+    cycle = Cycle()
+    gc.callbacks.append(lambda phase, info: collected.append(info["collected"]) if phase == "stop" else None)
+    try:
+        del cycle
+        with compat_torch._collector_paused():
+            assert not gc.isenabled()
+        assert gc.isenabled() and sum(collected) >= 1
+    finally:
+        gc.callbacks.pop()
+
+
+@pytest.mark.gpu
+def test_graphed_callables_capture_in_thread_local_mode():
+    modes = []
+    real = compat_torch._ThreadLocalGraph.__init__
+
+    def record(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        modes.append(self.capture_error_mode)
+
+    linear = nn.Linear(8, 8).cuda()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compat_torch._ThreadLocalGraph, "__init__", record)
+        graphed = compat_torch.make_graphed_callables(linear, (torch.randn(4, 8, device="cuda"),))
+    x = torch.randn(4, 8, device="cuda")
+    assert torch.allclose(graphed(x), linear(x), atol=1e-6)
+    assert modes == ["thread_local", "thread_local"], modes  # the forward's graph and the backward's
+    assert torch.cuda.graph is not compat_torch._ThreadLocalGraph

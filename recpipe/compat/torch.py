@@ -195,3 +195,51 @@ def backed_size_oblivious() -> contextlib.AbstractContextManager:
     from torch.fx.experimental import _config as fx_config
 
     return fx_config.patch(backed_size_oblivious=True)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's garbage collector collected first, then paused: an object it would free in
+    the middle of a capture (an earlier graph, a CUDA event, a pinned buffer) makes CUDA calls
+    a capture forbids on its thread, and the capture fails ("operation failed due to a previous
+    error during capture"), at whichever allocation the collector happens to run."""
+    import gc
+
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def graph_capture(graph: torch.cuda.CUDAGraph) -> Iterator[None]:
+    """``torch.cuda.graph(graph)`` in ``thread_local`` mode, the collector paused
+    (:func:`_collector_paused`). ``thread_local``: the other threads of this process (the data
+    loader pinning batches, NCCL's watchdog querying events) may call CUDA meanwhile; that is
+    legal, only this thread's calls must not sync."""
+    with _collector_paused(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        yield
+
+
+class _ThreadLocalGraph(torch.cuda.graph):
+    """``torch.cuda.graph`` whose capture mode defaults to ``thread_local``."""
+
+    def __init__(self, cuda_graph: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("capture_error_mode", "thread_local")
+        super().__init__(cuda_graph, *args, **kwargs)
+
+
+def make_graphed_callables(fn: Callable[..., Any], sample_args: tuple, **kwargs: Any) -> Callable[..., Any]:
+    """``torch.cuda.make_graphed_callables``, its captures as :func:`graph_capture`'s. It takes
+    no capture mode and captures with ``torch.cuda.graph``'s default, ``global``, in which any
+    thread's CUDA call that may sync (a loader thread pinning a batch) fails the capture: while
+    it runs, ``torch.cuda.graph`` is the subclass above (``make_graphed_callables`` looks the
+    name up at each capture; tests/test_compat.py checks it still does)."""
+    from unittest import mock
+
+    with _collector_paused(), mock.patch.object(torch.cuda, "graph", _ThreadLocalGraph):
+        return torch.cuda.make_graphed_callables(fn, sample_args, **kwargs)

@@ -76,7 +76,7 @@ def capture_with_torch(module: nn.Module, sample_args: tuple) -> Callable[..., A
         state = {**dict(zip(named, flat[count:])), **buffers}
         return torch.func.functional_call(module, state, flat[:count])
 
-    graphed = torch.cuda.make_graphed_callables(functional, (*sample_args, *aliases), allow_unused_input=True)
+    graphed = compat_torch.make_graphed_callables(functional, (*sample_args, *aliases), allow_unused_input=True)
     return lambda *args: graphed(*args, *params)
 
 

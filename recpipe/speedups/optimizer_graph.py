@@ -81,13 +81,10 @@ Capture = Callable[[Callable[[], None]], Callable[[], None]]
 
 
 def capture_with_torch(step: Callable[[], None]) -> Callable[[], None]:
-    """Capture ``step()`` into a CUDA graph; returns its replay.
-
-    ``thread_local``: another thread of this process (the data loader pinning batches,
-    NCCL's watchdog) may call CUDA meanwhile; that is legal, it is only this thread's
-    calls that must not sync."""
+    """Capture ``step()`` into a CUDA graph (``recpipe.compat.torch.graph_capture``: other
+    threads may call CUDA meanwhile); returns its replay."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with compat_torch.graph_capture(graph):
         step()
     return graph.replay
 

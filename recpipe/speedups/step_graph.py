@@ -351,7 +351,7 @@ def capture_with_torch(step: Callable[[], None]) -> Callable[[], None]:
     """Capture ``step()`` (``torch.cuda.graph``: the device is synchronized once, the
     capture runs on a side stream); returns the graph's replay, on the current stream."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with compat_torch.graph_capture(graph):
         step()
     if dist.is_initialized() and dist.get_world_size() > 1:
         graph_holds_collectives(graph)  # its all-to-alls: reset before the groups go

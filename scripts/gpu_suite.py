@@ -11,7 +11,9 @@ last record, ``benchmarks/gpu_suite.md``; 20 s for a new one), and runs the part
 once as GPUs come free, largest need first: each part is one pytest process that sees
 only its GPUs (``CUDA_VISIBLE_DEVICES``) and has its own rendezvous port. On a 4-GPU host
 the 4-GPU part runs on all four, then the 2-GPU parts on the two pairs and the 1-GPU
-parts on one GPU each. Tests that need more GPUs than the machine has run in a part of
+parts on one GPU each. Tests marked ``host_bound`` (they prove the host runs ahead of the
+device, which a host busy with other parts' compiles and producers cannot) run first, each
+part alone on its GPUs and no other part on the machine until they are done. Tests that need more GPUs than the machine has run in a part of
 their own and are recorded as skipped "needs N GPUs": the record is then not green.
 A test running longer than ``--test-timeout`` fails (the rest of its part runs); a part
 still running at ``--deadline`` seconds is interrupted (pytest still writes its report).
@@ -49,12 +51,13 @@ class Part:
     gpus: int  # GPUs each test of the part needs (and the part sees, where the machine has them)
     tests: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    alone: bool = False  # host_bound tests: the part has its GPUs to itself, and runs before any other part
 
 
-def collect(select: str = "") -> dict[str, int]:
-    """Every `gpu`-marked test's node id -> the GPUs it needs, as pytest collects them
-    (``select``: only those matching a pytest ``-k`` expression; tests/conftest.py writes
-    them to the file ``RECPIPE_GPU_NEEDS`` names)."""
+def collect(select: str = "") -> tuple[dict[str, int], set[str]]:
+    """Every `gpu`-marked test's node id -> the GPUs it needs, and the ``host_bound`` ones,
+    as pytest collects them (``select``: only those matching a pytest ``-k`` expression;
+    tests/conftest.py writes them to the file ``RECPIPE_GPU_NEEDS`` names)."""
     with tempfile.TemporaryDirectory() as tmp:
         needs = Path(tmp) / "needs.json"
         out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
@@ -62,7 +65,8 @@ def collect(select: str = "") -> dict[str, int]:
                              capture_output=True, text=True, cwd=ROOT, env={**os.environ, "RECPIPE_GPU_NEEDS": str(needs)})
         if out.returncode != 0 or not needs.is_file():
             raise SystemExit(f"collecting the gpu-marked tests failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-        return json.loads(needs.read_text())
+        found = json.loads(needs.read_text())
+        return {test: need["gpus"] for test, need in found.items()}, {t for t, need in found.items() if need["alone"]}
 
 
 def last_seconds(record: Path = RECORD) -> dict[str, float]:
@@ -76,32 +80,40 @@ def last_seconds(record: Path = RECORD) -> dict[str, float]:
     return seconds
 
 
-def plan(needs: dict[str, int], gpus: int, seconds: dict[str, float], slots: int = 1) -> list[Part]:
-    """The parts: for each need, ``max(1, gpus * slots // need)`` parts, tests placed longest
-    first into the part with the least time (a need above ``gpus`` gets one part, to be skipped)."""
+def plan(needs: dict[str, int], gpus: int, seconds: dict[str, float], slots: int = 1,
+         alone: frozenset[str] | set[str] = frozenset()) -> list[Part]:
+    """The parts: the ``alone`` tests' first, ``max(1, gpus // need)`` for each need, then for
+    each need ``max(1, gpus * slots // need)`` parts; tests placed longest first into the part
+    with the least time (a need above ``gpus`` gets one part, to be skipped)."""
     parts = []
-    for need in sorted(set(needs.values()), reverse=True):
-        group = [Part(need) for _ in range(max(1, gpus * slots // need) if need <= gpus else 1)]
-        tests = sorted((t for t, n in needs.items() if n == need), key=lambda t: (-seconds.get(t, NEW_TEST_S), t))
-        for test in tests:
-            lightest = min(group, key=lambda p: p.seconds)
-            lightest.tests.append(test)
-            lightest.seconds += seconds.get(test, NEW_TEST_S)
-        parts += [p for p in group if p.tests]
+    for solo, per_gpu in ((True, 1), (False, slots)):
+        for need in sorted(set(needs.values()), reverse=True):
+            group = [Part(need, alone=solo) for _ in range(max(1, gpus * per_gpu // need) if need <= gpus else 1)]
+            tests = sorted((t for t, n in needs.items() if n == need and (t in alone) == solo),
+                           key=lambda t: (-seconds.get(t, NEW_TEST_S), t))
+            for test in tests:
+                lightest = min(group, key=lambda p: p.seconds)
+                lightest.tests.append(test)
+                lightest.seconds += seconds.get(test, NEW_TEST_S)
+            parts += [p for p in group if p.tests]
     return parts
 
 
 def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: float, slots: int = 1) -> int:
     """Runs the parts as GPUs come free (list order: largest need first), ``slots`` parts at
     a time on each GPU (the suite's tests leave most of a GPU idle: their time is launches,
-    collectives and compiles); returns 1 if any failed."""
+    collectives and compiles), the ``alone`` parts first, each with its GPUs to itself and
+    nothing else started until they are done; returns 1 if any failed."""
     out.mkdir(parents=True, exist_ok=True)
     free = [slots] * gpus  # parts each GPU can still take
     pending = list(enumerate(parts, start=1))
     running: dict[int, tuple[subprocess.Popen, list[int], object]] = {}
     status, start = 0, time.monotonic()
     while pending or running:
+        solo = any(p.alone for _, p in pending) or any(parts[k - 1].alone for k in running)
         for k, part in list(pending):
+            if solo and not part.alone and part.gpus <= gpus:
+                continue
             if part.gpus > gpus:  # listed as not run, with why (render): never a skip for want of GPUs
                 (out / f"part{k}_gpus{part.gpus}.tests").write_text("".join(f"{t}\n" for t in part.tests))
                 (out / f"part{k}_gpus{part.gpus}.why").write_text(f"needs {part.gpus} GPUs; this machine has {gpus}\n")
@@ -110,10 +122,10 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
                 continue
             take = min(part.gpus, gpus)
             devices = sorted(sorted(range(gpus), key=lambda g: -free[g])[:take])
-            if any(free[g] == 0 for g in devices):
+            if any(free[g] < (slots if part.alone else 1) for g in devices):
                 continue
             for g in devices:
-                free[g] -= 1
+                free[g] -= slots if part.alone else 1
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(map(str, devices)),
                    "MASTER_PORT": str(29500 + 17 * k), "PYTHONUNBUFFERED": "1",
                    "PYTHONFAULTHANDLER": "1",  # a test past its time limit prints its ranks' stacks
@@ -123,8 +135,8 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
             cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
                    "--durations=0", f"--junitxml={out}/part{k}_gpus{part.gpus}.xml",
                    f"--gpu-test-timeout={test_timeout:g}", *part.tests]
-            print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s) on GPUs {devices} "
-                  f"(~{part.seconds:.0f} s)", flush=True)
+            print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s) on GPUs {devices}"
+                  f"{', alone' if part.alone else ''} (~{part.seconds:.0f} s)", flush=True)
             running[k] = (subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), devices, log)
             pending.remove((k, part))
         time.sleep(1)
@@ -143,7 +155,7 @@ def run(parts: list[Part], gpus: int, out: Path, test_timeout: float, deadline: 
             print(f"part {k} ended with exit code {code} after {time.monotonic() - start:.0f} s", flush=True)
             status |= int(code not in (0, 5))  # 5: every test deselected
             for g in devices:
-                free[g] += 1
+                free[g] += slots if parts[k - 1].alone else 1
             del running[k]
     return status
 
@@ -260,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(render(args.commit, [p for p in args.reports if p.is_file()]))
         return 0
     gpus = args.gpus if args.gpus is not None else _gpu_count()
-    parts = plan(collect(args.select), max(gpus, 1), last_seconds(), args.slots)
+    needs, alone = collect(args.select)
+    parts = plan(needs, max(gpus, 1), last_seconds(), args.slots, alone)
     if args.command == "plan":
         for k, part in enumerate(parts, start=1):
-            print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s), ~{part.seconds:.0f} s")
+            print(f"part {k}: {len(part.tests)} tests needing {part.gpus} GPU(s){', alone' if part.alone else ''}, "
+                  f"~{part.seconds:.0f} s")
             print("".join(f"  {t}\n" for t in part.tests), end="")
         return 0
     if gpus < 1:

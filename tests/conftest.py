@@ -41,6 +41,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpus(n): the GPUs a gpu-marked test needs (default: its nproc / world_size, else 1)")
+    config.addinivalue_line("markers", "host_bound: the test needs the host to itself (it proves the host runs ahead of "
+                            "the device); scripts/gpu_suite.py runs it with no other test on the machine")
 
 
 @pytest.hookimpl(trylast=True)  # after -m and -k have deselected theirs
@@ -59,7 +61,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = keep
     if os.environ.get("RECPIPE_GPU_NEEDS"):  # scripts/gpu_suite.py plans its parts from them
         Path(os.environ["RECPIPE_GPU_NEEDS"]).write_text(json.dumps(
-            {i.nodeid: gpus_needed(i) for i in items if i.get_closest_marker("gpu") is not None}))
+            {i.nodeid: {"gpus": gpus_needed(i), "alone": i.get_closest_marker("host_bound") is not None}
+             for i in items if i.get_closest_marker("gpu") is not None}))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

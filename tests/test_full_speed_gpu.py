@@ -16,7 +16,10 @@ import torch
 
 from benchmarks.studies.full_speed import config, differences, train, train_resumed
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# host_bound: on a host busy with other tests' compiles and producers the host falls behind
+# the device, and the runs prove nothing (scripts/gpu_suite.py runs these with the host to themselves)
+pytestmark = [pytest.mark.gpu, pytest.mark.host_bound,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 BASE = [
     "train.device=cuda", "distributed.backend=nccl",
@@ -49,6 +52,10 @@ CASES = {
 # base: its host never got steps_ahead steps ahead of the device (0 waits in 100 steps on one
 # H200, where every other case waited after most steps); it must still train exactly
 IN_STEP = {"base"}
+# sparse_dist on several ranks: torchrec's input dist reads each batch's splits on the host,
+# so the host waits for the device inside every step (0 waits in 100 steps on two H200s);
+# the step graph's fixed splits take that wait away
+IN_STEP_ON_RANKS = {"sparse_dist"}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -59,7 +66,7 @@ def test_full_speed_trains_like_slow_feeding(tmp_path, case):
 @pytest.mark.parametrize("case", ["sparse_dist", "sparse_dist+step_graph+compile"])
 @pytest.mark.parametrize("nproc", [2])
 def test_full_speed_trains_like_slow_feeding_on_ranks(tmp_path, nproc, case):
-    _check(tmp_path, nproc, CASES[case])
+    _check(tmp_path, nproc, CASES[case], ahead=case not in IN_STEP_ON_RANKS)
 
 
 def _check(tmp_path, nproc: int, overrides: list[str], ahead: bool = True) -> None:

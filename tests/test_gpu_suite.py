@@ -32,6 +32,50 @@ def test_parts_run_each_test_on_the_gpus_it_needs():
     assert [p.gpus for p in suite.plan(needs, gpus=2, seconds={}, slots=1)] == [4, 2, 1, 1]
     # Two parts at a time on each GPU: twice the parts of each need.
     assert [p.gpus for p in suite.plan(needs, gpus=4, seconds={}, slots=2)] == [4, 2, 2, 2, 2] + [1] * 8
+    # host_bound tests first, in parts of one per GPU whatever the slots, then the rest
+    alone = {"t.py::one[0]", "t.py::one[1]", "t.py::two[0]"}
+    parts = suite.plan(needs, gpus=4, seconds={}, slots=2, alone=alone)
+    assert [(p.gpus, p.alone) for p in parts] == [(2, True), (1, True), (1, True)] + [
+        (4, False), (2, False), (2, False), (2, False)] + [(1, False)] * 6
+    assert {t for p in parts if p.alone for t in p.tests} == alone
+
+
+def test_host_bound_parts_run_with_the_machine_to_themselves(tmp_path, monkeypatch):
+    """No other part starts while a host_bound part is waiting or running."""
+    suite = _suite()
+    started, ended = [], []
+
+    class Proc:
+        def __init__(self, cmd, cwd, env, stdout, stderr):
+            self.k, self.polls, self.returncode = len(started) + 1, 0, None
+            started.append((self.k, env["CUDA_VISIBLE_DEVICES"], [k for k, _ in running()]))
+
+        def poll(self):
+            self.polls += 1
+            if self.polls < 2:
+                return None
+            self.returncode = 0
+            ended.append(self.k)
+            return 0
+
+    live = {}
+
+    def running():
+        return [(k, p) for k, p in live.items() if p.returncode is None]
+
+    def popen(*args, **kwargs):
+        proc = Proc(*args, **kwargs)
+        live[proc.k] = proc
+        return proc
+
+    monkeypatch.setattr(suite.subprocess, "Popen", popen)
+    monkeypatch.setattr(suite.time, "sleep", lambda s: None)
+    parts = [suite.Part(2, ["t.py::a"], alone=True), suite.Part(1, ["t.py::b"], alone=True),
+             suite.Part(1, ["t.py::c"]), suite.Part(1, ["t.py::d"])]
+    assert suite.run(parts, gpus=2, out=tmp_path, test_timeout=10, deadline=0, slots=2) == 0
+    # a has both GPUs; then b has one to itself, and the other stays idle until b has ended
+    assert [(k, gpus, before) for k, gpus, before in started[:2]] == [(1, "0,1", []), (2, "0", [])]
+    assert ended[:2] == [1, 2] and all(before == [] or set(before) <= {3, 4} for _, _, before in started[2:])
 
 
 def test_record_counts_tests_skipped_for_want_of_gpus(tmp_path):

@@ -522,8 +522,8 @@ class TrainConfig(Section):
     # A rank that makes no training step for this long ends the job on every rank, naming
     # the rank that stopped and its last step (exit code 8; recpipe/train/watchdog.py). null:
     # 100 times the median step of the run so far, and at least 60 s; 0: off; else at least
-    # MIN_STEP_TIMEOUT_S. The first step (compiles, graph captures), evaluation and
-    # checkpoint saves are not timed.
+    # MIN_STEP_TIMEOUT_S. The first step (compiles, graph captures), torch.compile's later
+    # compiles, evaluation and checkpoint saves are not timed.
     step_timeout_s: float | None = Field(
         None, ge=0,
         description="seconds without a training step before the job ends (exit 8): at least 1; null = 100 x the "

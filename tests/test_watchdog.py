@@ -50,6 +50,62 @@ def test_the_first_step_evaluation_and_saves_are_not_timed():
         dog.close()
 
 
+def test_a_compile_is_not_timed():
+    """torch.compile compiling inside a step (here a backend that takes a second, five
+    timeouts) is no stall; the step is timed from the compile's end."""
+    ended: list[str] = []
+
+    def slow_backend(gm, example_inputs):
+        time.sleep(1.0)
+        return gm.forward
+
+    fn = torch.compile(lambda x: x.sin() + 1, backend=slow_backend)
+    dog = StepWatchdog(0.2, rank=0, world_size=1, describe_newest=str, on_stall=ended.append)
+    dog._end = ended.append  # record instead of ending this process
+    try:
+        dog.arm()
+        dog.stepped(1)
+        started = time.monotonic()
+        fn(torch.randn(8))
+        assert time.monotonic() - started > 1.0
+        dog.stepped(2)
+        assert ended == []
+        time.sleep(0.5)  # a step that takes longer than the timeout is still one
+        assert ended and "no training step for" in ended[0]
+    finally:
+        dog.disarm()
+        dog.close()
+
+
+def test_a_rank_waiting_for_one_that_compiles_waits_on():
+    """Rank 1 compiles (its heartbeat says so) while rank 0 waits for it in a collective:
+    slow, not stalled."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    ended: list[str] = []
+    try:
+        compiling = StepWatchdog(0.2, rank=1, world_size=2, describe_newest=str, on_stall=ended.append)
+        compiling._compile_started()
+        dog = StepWatchdog(0.2, rank=0, world_size=2, describe_newest=str, on_stall=ended.append)
+        dog._end = ended.append
+        dog.arm()
+        dog.stepped(1)
+        time.sleep(1.5)  # several timeouts and diagnoses
+        assert ended == []
+        compiling._compile_ended()
+        compiling.close()  # its heartbeat says closed: still no stall
+        dog.disarm()
+        dog.close()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert ended == []
+
+
 def _stalled_run(run: Path, *extra: str, stop: int | None = 1, nproc: int = 2, timeout_s: float = 5.0):
     """An endless run; once step 4's checkpoint exists, SIGSTOP rank ``stop`` (None: a rank
     of the run stops itself). Returns the launcher, the ranks, stderr and the seconds from

@@ -243,3 +243,26 @@ def make_graphed_callables(fn: Callable[..., Any], sample_args: tuple, **kwargs:
 
     with _collector_paused(), mock.patch.object(torch.cuda, "graph", _ThreadLocalGraph):
         return torch.cuda.make_graphed_callables(fn, sample_args, **kwargs)
+
+
+def on_compiles(started: Callable[[], None], ended: Callable[[], None]) -> Callable[[], None]:
+    """Call ``started()`` when torch.compile starts compiling in this process (dynamo tracing a
+    frame, a deferred backward's compile) and ``ended()`` when no compile is left; returns the
+    function that stops it. Dynamo's compilation callbacks (``torch._dynamo.callback``) have no
+    public name; they run on the compiling thread, and take an argument in some releases."""
+    from torch._dynamo.callback import callback_handler
+
+    def start(*_: Any) -> None:
+        started()
+
+    def end(*_: Any) -> None:
+        ended()
+
+    callback_handler.register_start_callback(start)
+    callback_handler.register_end_callback(end)
+
+    def stop() -> None:
+        callback_handler.remove_start_callback(start)
+        callback_handler.remove_end_callback(end)
+
+    return stop

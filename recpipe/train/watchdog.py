@@ -13,18 +13,19 @@ thread (which is the one waiting):
 
 * The trainer arms it for each training segment and tells it every step boundary
   (``stepped``: two attribute writes, no host sync). The first step of the run (compiles,
-  graph captures) is not timed, nor are evaluation and checkpoint saves, whose length
-  depends on the data and the model; while the trainer is in one of them (``during``),
+  graph captures) is not timed, nor is the time torch.compile compiles (a later step's
+  recompile, a captured step's compile: seconds to minutes on a busy host), nor are
+  evaluation and checkpoint saves, whose length depends on the data and the model; while the trainer is in one of them (``during``),
   a rank that stops responding ends the job instead: every timeout, the ranks whose
   heartbeat has stopped (below) are looked for, and one found ends it as a stalled step
   does. A slow save or evaluation on ranks that all respond goes on.
-* Every ``POLL_S`` it publishes a heartbeat (a counter and its last step) to the job's
-  rendezvous store (the launcher's, or torchrun's agent store), and checks whether this
+* Every ``POLL_S`` it publishes a heartbeat (a counter, its last step, whether it is
+  compiling) to the job's rendezvous store (the launcher's, or torchrun's agent store), and checks whether this
   rank's last step is older than the timeout: ``train.step_timeout_s``, or by default
   ``AUTO_FACTOR`` times the median step so far and at least ``AUTO_MIN_S``.
 * On a timeout it reads every rank's heartbeat, and again ``SILENT_POLLS`` polls later: a
   rank whose counter did not move is not responding (stopped, or frozen holding the
-  interpreter). The first rank to time out says it in one line (which rank, its last step, the newest
+  interpreter); one that is compiling keeps the others waiting for it, slow, not stalled. The first rank to time out says it in one line (which rank, its last step, the newest
   checkpoint), rank 0 (when it can) writes ``summary.json`` with ``"status": "stalled"``,
   and every rank that still runs ends its own process with ``EXIT_STALLED``; a rank that
   sees another's timeout in the store ends at once. The launcher (``launch_local`` or
@@ -47,6 +48,7 @@ import time
 from collections import deque
 from typing import Callable, Iterator
 
+from recpipe.compat import torch as compat_torch
 from recpipe.distributed import job_key, job_store
 from recpipe.errors import UserError, report
 from recpipe.exit_codes import EXIT_STALLED
@@ -95,8 +97,11 @@ class StepWatchdog:
         self._responding: tuple[tuple[str, float] | None, float] = (None, 0.0)
         self._done = threading.Event()
         self._store = job_store() if timeout_s != 0 else None
+        self._compiling = False  # torch.compile is compiling in this process (its callbacks, any thread)
+        self._stop_hearing = lambda: None
         self._thread = threading.Thread(target=self._watch, name="recpipe-step-watchdog", daemon=True)
         if timeout_s != 0:
+            self._stop_hearing = compat_torch.on_compiles(self._compile_started, self._compile_ended)
             self._thread.start()
 
     # ------------------------------------------------------------------ main thread
@@ -129,7 +134,17 @@ class StepWatchdog:
         finally:
             self._phase = None
 
+    def _compile_started(self) -> None:
+        self._compiling = True
+
+    def _compile_ended(self) -> None:
+        """A step that compiled is timed from the compile's end."""
+        self._compiling = False
+        if self._last_at is not None:
+            self._last_at = time.monotonic()
+
     def close(self) -> None:
+        self._stop_hearing()
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
@@ -149,7 +164,7 @@ class StepWatchdog:
     def _beat(self) -> None:
         self._count += 1
         if self._store is not None:
-            self._store.set(self._key(f"beat/{self.rank}"), f"{self._count},{self.step}")
+            self._store.set(self._key(f"beat/{self.rank}"), f"{self._count},{self.step},{int(self._compiling)}")
 
     def _watch(self) -> None:
         try:
@@ -159,10 +174,13 @@ class StepWatchdog:
                 if self._store is not None and self._store.check([self._key("stalled")]):
                     self._end("")  # another rank timed out and said why: this one waits in vain too
                 last = self._last_at
-                if last is not None and time.monotonic() - last > self.current_timeout_s():
+                if last is not None and not self._compiling and time.monotonic() - last > self.current_timeout_s():
                     message = self._diagnosis()  # before the others learn of it: they keep beating meanwhile
-                    if self._last_at != last:
-                        continue  # a step came meanwhile: slow, not stalled
+                    if self._last_at != last or self._compiling:
+                        continue  # a step or a compile came meanwhile: slow, not stalled
+                    if message is None:  # another rank compiles: time this one's step from now
+                        self._last_at = time.monotonic()
+                        continue
                     self._stalled(message)
                 self._check_phase()
         except Exception:  # noqa: BLE001: the store is gone (the job is ending); nothing left to watch
@@ -190,9 +208,9 @@ class StepWatchdog:
         first = self._store is None or self._store.add(self._key("stalled"), 1) == 1
         self._end(message if first else "")
 
-    def _beats(self) -> dict[int, tuple[int, int] | None]:
-        """Every rank's heartbeat (count, last step; None before its first), but for ranks
-        whose watchdog is closed."""
+    def _beats(self) -> dict[int, tuple[int, int, bool] | None]:
+        """Every rank's heartbeat (count, last step, compiling; None before its first), but for
+        ranks whose watchdog is closed."""
         beats: dict[int, tuple[int, int] | None] = {}
         for rank in range(self.world_size):
             key = self._key(f"beat/{rank}")
@@ -200,11 +218,11 @@ class StepWatchdog:
             if beat is None:
                 beats[rank] = None
             elif beat != _CLOSED:
-                count, step = beat.split(",")
-                beats[rank] = (int(count), int(step))
+                count, step, compiling = beat.split(",")
+                beats[rank] = (int(count), int(step), compiling == "1")
         return beats
 
-    def _silent_ranks(self) -> tuple[list[int], dict[int, tuple[int, int]]]:
+    def _silent_ranks(self) -> tuple[list[int], dict[int, tuple[int, int, bool]]]:
         """The other ranks whose heartbeat did not move over ``SILENT_POLLS`` polls (this rank
         beating on meanwhile), and the heartbeats of those that have one."""
         before = self._beats()
@@ -230,9 +248,10 @@ class StepWatchdog:
             return f"train.step_timeout_s={self.timeout_s:g}"
         return f"train.step_timeout_s: {AUTO_FACTOR} x the median step, at least {AUTO_MIN_S:.0f} s"
 
-    def _diagnosis(self) -> str:
+    def _diagnosis(self) -> str | None:
         """Which rank stopped, from the heartbeats over ``SILENT_POLLS`` polls (this rank
-        beating on meanwhile), and the newest checkpoint."""
+        beating on meanwhile), and the newest checkpoint; None when none stopped and another
+        is compiling (this one waits for it in a collective)."""
         what = f"no training step for {self.current_timeout_s():.0f} s ({self._timeout_rule()})"
         if self._store is None:
             found = f"rank {self.rank}: {what}; its last step: {self.step}"
@@ -241,6 +260,8 @@ class StepWatchdog:
             # The job advances in lockstep: the ranks that respond finished the step the silent
             # one took last (its own heartbeat is up to a poll older than its last step).
             reached = max([self.step] + [after[r][1] for r in after if r not in silent])
+            if not silent and any(after[r][2] for r in after if r != self.rank):
+                return None
             if silent:
                 named = ", ".join(f"rank {r}" for r in silent)
                 found = (f"{what}: {named} stopped responding after step {reached} (stopped or frozen); the other "

@@ -73,10 +73,29 @@ def apply_cuda_alloc_conf(train: TrainConfig) -> str | None:
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
+# NCCL registers the buffers of collectives captured in a CUDA graph with their peers
+# (NCCL_GRAPH_REGISTER, on by default). With pipeline.step_graph on two H200s (torch 2.11's
+# NCCL), whose graph holds the ids' and embeddings' all-to-alls and the dense all-reduce, the
+# replays deadlocked on the device within the first steps of nearly every run, with or without
+# compile or train.deterministic, and trained with registration off; SGLang found the same
+# deadlock of a captured all-to-all (sgl-project/sglang#38936). Off unless the user set it.
+NCCL_GRAPH_REGISTER_ENV = "NCCL_GRAPH_REGISTER"
+
+
+def apply_nccl_graph_register(cfg: RecpipeConfig) -> str | None:
+    """Turn NCCL's buffer registration for captured collectives off where this job captures
+    collectives (``pipeline.step_graph``), unless ``NCCL_GRAPH_REGISTER`` is set; returns the
+    value in force. Before the first communicator: NCCL reads it then."""
+    if cfg.pipeline.step_graph.enabled:
+        os.environ.setdefault(NCCL_GRAPH_REGISTER_ENV, "0")
+    return os.environ.get(NCCL_GRAPH_REGISTER_ENV)
+
+
 def init_process_group(cfg: RecpipeConfig) -> torch.device:
     """Join the job's process group (env:// rendezvous) and return this rank's device."""
     apply_cuda_alloc_conf(cfg.train)
     apply_deterministic(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its setting then
+    apply_nccl_graph_register(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.train, local_rank)
     if not dist.is_initialized():

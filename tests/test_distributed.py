@@ -108,6 +108,19 @@ def test_a_failed_launch_leaves_no_traceback_file(tmp_path, monkeypatch):
 
 
 
+def test_nccl_graph_registration_is_off_for_a_step_graph_unless_set(monkeypatch):
+    from recpipe.config import load_config
+    from recpipe.distributed import NCCL_GRAPH_REGISTER_ENV, apply_nccl_graph_register
+
+    graphed = load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph=true"])
+    monkeypatch.delenv(NCCL_GRAPH_REGISTER_ENV, raising=False)
+    assert apply_nccl_graph_register(load_config(None, ["pipeline.name=sparse_dist"])) is None
+    assert NCCL_GRAPH_REGISTER_ENV not in os.environ  # nothing captures collectives: NCCL's default
+    assert apply_nccl_graph_register(graphed) == "0" and os.environ[NCCL_GRAPH_REGISTER_ENV] == "0"
+    monkeypatch.setenv(NCCL_GRAPH_REGISTER_ENV, "1")
+    assert apply_nccl_graph_register(graphed) == "1"  # the user's choice wins
+
+
 def test_the_first_traceback_is_reported_whichever_rank_ends_first(tmp_path, monkeypatch):
     """A rank's peers fail only once it is gone, after its traceback is written: the report
     is the earliest traceback, even when the peer's process ends first."""

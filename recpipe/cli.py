@@ -14,8 +14,11 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from importlib import metadata
 
+import recpipe
 from recpipe import exit_codes as codes, shipped_configs
+from recpipe.data.cli import add_data_parser
 from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
@@ -34,7 +37,6 @@ DESCRIPTION = (
 
 def version() -> str:
     """recpipe's version (installed package metadata, else ``recpipe.__version__``) and its stack's."""
-    from importlib import metadata
 
     def installed(*names: str) -> str | None:
         for name in names:
@@ -43,8 +45,6 @@ def version() -> str:
             except metadata.PackageNotFoundError:
                 continue
         return None
-
-    import recpipe
 
     ours = installed("recpipe") or recpipe.__version__
     stack = [(label, installed(*names)) for label, names in (
@@ -176,9 +176,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(bench)
     add_bench_arguments(bench)
-
-    from recpipe.data.cli import add_data_parser
-
     add_data_parser(sub, _add_config_args, parents=[common])
 
     add_command(sub, "configs", help="list the shipped configs (--config takes them by name)",
@@ -284,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
+    # Each command's module is imported when the command runs: --version, --help, plan and schedule
+    # load neither torch nor torchrec (see the module's docstring).
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["torchrun"]:  # every argument is torchrun's (--help included)
         from recpipe.torchrun import main_torchrun

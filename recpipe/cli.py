@@ -18,9 +18,10 @@ from importlib import metadata
 
 import recpipe
 from recpipe import exit_codes as codes, shipped_configs
-from recpipe.data.cli import add_data_parser
+from recpipe.data.cli import add_data_parser, main_data
 from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
+from recpipe.pipelines import main_schedule
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
 
 # The commands that load torchrec and FBGEMM: the installed fbgemm-gpu build is checked first.
@@ -281,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    # Each command's module is imported when the command runs: --version, --help, plan and schedule
-    # load neither torch nor torchrec (see the module's docstring).
+    # A command's module is imported when the command runs (schedule's and data's load with the
+    # parser): --version, --help, plan and schedule load neither torch nor torchrec, and --version
+    # nothing it does not use.
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["torchrun"]:  # every argument is torchrun's (--help included)
         from recpipe.torchrun import main_torchrun
@@ -307,16 +309,12 @@ def _run(argv: list[str] | None) -> int:
 
             return main_plan(args)
         if args.command == "schedule":
-            from recpipe.pipelines import main_schedule
-
             return main_schedule(args)
         if args.command == "bench":
             from recpipe.bench.runner import main_bench
 
             return main_bench(args)
         if args.command == "data":
-            from recpipe.data.cli import main_data
-
             return main_data(args)
         if args.command == "configs":
             print(shipped_configs.listing())

@@ -10,6 +10,9 @@ their tables as plain data (:class:`TableInfo`), which is what
 memory planner plans. Build the model on the meta device for this: nothing is
 allocated.
 
+The memory planner reads this module without torch (``recpipe plan``): torch, torchrec and the
+models are imported by the functions that use them.
+
 Other torchrec modules (managed-collision, quantized inference modules) are not
 sharded by recpipe; :func:`unsupported_modules` names them so the caller can refuse.
 """
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from recpipe.errors import ConfigError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -147,8 +152,6 @@ def check_table_names(sharding: "ShardingConfig", tables: tuple[TableInfo, ...])
     """Every table named under ``sharding.tables`` and ``sharding.mean_pooling_factors``
     exists in the model; ``ConfigError`` naming the key and listing the model's tables
     otherwise (for a ``model.factory`` model the names are only known once it is built)."""
-    from recpipe.config import ConfigError
-
     known = {t.name for t in tables}
     listed = ", ".join(f"{t.name} ({t.module or '<model>'})" for t in tables) or "none"
     problems = [

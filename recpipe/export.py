@@ -39,11 +39,15 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from recpipe.checkpoint.reader import MODEL_PREFIX, dcp_load, model_tensors, shape_differences
 from recpipe.checkpoint.store import resolve_checkpoint
 from recpipe.config import ConfigError, RecpipeConfig, load_config
 from recpipe.errors import CheckpointError, StorageError, storage_problem
 from recpipe.exit_codes import EXIT_OK
+from recpipe.models import make_model
+from recpipe.serving import export_program
 
 __all__ = ["ExportReport", "export_checkpoint", "main_export", "resolve_checkpoint", "table_keys"]
 
@@ -75,8 +79,6 @@ class ExportReport:
 
 def table_keys(model: nn.Module) -> set[str]:
     """State-dict keys of the embedding tables of every torchrec embedding module of ``model``."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
     keys = set()
     for path, module in model.named_modules():
         if isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
@@ -86,15 +88,11 @@ def table_keys(model: nn.Module) -> set[str]:
 
 def _target(cfg: RecpipeConfig) -> nn.Module:
     """The unsharded model on meta: its keys, shapes and dtypes are the export's."""
-    from recpipe.models import make_model
-
     return make_model(cfg)
 
 
 def _load(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Fill ``tensors`` (checkpoint key -> full tensor) from the checkpoint, in place."""
-    from recpipe.checkpoint.reader import dcp_load
-
     with warnings.catch_warnings():  # DCP says it assumes a single process: that is the intent
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         dcp_load(tensors, path, no_dist=True)
@@ -105,8 +103,6 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     """Write the unsharded model state of ``checkpoint`` to ``out`` (see the module docstring);
     with ``program``, also the servable ``torch.export`` program of the model with that
     state, its tables as ``program_tables`` says (:func:`recpipe.serving.export_program`)."""
-    from recpipe.checkpoint.reader import MODEL_PREFIX, model_tensors
-
     check_out(Path(out))
     path = resolve_checkpoint(checkpoint)
     model = _target(cfg)
@@ -132,8 +128,6 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
     ordered = {key: state[key] for key in target}  # the model's own order
     report.bytes = sum(t.numel() * t.element_size() for t in ordered.values())
     if program is not None:  # first: a model that cannot be traced leaves neither file
-        from recpipe.serving import export_program
-
         meta = export_program(cfg, ordered, program, program_tables, metadata={"checkpoint": str(path)})
         report.program, report.program_tables, report.program_inputs = Path(program), program_tables, list(meta["inputs"])
     _save_atomic(ordered, report.out)
@@ -141,8 +135,6 @@ def export_checkpoint(cfg: RecpipeConfig, checkpoint: str | Path, out: str | Pat
 
 
 def _check_same_model(path: Path, factory: str | None, target: dict, stored: dict) -> None:
-    from recpipe.checkpoint.reader import shape_differences
-
     missing = sorted(set(target) - set(stored))
     unexpected = sorted(set(stored) - set(target))
     shapes = shape_differences(stored, target)

@@ -42,9 +42,11 @@ left to the rank, which then imports it itself and reports the error.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
+from multiprocessing import forkserver, util
 
 from recpipe.system import signal_when_parent_dies
 
@@ -98,9 +100,6 @@ def start_server() -> None:
     launcher killed with SIGKILL leaves nothing running and nothing in $TMPDIR. It must
     start from a thread that lives as long as the launches (the main thread); one started
     by a thread that has ended is started anew."""
-    import multiprocessing
-    from multiprocessing import forkserver, util
-
     multiprocessing.get_context("forkserver").set_forkserver_preload(["recpipe.launch_preload"])
     os.environ[SERVER_ENV] = f"{os.getpid()}:{util.get_temp_dir()}"
     try:

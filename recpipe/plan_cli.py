@@ -23,6 +23,7 @@ import json
 import sys
 
 from recpipe.config import ConfigError, load_config
+from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 from recpipe.planner import estimate_memory, planner_inputs
 from recpipe.planner.advice import advice_lines, advise
 from recpipe.planner.plan import check_fits, render_table
@@ -44,8 +45,6 @@ def parse_world_sizes(text: str) -> tuple[int, ...]:
 
 
 def main_plan(args: argparse.Namespace) -> int:
-    from recpipe.exit_codes import EXIT_DOES_NOT_FIT
-
     cfg = load_config(args.config, list(getattr(args, "overrides", None) or []))
     check_rules(cfg)  # the pipeline's and the speed features' rules (the machine is not the one that trains)
     scaling = None

@@ -35,13 +35,15 @@ from typing import TYPE_CHECKING, Callable
 
 from recpipe.capabilities import CAPABILITIES, PREFETCH_STEP
 from recpipe.config import PLANNER_ON_CPU, RecpipeConfig, TrainConfig
+from recpipe.embedding_tables import model_on_meta
 from recpipe.errors import ConfigError, DoesNotFitError, StorageError, job_warning, report
 from recpipe.exit_codes import EXIT_DOES_NOT_FIT
 from recpipe.pipelines.registry import PIPELINES, offering
+from recpipe.planner import MemoryPlan, advice_lines, advise, check_fits, plan_from_config, summary
+from recpipe.planner.plan import fmt_bytes
 from recpipe.speedups.registry import SPEEDUPS
 
 if TYPE_CHECKING:
-    from recpipe.planner import MemoryPlan
     from recpipe.planner.plan import RankMemory
 
 __all__ = ["CPU_RANK_BYTES", "Machine", "check_dir_paths", "check_machine", "check_memory", "check_rules",
@@ -142,9 +144,9 @@ def preflight(cfg: RecpipeConfig, machine: Machine) -> None:
     """Every check of ``cfg`` before ``recpipe train`` starts a process (see the module
     docstring), in the order a user fixes them: the config's rules, checkpoints, the
     machine, the data, the model's tables, ``pipeline.class``."""
+    # torch and torchrec: `recpipe plan` runs this module's check_rules without them
     from recpipe.builder import pipeline_class
     from recpipe.data import check_data
-    from recpipe.embedding_tables import model_on_meta
     from recpipe.sharding import check_model_config
     from recpipe.checkpoint.store import check_checkpoint_config, check_resume, check_resume_shapes
 
@@ -181,8 +183,6 @@ def check_memory(cfg: RecpipeConfig, machine: Machine, *, world_size: int | None
     tables, optimizer states and batches the plan counts live in host memory: the ranks on
     this machine together against its available memory (nothing is logged: ``recpipe
     plan`` shows what the config would need on GPUs)."""
-    from recpipe.planner import advice_lines, advise, check_fits, plan_from_config, summary
-
     plan = plan_from_config(cfg, world_size=world_size)
     if not machine.on_cuda(cfg.train):
         problem = host_memory_problem(plan, int(os.environ.get("LOCAL_WORLD_SIZE", world_size or cfg.distributed.nproc)))
@@ -220,8 +220,6 @@ def host_memory_problem(plan: "MemoryPlan", local_ranks: int) -> str | None:
     memory (the largest ranks of the plan, as a node of torchrun may hold any), or None:
     each rank needs ``CPU_RANK_BYTES`` for its process plus what its plan holds (the
     tables, optimizer states, batches and activations a CPU run keeps in host memory)."""
-    from recpipe.planner.plan import fmt_bytes
-
     ranks = sorted(plan.ranks, key=_host_bytes, reverse=True)[:local_ranks]
     needed = sum(CPU_RANK_BYTES + _host_bytes(r) for r in ranks)
     available = host_memory_available()

@@ -58,12 +58,22 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
+import torchrec
 from torch import nn
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torch.fx.experimental.symbolic_shapes import free_symbols, is_concrete_int
+from torchrec.inference.modules import quantize_inference_model
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.pt2.utils import register_fake_classes
+from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
+from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
+from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+import recpipe
 from recpipe.compat import torch as compat_torch
 from recpipe.config import ModelConfig, RecpipeConfig
 from recpipe.errors import ConfigError
+from recpipe.models import make_model
 from recpipe.models.dlrm import RecModel, build_model, sparse_arch_forward
 from recpipe.models.precision import precision_context
 
@@ -100,8 +110,6 @@ def serving_module(cfg: RecpipeConfig, state: dict[str, torch.Tensor],
     ``tables`` says, in eval mode, wrapped for serving (a ``model.factory`` model:
     :func:`user_serving_module`)."""
     if cfg.model.factory is not None:
-        from recpipe.models import make_model
-
         return user_serving_module(make_model(cfg), cfg.model.factory, state, tables)
     model = build_model(cfg.model, device=torch.device("cpu"), precision=cfg.train.precision)
     model.load_state_dict(state)
@@ -137,8 +145,6 @@ def user_serving_module(model: nn.Module, factory: str, state: dict[str, torch.T
     """``model`` (as the ``model.factory`` named ``factory`` built it) on CPU with ``state``,
     its EmbeddingBagCollections' and EmbeddingCollections' tables as ``tables`` says, in eval
     mode, wrapped for serving."""
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-
     missing = [m for m in ("serve", "serving_inputs") if not callable(getattr(model, m, None))]
     if missing:
         raise ConfigError(f"{_model_name(factory, model)} has no {' or '.join(missing)}: --format program traces "
@@ -164,8 +170,6 @@ def user_serving_module(model: nn.Module, factory: str, state: dict[str, torch.T
 
 def _pooled_as_float(module: nn.Module, inputs: Any, kt: Any) -> Any:
     """The float16 tables' pooled embeddings, cast to float32 where they meet the dense part."""
-    from torchrec.sparse.jagged_tensor import KeyedTensor
-
     return KeyedTensor(keys=kt.keys(), length_per_key=kt.length_per_key(), values=kt.values().float(),
                        key_dim=kt.key_dim())
 
@@ -173,12 +177,6 @@ def _pooled_as_float(module: nn.Module, inputs: Any, kt: Any) -> Any:
 def _quantize(model: nn.Module, tables: str) -> None:
     """Every EmbeddingBagCollection and EmbeddingCollection of ``model`` -> TorchRec's
     quantized one, in place."""
-    from torchrec.inference.modules import quantize_inference_model
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEmbeddingBagCollection
-    from torchrec.quant.embedding_modules import EmbeddingCollection as QuantEmbeddingCollection
-    from torchrec.quant.embedding_modules import quant_prep_customize_row_alignment
-
     # Rows packed back to back: FBGEMM's CPU kernels need no alignment (TorchRec's
     # default pads each row to 16 bytes for GPUs; the program runs on CPU).
     quant_prep_customize_row_alignment(model, [EmbeddingBagCollection, EmbeddingCollection], 1)
@@ -239,8 +237,6 @@ def _drop_unused_symbols(program: torch.export.ExportedProgram) -> None:
     it computes as data-dependent sizes (``.tolist()``) and then does not use: the graph
     loses them, their ranges stay, and loading the program logs "Symbol uN did not appear
     in the graph" for each."""
-    from torch.fx.experimental.symbolic_shapes import free_symbols
-
     used = set()
     for node in program.graph.nodes:
         val = node.meta.get("val")
@@ -269,8 +265,6 @@ def _user_trace_spec(module: UserServing) -> tuple[list[str], tuple[torch.Tensor
 def _user_meta(module: UserServing, program: torch.export.ExportedProgram,
                names: list[str]) -> dict[str, Any]:
     """The program's inputs (name: dtype, shape; a dynamic size by its symbol) and output."""
-    from torch.fx.experimental.symbolic_shapes import is_concrete_int
-
     def spec(node: torch.fx.Node) -> list:
         val = node.meta["val"]
         return [str(val.dtype).removeprefix("torch."), [int(d) if is_concrete_int(d) else str(d) for d in val.shape]]
@@ -333,10 +327,6 @@ def _where(model: nn.Module, err: BaseException) -> str:
 
 def _library_file(filename: str) -> bool:
     """A file of torch, torchrec, recpipe or Python's standard library (not the user's model)."""
-    import torchrec
-
-    import recpipe
-
     roots = [Path(m.__file__).parent for m in (torch, torchrec, recpipe, os)]
     return filename.startswith("<") or any(Path(filename).is_relative_to(root) for root in roots)
 
@@ -356,8 +346,6 @@ def export_program(cfg: RecpipeConfig, state: dict[str, torch.Tensor], out: str 
         dynamic = {"dense_features": {0: batch}, "values": {0: ids},
                    "lengths": {0: cfg.model.num_sparse_features * batch}}
     if tables in _QUANT_DTYPES:
-        from torchrec.pt2.utils import register_fake_classes
-
         register_fake_classes()
     with torch.no_grad(), _quiet_export():
         # One eager call first: TorchRec's quantized EmbeddingBagCollection and EmbeddingCollection

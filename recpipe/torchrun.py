@@ -23,6 +23,10 @@ from __future__ import annotations
 import signal
 import sys
 
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing import api as elastic
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 from recpipe.errors import StopRequested, report
 from recpipe.exit_codes import EXIT_WORKER_FAILED
 
@@ -33,10 +37,6 @@ COMMAND = "torchrun"
 
 def main_torchrun(argv: list[str]) -> int:
     """Run torchrun with ``argv`` (its own flags, then the rank's command) and return the exit code."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing import api as elastic
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     try:
         torchrun.main(argv)
     except elastic.SignalException as stop:

@@ -371,7 +371,7 @@ def write_plots(out_dir: str | Path, rows: list[Row]) -> dict[str, Any]:
     """The plots that have data, ``{"written": [...], "reason": ...}`` (a plot never fails the bench): P50 step
     time per pipeline and implementation (whisker to P90, each round's P50 a dot, GPU busy per step a black
     line, host time per call a triangle) and, not on CPU, peak allocated vs reserved memory."""
-    try:
+    try:  # matplotlib is optional and slow to import: only the plots need it
         import matplotlib
 
         matplotlib.use("Agg")

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import yaml
+from torchrec.distributed.train_pipeline import train_pipelines
 from tqdm import tqdm
 
 from recpipe.bench.measure import (MemorySnapshot, StepClock, cache_metrics, cached_tables, counter_delta,
@@ -184,8 +185,6 @@ def build_torchrec_pipeline(cfg: RecpipeConfig, model: torch.nn.Module, optimize
     (pipeline, its options, notes on what has no TorchRec counterpart: never silently dropped). ``compiled``:
     ``TrainPipelinePT2`` with ``TorchCompileConfig()`` defaults (for ``base``). TorchRec 1.6 and 1.8 take these
     arguments; some versions do not export ``TrainPipelineSemiSync`` from the package, hence the module."""
-    from torchrec.distributed.train_pipeline import train_pipelines
-
     p = cfg.pipeline
     notes: list[str] = []
     if p.max_batches_ahead is not None:

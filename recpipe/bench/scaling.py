@@ -88,7 +88,7 @@ def markdown(runs: list[dict[str, Any]], rows: list[dict[str, Any]], cmd: str) -
 def write_plot(path: Path, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """``scaling.png``: the fastest pipeline of each implementation, samples/s per GPU against the
     GPU count; ``{"written": [...], "reason": ...}`` (a plot never fails the report)."""
-    try:
+    try:  # matplotlib is optional and slow to import: only the plots need it
         import matplotlib
 
         matplotlib.use("Agg")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, NamedTuple
 
 import torch
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from recpipe.bench.measure import percentile
 
@@ -299,8 +300,6 @@ def profile_progress(step: Callable[[], Any], steps: int, device: torch.device,
     """:func:`summarize_trace` of ``steps`` calls of ``step()`` (one ``pipe.progress(it)`` each) under
     torch.profiler; ``op_tables`` = (file, title): also append its op tables there, by self and total CPU
     time (on CUDA also device time)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
     cuda = device.type == "cuda"
     prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
     with kineto_markers_dropped():

@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from recpipe.checkpoint.integrity import (CONVERTED_FROM, MARKER_FILE, METADATA_FILE, SAVED_FILES, checkpoint_dirs,
                                           file_records)
 from recpipe.checkpoint.reader import DCP_METADATA, read_metadata
-from recpipe.checkpoint.store import FORMAT_VERSION
+from recpipe.checkpoint.store import FORMAT_VERSION, resolve_checkpoint
 from recpipe.config import ConfigError
 from recpipe.errors import CheckpointError, storage_problem
 from recpipe.sections import INT64_MAX
@@ -159,8 +159,6 @@ def to_torchrec(src: str | Path, dst: str | Path) -> Path:
     """The recpipe checkpoint ``src`` (a checkpoint, or a ``checkpoint.dir``: its newest),
     verified, as a DCP checkpoint ``dst`` (new or empty) that TorchRec loads; returns ``src``'s
     checkpoint."""
-    from recpipe.checkpoint.store import resolve_checkpoint
-
     chosen = resolve_checkpoint(src, what="SRC")  # every file's size and CRC-32 against its record
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):

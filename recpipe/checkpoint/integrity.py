@@ -28,6 +28,8 @@ import re
 import zlib
 from pathlib import Path
 
+from recpipe.checkpoint.reader import read_metadata
+from recpipe.errors import CheckpointError
 from recpipe.exit_codes import EXIT_CHECKPOINT
 from recpipe.sections import INT64_MAX
 
@@ -162,9 +164,6 @@ def position_problems(meta: dict) -> list[str]:
 def _metadata_problems(path: Path) -> list[str]:
     """Why DCP's ``.metadata`` of ``path`` cannot be read as data (a resume refuses a
     checkpoint whose metadata names code to run), or []."""
-    from recpipe.checkpoint.reader import read_metadata
-    from recpipe.errors import CheckpointError
-
     try:
         read_metadata(path)
     except CheckpointError as err:

@@ -20,6 +20,7 @@ __all__ = ["Batch", "check_data", "make_dataloader", "no_eval_data", "num_batche
 
 
 def __getattr__(name: str) -> Any:
+    # Imported here, on first use: see the module's docstring.
     if name == "Batch":
         from recpipe.data.batch import Batch
 

@@ -41,6 +41,7 @@ conversion resumes only into a directory of the current version.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -324,8 +325,6 @@ def open_column(manifest: Manifest, part: str, column: str) -> np.ndarray:
 
 def file_sha256(path: Path, offset: int = 0, chunk: int = 1 << 22) -> str:
     """SHA-256 of a file's bytes from ``offset`` on."""
-    import hashlib
-
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         fh.seek(offset)

@@ -27,15 +27,15 @@ import time
 from typing import Any
 
 from recpipe.config import ConfigError, RecpipeConfig, load_config
+from recpipe.data.spec import DataSpec
 from recpipe.errors import DataError, report
 from recpipe.exit_codes import EXIT_OK
+from recpipe.help_format import HelpFormatter, add_command
 
 __all__ = ["add_data_parser", "main_data"]
 
 
 def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: list | None = None) -> None:
-    from recpipe.help_format import HelpFormatter, add_command
-
     data = add_command(sub, "data", parents=parents or [],
                        help="convert TSV click logs to the binary format; verify it; time the loader",
                        description="Convert Criteo-layout TSV click logs (plain or gzip) into recpipe's binary "
@@ -76,6 +76,10 @@ def add_data_parser(sub: argparse._SubParsersAction, add_config_args, parents: l
                        help="untimed batches first (>= 1); default: what the producers hold made ahead, plus 5")
 
 
+# The commands' modules are imported where they run: every `recpipe` command builds this parser,
+# and `recpipe --version`, `plan` and `schedule` load neither numpy nor torch.
+
+
 def main_data(args: argparse.Namespace) -> int:
     from recpipe.data.binary_format import BinaryDataError
 
@@ -104,7 +108,6 @@ def _config(args: argparse.Namespace) -> RecpipeConfig:
 def _convert(args: argparse.Namespace) -> int:
     from recpipe.data.binary_format import Layout
     from recpipe.data.convert import convert
-    from recpipe.data.spec import DataSpec
 
     cfg = _config(args)
     if args.workers is not None and args.workers < 1:

@@ -12,6 +12,8 @@ from torch import nn
 
 from recpipe.callables import load_callable
 from recpipe.config import ConfigError, RecpipeConfig
+from recpipe.models.dlrm import build_model
+from recpipe.models.precision import with_precision
 
 __all__ = ["load_callable", "make_model"]
 
@@ -21,8 +23,6 @@ def make_model(cfg: RecpipeConfig) -> nn.Module:
     (embedding tables on the meta device; DistributedModelParallel materializes the shards).
     Either runs at ``train.precision`` (:mod:`recpipe.models.precision`)."""
     if cfg.model.factory is None:
-        from recpipe.models.dlrm import build_model
-
         return build_model(cfg.model, precision=cfg.train.precision)
     build = load_callable(cfg.model.factory, "model.factory")
     try:
@@ -34,6 +34,4 @@ def make_model(cfg: RecpipeConfig) -> nn.Module:
             f"model.factory={cfg.model.factory!r} returned {type(model).__name__}; it must return a torch.nn.Module "
             "whose forward(batch) returns (loss, output)"
         )
-    from recpipe.models.precision import with_precision
-
     return with_precision(model, cfg.train.precision)

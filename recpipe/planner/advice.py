@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from recpipe.config import ConfigError, RecpipeConfig, apply_override, config_from_dict
 from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.from_config import plan_from_config, planner_inputs
 from recpipe.planner.plan import MemoryPlan, fmt_bytes
@@ -42,7 +43,6 @@ from recpipe.planner.search import fit_cache_load_factor, min_prefetch_passes
 from recpipe.planner.spec import CACHED, UVM_KERNELS
 
 if TYPE_CHECKING:
-    from recpipe.config import RecpipeConfig
     from recpipe.planner.spec import PlannerInputs
 
 __all__ = ["Advice", "advice_lines", "advise"]
@@ -105,8 +105,6 @@ class _Planner:
         self.cfg, self.capacity = cfg, capacity
 
     def __call__(self, overrides: dict[str, Any]) -> MemoryPlan | None:
-        from recpipe.config import ConfigError, apply_override, config_from_dict
-
         raw = self.cfg.editable_dump()
         for key, value in overrides.items():
             apply_override(raw, key, value)

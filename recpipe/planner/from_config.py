@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from recpipe.embedding_tables import model_on_meta
 from recpipe.planner.estimate import estimate_memory
 from recpipe.planner.inputs import inputs_from_config
 from recpipe.planner.plan import MemoryPlan
-from recpipe.planner.spec import PlannerInputs
+from recpipe.planner.spec import PlannerInputs, shards_from_plan
 
 if TYPE_CHECKING:
     from recpipe.config import RecpipeConfig
@@ -32,8 +33,7 @@ def planner_inputs(
     rules. ``recpipe plan`` and ``recpipe train``'s pre-flight plan from these."""
     inputs = inputs_from_config(cfg, world_size=world_size, hbm_capacity_bytes=hbm_capacity_bytes, fbgemm=fbgemm_version)
     if cfg.sharding.placement == "planner":
-        from recpipe.embedding_tables import model_on_meta
-        from recpipe.planner.spec import shards_from_plan
+        # torchrec's partitioner: `recpipe plan` of any other placement imports neither torch nor torchrec
         from recpipe.planner.torchrec_planner import plan_with_torchrec
 
         plan = plan_with_torchrec(cfg.sharding, cfg.optimizer.embedding, inputs, model_on_meta(cfg))

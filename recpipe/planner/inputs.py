@@ -8,6 +8,8 @@ FBGEMM.
 
 from __future__ import annotations
 
+import os
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 from recpipe.embedding_tables import model_on_meta
@@ -33,8 +35,6 @@ FBGEMM_DISTRIBUTIONS = ("fbgemm-gpu", "fbgemm-gpu-cpu", "fbgemm-gpu-nightly", "f
 
 def fbgemm_version() -> tuple[int, int]:
     """(major, minor) of the installed fbgemm_gpu (1.8 when none is found)."""
-    from importlib import metadata
-
     version = "1.8.0"
     for name in FBGEMM_DISTRIBUTIONS:
         try:
@@ -50,7 +50,7 @@ def default_hbm_bytes() -> int:
     """The GPU's own memory, or 80 GiB when planning without one (then without importing torch)."""
     if not may_have_gpu():
         return int(DEFAULT_HBM_GB_WITHOUT_GPU * GiB)
-    import torch
+    import torch  # here: `recpipe plan` on a machine without a GPU imports no torch
 
     if torch.cuda.is_available():
         return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
@@ -61,8 +61,6 @@ def expandable_segments(cuda_alloc_conf: str | None) -> bool:
     """Whether the run's CUDA caching allocator uses expandable segments, with the
     settings recpipe gives its processes (``recpipe.distributed.apply_cuda_alloc_conf``:
     ``PYTORCH_CUDA_ALLOC_CONF`` when it is set, else ``train.cuda_alloc_conf``)."""
-    import os
-
     settings = os.environ[ALLOC_CONF_ENV] if ALLOC_CONF_ENV in os.environ else cuda_alloc_conf
     pairs = dict(part.split(":", 1) for part in (settings or "").split(",") if ":" in part)
     return {k.strip(): v.strip() for k, v in pairs.items()}.get("expandable_segments", "").lower() == "true"

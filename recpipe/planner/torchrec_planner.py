@@ -22,10 +22,19 @@ TBEs prefetch one after the other, so the rank needs only the largest).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import warnings
 from typing import TYPE_CHECKING, Any, Iterator
+
+from torchrec.distributed.planner import EmbeddingShardingPlanner
+from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
+from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator, EmbeddingStorageEstimator
+from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
+from torchrec.distributed.planner.types import (ParameterConstraints, PlannerError, ShardEstimator, Storage,
+                                                StorageReservation, Topology)
+from torchrec.distributed.types import PipelineType
 
 from recpipe.compat.torchrec import name_reservation_share, reserved_hbm
 from recpipe.errors import DoesNotFitError
@@ -49,8 +58,6 @@ if TYPE_CHECKING:
     from torch import nn
 
     from recpipe.config import EmbeddingOptimizerConfig, ShardingConfig
-
-from torchrec.distributed.planner.types import ShardEstimator, Storage, StorageReservation, Topology
 
 
 def shard_storage(inputs: PlannerInputs, table: str, sharding_type: str, kernel: str, size: list[int],
@@ -132,8 +139,6 @@ class RecpipeStorageReservation(StorageReservation):
 
     def reserve(self, topology: "Topology", batch_size: int, module: Any, sharders: list,
                 constraints: dict | None = None, **kwargs: Any) -> "Topology":
-        import copy
-
         hbm, ddr = non_shard_bytes(self._inputs)
         reserved = copy.deepcopy(topology)
         for device in reserved.devices:
@@ -151,8 +156,6 @@ def constraints_from_config(sharding: "ShardingConfig", inputs: PlannerInputs) -
     """torchrec ``ParameterConstraints`` fixing each table's sharding type, kernel,
     pooling factors (one per feature) and cache params as the config says
     (placement left to torchrec)."""
-    from torchrec.distributed.planner.types import ParameterConstraints
-
     W = inputs.world_size
     out = {}
     for t in inputs.tables:
@@ -190,10 +193,6 @@ def _topology(inputs: PlannerInputs) -> "Topology":
 
 def torchrec_planner(sharding: "ShardingConfig", inputs: PlannerInputs):
     """torchrec ``EmbeddingShardingPlanner`` that sizes shards with recpipe's numbers."""
-    from torchrec.distributed.planner import EmbeddingShardingPlanner
-    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-    from torchrec.distributed.planner.shard_estimators import EmbeddingPerfEstimator
-
     topology = _topology(inputs)
     constraints = constraints_from_config(sharding, inputs)
     enumerator = EmbeddingEnumerator(
@@ -210,8 +209,6 @@ def plan_with_torchrec(sharding: "ShardingConfig", embedding: "EmbeddingOptimize
                        model: "nn.Module"):
     """A ``ShardingPlan`` placed by torchrec's partitioner on recpipe's estimates
     (``model``: the unsharded model, e.g. built on meta)."""
-    from torchrec.distributed.planner.types import PlannerError
-
     with _quiet():
         planner = torchrec_planner(sharding, inputs)
         try:
@@ -247,11 +244,6 @@ def torchrec_estimate(sharding: "ShardingConfig", embedding: "EmbeddingOptimizer
 
 def _torchrec_estimate(sharding: "ShardingConfig", embedding: "EmbeddingOptimizerConfig", inputs: PlannerInputs,
                        model: "nn.Module", pipeline_aware: bool) -> list[dict[str, int]]:
-    from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-    from torchrec.distributed.planner.shard_estimators import EmbeddingStorageEstimator
-    from torchrec.distributed.planner.storage_reservations import HeuristicalStorageReservation
-    from torchrec.distributed.types import PipelineType
-
     topology = _topology(inputs)
     constraints = constraints_from_config(sharding, inputs)
     ptype = getattr(PipelineType, torchrec_pipeline_type(inputs.pipeline)) if pipeline_aware else PipelineType.NONE

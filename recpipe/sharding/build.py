@@ -24,8 +24,10 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from recpipe.config import DenseOptimizerConfig, RecpipeConfig
+from recpipe.config import PLANNER_ON_CPU, ConfigError, DenseOptimizerConfig, RecpipeConfig
 from recpipe.embedding_tables import TableInfo, find_embedding_modules
+from recpipe.planner.inputs import inputs_from_config
+from recpipe.planner.torchrec_planner import plan_with_torchrec
 from recpipe.sharding.data_parallel import DataParallelAcrossRanks
 from recpipe.system import local_world_size
 from recpipe.table_sharding.cache import cache_params
@@ -77,12 +79,7 @@ def planner_placement(
 ) -> ShardingPlan:
     """torchrec's partitioner on recpipe's memory estimates (``sharding.placement:
     planner``). Rank 0 plans and broadcasts, so every rank shards identically."""
-    from recpipe.planner.torchrec_planner import plan_with_torchrec
-    from recpipe.planner.inputs import inputs_from_config
-
     if device.type != "cuda":  # recpipe train refuses it before any process starts (recpipe.preflight.check_machine)
-        from recpipe.config import PLANNER_ON_CPU, ConfigError
-
         raise ConfigError(PLANNER_ON_CPU)
     box = [plan_with_torchrec(cfg.sharding, cfg.optimizer.embedding, inputs_from_config(cfg, world_size=world_size),
                               model)

@@ -9,6 +9,9 @@ if TYPE_CHECKING:
 
     from recpipe.config import ShardingConfig, TableSharding
 
+# torch, torchrec and FBGEMM are imported by the functions that use them: the planner imports
+# this module, and `recpipe plan` loads none of them.
+
 __all__ = ["DEFAULT_CACHE_LOAD_FACTOR", "cache_params"]
 
 # Fraction of rows an HBM cache holds when sharding.*.cache_load_factor is unset

@@ -11,6 +11,9 @@ if TYPE_CHECKING:
 
     from recpipe.config import ShardingConfig
 
+# torch, torchrec and FBGEMM are imported by the functions that use them: the planner imports
+# this module, and `recpipe plan` loads none of them.
+
 __all__ = ["CastCodec", "qcomm_codecs_registry", "tbe_output_precision"]
 
 

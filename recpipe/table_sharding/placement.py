@@ -12,6 +12,9 @@ if TYPE_CHECKING:
     from recpipe.config import ShardingConfig, TableSharding
     from recpipe.embedding_tables import TableInfo
 
+# torch, torchrec and FBGEMM are imported by the functions that use them: the planner imports
+# this module, and `recpipe plan` loads none of them.
+
 __all__ = ["KERNELS", "parameter_sharding_generator", "placed_type", "table_row_wise_hosts", "table_wise_ranks"]
 
 # recpipe kernel name -> torchrec EmbeddingComputeKernel value (the same strings).

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from recpipe.config import ShardingConfig
     from recpipe.embedding_tables import TableInfo
 
+# torch, torchrec and FBGEMM are imported by the functions that use them: the planner imports
+# this module, and `recpipe plan` loads none of them.
+
 __all__ = [
     "PRECISION_BYTES",
     "TRAINABLE_WEIGHTS",

@@ -15,6 +15,9 @@ if TYPE_CHECKING:
 
     from recpipe.config import EmbeddingOptimizerConfig, ShardingConfig
 
+# torch, torchrec and FBGEMM are imported by the functions that use them: the planner imports
+# this module, and `recpipe plan` loads none of them.
+
 __all__ = ["SHARDER_TYPES", "embedding_fused_params", "make_sharder", "make_sharders", "sharders_offer"]
 
 # recpipe embedding optimizer -> FBGEMM EmbOptimType member name.

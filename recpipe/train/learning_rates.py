@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
 from recpipe.config import OptimizerConfig
 from recpipe.runtime.sharded import all_modules
@@ -62,8 +63,6 @@ class LearningRates:
         self._next_lookup: dict[int, int] = {}  # TBE id -> the step of its next lookup
         self._hooks = []
         if not self.embedding_cfg.schedule.constant:
-            from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
-
             for module in all_modules(model):
                 if isinstance(module, SplitTableBatchedEmbeddingBagsCodegen):
                     self._next_lookup[id(module)] = 1

@@ -161,6 +161,8 @@ class ClickMetrics:
     the previous compute. Without it, the values are the lifetime ones, under plain names."""
 
     def __init__(self, device: torch.device, window_samples: int | None = None) -> None:
+        # torchrec.metrics loads all of torchrec and FBGEMM: imported here, so that this module
+        # (METRICS, HostCopy) imports without them
         from torchrec.metrics.accuracy import AccuracyMetric
         from torchrec.metrics.calibration import CalibrationMetric
         from torchrec.metrics.ctr import CTRMetric

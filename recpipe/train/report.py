@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from recpipe.errors import ConfigError
+from recpipe.train.run_dir import EVENT_FILES, tensorboard_runs
 
 # rank 0's memory figures; every rank's are memory/rank<r>/<name> (name: the part after "memory/")
 MEMORY = ("memory/max_allocated_gib", "memory/max_reserved_gib", "memory/peak_rss_gib")
@@ -31,9 +32,9 @@ FIGURES: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """Every scalar tag of the newest TensorBoard run in ``run_dir``: ``{tag: [(step, value), ...]}``."""
+    # TensorBoard and matplotlib (below): imported by the functions that read and draw, which
+    # only `recpipe report` runs
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from recpipe.train.run_dir import EVENT_FILES, tensorboard_runs
 
     if not run_dir.is_dir():
         raise ConfigError(f"recpipe report: {str(run_dir)!r} is not a directory (give a run's logging.run_dir)")

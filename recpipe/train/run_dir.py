@@ -216,6 +216,8 @@ class RunDir:
     def _write_hparams(self, cfg: RecpipeConfig) -> None:
         """The config's scalar values as this TensorBoard run's hparams, beside the eval
         metrics, whose values the HParams dashboard reads from the run's last eval scalars."""
+        # TensorBoard, as above; the metrics import torchmetrics, which the launcher (it imports
+        # this module) never loads
         from torch.utils.tensorboard.summary import hparams
 
         from recpipe.train.metrics import METRICS

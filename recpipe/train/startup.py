@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from recpipe.compat import torch as compat_torch
+
 __all__ = ["StartupClock", "compile_cache_counts", "process_start_time"]
 
 
@@ -57,8 +59,6 @@ def process_start_time() -> float:
 def compile_cache_counts() -> dict[str, int]:
     """Inductor's FX graph cache and AOTAutograd's cache: hits and misses in this process so far
     (torch's ``counters``), without importing the compiler where nothing was compiled."""
-    from recpipe.compat import torch as compat_torch
-
     counters = compat_torch.dynamo_counters(if_loaded=True)
     if counters is None:
         return {}

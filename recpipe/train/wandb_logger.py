@@ -33,7 +33,7 @@ class WandbLogger:
     """Rank 0's W&B run (see the module docstring)."""
 
     def __init__(self, cfg: RecpipeConfig, resumed: bool) -> None:
-        import wandb
+        import wandb  # optional (see the module docstring), and only rank 0 of a run that asks for it needs it
 
         w = cfg.logging.wandb
         assert w is not None

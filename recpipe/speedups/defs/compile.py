@@ -45,7 +45,7 @@ class CompileOptions(SwitchSection):
     def inductor_options(self) -> dict[str, Any]:
         """``torch.compile``'s ``options`` for this section: the mode's inductor settings and
         the deterministic mode (inductor is imported here, when a model is compiled)."""
-        from recpipe.compat import torch as compat_torch
+        from recpipe.compat import torch as compat_torch  # imports torch: the config reads this module without it
 
         return {**compat_torch.inductor_mode_options(self.mode), "deterministic": self.deterministic}
 

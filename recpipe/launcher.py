@@ -14,6 +14,8 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import forkserver
+from multiprocessing.reduction import DupFd
 from typing import Any, Callable
 
 import torch
@@ -99,8 +101,6 @@ class _Launcher:
     def __getstate__(self) -> dict[str, Any]:
         # Pickled for a child by multiprocessing: DupFd hands the child a duplicate of
         # each of this process's stdio fds (the forkserver passes them with the fork request).
-        from multiprocessing.reduction import DupFd
-
         return {**self.__dict__, "stdio": [DupFd(fd) for fd in self.STDIO]}
 
     def apply(self) -> None:
@@ -349,8 +349,6 @@ class _ServerWatch:
     STOPPED_S = 3.0
 
     def __init__(self) -> None:
-        from multiprocessing import forkserver
-
         # multiprocessing keeps the server's pid in its module state (no public accessor)
         self.pid: int | None = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
         if not hasattr(os, "waitid"):

@@ -65,6 +65,8 @@ import warnings
 from typing import Any, Callable
 
 import torch
+from torchrec.optim.fused import FusedOptimizer
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
 
 from recpipe.compat import torch as compat_torch
 from recpipe.compat import torchrec as compat_torchrec
@@ -92,9 +94,6 @@ def capture_with_torch(step: Callable[[], None]) -> Callable[[], None]:
 def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The ``torch.optim`` optimizers inside torchrec's optimizer wrappers, in step
     order; fused embedding optimizers are left out."""
-    from torchrec.optim.fused import FusedOptimizer
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper, OptimizerWrapper
-
     if isinstance(optimizer, CombinedOptimizer):
         return [inner for _, opt in optimizer.optimizers for inner in torch_optimizers(opt)]
     if isinstance(optimizer, (KeyedOptimizerWrapper, OptimizerWrapper)):
@@ -106,9 +105,6 @@ def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
 
 def fused_optimizers(optimizer: Any) -> list[Any]:
     """torchrec's fused (in-backward) embedding optimizers inside ``optimizer``, in step order."""
-    from torchrec.optim.fused import FusedOptimizer
-    from torchrec.optim.keyed import CombinedOptimizer
-
     if isinstance(optimizer, CombinedOptimizer):
         return [inner for _, opt in optimizer.optimizers for inner in fused_optimizers(opt)]
     return [optimizer] if isinstance(optimizer, FusedOptimizer) else []

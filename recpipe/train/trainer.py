@@ -84,6 +84,7 @@ from recpipe.stop_requests import describe_request, signal_of
 from recpipe.train.preemption import Preemption
 from recpipe.train.run_dir import RunDir
 from recpipe.train.startup import StartupClock
+from recpipe.train.wandb_logger import WandbLogger
 from recpipe.train.watchdog import StepWatchdog
 
 __all__ = ["Trainer", "intra_op_threads", "run_worker", "start_rank"]
@@ -223,8 +224,6 @@ class Trainer:
             self._say(self.run_dir.note)
         self.wandb = None  # rank 0, with logging.wandb: the same scalars as TensorBoard
         if self.rank == 0 and cfg.logging.wandb is not None:
-            from recpipe.train.wandb_logger import WandbLogger
-
             self.wandb = WandbLogger(cfg, resumed=self.start_step > 0)
         # The bar is rank 0's, and only on a terminal (tqdm's disable=None): in a log
         # file every refresh would be one more line; eval lines and TensorBoard remain.

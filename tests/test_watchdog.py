@@ -8,12 +8,14 @@ in the gpu-marked cases."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -77,17 +79,27 @@ def test_a_compile_is_not_timed():
         dog.close()
 
 
-def test_a_rank_waiting_for_one_that_compiles_waits_on():
-    """Rank 1 compiles (its heartbeat says so) while rank 0 waits for it in a collective:
-    slow, not stalled."""
+@contextlib.contextmanager
+def _job_store() -> Iterator[None]:
+    """A rendezvous store the watchdogs of this process reach as a job's ranks would (env://)."""
     from torch.distributed import TCPStore
 
     store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    ended: list[str] = []
     try:
+        yield
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def test_a_rank_waiting_for_one_that_compiles_waits_on():
+    """Rank 1 compiles (its heartbeat says so) while rank 0 waits for it in a collective:
+    slow, not stalled."""
+    ended: list[str] = []
+    with _job_store():
         compiling = StepWatchdog(0.2, rank=1, world_size=2, describe_newest=str, on_stall=ended.append)
         compiling._compile_started()
         dog = StepWatchdog(0.2, rank=0, world_size=2, describe_newest=str, on_stall=ended.append)
@@ -100,9 +112,6 @@ def test_a_rank_waiting_for_one_that_compiles_waits_on():
         compiling.close()  # its heartbeat says closed: still no stall
         dog.disarm()
         dog.close()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert ended == []
 
 
@@ -228,14 +237,8 @@ def test_a_rank_stopped_in_a_checkpoint_save_ends_the_job_naming_it(tmp_path, ra
 def test_a_closed_watchdog_is_not_taken_for_a_stopped_rank(tmp_path):
     """A rank whose training is over (its watchdog closed) stops beating: the ranks still
     saving or evaluating must not end the job for it."""
-    from torch.distributed import TCPStore
-
-    store = TCPStore("127.0.0.1", 0, world_size=1, is_master=True, wait_for_workers=False)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     ended: list[str] = []
-    try:
+    with _job_store():
         done = StepWatchdog(0.2, rank=1, world_size=2, describe_newest=str, on_stall=ended.append)
         done.close()
         dog = StepWatchdog(0.2, rank=0, world_size=2, describe_newest=str, on_stall=ended.append)
@@ -243,7 +246,4 @@ def test_a_closed_watchdog_is_not_taken_for_a_stopped_rank(tmp_path):
         with dog.during("the checkpoint save of step 8"):
             time.sleep(1.5)  # several timeouts and diagnoses
         dog.close()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     assert ended == []

@@ -82,11 +82,11 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 NCCL_GRAPH_REGISTER_ENV = "NCCL_GRAPH_REGISTER"
 
 
-def apply_nccl_graph_register(cfg: RecpipeConfig) -> str | None:
+def apply_nccl_graph_register(captures_collectives: bool) -> str | None:
     """Turn NCCL's buffer registration for captured collectives off where this job captures
     collectives (``pipeline.step_graph``), unless ``NCCL_GRAPH_REGISTER`` is set; returns the
     value in force. Before the first communicator: NCCL reads it then."""
-    if cfg.pipeline.step_graph.enabled:
+    if captures_collectives:
         os.environ.setdefault(NCCL_GRAPH_REGISTER_ENV, "0")
     return os.environ.get(NCCL_GRAPH_REGISTER_ENV)
 
@@ -95,7 +95,7 @@ def init_process_group(cfg: RecpipeConfig) -> torch.device:
     """Join the job's process group (env:// rendezvous) and return this rank's device."""
     apply_cuda_alloc_conf(cfg.train)
     apply_deterministic(cfg.train.deterministic)  # before CUDA starts: cuBLAS reads its setting then
-    apply_nccl_graph_register(cfg)
+    apply_nccl_graph_register(cfg.pipeline.step_graph.enabled)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(cfg.train, local_rank)
     if not dist.is_initialized():

@@ -110,15 +110,24 @@ def test_a_failed_launch_leaves_no_traceback_file(tmp_path, monkeypatch):
 
 def test_nccl_graph_registration_is_off_for_a_step_graph_unless_set(monkeypatch):
     from recpipe.config import load_config
-    from recpipe.distributed import NCCL_GRAPH_REGISTER_ENV, apply_nccl_graph_register
+    from recpipe.distributed import NCCL_GRAPH_REGISTER_ENV, apply_nccl_graph_register, init_process_group
 
-    graphed = load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph=true"])
     monkeypatch.delenv(NCCL_GRAPH_REGISTER_ENV, raising=False)
-    assert apply_nccl_graph_register(load_config(None, ["pipeline.name=sparse_dist"])) is None
+    assert apply_nccl_graph_register(False) is None
     assert NCCL_GRAPH_REGISTER_ENV not in os.environ  # nothing captures collectives: NCCL's default
-    assert apply_nccl_graph_register(graphed) == "0" and os.environ[NCCL_GRAPH_REGISTER_ENV] == "0"
+    assert apply_nccl_graph_register(True) == "0" and os.environ[NCCL_GRAPH_REGISTER_ENV] == "0"
     monkeypatch.setenv(NCCL_GRAPH_REGISTER_ENV, "1")
-    assert apply_nccl_graph_register(graphed) == "1"  # the user's choice wins
+    assert apply_nccl_graph_register(True) == "1"  # the user's choice wins
+    # what joining a step-graph job's process group applies
+    from recpipe import deterministic
+    from recpipe.distributed import ALLOC_CONF_ENV
+
+    monkeypatch.delenv(NCCL_GRAPH_REGISTER_ENV)
+    monkeypatch.delenv(ALLOC_CONF_ENV, raising=False)  # init_process_group may set it: restored after
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)  # the group itself is not the point
+    with deterministic.kept():
+        init_process_group(load_config(None, ["pipeline.name=sparse_dist", "pipeline.step_graph=true"]))
+    assert os.environ[NCCL_GRAPH_REGISTER_ENV] == "0"
 
 
 def test_the_first_traceback_is_reported_whichever_rank_ends_first(tmp_path, monkeypatch):

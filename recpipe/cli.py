@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from importlib import metadata
 
-import recpipe
+# Only what main() needs before it installs the signal handlers: a SIGTERM or Ctrl-C in the
+# command's first moments ends it with one line and 128 + signal (tests/test_signals.py sends
+# one 0.3 s after start). Every other module is imported after, where it is used.
 from recpipe import exit_codes as codes, shipped_configs
-from recpipe.data.cli import add_data_parser, main_data
 from recpipe.errors import StopRequested, exit_code_of, report
 from recpipe.help_format import HelpFormatter, add_command
-from recpipe.pipelines import main_schedule
 from recpipe.stop_requests import SIGNALS, defer_requests, install_signal_handlers
 
 # The commands that load torchrec and FBGEMM: the installed fbgemm-gpu build is checked first.
@@ -38,6 +37,9 @@ DESCRIPTION = (
 
 def version() -> str:
     """recpipe's version (installed package metadata, else ``recpipe.__version__``) and its stack's."""
+    from importlib import metadata
+
+    import recpipe
 
     def installed(*names: str) -> str | None:
         for name in names:
@@ -177,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(bench)
     add_bench_arguments(bench)
+
+    from recpipe.data.cli import add_data_parser
+
     add_data_parser(sub, _add_config_args, parents=[common])
 
     add_command(sub, "configs", help="list the shipped configs (--config takes them by name)",
@@ -282,9 +287,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str] | None) -> int:
-    # A command's module is imported when the command runs (schedule's and data's load with the
-    # parser): --version, --help, plan and schedule load neither torch nor torchrec, and --version
-    # nothing it does not use.
+    # A command's module is imported when the command runs, after the signal handlers (see the
+    # imports at the top): --version, --help, plan and schedule load neither torch nor torchrec,
+    # and --version nothing it does not use.
     raw = sys.argv[1:] if argv is None else argv
     if raw[:1] == ["torchrun"]:  # every argument is torchrun's (--help included)
         from recpipe.torchrun import main_torchrun
@@ -309,12 +314,16 @@ def _run(argv: list[str] | None) -> int:
 
             return main_plan(args)
         if args.command == "schedule":
+            from recpipe.pipelines import main_schedule
+
             return main_schedule(args)
         if args.command == "bench":
             from recpipe.bench.runner import main_bench
 
             return main_bench(args)
         if args.command == "data":
+            from recpipe.data.cli import main_data
+
             return main_data(args)
         if args.command == "configs":
             print(shipped_configs.listing())

@@ -90,3 +90,13 @@ def test_the_trainer_imports_no_tensorboard():
     loaded = _loaded_after("recpipe.train.trainer", (*TENSORBOARD, "torchrec"))
     assert "torchrec" in loaded  # the checker sees what is loaded
     assert [m for m in loaded if m.split(".")[0] != "torchrec"] == []
+
+
+def test_the_command_line_installs_its_signal_handlers_before_importing_a_command():
+    """``recpipe.cli`` imports only what ``main`` needs to install the signal handlers: a
+    signal in a command's first moments ends it as documented (tests/test_signals.py)."""
+    loaded = _loaded_after("recpipe.cli", ("recpipe", "importlib.metadata", "pydantic", "numpy", "torch"))
+    assert "recpipe.stop_requests" in loaded  # the checker sees what is loaded
+    heavy = [m for m in loaded if m.split(".")[0] in ("pydantic", "numpy", "torch")
+             or m in ("importlib.metadata", "recpipe.pipelines", "recpipe.data.cli", "recpipe.config")]
+    assert heavy == []
